@@ -1,0 +1,47 @@
+"""caffe2ckpt: Caffe2's epoch-level checkpointing (Job, JobRunner, CheckpointManager) on Zarr v3
+and fsspec, orchestrated by Prefect through :mod:`caffe2ckpt.prefect`.
+
+``import caffe2ckpt`` never imports prefect.
+"""
+
+from caffe2ckpt.errors import (
+    CheckpointCorruptedError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+    InvalidBlobError,
+    InvalidLocationError,
+    JobDefinitionError,
+)
+from caffe2ckpt.job import Job, Node, Task, TaskGroup, TaskOutput, epoch_limiter
+from caffe2ckpt.manager import CheckpointManager, MultiNodeCheckpointManager, UploadTaskGroupBuilder
+from caffe2ckpt.naming import db_name, get_ckpt_filename
+from caffe2ckpt.runner import JobRunner
+from caffe2ckpt.session import LocalSession, Session
+from caffe2ckpt.workspace import Workspace, WorkspaceType
+
+__all__ = [
+    "CheckpointCorruptedError",
+    "CheckpointError",
+    "CheckpointManager",
+    "CheckpointNotFoundError",
+    "CheckpointWriteError",
+    "InvalidBlobError",
+    "InvalidLocationError",
+    "Job",
+    "JobDefinitionError",
+    "JobRunner",
+    "LocalSession",
+    "MultiNodeCheckpointManager",
+    "Node",
+    "Session",
+    "Task",
+    "TaskGroup",
+    "TaskOutput",
+    "UploadTaskGroupBuilder",
+    "Workspace",
+    "WorkspaceType",
+    "db_name",
+    "epoch_limiter",
+    "get_ckpt_filename",
+]

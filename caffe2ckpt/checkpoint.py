@@ -1,0 +1,205 @@
+"""The save/commit/load protocol for node checkpoints under one prefix.
+
+:class:`CheckpointStore` combines the group layout (:mod:`caffe2ckpt.storage`) with commit
+records (:mod:`caffe2ckpt.commit`) so that a crash at any instant leaves every committed
+checkpoint intact:
+
+1. A first save of (node, epoch) writes the group straight to ``db_name`` (after removing any
+   uncommitted leftovers there). A re-save of a committed (node, epoch) writes the new group
+   aside under ``_staging/``, and only when it is complete retires the old record, swaps the
+   directories and writes the new record. A crash may therefore make that one epoch fall back
+   to the previous one; it can never leave a record over data it does not describe.
+2. Data is made durable (fsync of files and directories on local disks) before the record.
+3. The record is written last, exclusively, and never edited.
+
+An epoch is committed for a set of nodes when every node has a record whose save id matches its
+group's manifest and all those records share one save id (they were saved together).
+
+Imports: errors, location, naming, storage, commit. Not prefect.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from caffe2ckpt.commit import (
+    CommitRecord,
+    RecordRef,
+    delete_record,
+    list_records,
+    read_record,
+    write_record,
+)
+from caffe2ckpt.errors import CheckpointCorruptedError, CheckpointNotFoundError
+from caffe2ckpt.location import Location
+from caffe2ckpt.naming import STAGING_DIR, check_epoch, check_node_name, get_ckpt_filename
+from caffe2ckpt.storage import DEFAULT_PACK_THRESHOLD, Manifest, read_manifest, read_node, write_node
+
+__all__ = ["CheckpointStore", "SaveInfo"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveInfo:
+    """What the runner hands to a save besides the blobs: the epoch's outcome and its writer."""
+
+    save_id: str
+    nodes: list[str]
+    stop: bool = False
+    stop_conditions: tuple[str, ...] = ()
+    metrics: dict[str, float] | None = None
+    writer: dict | None = None
+
+
+class CheckpointStore:
+    """Node checkpoints and their commit records under one prefix.
+
+    Args:
+        location: the prefix.
+        pack_threshold: blobs smaller than this many bytes are packed together.
+    """
+
+    def __init__(self, location: Location, *, pack_threshold: int = DEFAULT_PACK_THRESHOLD) -> None:
+        self.location = location
+        self.pack_threshold = pack_threshold
+
+    def group_path(self, node: str, epoch: int) -> str:
+        return self.location.path(get_ckpt_filename(node, epoch))
+
+    # -- saving ----------------------------------------------------------------------------------
+
+    def save_node(
+        self, node: str, epoch: int, blobs: dict[str, np.ndarray], info: SaveInfo
+    ) -> CommitRecord:
+        """Write and commit ``blobs`` as ``node``'s checkpoint of ``epoch``."""
+        check_node_name(node)
+        check_epoch(epoch)
+        start = time.perf_counter()
+        target = self.group_path(node, epoch)
+        previous = [r for r in list_records(self.location) if r.epoch == epoch and r.node == node]
+        write_to = (
+            self.location.path(STAGING_DIR, f"{get_ckpt_filename(node, epoch)}.{info.save_id}")
+            if previous
+            else target
+        )
+        self.location.remove(write_to)  # uncommitted leftovers only: nothing commits them
+        manifest = write_node(
+            self.location, write_to, node=node, epoch=epoch, save_id=info.save_id, blobs=blobs,
+            pack_threshold=self.pack_threshold,
+        )
+        self.location.sync_tree(write_to)
+        if previous:
+            for ref in previous:  # the old copy stops counting before it is replaced
+                delete_record(self.location, ref)
+            self.location.remove(target)
+            self.location.move(write_to, target)
+        record = CommitRecord(
+            epoch=epoch,
+            node=node,
+            save_id=info.save_id,
+            nodes=list(info.nodes),
+            nbytes=manifest.nbytes,
+            blob_count=len(manifest.blobs),
+            seconds=time.perf_counter() - start,
+            stop=info.stop,
+            stop_conditions=list(info.stop_conditions),
+            metrics=dict(info.metrics or {}),
+            writer=dict(info.writer or {}),
+        )
+        write_record(self.location, record)
+        logger.debug("committed %s (%d bytes, %.3f s)", self.location.display(
+            get_ckpt_filename(node, epoch)), record.nbytes, record.seconds)
+        return record
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    def node_record(self, node: str, epoch: int, refs: list[RecordRef] | None = None) -> CommitRecord:
+        """The valid commit record of ``node`` at ``epoch``.
+
+        Raises:
+            CheckpointNotFoundError: no record for it.
+            CheckpointCorruptedError: records exist but none matches the stored group.
+        """
+        refs = [r for r in (refs if refs is not None else list_records(self.location))
+                if r.epoch == epoch and r.node == node]
+        if not refs:
+            raise CheckpointNotFoundError(
+                f"no committed checkpoint for node {node!r} at epoch {epoch} under "
+                f"{self.location.display()!r}"
+            )
+        manifest = self.manifest(node, epoch)
+        for ref in refs:
+            if ref.save_id == manifest.save_id:
+                return read_record(self.location, ref)
+        raise CheckpointCorruptedError(
+            f"checkpoint {self.location.display(get_ckpt_filename(node, epoch))!r} holds save "
+            f"{manifest.save_id!r}, which no commit record names (an interrupted re-save?)",
+            node=node, epoch=epoch, blob=None,
+        )
+
+    def manifest(self, node: str, epoch: int) -> Manifest:
+        """The manifest of ``node``'s group at ``epoch`` (committed or not)."""
+        path = self.group_path(node, epoch)
+        manifest = read_manifest(self.location, path, node=node, epoch=epoch)
+        if manifest.node != node or manifest.epoch != epoch:
+            raise CheckpointCorruptedError(
+                f"checkpoint {self.location.display(get_ckpt_filename(node, epoch))!r} says it "
+                f"is node {manifest.node!r} epoch {manifest.epoch}",
+                node=node, epoch=epoch, blob="zarr.json",
+            )
+        return manifest
+
+    def load_node(self, node: str, epoch: int, names: list[str] | None = None) -> dict[str, np.ndarray]:
+        """Read and verify ``node``'s committed checkpoint of ``epoch`` (only ``names`` if given).
+
+        Raises:
+            CheckpointNotFoundError: not committed.
+            CheckpointCorruptedError: committed but damaged (names node, epoch and blob).
+        """
+        record = self.node_record(node, epoch)
+        manifest = self.manifest(node, epoch)
+        if manifest.save_id != record.save_id:  # replaced between the two reads
+            raise CheckpointCorruptedError(
+                f"checkpoint of node {node!r} at epoch {epoch} changed while being read",
+                node=node, epoch=epoch,
+            )
+        return read_node(self.location, self.group_path(node, epoch), manifest, names)
+
+    def candidate_epochs(self, nodes: list[str]) -> list[int]:
+        """Epochs (newest first) for which every node in ``nodes`` has a record file."""
+        by_epoch: dict[int, set[str]] = {}
+        for ref in list_records(self.location):
+            by_epoch.setdefault(ref.epoch, set()).add(ref.node)
+        wanted = set(nodes)
+        return sorted((e for e, have in by_epoch.items() if wanted <= have), reverse=True)
+
+    def epoch_records(self, epoch: int, nodes: list[str]) -> dict[str, CommitRecord] | None:
+        """The records committing ``epoch`` for all ``nodes`` (one save), or None if it is not
+        committed for all of them. Damaged records count as not committed (logged)."""
+        refs = [r for r in list_records(self.location) if r.epoch == epoch]
+        records: dict[str, CommitRecord] = {}
+        for node in nodes:
+            try:
+                records[node] = self.node_record(node, epoch, refs)
+            except CheckpointNotFoundError:
+                return None
+            except CheckpointCorruptedError as exc:
+                logger.warning("epoch %d is not usable: %s", epoch, exc)
+                return None
+        if len({r.save_id for r in records.values()}) > 1:
+            logger.warning("epoch %d mixes saves of different runs across nodes %s; ignoring it",
+                           epoch, nodes)
+            return None
+        return records
+
+    def latest_epoch(self, nodes: list[str]) -> int | None:
+        """The newest epoch committed by every node in ``nodes``, or None."""
+        for epoch in self.candidate_epochs(nodes):
+            if self.epoch_records(epoch, nodes) is not None:
+                return epoch
+        return None

@@ -1,0 +1,74 @@
+"""The whole exception tree of caffe2ckpt.
+
+Every error the library raises on purpose derives from :class:`CheckpointError` and also from
+the builtin a caller would naturally catch, so ``except FileNotFoundError`` keeps working::
+
+    CheckpointError (Exception)
+    ├── CheckpointNotFoundError (FileNotFoundError)   no committed checkpoint where one was asked for
+    ├── CheckpointCorruptedError (ValueError)         stored bytes or metadata fail verification
+    ├── CheckpointWriteError (OSError)                a save or commit could not be completed
+    ├── InvalidBlobError (ValueError)                 a workspace value or blob name we cannot store
+    ├── InvalidLocationError (ValueError)             a bad node name, prefix, URL or epoch
+    └── JobDefinitionError (ValueError)               a Job / Task / runner set up wrongly
+
+This module imports nothing from the rest of the package.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointCorruptedError",
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "CheckpointWriteError",
+    "InvalidBlobError",
+    "InvalidLocationError",
+    "JobDefinitionError",
+]
+
+
+class CheckpointError(Exception):
+    """Base class of every error raised by caffe2ckpt."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No committed checkpoint exists for the requested node and epoch."""
+
+
+class CheckpointCorruptedError(CheckpointError, ValueError):
+    """Stored data or metadata failed verification.
+
+    Attributes:
+        node: the node whose checkpoint is damaged, or None.
+        epoch: the epoch of that checkpoint, or None.
+        blob: the blob (or record) that failed, or None when not applicable.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        node: str | None = None,
+        epoch: int | None = None,
+        blob: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.node = node
+        self.epoch = epoch
+        self.blob = blob
+
+
+class CheckpointWriteError(CheckpointError, OSError):
+    """A save or commit failed; nothing already committed was changed."""
+
+
+class InvalidBlobError(CheckpointError, ValueError):
+    """A blob name or value cannot be checkpointed (e.g. an object array)."""
+
+
+class InvalidLocationError(CheckpointError, ValueError):
+    """A node name, checkpoint prefix, URL or epoch number is not acceptable."""
+
+
+class JobDefinitionError(CheckpointError, ValueError):
+    """A job, task, group or runner was defined or used inconsistently."""

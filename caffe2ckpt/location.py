@@ -1,0 +1,209 @@
+"""Where checkpoints live: a URL turned into an fsspec filesystem, plus the few file operations
+the commit protocol needs (exclusive create, durable writes, listing, moves, deletes).
+
+Local disks get real durability (fsync of files, then of their directories) and atomic
+``os.link``/``os.rename``; every other fsspec filesystem (``memory://``, ``s3://``, ``gs://``,
+wrappers) goes through its own API, where an exclusive create is ``open(path, "xb")`` (an
+``If-None-Match`` PUT on S3) and nothing relies on a rename being atomic.
+
+This is the only module that turns URLs into filesystems. It does not import zarr or prefect.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import shutil
+import uuid
+from typing import Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from caffe2ckpt.errors import CheckpointNotFoundError, InvalidLocationError
+
+__all__ = ["Location"]
+
+
+class Location:
+    """A checkpoint prefix on some filesystem.
+
+    Args:
+        url: a local path or an fsspec URL (``memory://runs/a``, ``s3://bucket/run``).
+        storage_options: passed to the fsspec filesystem (credentials, endpoint, ...).
+        filesystem: use this fsspec filesystem instance instead of one made from the URL's
+            protocol; ``url`` is then a path on it.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        storage_options: dict[str, Any] | None = None,
+        filesystem: fsspec.AbstractFileSystem | None = None,
+    ) -> None:
+        if not isinstance(url, str) or not url.strip():
+            raise InvalidLocationError(f"a checkpoint prefix must be a non-empty string, got {url!r}")
+        self.url = url
+        if filesystem is not None:
+            self.fs = filesystem
+            self.root = filesystem._strip_protocol(url).rstrip("/") or "/"
+        else:
+            try:
+                self.fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+            except (ValueError, ImportError) as exc:
+                raise InvalidLocationError(
+                    f"cannot open checkpoint prefix {url!r}: {exc}"
+                ) from exc
+            self.root = root.rstrip("/") or "/"
+        # Only a plain local filesystem gets os-level fast paths; wrappers go through fsspec.
+        self.is_local = type(self.fs) is LocalFileSystem
+
+    def __repr__(self) -> str:
+        return f"Location({self.url!r})"
+
+    def path(self, *parts: str) -> str:
+        """The filesystem path of ``parts`` under the prefix."""
+        return posixpath.join(self.root, *parts)
+
+    def display(self, *parts: str) -> str:
+        """A user-facing URL for ``parts`` under the prefix (for messages and artifacts)."""
+        return posixpath.join(self.url.rstrip("/"), *parts) if parts else self.url
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    def read_bytes(self, path: str) -> bytes:
+        """The content of file ``path``.
+
+        Raises:
+            CheckpointNotFoundError: there is no such file.
+        """
+        try:
+            if self.is_local:
+                with open(path, "rb") as f:
+                    return f.read()
+            return self.fs.cat_file(path)
+        except FileNotFoundError as exc:
+            raise CheckpointNotFoundError(f"{path} does not exist") from exc
+
+    def list_names(self, path: str) -> list[str]:
+        """Base names of the entries directly under ``path`` ([] if it does not exist)."""
+        if self.is_local:
+            try:
+                return os.listdir(path)
+            except (FileNotFoundError, NotADirectoryError):
+                return []
+        try:
+            entries = self.fs.ls(path, detail=False, refresh=True)
+        except FileNotFoundError:
+            return []
+        except TypeError:  # filesystems whose ls takes no refresh argument
+            entries = self.fs.ls(path, detail=False)
+        return [posixpath.basename(e.rstrip("/")) for e in entries]
+
+    def count_files(self, path: str) -> int:
+        """How many files lie under ``path``, at any depth (0 if it does not exist)."""
+        if self.is_local:
+            return sum(len(files) for _, _, files in os.walk(path))
+        try:
+            return len(self.fs.find(path))
+        except FileNotFoundError:
+            return 0
+
+    def exists(self, path: str) -> bool:
+        if self.is_local:
+            return os.path.lexists(path)
+        return self.fs.exists(path)
+
+    # -- writes --------------------------------------------------------------------------------
+
+    def makedirs(self, path: str) -> None:
+        if self.is_local:
+            os.makedirs(path, exist_ok=True)
+        else:
+            self.fs.makedirs(path, exist_ok=True)
+
+    def create_exclusive(self, path: str, data: bytes) -> None:
+        """Write ``data`` to a new file ``path`` in one step, durably.
+
+        Raises:
+            FileExistsError: ``path`` already exists; nothing was changed.
+        """
+        directory = posixpath.dirname(path)
+        self.makedirs(directory)
+        if not self.is_local:
+            with self.fs.open(path, "xb") as f:
+                f.write(data)
+            return
+        tmp = posixpath.join(directory, f".tmp-{uuid.uuid4().hex}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.link(tmp, path)  # fails with FileExistsError if a record is already there
+        finally:
+            os.unlink(tmp)
+        _fsync_dir(directory)
+
+    def sync_tree(self, path: str) -> None:
+        """Make every file and directory under ``path`` durable (local disks only)."""
+        if not self.is_local:
+            return
+        for dirpath, _dirnames, filenames in os.walk(path, topdown=False):
+            for name in filenames:
+                fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            _fsync_dir(dirpath)
+        _fsync_dir(posixpath.dirname(path))
+
+    def remove(self, path: str) -> None:
+        """Delete file or tree ``path``; a missing path is not an error."""
+        if self.is_local:
+            if os.path.isdir(path) and not os.path.islink(path):
+                _rmtree_local(path)
+            else:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    return
+            _fsync_dir(posixpath.dirname(path))
+            return
+        try:
+            if self.fs.isdir(path):
+                self.fs.rm(path, recursive=True)
+            else:
+                self.fs.rm_file(path)
+        except FileNotFoundError:
+            return
+
+    def move(self, src: str, dst: str) -> None:
+        """Move tree ``src`` to ``dst`` (which must not exist). Atomic only on local disks."""
+        self.makedirs(posixpath.dirname(dst))
+        if self.is_local:
+            os.rename(src, dst)
+            _fsync_dir(posixpath.dirname(dst))
+            _fsync_dir(posixpath.dirname(src))
+            return
+        self.fs.mv(src, dst, recursive=True)
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path or ".", os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _rmtree_local(path: str) -> None:
+    try:
+        shutil.rmtree(path)
+    except FileNotFoundError:
+        return

@@ -1,0 +1,435 @@
+"""Caffe2's checkpoint managers: build the tasks that init, save and load node workspaces.
+
+As in Caffe2, ``init``, ``save`` and ``load`` return a runnable (a :class:`TaskGroup` with one
+task per node) that the caller runs with ``session.run(...)``; the other methods act directly.
+:class:`CheckpointManager` is the one-node case of :class:`MultiNodeCheckpointManager`'s
+machinery: the same code with one node whose files carry ``node_name``.
+
+Imports: errors, job, naming, location, checkpoint, metadata, session. Not zarr, not prefect.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from caffe2ckpt.checkpoint import CheckpointStore, SaveInfo
+from caffe2ckpt.commit import CommitRecord
+from caffe2ckpt.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+    InvalidLocationError,
+    JobDefinitionError,
+)
+from caffe2ckpt.job import Node, Task, TaskGroup
+from caffe2ckpt.location import Location
+from caffe2ckpt.metadata import MetadataHandler
+from caffe2ckpt.naming import check_epoch, check_node_name, db_name
+from caffe2ckpt.session import Session
+from caffe2ckpt.storage import DEFAULT_PACK_THRESHOLD
+from caffe2ckpt.workspace import Workspace, WorkspaceType
+
+__all__ = ["CheckpointManager", "MultiNodeCheckpointManager", "UploadTaskGroupBuilder"]
+
+logger = logging.getLogger(__name__)
+
+DB_EXISTS = "caffe2ckpt/db_exists"
+_DB_TYPES = ("zarr",)
+
+
+class _BaseManager:
+    """Everything both managers share; ``_files`` maps workspace node -> node name in files."""
+
+    def __init__(
+        self,
+        db_prefix: str,
+        db_type: str,
+        metadata_handler: MetadataHandler | None,
+        *,
+        storage_options: dict[str, Any] | None,
+        filesystem: Any,
+        pack_threshold: int,
+    ) -> None:
+        if db_type not in _DB_TYPES:
+            raise InvalidLocationError(f"db_type {db_type!r} is not supported; use 'zarr'")
+        self._db_prefix = db_prefix
+        self._db_type = db_type
+        self._metadata_handler = metadata_handler
+        self._storage_options = storage_options
+        self._filesystem = filesystem
+        self._location = Location(db_prefix, storage_options, filesystem)
+        self._store = CheckpointStore(self._location, pack_threshold=pack_threshold)
+        self._files: dict[str, str] | None = None
+        self._blob_names: dict[str, list[str]] = {}
+        self._path_prefix: str | None = None
+        self._path_type: str | None = None
+        self._stats: dict[str, int] = {}
+        self._param_nodes: list[str] = []
+        self.last_records: dict[str, CommitRecord] = {}
+
+    # -- properties ------------------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        """The checkpoint prefix as given."""
+        return self._db_prefix
+
+    @property
+    def store(self) -> CheckpointStore:
+        return self._store
+
+    def file_nodes(self) -> list[str]:
+        """Node names as they appear in checkpoint files, in node order (from ``init``, else
+        from ``set_params``)."""
+        if self._files is None and self._param_nodes:
+            return list(self._param_nodes)
+        return list(self._require_files().values())
+
+    def _require_files(self) -> dict[str, str]:
+        if self._files is None:
+            raise JobDefinitionError(f"{type(self).__name__}.init() must be called first")
+        return self._files
+
+    def _bind_nodes(self, files: dict[str, str]) -> bool:
+        """Record the node mapping; False if it was already bound to the same nodes."""
+        if not files:
+            raise JobDefinitionError("no nodes to checkpoint: the init group has no tasks and "
+                                     "no nodes_to_checkpoint were given")
+        for name in files.values():
+            check_node_name(name)
+        if self._files is not None:
+            if self._files != files:
+                raise JobDefinitionError(
+                    f"this manager was initialised for nodes {list(self._files)}, not "
+                    f"{list(files)}; use a new manager"
+                )
+            return False
+        self._files = files
+        return True
+
+    def _group(self, name: str, make_fn: Any) -> TaskGroup:
+        """A GLOBAL group with one task per node: ``make_fn(node, file_node)`` gives its fn."""
+        group = TaskGroup(WorkspaceType.GLOBAL, name=name)
+        for node, file_node in self._require_files().items():
+            with Node(node):
+                Task(make_fn(node, file_node), name=name, group=group)
+        return group
+
+    def _timed(self, node: str, file_node: str, epoch: int, fn: Any) -> Any:
+        start = time.perf_counter_ns()
+        result = fn()
+        self._stats[db_name(epoch, file_node, self._db_prefix)] = time.perf_counter_ns() - start
+        return result
+
+    # -- Caffe2 API ------------------------------------------------------------------------------
+
+    def _init(self, files: dict[str, str], retrieve_from_epoch: int | None,
+              path_prefix: str | None, path_type: str | None) -> TaskGroup:
+        if not self._bind_nodes(files):
+            return TaskGroup(WorkspaceType.GLOBAL, name="checkpoint_init")  # reuse: keep lists
+        store = self._source(path_prefix, path_type)
+
+        def make(node: str, file_node: str) -> Any:
+            if retrieve_from_epoch is None:
+                return lambda ws: self._blob_names.__setitem__(node, list(ws))
+            epoch = check_epoch(retrieve_from_epoch)
+
+            def from_checkpoint(ws: Workspace) -> None:
+                store.node_record(file_node, epoch)
+                self._blob_names[node] = list(store.manifest(file_node, epoch).blobs)
+            return from_checkpoint
+
+        return self._group("checkpoint_init", make)
+
+    def _source(self, path_prefix: str | None, path_type: str | None) -> CheckpointStore:
+        if path_type not in (None, *_DB_TYPES):
+            raise InvalidLocationError(f"path_type {path_type!r} is not supported; use 'zarr'")
+        path_prefix = path_prefix or self._path_prefix
+        if not path_prefix:
+            return self._store
+        if not path_prefix.endswith("/"):
+            raise InvalidLocationError(
+                f"path_prefix {path_prefix!r} must end with '/' (files are <path_prefix><node>.<epoch>)"
+            )
+        return CheckpointStore(Location(path_prefix, self._storage_options, self._filesystem))
+
+    def _names(self, node: str) -> list[str]:
+        if node not in self._blob_names:
+            raise JobDefinitionError(
+                f"no blob list for node {node!r}: run the runnable returned by init() first"
+            )
+        return self._blob_names[node]
+
+    def load(self, epoch: int, path_prefix: str | None = None,
+             path_type: str | None = None) -> TaskGroup:
+        """A runnable that restores every node's checkpointed blobs from ``epoch``."""
+        epoch = check_epoch(epoch)
+        store = self._source(path_prefix, path_type)
+
+        def make(node: str, file_node: str) -> Any:
+            def load(ws: Workspace) -> None:
+                data = self._timed(node, file_node, epoch, lambda: store.load_node(
+                    file_node, epoch, self._names(node)))
+                missing = [n for n in self._names(node) if n not in data]
+                if missing:
+                    raise CheckpointNotFoundError(
+                        f"checkpoint of node {file_node!r} at epoch {epoch} lacks blobs {missing}"
+                    )
+                ws.update(data)
+            return load
+
+        return self._group("checkpoint_load", make)
+
+    def load_blobs_from_checkpoint(self, blob_names: Sequence[str], epoch: int) -> TaskGroup:
+        """A runnable that loads only ``blob_names`` (those present) from ``epoch``."""
+        epoch = check_epoch(epoch)
+        names = list(blob_names)
+
+        def make(node: str, file_node: str) -> Any:
+            return lambda ws: ws.update(self._timed(
+                node, file_node, epoch, lambda: self._store.load_node(file_node, epoch, names)))
+
+        return self._group("checkpoint_partial_load", make)
+
+    def check_db_exists(self, epoch: int) -> TaskGroup:
+        """A runnable whose per-node output ``caffe2ckpt/db_exists`` says whether that node's
+        checkpoint of ``epoch`` is committed."""
+        epoch = check_epoch(epoch)
+        group = TaskGroup(WorkspaceType.GLOBAL, name="check_db_exists")
+        for node, file_node in self._require_files().items():
+            def exists(ws: Workspace, file_node: str = file_node) -> None:
+                ws[DB_EXISTS] = self._committed(file_node, epoch)
+            Task(exists, name="check_db_exists", group=group, node=node, outputs=[DB_EXISTS])
+        return group
+
+    def _committed(self, file_node: str, epoch: int) -> bool:
+        try:
+            self._store.node_record(file_node, epoch)
+        except CheckpointError:
+            return False
+        return True
+
+    def save(self, epoch: int, *, stop: bool = False, stop_conditions: Sequence[str] = (),
+             metrics: dict[str, float] | None = None,
+             writer: dict[str, Any] | None = None) -> TaskGroup:
+        """A runnable that saves and commits every node's checkpointed blobs as ``epoch``.
+
+        The keyword arguments are kept in the commit records (the runner passes the epoch's stop
+        decision and the session's writer info).
+        """
+        epoch = check_epoch(epoch)
+        info = SaveInfo(save_id=uuid.uuid4().hex, nodes=self.file_nodes(), stop=bool(stop),
+                        stop_conditions=tuple(stop_conditions), metrics=metrics, writer=writer)
+        self.last_records = {}
+
+        def make(node: str, file_node: str) -> Any:
+            def save(ws: Workspace) -> None:
+                names = self._names(node)
+                missing = [n for n in names if n not in ws]
+                if missing:
+                    raise CheckpointWriteError(
+                        f"cannot save node {node!r} epoch {epoch}: checkpointed blobs {missing} "
+                        "are no longer in its workspace"
+                    )
+                blobs = {n: np.asarray(ws[n]) for n in names}
+                try:
+                    record = self._timed(node, file_node, epoch, lambda: self._store.save_node(
+                        file_node, epoch, blobs, info))
+                except CheckpointError:
+                    raise
+                except Exception as exc:
+                    raise CheckpointWriteError(
+                        f"saving node {file_node!r} epoch {epoch} to "
+                        f"{self._location.display(f'{file_node}.{epoch}')!r} failed: {exc}"
+                    ) from exc
+                self.last_records[node] = record
+            return save
+
+        return self._group("checkpoint_save", make)
+
+    def write_checkpoint_metadata(self, epoch: int) -> None:
+        if self._metadata_handler is not None:
+            self._metadata_handler.write(epoch=epoch)
+
+    def get_resume_from_epoch_id(self, user_epoch: int | None = None) -> int | None:
+        """``user_epoch``, or with a metadata handler, the epoch it says to resume from."""
+        if self._metadata_handler is None:
+            return user_epoch
+        return self._metadata_handler.last_epoch(user_epoch=user_epoch)
+
+    def _set_params(self, node_names: list[str], path_prefix: str | None,
+                    path_type: str | None) -> None:
+        self._param_nodes = list(node_names)
+        if path_prefix:
+            self._path_prefix = path_prefix
+        if path_type:
+            self._path_type = path_type
+        if self._metadata_handler is None:
+            return
+        extra = {k: v for k, v in (("storage_options", self._storage_options),
+                                   ("filesystem", self._filesystem)) if v is not None}
+        self._metadata_handler.set_params(
+            db_prefix=self._db_prefix, db_type=self._db_type, node_names=node_names,
+            path_prefix=self._path_prefix, path_type=self._path_type, **extra,
+        )
+
+    def cp_accessible(self, epoch: int | None = None) -> bool:
+        if self._metadata_handler is None:
+            return True
+        return bool(self._metadata_handler.cp_accessible(epoch))
+
+    def collect_checkpoint_stats(self, stats: dict[str, int]) -> None:
+        """Add ``{db path: nanoseconds}`` of the last init/save/load actions to ``stats``."""
+        stats.update(self._stats)
+
+    def report_checkpoint_stats(self, action_name: str) -> None:
+        stats: dict[str, int] = {}
+        self.collect_checkpoint_stats(stats)
+        self._stats = {}
+        if self._metadata_handler is not None:
+            self._metadata_handler.report(action_name, stats)
+
+    # -- beyond Caffe2: what the runner needs to resume safely ------------------------------------
+
+    def epoch_records(self, epoch: int) -> dict[str, CommitRecord] | None:
+        """The records committing ``epoch`` for every node, or None."""
+        return self._store.epoch_records(epoch, self.file_nodes())
+
+    def committed_epochs(self) -> list[int]:
+        """Epochs with a record for every node, newest first (validated lazily by loads)."""
+        return self._store.candidate_epochs(self.file_nodes())
+
+
+class MultiNodeCheckpointManager(_BaseManager):
+    """Checkpoints every node of a job: ``<db_prefix>/<node>.<epoch>`` per node and epoch.
+
+    Args:
+        db_prefix: a local path or any fsspec URL.
+        db_type: ``"zarr"``.
+        metadata_handler: decides the resume epoch (e.g. :class:`ZarrMetadataHandler`).
+        storage_options: fsspec options for ``db_prefix``.
+        filesystem: an fsspec filesystem to use instead of one made from the URL.
+        pack_threshold: blobs smaller than this many bytes are packed together.
+
+    Example:
+        >>> cm = MultiNodeCheckpointManager("memory://doc/ckpt")
+        >>> _ = cm.init(["trainer_0", "trainer_1"])
+        >>> cm.get_ckpt_db_name("trainer_1", 5)
+        'memory://doc/ckpt/trainer_1.5'
+    """
+
+    def __init__(
+        self,
+        db_prefix: str,
+        db_type: str = "zarr",
+        metadata_handler: MetadataHandler | None = None,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        filesystem: Any = None,
+        pack_threshold: int = DEFAULT_PACK_THRESHOLD,
+    ) -> None:
+        super().__init__(db_prefix, db_type, metadata_handler, storage_options=storage_options,
+                         filesystem=filesystem, pack_threshold=pack_threshold)
+
+    def init(self, nodes: Sequence[str | Node], retrieve_from_epoch: int | None = None,
+             path_prefix: str | None = None, path_type: str | None = None) -> TaskGroup:
+        """A runnable that fixes each node's blob list: the blobs in its workspace now (fresh
+        start) or those in its checkpoint of ``retrieve_from_epoch``. On a manager already
+        initialised for the same nodes it is empty and the lists are kept."""
+        names = [str(n) for n in nodes]
+        return self._init({n: n for n in names}, retrieve_from_epoch, path_prefix, path_type)
+
+    def blob_list(self) -> dict[str, list[str]]:
+        """``{node: [checkpointed blob names]}``."""
+        return {node: list(self._names(node)) for node in self._require_files()}
+
+    def set_params(self, nodes: Sequence[str | Node], path_prefix: str | None = None,
+                   path_type: str | None = None) -> None:
+        self._set_params([str(n) for n in nodes], path_prefix, path_type)
+
+    def get_ckpt_db_name(self, node_name: str, epoch: int) -> str | None:
+        """Where ``node_name``'s checkpoint of ``epoch`` lives, or None for an unknown node."""
+        file_node = self._require_files().get(str(node_name))
+        return None if file_node is None else db_name(epoch, file_node, self._db_prefix)
+
+    def load_blobs_locally(self, nodes: Sequence[str | Node], blob_names: Sequence[str],
+                           epoch: int, session: Session) -> bool:
+        """Load ``blob_names`` from every node's checkpoint of ``epoch`` into that node's
+        workspace. Returns False, loading nothing, if any node's checkpoint is not committed."""
+        files = {str(n): str(n) for n in nodes}
+        if self._files is None:
+            self._bind_nodes(files)
+        elif self._files != files:
+            raise JobDefinitionError(f"manager is bound to nodes {list(self._files)}, "
+                                     f"not {list(files)}")
+        epoch = check_epoch(epoch)
+        missing = [n for n in files.values() if not self._committed(n, epoch)]
+        if missing:
+            logger.info("no committed checkpoint of epoch %d for nodes %s", epoch, missing)
+            return False
+        session.run(self.load_blobs_from_checkpoint(blob_names, epoch))
+        found = {b for node in files for b in blob_names if b in session.workspace(node)}
+        absent = [b for b in blob_names if b not in found]
+        if absent:
+            logger.warning("blobs %s were in no node's checkpoint of epoch %d", absent, epoch)
+        return True
+
+
+class CheckpointManager(_BaseManager):
+    """Checkpoints one node: ``<db_prefix>/<node_name>.<epoch>``.
+
+    ``node_name`` names the files; the workspace saved and loaded is that of the node passed to
+    ``init(nodes=[...])`` (default: ``node_name``). Same storage and commits as the multi-node
+    manager.
+    """
+
+    def __init__(
+        self,
+        db_prefix: str,
+        node_name: str,
+        db_type: str = "zarr",
+        metadata_handler: MetadataHandler | None = None,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        filesystem: Any = None,
+        pack_threshold: int = DEFAULT_PACK_THRESHOLD,
+    ) -> None:
+        super().__init__(db_prefix, db_type, metadata_handler, storage_options=storage_options,
+                         filesystem=filesystem, pack_threshold=pack_threshold)
+        self._node_name = check_node_name(str(node_name))
+
+    def init(self, nodes: Sequence[str | Node] | None = None,
+             retrieve_from_epoch: int | None = None, path_prefix: str | None = None,
+             path_type: str | None = None) -> TaskGroup:
+        """Like :meth:`MultiNodeCheckpointManager.init` for one node."""
+        if nodes is not None and len(nodes) != 1:
+            raise JobDefinitionError(
+                f"CheckpointManager handles a single node, got {list(map(str, nodes))}; "
+                "use MultiNodeCheckpointManager"
+            )
+        ws_node = str(nodes[0]) if nodes else self._node_name
+        return self._init({ws_node: self._node_name}, retrieve_from_epoch, path_prefix, path_type)
+
+    def blob_list(self) -> list[str]:
+        """The checkpointed blob names."""
+        (node,) = self._require_files()
+        return list(self._names(node))
+
+    def set_params(self, nodes: Sequence[str | Node] | None = None,
+                   path_prefix: str | None = None, path_type: str | None = None) -> None:
+        self._set_params([self._node_name], path_prefix, path_type)
+
+
+class UploadTaskGroupBuilder(abc.ABC):
+    """Builds the runnable that copies the final epoch's checkpoints elsewhere."""
+
+    @abc.abstractmethod
+    def build(self, epoch: int, checkpoint_manager: _BaseManager | None) -> TaskGroup | Task:
+        """Return a runnable that uploads checkpoint ``epoch`` of ``checkpoint_manager``."""

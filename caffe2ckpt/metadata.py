@@ -1,0 +1,129 @@
+"""Metadata handlers: where a checkpoint manager asks which epoch to resume from.
+
+:class:`MetadataHandler` is Caffe2's implied protocol. :class:`ZarrMetadataHandler` answers from
+the commit records under the checkpoint prefix, so a retried or re-run job resumes from the
+newest epoch every one of its nodes committed.
+
+Imports: errors, location, checkpoint. Not zarr, not prefect.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol, runtime_checkable
+
+from caffe2ckpt.checkpoint import CheckpointStore
+from caffe2ckpt.errors import CheckpointNotFoundError, CheckpointWriteError, JobDefinitionError
+from caffe2ckpt.location import Location
+from caffe2ckpt.naming import check_epoch
+
+__all__ = ["MetadataHandler", "ZarrMetadataHandler"]
+
+logger = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class MetadataHandler(Protocol):
+    """Caffe2's metadata handler protocol, called by the checkpoint managers."""
+
+    def set_params(
+        self,
+        db_prefix: str,
+        db_type: str,
+        node_names: list[str],
+        path_prefix: str | None = None,
+        path_type: str | None = None,
+    ) -> None: ...
+
+    def last_epoch(self, user_epoch: int | None = None) -> int | None: ...
+
+    def write(self, epoch: int) -> None: ...
+
+    def cp_accessible(self, epoch: int | None = None) -> bool: ...
+
+    def report(self, action_name: str, stats: dict[str, int]) -> None: ...
+
+
+class ZarrMetadataHandler:
+    """Resume from the commit records of a caffe2ckpt prefix.
+
+    ``last_epoch()`` is the newest epoch committed by every node of the job (records of other
+    nodes under the same prefix are ignored); ``last_epoch(user_epoch=k)`` returns k if it is
+    committed for every node and raises otherwise.
+
+    Args:
+        storage_options: fsspec options for the prefix (the managers pass theirs on if unset).
+    """
+
+    def __init__(self, storage_options: dict[str, Any] | None = None) -> None:
+        self.storage_options = storage_options
+        self.filesystem: Any = None
+        self.reports: list[tuple[str, dict[str, int]]] = []
+        self._store: CheckpointStore | None = None
+        self._nodes: list[str] = []
+
+    def set_params(
+        self,
+        db_prefix: str,
+        db_type: str,
+        node_names: list[str],
+        path_prefix: str | None = None,
+        path_type: str | None = None,
+        **options: Any,
+    ) -> None:
+        """Bind to a prefix and the job's node names. ``options`` may carry the manager's
+        ``storage_options`` and ``filesystem``."""
+        storage_options = self.storage_options or options.get("storage_options")
+        filesystem = self.filesystem or options.get("filesystem")
+        self._store = CheckpointStore(Location(db_prefix, storage_options, filesystem))
+        self._nodes = [str(n) for n in node_names]
+
+    @property
+    def store(self) -> CheckpointStore:
+        if self._store is None:
+            raise JobDefinitionError("ZarrMetadataHandler used before set_params()")
+        return self._store
+
+    def last_epoch(self, user_epoch: int | None = None) -> int | None:
+        """The epoch to resume from: ``user_epoch`` if committed, else the newest committed.
+
+        Raises:
+            CheckpointNotFoundError: ``user_epoch`` is not committed for every node.
+        """
+        if user_epoch is None:
+            return self.store.latest_epoch(self._nodes)
+        epoch = check_epoch(user_epoch)
+        if self.store.epoch_records(epoch, self._nodes) is None:
+            committed = sorted(self.store.candidate_epochs(self._nodes))
+            raise CheckpointNotFoundError(
+                f"epoch {epoch} is not committed for nodes {self._nodes} under "
+                f"{self.store.location.display()!r}; epochs with records: {committed}"
+            )
+        return epoch
+
+    def write(self, epoch: int) -> None:
+        """Check that ``epoch`` is committed for every node (the saves wrote the records).
+
+        Raises:
+            CheckpointWriteError: some node's record is missing or invalid.
+        """
+        if self.store.epoch_records(epoch, self._nodes) is None:
+            raise CheckpointWriteError(
+                f"epoch {epoch} is not committed for all of {self._nodes} under "
+                f"{self.store.location.display()!r}"
+            )
+
+    def cp_accessible(self, epoch: int | None = None) -> bool:
+        """Whether the prefix can be created and reached."""
+        try:
+            self.store.location.makedirs(self.store.location.root)
+        except OSError as exc:
+            logger.warning("checkpoint prefix %r is not accessible: %s",
+                           self.store.location.display(), exc)
+            return False
+        return True
+
+    def report(self, action_name: str, stats: dict[str, int]) -> None:
+        """Keep ``stats`` (``{db path: nanoseconds}``) in ``self.reports`` and log them."""
+        self.reports.append((action_name, dict(stats)))
+        logger.debug("%s: %s", action_name, stats)

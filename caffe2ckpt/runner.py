@@ -1,0 +1,210 @@
+"""JobRunner: the epoch loop, and the only place it exists.
+
+Run order (Caffe2's, with the deliberate differences listed in the README):
+
+1. with a manager: ``set_params`` with the job's nodes, then ``get_resume_from_epoch_id``;
+2. fresh start: run ``init_group``, ``init`` the manager, save epoch 0;
+3. resume: skip ``init_group``, ``init`` from the checkpoint and load it; an automatically
+   chosen epoch that turns out damaged falls back to the newest one that loads;
+4. loop: run ``epoch_group``, read the stop conditions, save the epoch (with the stop
+   decision), stop when any condition held; a resumed job whose checkpoint already met its stop
+   condition runs no epoch;
+5. upload (with the final epoch), ``download_group``, ``exit_group``; return the final epoch.
+
+Imports: errors, job, manager, session. Not zarr, not prefect.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal
+
+import numpy as np
+
+from caffe2ckpt.errors import (
+    CheckpointCorruptedError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+    JobDefinitionError,
+)
+from caffe2ckpt.job import Job
+from caffe2ckpt.manager import UploadTaskGroupBuilder, _BaseManager
+from caffe2ckpt.session import Session
+
+__all__ = ["JobRunner"]
+
+logger = logging.getLogger(__name__)
+
+
+class JobRunner:
+    """Runs a :class:`Job` epoch by epoch, checkpointing after init and after every epoch.
+
+    Args:
+        job: what to run; it must have at least one stop condition.
+        checkpoint_manager: where to checkpoint (None: no checkpoints, no resume).
+        resume_from_epoch: resume from this committed epoch (with a metadata handler, None
+            means "the newest committed epoch, if any").
+        upload_task_group_builder: run with the final epoch after the loop.
+        on_save_error: ``"warn"`` (Caffe2's behaviour: log a WARNING and keep training) or
+            ``"raise"``. Failed epochs are listed in :attr:`failed_saves` either way.
+
+    Example:
+        >>> from caffe2ckpt import LocalSession, MultiNodeCheckpointManager
+        >>> from caffe2ckpt.example import build_job
+        >>> cm = MultiNodeCheckpointManager("memory://doc/runner")
+        >>> JobRunner(build_job(num_epochs=2), cm).train(LocalSession())
+        2
+    """
+
+    def __init__(
+        self,
+        job: Job,
+        checkpoint_manager: _BaseManager | None = None,
+        resume_from_epoch: int | None = None,
+        upload_task_group_builder: UploadTaskGroupBuilder | None = None,
+        *,
+        on_save_error: Literal["warn", "raise"] = "warn",
+    ) -> None:
+        if on_save_error not in ("warn", "raise"):
+            raise JobDefinitionError(f"on_save_error must be 'warn' or 'raise', got {on_save_error!r}")
+        self.job = job
+        self.checkpoint_manager = checkpoint_manager
+        self.resume_from_epoch = resume_from_epoch
+        self.upload_task_group_builder = upload_task_group_builder
+        self.on_save_error = on_save_error
+        self.failed_saves: list[int] = []
+        self.resumed_from: int | None = None
+
+    def train(self, session: Session) -> int:
+        """Run the job to its stop condition; return the number of the final epoch."""
+        job, cm = self.job, self.checkpoint_manager
+        job.compile()  # rejects a job without stop conditions
+        if cm is None and self.resume_from_epoch is not None:
+            raise JobDefinitionError(
+                f"resume_from_epoch={self.resume_from_epoch} needs a checkpoint manager"
+            )
+        self.failed_saves = []
+        self.resumed_from = None
+        resume = None
+        if cm is not None:
+            cm.set_params(nodes=job.nodes_to_checkpoint())
+            resume = cm.get_resume_from_epoch_id(self.resume_from_epoch)
+        finished = False
+        if resume is None:
+            logger.info("Starting job %r from scratch", job.name)
+            session.run(job.init_group)
+            epoch = 0
+            if cm is not None:
+                session.run(cm.init(job.nodes_to_checkpoint()))
+                self.save_checkpoints(0, session)
+        else:
+            epoch, finished = self._resume(session, resume, automatic=self.resume_from_epoch is None)
+        while not finished:
+            epoch += 1
+            logger.info("Running epoch %d of job %r", epoch, job.name)
+            session.run(job.epoch_group)
+            met = [c.key for c in job.stop_conditions if bool(np.any(c.fetch()))]
+            if cm is not None:
+                self.save_checkpoints(epoch, session, stop=bool(met), stop_conditions=met)
+            finished = bool(met)
+        if self.upload_task_group_builder is not None:
+            session.run(self.upload_task_group_builder.build(epoch, cm))
+        session.run(job.download_group)
+        session.run(job.exit_group)
+        if self.failed_saves:
+            logger.warning("job %r finished at epoch %d; checkpoints of epochs %s were NOT saved",
+                           job.name, epoch, self.failed_saves)
+        return epoch
+
+    def _resume(self, session: Session, epoch: int, *, automatic: bool) -> tuple[int, bool]:
+        """Load the checkpoint to resume from; return (epoch loaded, whether the job is done)."""
+        cm = self.checkpoint_manager
+        assert cm is not None  # guaranteed by train()
+        nodes = self.job.nodes_to_checkpoint()
+        candidates = [epoch]
+        if automatic:
+            candidates += [e for e in cm.committed_epochs() if e < epoch]
+        failures: list[str] = []
+        for candidate in candidates:
+            try:
+                session.run(cm.init(nodes, retrieve_from_epoch=candidate))
+                session.run(cm.load(candidate))
+                records = cm.epoch_records(candidate)
+                if records is None:
+                    raise CheckpointNotFoundError(f"epoch {candidate} is no longer committed")
+            except (CheckpointCorruptedError, CheckpointNotFoundError) as exc:
+                if not automatic:
+                    raise
+                failures.append(f"epoch {candidate}: {exc}")
+                logger.warning("Cannot resume from epoch %d (%s); trying an older checkpoint",
+                               candidate, exc)
+                continue
+            cm.report_checkpoint_stats("checkpoint_load")
+            self.resumed_from = candidate
+            writer = next(iter(records.values())).writer
+            logger.info("Resuming from epoch %d (written by %s)", candidate, _describe(writer))
+            return candidate, self._still_finished(records, session)
+        raise CheckpointCorruptedError(
+            f"no committed epoch of {cm.url!r} could be loaded: " + "; ".join(failures)
+        )
+
+    def _still_finished(self, records: dict[str, Any], session: Session) -> bool:
+        """Did the job already stop at the loaded epoch, and does that still hold?"""
+        met = {k for r in records.values() if r.stop for k in r.stop_conditions}
+        if not met:
+            return False
+        by_key = {c.key: c for c in self.job.stop_conditions}
+        for key in met:
+            cond = by_key.get(key)
+            if cond is None or cond.still_stopped is None:
+                return True
+            if cond.still_stopped(session.workspace(cond.task.node)):
+                return True
+        logger.info("The checkpoint met its stop condition, but the job now allows more epochs")
+        return False
+
+    def load_blobs_from_checkpoints(self, blob_names: list[str], epoch: int,
+                                    session: Session) -> bool:
+        """Load ``blob_names`` from every node's checkpoint of ``epoch``; False if any is missing."""
+        cm = self.checkpoint_manager
+        if cm is None:
+            raise JobDefinitionError("Checkpoint manager is None")
+        if not hasattr(cm, "load_blobs_locally"):
+            raise JobDefinitionError("load_blobs_from_checkpoints needs a MultiNodeCheckpointManager")
+        ok = cm.load_blobs_locally(self.job.nodes_to_checkpoint(), blob_names, epoch, session)
+        cm.report_checkpoint_stats("checkpoint_partial_load")
+        return ok
+
+    def save_checkpoints(self, epoch: int, session: Session, *, stop: bool = False,
+                         stop_conditions: list[str] | tuple[str, ...] = ()) -> None:
+        """Save and commit every node's checkpoint of ``epoch``.
+
+        A failure is logged as a WARNING and recorded in :attr:`failed_saves`
+        (``on_save_error="warn"``) or raised as :class:`CheckpointWriteError` (``"raise"``).
+        """
+        cm = self.checkpoint_manager
+        if cm is None:
+            raise JobDefinitionError("Checkpoint manager is None")
+        try:
+            if not cm.cp_accessible(epoch=epoch):
+                raise CheckpointWriteError(f"Checkpoint files cannot be accessed at {cm.url!r}")
+            logger.info("Saving checkpoints for epoch %d", epoch)
+            writer_info = getattr(session, "writer_info", None)
+            session.run(cm.save(epoch, stop=stop, stop_conditions=stop_conditions,
+                                writer=writer_info() if writer_info else None))
+            cm.write_checkpoint_metadata(epoch)
+            cm.report_checkpoint_stats("checkpoint_save")
+        except Exception as exc:
+            self.failed_saves.append(epoch)
+            if self.on_save_error == "raise":
+                if isinstance(exc, CheckpointError):
+                    raise
+                raise CheckpointWriteError(f"checkpoint of epoch {epoch} failed: {exc}") from exc
+            logger.warning("Unable to write checkpoint for epoch %d. Error=%s", epoch, exc)
+
+
+def _describe(writer: dict[str, Any]) -> str:
+    if not writer:
+        return "an unknown writer"
+    return ", ".join(f"{k}={v}" for k, v in sorted(writer.items()))

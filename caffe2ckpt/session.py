@@ -1,0 +1,135 @@
+"""Sessions run task groups against per-node workspaces.
+
+:class:`Session` is the protocol the runner and the checkpoint managers need; :class:`LocalSession`
+runs everything in this process, one thread per node of a group. :func:`run_node_tasks` is the
+one place that implements Caffe2's per-node semantics (PRIVATE child workspace, output
+promotion), so other sessions (e.g. the Prefect one) reuse it instead of re-implementing it.
+
+Imports: errors, workspace, job. Never prefect.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol, runtime_checkable
+
+from caffe2ckpt.errors import JobDefinitionError
+from caffe2ckpt.job import Task, TaskGroup
+from caffe2ckpt.workspace import Workspace, WorkspaceType
+
+__all__ = ["LocalSession", "Session", "as_group", "run_node_tasks", "wait_all"]
+
+
+@runtime_checkable
+class Session(Protocol):
+    """What runs a job: ``run`` a TaskGroup or Task synchronously, hand out node workspaces."""
+
+    def run(self, runnable: TaskGroup | Task) -> None:
+        """Run ``runnable`` to completion; raise the first task failure."""
+
+    def workspace(self, node: str) -> Workspace:
+        """The workspace of ``node`` (created empty on first use)."""
+
+    def writer_info(self) -> dict[str, Any]:
+        """Who is running: stored in every commit record this session's saves write."""
+
+
+def as_group(runnable: TaskGroup | Task) -> TaskGroup:
+    """A bare Task runs as a one-task GLOBAL group (Caffe2's rule)."""
+    if isinstance(runnable, TaskGroup):
+        return runnable
+    if isinstance(runnable, Task):
+        if runnable.group is not None:
+            raise JobDefinitionError(
+                f"task {runnable.name!r} belongs to group {runnable.group.name!r}; run the group"
+            )
+        group = TaskGroup(runnable.workspace_type or WorkspaceType.GLOBAL, name=runnable.name)
+        group.tasks.append(runnable)
+        runnable.workspace_type = group.workspace_type
+        return group
+    raise JobDefinitionError(f"cannot run {runnable!r}: expected a TaskGroup or a Task")
+
+
+def run_node_tasks(tasks: list[Task], ws: Workspace, workspace_type: WorkspaceType) -> None:
+    """Run one node's tasks of a group, in order, with Caffe2's workspace semantics.
+
+    GLOBAL: tasks see and change ``ws`` directly. PRIVATE: the node's tasks share one child
+    workspace for this group run; existing blobs are written through to ``ws``, declared outputs
+    are promoted to ``ws`` at the end, and every other new blob is dropped.
+    """
+    target = ws if workspace_type is WorkspaceType.GLOBAL else Workspace(parent=ws)
+    for task in tasks:
+        if task.fn is not None:
+            task.fn(target)
+    if target is not ws:
+        for task in tasks:
+            for name in task.output_names():
+                if name in target.local_names():
+                    ws[name] = target[name]
+
+
+def wait_all(calls: list[Callable[[], None]], *, max_workers: int | None = None) -> None:
+    """Run ``calls`` concurrently, wait for all, then raise the first failure (if any)."""
+    if len(calls) == 1:
+        calls[0]()
+        return
+    errors: list[BaseException] = []
+    with ThreadPoolExecutor(max_workers=max_workers or len(calls) or 1) as pool:
+        for future in [pool.submit(c) for c in calls]:
+            exc = future.exception()
+            if exc is not None:
+                errors.append(exc)
+    if errors:
+        raise errors[0]
+
+
+class LocalSession:
+    """Runs groups in this process: each node's tasks in a thread, all nodes concurrently.
+
+    Args:
+        workspaces: existing node workspaces to use (others are created on demand).
+
+    Example:
+        >>> from caffe2ckpt import Task, LocalSession
+        >>> session = LocalSession()
+        >>> session.run(Task(lambda ws: ws.__setitem__("x", 1), node="n0"))
+        >>> int(session.workspace("n0")["x"])
+        1
+    """
+
+    def __init__(self, workspaces: Mapping[str, Workspace] | None = None) -> None:
+        self._workspaces: dict[str, Workspace] = dict(workspaces or {})
+        self._lock = threading.Lock()
+
+    def workspace(self, node: str) -> Workspace:
+        with self._lock:
+            return self._workspaces.setdefault(str(node), Workspace())
+
+    @property
+    def workspaces(self) -> dict[str, Workspace]:
+        """All node workspaces created so far."""
+        return dict(self._workspaces)
+
+    def writer_info(self) -> dict[str, Any]:
+        return {"session": "local", "host": socket.gethostname(), "pid": os.getpid()}
+
+    def run(self, runnable: TaskGroup | Task) -> None:
+        group = as_group(runnable)
+        by_node = group.tasks_by_node()
+        if not by_node:
+            return
+        wtype = group.workspace_type or WorkspaceType.PRIVATE
+        try:
+            wait_all(
+                [
+                    lambda n=node, ts=tasks: run_node_tasks(ts, self.workspace(n), wtype)
+                    for node, tasks in by_node.items()
+                ]
+            )
+        finally:
+            for task in group.tasks:
+                task.last_session = self

@@ -1,0 +1,139 @@
+"""Workspaces: a node's named numpy arrays, and the rules for what a blob may be.
+
+A :class:`Workspace` maps blob names (any non-empty string) to numpy arrays. Python and numpy
+scalars become 0-d arrays when assigned. Values that cannot be checkpointed exactly (object
+arrays, structured dtypes, arbitrary Python objects) are refused at assignment with an error
+naming the blob, so a bad value never reaches a save.
+
+A child workspace (``Workspace(parent=ws)``) implements Caffe2's PRIVATE semantics: reads fall
+through to the parent, assigning a name the parent has writes it there, and new names stay in
+the child.
+
+This module does no I/O and imports nothing but numpy and :mod:`caffe2ckpt.errors`.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator, MutableMapping
+from typing import Any
+
+import numpy as np
+
+from caffe2ckpt.errors import InvalidBlobError
+
+__all__ = ["Workspace", "WorkspaceType", "as_blob", "check_blob_name"]
+
+# dtype kinds stored bit-exactly: bool, signed/unsigned int, float, complex, and fixed-width
+# byte (S) and unicode (U) strings, which are stored as their raw code units.
+_SUPPORTED_KINDS = frozenset("biufcSU")
+
+
+class WorkspaceType(enum.Enum):
+    """Where a task's new blobs live (Caffe2's names and values)."""
+
+    GLOBAL = "global"
+    PRIVATE = "private"
+
+
+def check_blob_name(name: object) -> str:
+    """Return ``name`` if it is a usable blob name, else raise :class:`InvalidBlobError`."""
+    if not isinstance(name, str):
+        raise InvalidBlobError(f"blob names must be str, got {type(name).__name__}: {name!r}")
+    if not name:
+        raise InvalidBlobError("blob names must be non-empty strings")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidBlobError(f"blob name {name!r} is not valid unicode (lone surrogate)") from exc
+    return name
+
+
+def as_blob(name: str, value: Any) -> np.ndarray:
+    """Convert ``value`` to the numpy array stored under blob ``name``.
+
+    Scalars (Python or numpy) become 0-d arrays; arrays are kept as they are (no copy).
+
+    Raises:
+        InvalidBlobError: the value is not a numpy array or scalar of a supported dtype.
+    """
+    if isinstance(value, np.ndarray):
+        arr = value
+    elif isinstance(value, (bool, int, float, complex, np.generic)):
+        arr = np.asarray(value)
+    else:
+        raise InvalidBlobError(
+            f"blob {name!r}: cannot checkpoint a value of type {type(value).__name__}; "
+            "use a numpy array or a numeric scalar"
+        )
+    kind = arr.dtype.kind
+    if kind not in _SUPPORTED_KINDS or arr.dtype.fields is not None or arr.dtype.subdtype:
+        raise InvalidBlobError(
+            f"blob {name!r}: dtype {arr.dtype} is not supported (object, structured, "
+            "datetime and void arrays cannot be stored without pickle)"
+        )
+    return arr
+
+
+class Workspace(MutableMapping[str, np.ndarray]):
+    """A node's blobs: a mutable mapping from blob name to numpy array.
+
+    Args:
+        blobs: initial contents.
+        parent: makes this a PRIVATE child of ``parent`` (see the module docstring).
+
+    Example:
+        >>> ws = Workspace()
+        >>> ws["trainer_0/total"] = 100
+        >>> ws["trainer_0/total"].shape
+        ()
+    """
+
+    def __init__(
+        self, blobs: dict[str, Any] | None = None, *, parent: Workspace | None = None
+    ) -> None:
+        self._blobs: dict[str, np.ndarray] = {}
+        self.parent = parent
+        for name, value in (blobs or {}).items():
+            self[name] = value
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name in self._blobs:
+            return self._blobs[name]
+        if self.parent is not None:
+            return self.parent[name]
+        raise KeyError(name)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        arr = as_blob(check_blob_name(name), value)
+        if name not in self._blobs and self.parent is not None and name in self.parent:
+            self.parent[name] = arr
+        else:
+            self._blobs[name] = arr
+
+    def __delitem__(self, name: str) -> None:
+        if name in self._blobs:
+            del self._blobs[name]
+        elif self.parent is not None and name in self.parent:
+            del self.parent[name]
+        else:
+            raise KeyError(name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._blobs or (self.parent is not None and name in self.parent)
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self._blobs
+        if self.parent is not None:
+            yield from (n for n in self.parent if n not in self._blobs)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def local_names(self) -> list[str]:
+        """Names stored in this workspace itself (not those seen through a parent)."""
+        return list(self._blobs)
+
+    def __repr__(self) -> str:
+        kind = "child " if self.parent is not None else ""
+        return f"<{kind}Workspace with {len(self)} blobs>"
