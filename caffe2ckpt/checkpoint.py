@@ -37,7 +37,14 @@ from caffe2ckpt.commit import (
 from caffe2ckpt.errors import CheckpointCorruptedError, CheckpointNotFoundError
 from caffe2ckpt.location import Location
 from caffe2ckpt.naming import STAGING_DIR, check_epoch, check_node_name, get_ckpt_filename
-from caffe2ckpt.storage import DEFAULT_PACK_THRESHOLD, Manifest, read_manifest, read_node, write_node
+from caffe2ckpt.storage import (
+    DEFAULT_PACK_THRESHOLD,
+    Manifest,
+    metadata_digests,
+    read_manifest,
+    read_node,
+    write_node,
+)
 
 __all__ = ["CheckpointStore", "SaveInfo"]
 
@@ -93,6 +100,7 @@ class CheckpointStore:
             pack_threshold=self.pack_threshold,
         )
         self.location.sync_tree(write_to)
+        digests = metadata_digests(self.location, write_to, manifest)
         if previous:
             for ref in previous:  # the old copy stops counting before it is replaced
                 delete_record(self.location, ref)
@@ -109,6 +117,7 @@ class CheckpointStore:
             stop=info.stop,
             stop_conditions=list(info.stop_conditions),
             metrics=dict(info.metrics or {}),
+            metadata=digests,
             writer=dict(info.writer or {}),
         )
         write_record(self.location, record)
@@ -162,13 +171,28 @@ class CheckpointStore:
             CheckpointCorruptedError: committed but damaged (names node, epoch and blob).
         """
         record = self.node_record(node, epoch)
+        path = self.group_path(node, epoch)
         manifest = self.manifest(node, epoch)
         if manifest.save_id != record.save_id:  # replaced between the two reads
             raise CheckpointCorruptedError(
                 f"checkpoint of node {node!r} at epoch {epoch} changed while being read",
                 node=node, epoch=epoch,
             )
-        return read_node(self.location, self.group_path(node, epoch), manifest, names)
+        files = manifest.metadata_files()
+        if set(files) != set(record.metadata):
+            raise CheckpointCorruptedError(
+                f"checkpoint {self.location.display(path)!r} (node {node!r}, epoch {epoch}): "
+                "its manifest lists other arrays than its commit record",
+                node=node, epoch=epoch, blob="zarr.json",
+            )
+        for name, digest in metadata_digests(self.location, path, manifest).items():
+            if digest != record.metadata[name]:
+                raise CheckpointCorruptedError(
+                    f"checkpoint {self.location.display(path)!r} (node {node!r}, epoch {epoch}): "
+                    f"metadata file {name} of blob {files[name] or name!r} was changed or lost",
+                    node=node, epoch=epoch, blob=files[name] or name,
+                )
+        return read_node(self.location, path, manifest, names)
 
     def candidate_epochs(self, nodes: list[str]) -> list[int]:
         """Epochs (newest first) for which every node in ``nodes`` has a record file."""

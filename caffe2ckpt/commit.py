@@ -70,6 +70,7 @@ class CommitRecord:
     stop: bool = False  # the job's stop condition held after this epoch
     stop_conditions: list[str] = field(default_factory=list)  # keys of the conditions that held
     metrics: dict[str, float] = field(default_factory=dict)
+    metadata: dict[str, str] = field(default_factory=dict)  # Zarr metadata file -> sha256
     writer: dict[str, Any] = field(default_factory=dict)  # e.g. flow run id and run count
     created: float = field(default_factory=time.time)
     format: int = RECORD_FORMAT
@@ -96,6 +97,7 @@ class CommitRecord:
             stop=bool(data["stop"]),
             stop_conditions=[str(k) for k in data["stop_conditions"]],
             metrics={str(k): float(v) for k, v in data["metrics"].items()},
+            metadata={str(k): str(v) for k, v in data["metadata"].items()},
             writer=dict(data["writer"]),
             created=float(data["created"]),
         )

@@ -265,6 +265,7 @@ class Job(_Stacked):
         self.stop_conditions: list[TaskOutput] = list(stop_conditions or [])
         self._nodes_to_checkpoint = [str(n) for n in nodes_to_checkpoint or []]
         self._limiters = 0
+        self.max_epochs: int | None = None  # the tightest epoch_limiter, for progress reports
 
     def __enter__(self) -> Job:
         self.epoch_group.__enter__()
@@ -348,6 +349,7 @@ def epoch_limiter(job: Job, num_epochs: int) -> TaskOutput:
         node = DEFAULT_NODE
     index = job._limiters
     job._limiters += 1
+    job.max_epochs = limit if job.max_epochs is None else min(job.max_epochs, limit)
     count_name = f"epoch_limiter.{index}/epochs_done"
     stop_name = f"epoch_limiter.{index}/stop"
 

@@ -66,7 +66,11 @@ class Location:
         return posixpath.join(self.root, *parts)
 
     def display(self, *parts: str) -> str:
-        """A user-facing URL for ``parts`` under the prefix (for messages and artifacts)."""
+        """A user-facing URL for ``parts`` under the prefix, or for one filesystem path under
+        it (for messages and artifacts)."""
+        if len(parts) == 1 and (parts[0] == self.root or parts[0].startswith(self.root + "/")):
+            parts = (parts[0][len(self.root):].lstrip("/"),)
+        parts = tuple(p for p in parts if p)
         return posixpath.join(self.url.rstrip("/"), *parts) if parts else self.url
 
     # -- reads ---------------------------------------------------------------------------------

@@ -11,7 +11,8 @@ Layout under a checkpoint prefix::
 
 Blob names become array paths by :func:`blob_path`: characters other than ``A-Z a-z 0-9 _ . -``
 are percent-encoded as UTF-8 bytes (``/`` -> ``%2F``, ``:`` -> ``%3A``, ``%`` -> ``%25``), a
-leading ``.`` or ``_`` is encoded too (so no path is ``.``, ``..`` or reserved), and an encoded
+leading ``.`` or ``_`` is encoded too (so no path is ``.``, ``..`` or reserved), the name
+``zarr.json`` becomes ``zarr%2Ejson`` (it would clash with the group's metadata), and an encoded
 name longer than 120 characters is cut to 80 and followed by ``~`` and 32 hex digits of its
 SHA-256 (``~`` never appears otherwise). The exact name is always in the group's manifest.
 """
@@ -103,6 +104,8 @@ def blob_path(name: str) -> str:
         else:
             out.extend(f"%{b:02X}" for b in ch.encode("utf-8"))
     encoded = "".join(out)
+    if encoded == "zarr.json":  # the group's own metadata file
+        encoded = "zarr%2Ejson"
     if len(encoded) > _MAX_SEGMENT:
         digest = hashlib.sha256(name.encode("utf-8")).hexdigest()[:32]
         encoded = f"{encoded[:80]}~{digest}"

@@ -30,7 +30,7 @@ from caffe2ckpt.errors import (
 )
 from caffe2ckpt.job import Job
 from caffe2ckpt.manager import UploadTaskGroupBuilder, _BaseManager
-from caffe2ckpt.session import Session
+from caffe2ckpt.session import RunEvent, Session, notify
 
 __all__ = ["JobRunner"]
 
@@ -93,16 +93,19 @@ class JobRunner:
         finished = False
         if resume is None:
             logger.info("Starting job %r from scratch", job.name)
+            self._notify(session, "started", 0)
             session.run(job.init_group)
             epoch = 0
             if cm is not None:
                 session.run(cm.init(job.nodes_to_checkpoint()))
                 self.save_checkpoints(0, session)
         else:
-            epoch, finished = self._resume(session, resume, automatic=self.resume_from_epoch is None)
+            epoch, finished = self._resume(session, cm, resume,
+                                           automatic=self.resume_from_epoch is None)
         while not finished:
             epoch += 1
             logger.info("Running epoch %d of job %r", epoch, job.name)
+            self._notify(session, "epoch", epoch)
             session.run(job.epoch_group)
             met = [c.key for c in job.stop_conditions if bool(np.any(c.fetch()))]
             if cm is not None:
@@ -115,18 +118,24 @@ class JobRunner:
         if self.failed_saves:
             logger.warning("job %r finished at epoch %d; checkpoints of epochs %s were NOT saved",
                            job.name, epoch, self.failed_saves)
+        self._notify(session, "finished", epoch)
         return epoch
 
-    def _resume(self, session: Session, epoch: int, *, automatic: bool) -> tuple[int, bool]:
+    def _notify(self, session: Session, kind: str, epoch: int, **info: Any) -> None:
+        notify(session, RunEvent(kind=kind, job=self.job.name, epoch=epoch,  # type: ignore[arg-type]
+                                 max_epochs=self.job.max_epochs,
+                                 checkpoint_manager=self.checkpoint_manager, **info))
+
+    def _resume(self, session: Session, cm: _BaseManager, epoch: int, *,
+                automatic: bool) -> tuple[int, bool]:
         """Load the checkpoint to resume from; return (epoch loaded, whether the job is done)."""
-        cm = self.checkpoint_manager
-        assert cm is not None  # guaranteed by train()
         nodes = self.job.nodes_to_checkpoint()
         candidates = [epoch]
         if automatic:
             candidates += [e for e in cm.committed_epochs() if e < epoch]
         failures: list[str] = []
         for candidate in candidates:
+            self._notify(session, "loading", candidate)
             try:
                 session.run(cm.init(nodes, retrieve_from_epoch=candidate))
                 session.run(cm.load(candidate))
@@ -144,6 +153,7 @@ class JobRunner:
             self.resumed_from = candidate
             writer = next(iter(records.values())).writer
             logger.info("Resuming from epoch %d (written by %s)", candidate, _describe(writer))
+            self._notify(session, "resumed", candidate, records=records)
             return candidate, self._still_finished(records, session)
         raise CheckpointCorruptedError(
             f"no committed epoch of {cm.url!r} could be loaded: " + "; ".join(failures)
@@ -197,11 +207,14 @@ class JobRunner:
             cm.report_checkpoint_stats("checkpoint_save")
         except Exception as exc:
             self.failed_saves.append(epoch)
+            self._notify(session, "save_failed", epoch, error=f"{type(exc).__name__}: {exc}")
             if self.on_save_error == "raise":
                 if isinstance(exc, CheckpointError):
                     raise
                 raise CheckpointWriteError(f"checkpoint of epoch {epoch} failed: {exc}") from exc
             logger.warning("Unable to write checkpoint for epoch %d. Error=%s", epoch, exc)
+            return
+        self._notify(session, "saved", epoch, records=dict(cm.last_records))
 
 
 def _describe(writer: dict[str, Any]) -> str:

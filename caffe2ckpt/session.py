@@ -15,13 +15,34 @@ import socket
 import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from caffe2ckpt.errors import JobDefinitionError
 from caffe2ckpt.job import Task, TaskGroup
 from caffe2ckpt.workspace import Workspace, WorkspaceType
 
-__all__ = ["LocalSession", "Session", "as_group", "run_node_tasks", "wait_all"]
+__all__ = ["LocalSession", "RunEvent", "Session", "as_group", "notify", "run_node_tasks",
+           "wait_all"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunEvent:
+    """What the runner tells its session as a job progresses (for logs, UIs, artifacts).
+
+    Kinds: ``"started"`` (fresh start), ``"loading"`` (checkpoint ``epoch`` is about to be
+    loaded to resume), ``"resumed"`` (it was loaded),
+    ``"epoch"`` (epoch ``epoch`` is about to run), ``"saved"`` / ``"save_failed"`` (checkpoint
+    of ``epoch``), ``"finished"`` (``epoch`` is the final epoch).
+    """
+
+    kind: Literal["started", "loading", "resumed", "epoch", "saved", "save_failed", "finished"]
+    job: str
+    epoch: int
+    max_epochs: int | None = None
+    records: Mapping[str, Any] = field(default_factory=dict)  # node -> CommitRecord
+    error: str | None = None
+    checkpoint_manager: Any = None
 
 
 @runtime_checkable
@@ -36,6 +57,16 @@ class Session(Protocol):
 
     def writer_info(self) -> dict[str, Any]:
         """Who is running: stored in every commit record this session's saves write."""
+
+    def notify(self, event: RunEvent) -> None:
+        """Hear about the job's progress (optional: sessions without it are not told)."""
+
+
+def notify(session: Session, event: RunEvent) -> None:
+    """Tell ``session`` about ``event`` if it listens (user sessions may predate ``notify``)."""
+    listener = getattr(session, "notify", None)
+    if listener is not None:
+        listener(event)
 
 
 def as_group(runnable: TaskGroup | Task) -> TaskGroup:
@@ -104,6 +135,7 @@ class LocalSession:
     def __init__(self, workspaces: Mapping[str, Workspace] | None = None) -> None:
         self._workspaces: dict[str, Workspace] = dict(workspaces or {})
         self._lock = threading.Lock()
+        self.epoch: int | None = None  # the epoch being run, as last notified
 
     def workspace(self, node: str) -> Workspace:
         with self._lock:
@@ -116,6 +148,9 @@ class LocalSession:
 
     def writer_info(self) -> dict[str, Any]:
         return {"session": "local", "host": socket.gethostname(), "pid": os.getpid()}
+
+    def notify(self, event: RunEvent) -> None:
+        self.epoch = event.epoch
 
     def run(self, runnable: TaskGroup | Task) -> None:
         group = as_group(runnable)

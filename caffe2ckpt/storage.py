@@ -19,6 +19,7 @@ with one extra trailing axis, and restored to the exact original dtype.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import dataclass
@@ -77,15 +78,27 @@ class BlobInfo:
 
     @classmethod
     def from_dict(cls, name: str, data: dict[str, Any]) -> BlobInfo:
+        """Parse and validate one manifest entry (raises ValueError/TypeError/KeyError)."""
         packed = data.get("packed")
-        return cls(
+        info = cls(
             name=name,
-            dtype=str(data["dtype"]),
+            dtype=np.dtype(str(data["dtype"])).str,
             shape=tuple(int(s) for s in data["shape"]),
             order=str(data["order"]),
             path=data.get("path"),
             packed=(int(packed[0]), int(packed[1])) if packed is not None else None,
         )
+        if info.dtype != data["dtype"] or np.dtype(info.dtype).kind not in "biufcSU":
+            raise ValueError(f"blob {name!r}: bad dtype {data['dtype']!r}")
+        if min(info.shape, default=0) < 0 or info.order not in ("C", "F"):
+            raise ValueError(f"blob {name!r}: bad shape or order")
+        if (info.path is None) == (info.packed is None):
+            raise ValueError(f"blob {name!r}: must be either an array or packed")
+        if info.packed is not None and (info.packed[1] != info.nbytes or info.packed[0] < 0):
+            raise ValueError(f"blob {name!r}: packed size {info.packed[1]} != {info.nbytes}")
+        if info.path is not None and info.path != blob_path(name):
+            raise ValueError(f"blob {name!r}: unexpected array path {info.path!r}")
+        return info
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,13 +129,42 @@ class Manifest:
     def from_dict(cls, data: dict[str, Any]) -> Manifest:
         if data.get("format") != FORMAT_VERSION:
             raise ValueError(f"unknown format version {data.get('format')!r}")
-        return cls(
+        manifest = cls(
             node=str(data["node"]),
             epoch=int(data["epoch"]),
             save_id=str(data["save_id"]),
             packed_nbytes=int(data["packed_nbytes"]),
             blobs={n: BlobInfo.from_dict(n, d) for n, d in data["blobs"].items()},
         )
+        for info in manifest.blobs.values():
+            if info.packed is not None and sum(info.packed) > manifest.packed_nbytes:
+                raise ValueError(f"blob {info.name!r} lies outside the packed array")
+        return manifest
+
+    def metadata_files(self) -> dict[str, str | None]:
+        """The group's Zarr metadata files (relative paths) and the blob each belongs to."""
+        files: dict[str, str | None] = {"zarr.json": None}
+        if self.packed_nbytes:
+            files[f"{PACKED_ARRAY}/zarr.json"] = None
+        for info in self.blobs.values():
+            if info.path is not None:
+                files[f"{info.path}/zarr.json"] = info.name
+        return files
+
+
+def metadata_digests(location: Location, path: str, manifest: Manifest) -> dict[str, str]:
+    """SHA-256 of every Zarr metadata file of the group at ``path``.
+
+    Commit records keep these, so a restore detects any change to the manifest or to an array's
+    metadata (chunk grid, key encoding, codecs), which chunk checksums alone would not.
+    """
+    digests = {}
+    for name in manifest.metadata_files():
+        try:
+            digests[name] = hashlib.sha256(location.read_bytes(f"{path}/{name}")).hexdigest()
+        except CheckpointNotFoundError:
+            digests[name] = "missing"
+    return digests
 
 
 def _store(location: Location, path: str, *, read_only: bool) -> Any:
@@ -281,7 +323,10 @@ def read_node(
         packed = None
         for name in wanted:
             info = manifest.blobs[name]
-            if info.packed is not None:
+            if info.packed is not None and info.packed[1] == 0:
+                out[name] = np.empty(info.shape, dtype=info.dtype,
+                                     order="F" if info.order == "F" else "C")
+            elif info.packed is not None:
                 if packed is None:
                     packed = _read_array(location, store, path, manifest, PACKED_ARRAY,
                                          np.dtype(np.uint8), (manifest.packed_nbytes,))

@@ -1,0 +1,43 @@
+"""Prefect integration: the only part of caffe2ckpt that imports prefect.
+
+- :class:`PrefectSession` runs each node's share of a task group as a Prefect task run;
+- :func:`run_job` is the one-liner for a flow body, with an attempt cap for crash retries;
+- :class:`CheckpointArtifacts` keeps the checkpoint table, progress and summary artifacts;
+- :func:`create_crash_retry_automation` re-schedules crashed runs of a deployment.
+
+caffe2ckpt's own log lines reach the flow run logs: importing this package adds ``caffe2ckpt``
+to ``PREFECT_LOGGING_EXTRA_LOGGERS`` when prefect has not been imported yet (import
+``caffe2ckpt.prefect`` before ``prefect`` in flow files, or set the variable yourself).
+"""
+
+import logging
+import os
+
+_extra = [n for n in os.environ.get("PREFECT_LOGGING_EXTRA_LOGGERS", "").split(",") if n]
+if "caffe2ckpt" not in _extra:
+    os.environ["PREFECT_LOGGING_EXTRA_LOGGERS"] = ",".join([*_extra, "caffe2ckpt"])
+# caffe2ckpt also runs outside flows (LocalSession): its log lines there are not flow run logs.
+os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
+
+from caffe2ckpt.prefect.artifacts import CheckpointArtifacts, artifact_key  # noqa: E402
+from caffe2ckpt.prefect.flow import (  # noqa: E402
+    AttemptLimitExceeded,
+    create_crash_retry_automation,
+    run_job,
+)
+from caffe2ckpt.prefect.session import PrefectSession, in_flow_run  # noqa: E402
+
+# Prefect hands its handlers to extra loggers but not its level; without this, caffe2ckpt's
+# INFO lifecycle lines ("Resuming from epoch 6 ...") would be filtered out by the root level.
+if logging.getLogger("caffe2ckpt").level == logging.NOTSET:
+    logging.getLogger("caffe2ckpt").setLevel(logging.getLogger("prefect.extra").getEffectiveLevel())
+
+__all__ = [
+    "AttemptLimitExceeded",
+    "CheckpointArtifacts",
+    "PrefectSession",
+    "artifact_key",
+    "create_crash_retry_automation",
+    "in_flow_run",
+    "run_job",
+]

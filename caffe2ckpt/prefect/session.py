@@ -1,0 +1,110 @@
+"""PrefectSession: every node's share of a task group becomes one Prefect task run.
+
+Inside a flow, ``session.run(group)`` submits one task run per node of the group (named like
+``epoch_group[trainer_1] e7``) to the flow's task runner, waits for all of them, and then raises
+the first failure. Workspaces are handed over in memory (``quote``d, ``NO_CACHE``, no result
+persistence): the checkpoint store is the only cache. Outside a flow it behaves like a
+:class:`~caffe2ckpt.session.LocalSession`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from typing import Any
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from prefect.context import FlowRunContext
+from prefect.futures import wait
+from prefect.runtime import deployment, flow_run
+from prefect.utilities.annotations import quote
+
+from caffe2ckpt.job import Task, TaskGroup
+from caffe2ckpt.prefect.artifacts import CheckpointArtifacts
+from caffe2ckpt.session import LocalSession, RunEvent, as_group, run_node_tasks
+from caffe2ckpt.workspace import Workspace, WorkspaceType
+
+__all__ = ["PrefectSession", "in_flow_run"]
+
+
+def in_flow_run() -> bool:
+    """Whether the caller runs inside a Prefect flow run."""
+    return FlowRunContext.get() is not None
+
+
+@task(cache_policy=NO_CACHE, persist_result=False, task_run_name="{label}")
+def _run_node(label: str, tasks: list[Task], ws: Workspace, workspace_type: WorkspaceType) -> None:
+    run_node_tasks(tasks, ws, workspace_type)
+
+
+class PrefectSession:
+    """Runs task groups as Prefect task runs and reports checkpoints as flow run artifacts.
+
+    Args:
+        workspaces: existing node workspaces (others are created empty on first use).
+        artifacts: keep the checkpoint table, progress and summary artifacts up to date.
+
+    Example:
+        >>> from prefect import flow
+        >>> @flow(retries=2)
+        ... def train(url: str = "checkpoints/demo") -> int:
+        ...     cm = MultiNodeCheckpointManager(url, metadata_handler=ZarrMetadataHandler())
+        ...     return JobRunner(build_job(), cm).train(PrefectSession())
+    """
+
+    def __init__(self, workspaces: Mapping[str, Workspace] | None = None, *,
+                 artifacts: bool = True) -> None:
+        self._local = LocalSession(workspaces)
+        self._artifacts = CheckpointArtifacts() if artifacts else None
+        self.epoch: int | None = None
+
+    def workspace(self, node: str) -> Workspace:
+        return self._local.workspace(node)
+
+    @property
+    def workspaces(self) -> dict[str, Workspace]:
+        return self._local.workspaces
+
+    def writer_info(self) -> dict[str, Any]:
+        """The flow run (id, name, attempt) and deployment that are writing checkpoints."""
+        if not in_flow_run():
+            return {**self._local.writer_info(), "session": "prefect"}
+        return {
+            "session": "prefect",
+            "flow_run_id": flow_run.id,
+            "flow_run_name": flow_run.name,
+            "flow_name": flow_run.flow_name,
+            "run_count": flow_run.run_count,
+            "deployment_id": deployment.id,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+        }
+
+    def notify(self, event: RunEvent) -> None:
+        self.epoch = event.epoch
+        if self._artifacts is not None and in_flow_run():
+            self._artifacts.handle(event)
+
+    def run(self, runnable: TaskGroup | Task) -> None:
+        group = as_group(runnable)
+        if not in_flow_run():
+            self._local.run(group)
+            return
+        by_node = group.tasks_by_node()
+        wtype = group.workspace_type or WorkspaceType.PRIVATE
+        suffix = f" e{self.epoch}" if self.epoch is not None else ""
+        futures = [
+            _run_node.with_options(name=group.name).submit(
+                f"{group.name}[{node}]{suffix}", quote(tasks), quote(self.workspace(node)), wtype
+            )
+            for node, tasks in by_node.items()
+        ]
+        try:
+            wait(futures)
+            for future in futures:
+                future.result()  # the first failure, after every node has finished
+        finally:
+            for t in group.tasks:
+                t.last_session = self
