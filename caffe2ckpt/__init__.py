@@ -7,6 +7,7 @@ and fsspec, orchestrated by Prefect through :mod:`caffe2ckpt.prefect`.
 from caffe2ckpt.errors import (
     CheckpointCorruptedError,
     CheckpointError,
+    CheckpointFencedError,
     CheckpointNotFoundError,
     CheckpointWriteError,
     InvalidBlobError,
@@ -23,6 +24,7 @@ from caffe2ckpt.workspace import Workspace, WorkspaceType
 __all__ = [
     "CheckpointCorruptedError",
     "CheckpointError",
+    "CheckpointFencedError",
     "CheckpointManager",
     "CheckpointNotFoundError",
     "CheckpointWriteError",

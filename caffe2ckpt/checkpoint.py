@@ -12,6 +12,10 @@ checkpoint intact:
 2. Data is made durable (fsync of files and directories on local disks) before the record.
 3. The record is written last, exclusively, and never edited.
 
+Fencing: a run that claims the prefix (:meth:`CheckpointStore.claim`) owns it until a newer
+claim appears; its saves check the claim just before committing and raise
+:class:`CheckpointFencedError` instead once a newer run (e.g. a duplicate retry) took over.
+
 An epoch is committed for a set of nodes when every node has a record whose save id matches its
 group's manifest and all those records share one save id (they were saved together).
 
@@ -20,8 +24,10 @@ Imports: errors, location, naming, storage, commit. Not prefect.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,9 +40,19 @@ from caffe2ckpt.commit import (
     read_record,
     write_record,
 )
-from caffe2ckpt.errors import CheckpointCorruptedError, CheckpointNotFoundError
+from caffe2ckpt.errors import (
+    CheckpointCorruptedError,
+    CheckpointFencedError,
+    CheckpointNotFoundError,
+)
 from caffe2ckpt.location import Location
-from caffe2ckpt.naming import STAGING_DIR, check_epoch, check_node_name, get_ckpt_filename
+from caffe2ckpt.naming import (
+    CLAIMS_DIR,
+    STAGING_DIR,
+    check_epoch,
+    check_node_name,
+    get_ckpt_filename,
+)
 from caffe2ckpt.storage import (
     DEFAULT_PACK_THRESHOLD,
     Manifest,
@@ -61,6 +77,7 @@ class SaveInfo:
     stop_conditions: tuple[str, ...] = ()
     metrics: dict[str, float] | None = None
     writer: dict | None = None
+    claim: str | None = None  # the run's claim on the prefix: fenced saves never commit
 
 
 class CheckpointStore:
@@ -101,6 +118,8 @@ class CheckpointStore:
         )
         self.location.sync_tree(write_to)
         digests = metadata_digests(self.location, write_to, manifest)
+        if info.claim is not None:
+            self.check_claim(info.claim)
         if previous:
             for ref in previous:  # the old copy stops counting before it is replaced
                 delete_record(self.location, ref)
@@ -124,6 +143,35 @@ class CheckpointStore:
         logger.debug("committed %s (%d bytes, %.3f s)", self.location.display(
             get_ckpt_filename(node, epoch)), record.nbytes, record.seconds)
         return record
+
+    # -- fencing ---------------------------------------------------------------------------------
+
+    def claim(self, writer: dict | None = None, *, keep: int = 8) -> str:
+        """Claim the prefix for a new run; older claimants are fenced off. Returns the claim."""
+        name = f"{time.time_ns():020d}-{uuid.uuid4().hex}.json"
+        directory = self.location.path(CLAIMS_DIR)
+        self.location.create_exclusive(f"{directory}/{name}",
+                                       json.dumps(writer or {}, default=str).encode())
+        for old in sorted(self._claims())[:-keep]:
+            self.location.remove(f"{directory}/{old}")
+        return name
+
+    def _claims(self) -> list[str]:
+        names = self.location.list_names(self.location.path(CLAIMS_DIR))
+        return [n for n in names if n.endswith(".json") and not n.startswith(".")]
+
+    def check_claim(self, claim: str) -> None:
+        """Raise :class:`CheckpointFencedError` if a newer claim than ``claim`` exists."""
+        newest = max(self._claims(), default=claim)
+        if newest > claim:
+            try:
+                who = json.loads(self.location.read_bytes(self.location.path(CLAIMS_DIR, newest)))
+            except (CheckpointNotFoundError, ValueError):
+                who = {}
+            raise CheckpointFencedError(
+                f"a newer run took over checkpoint prefix {self.location.display()!r} "
+                f"(claim {newest}, writer {who}); this run ({claim}) must not commit there"
+            )
 
     # -- reading ---------------------------------------------------------------------------------
 

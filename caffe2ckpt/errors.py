@@ -7,6 +7,7 @@ the builtin a caller would naturally catch, so ``except FileNotFoundError`` keep
     ├── CheckpointNotFoundError (FileNotFoundError)   no committed checkpoint where one was asked for
     ├── CheckpointCorruptedError (ValueError)         stored bytes or metadata fail verification
     ├── CheckpointWriteError (OSError)                a save or commit could not be completed
+    │   └── CheckpointFencedError                     a newer run took over the prefix
     ├── InvalidBlobError (ValueError)                 a workspace value or blob name we cannot store
     ├── InvalidLocationError (ValueError)             a bad node name, prefix, URL or epoch
     └── JobDefinitionError (ValueError)               a Job / Task / runner set up wrongly
@@ -19,6 +20,7 @@ from __future__ import annotations
 __all__ = [
     "CheckpointCorruptedError",
     "CheckpointError",
+    "CheckpointFencedError",
     "CheckpointNotFoundError",
     "CheckpointWriteError",
     "InvalidBlobError",
@@ -60,6 +62,10 @@ class CheckpointCorruptedError(CheckpointError, ValueError):
 
 class CheckpointWriteError(CheckpointError, OSError):
     """A save or commit failed; nothing already committed was changed."""
+
+
+class CheckpointFencedError(CheckpointWriteError):
+    """A newer run claimed the checkpoint prefix; this run must stop saving there."""
 
 
 class InvalidBlobError(CheckpointError, ValueError):

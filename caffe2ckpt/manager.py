@@ -217,16 +217,18 @@ class _BaseManager:
         return True
 
     def save(self, epoch: int, *, stop: bool = False, stop_conditions: Sequence[str] = (),
-             metrics: dict[str, float] | None = None,
-             writer: dict[str, Any] | None = None) -> TaskGroup:
+             metrics: dict[str, float] | None = None, writer: dict[str, Any] | None = None,
+             claim: str | None = None) -> TaskGroup:
         """A runnable that saves and commits every node's checkpointed blobs as ``epoch``.
 
         The keyword arguments are kept in the commit records (the runner passes the epoch's stop
-        decision and the session's writer info).
+        decision and the session's writer info); with ``claim`` (from :meth:`claim`), the save
+        refuses to commit once a newer run has claimed the prefix.
         """
         epoch = check_epoch(epoch)
         info = SaveInfo(save_id=uuid.uuid4().hex, nodes=self.file_nodes(), stop=bool(stop),
-                        stop_conditions=tuple(stop_conditions), metrics=metrics, writer=writer)
+                        stop_conditions=tuple(stop_conditions), metrics=metrics, writer=writer,
+                        claim=claim)
         self.last_records = {}
 
         def make(node: str, file_node: str) -> Any:
@@ -297,6 +299,10 @@ class _BaseManager:
             self._metadata_handler.report(action_name, stats)
 
     # -- beyond Caffe2: what the runner needs to resume safely ------------------------------------
+
+    def claim(self, writer: dict[str, Any] | None = None) -> str:
+        """Claim the prefix for a run (see :meth:`CheckpointStore.claim`); pass it to ``save``."""
+        return self._store.claim(writer)
 
     def epoch_records(self, epoch: int) -> dict[str, CommitRecord] | None:
         """The records committing ``epoch`` for every node, or None."""

@@ -8,6 +8,7 @@ Layout under a checkpoint prefix::
     <prefix>/<node>.<epoch>/            one Zarr v3 group per node and epoch (db_name)
     <prefix>/_commits/<record>.json     commit records (see caffe2ckpt.commit)
     <prefix>/_staging/...               re-saves being written aside (uncommitted)
+    <prefix>/_claims/<ns>-<id>.json     which run currently owns the prefix (newest wins)
 
 Blob names become array paths by :func:`blob_path`: characters other than ``A-Z a-z 0-9 _ . -``
 are percent-encoded as UTF-8 bytes (``/`` -> ``%2F``, ``:`` -> ``%3A``, ``%`` -> ``%25``), a
@@ -27,6 +28,7 @@ import numpy as np
 from caffe2ckpt.errors import InvalidLocationError
 
 __all__ = [
+    "CLAIMS_DIR",
     "COMMITS_DIR",
     "STAGING_DIR",
     "blob_path",
@@ -36,6 +38,7 @@ __all__ = [
     "get_ckpt_filename",
 ]
 
+CLAIMS_DIR = "_claims"
 COMMITS_DIR = "_commits"
 STAGING_DIR = "_staging"
 MAX_EPOCH = 10**12 - 1

@@ -24,6 +24,7 @@ import numpy as np
 from caffe2ckpt.errors import (
     CheckpointCorruptedError,
     CheckpointError,
+    CheckpointFencedError,
     CheckpointNotFoundError,
     CheckpointWriteError,
     JobDefinitionError,
@@ -75,6 +76,7 @@ class JobRunner:
         self.on_save_error = on_save_error
         self.failed_saves: list[int] = []
         self.resumed_from: int | None = None
+        self._claim: str | None = None
 
     def train(self, session: Session) -> int:
         """Run the job to its stop condition; return the number of the final epoch."""
@@ -89,6 +91,11 @@ class JobRunner:
         resume = None
         if cm is not None:
             cm.set_params(nodes=job.nodes_to_checkpoint())
+            try:
+                self._claim = cm.claim(_writer(session))
+            except OSError as exc:  # an unreachable prefix: the saves will report it
+                logger.warning("cannot claim checkpoint prefix %r: %s", cm.url, exc)
+                self._claim = None
             resume = cm.get_resume_from_epoch_id(self.resume_from_epoch)
         finished = False
         if resume is None:
@@ -200,21 +207,25 @@ class JobRunner:
             if not cm.cp_accessible(epoch=epoch):
                 raise CheckpointWriteError(f"Checkpoint files cannot be accessed at {cm.url!r}")
             logger.info("Saving checkpoints for epoch %d", epoch)
-            writer_info = getattr(session, "writer_info", None)
             session.run(cm.save(epoch, stop=stop, stop_conditions=stop_conditions,
-                                writer=writer_info() if writer_info else None))
+                                writer=_writer(session), claim=self._claim))
             cm.write_checkpoint_metadata(epoch)
             cm.report_checkpoint_stats("checkpoint_save")
         except Exception as exc:
             self.failed_saves.append(epoch)
             self._notify(session, "save_failed", epoch, error=f"{type(exc).__name__}: {exc}")
-            if self.on_save_error == "raise":
+            if self.on_save_error == "raise" or isinstance(exc, CheckpointFencedError):
                 if isinstance(exc, CheckpointError):
                     raise
                 raise CheckpointWriteError(f"checkpoint of epoch {epoch} failed: {exc}") from exc
             logger.warning("Unable to write checkpoint for epoch %d. Error=%s", epoch, exc)
             return
         self._notify(session, "saved", epoch, records=dict(cm.last_records))
+
+
+def _writer(session: Session) -> dict[str, Any] | None:
+    writer_info = getattr(session, "writer_info", None)
+    return writer_info() if writer_info is not None else None
 
 
 def _describe(writer: dict[str, Any]) -> str:

@@ -1,0 +1,167 @@
+"""End to end, offline: a real `prefect server`, the repo's prefect.yaml deployed to a process
+work pool, a worker, a flow run killed with SIGKILL mid-run, the crash-retry automation putting
+the same flow run back, and assertions over the REST API and the checkpoint files."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from caffe2ckpt import JobRunner, LocalSession, MultiNodeCheckpointManager
+from caffe2ckpt.checkpoint import CheckpointStore
+from caffe2ckpt.commit import list_records, read_record
+from caffe2ckpt.example import build_job
+from caffe2ckpt.location import Location
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+EPOCHS = 40
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(check, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = check()
+        if result:
+            return result
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+@pytest.fixture
+def server(tmp_path):
+    """A real Prefect server on 127.0.0.1, stopped by PID at the end."""
+    port = free_port()
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"),
+           "PREFECT_API_URL": f"http://127.0.0.1:{port}/api", "PWD": str(REPO),
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1",
+           "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_LOGGING_LEVEL": "INFO"}
+    for key in ("PREFECT_SERVER_SERVICES_EVENT_PERSISTER_ENABLED",
+                "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_ENABLED"):
+        env.pop(key, None)  # this tier runs the server with its default services
+    log = open(tmp_path / "server.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host",
+                             "127.0.0.1", "--port", str(port), "--no-ui"], env=env, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    api = env["PREFECT_API_URL"]
+    try:
+        wait_for(lambda: _healthy(api), 120, "the Prefect server")
+        yield api, env
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+
+
+def _healthy(api: str) -> bool:
+    try:
+        return httpx.get(f"{api}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def prefect(env, *args: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "prefect", *args], env=env, cwd=REPO,
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, f"prefect {' '.join(args)} failed:\n{out.stdout}\n{out.stderr}"
+    return out.stdout
+
+
+def post(api: str, path: str, body: dict) -> list:
+    response = httpx.post(f"{api}{path}", json=body, timeout=10)
+    response.raise_for_status()
+    return response.json()
+
+
+def test_deploy_kill_and_automatic_retry(server, tmp_path):
+    api, env = server
+    ckpt = tmp_path / "ckpt"
+    prefect(env, "work-pool", "create", "caffe2ckpt", "--type", "process")
+    prefect(env, "--no-prompt", "deploy", "--all")
+    out = subprocess.run([sys.executable, "-m", "caffe2ckpt.prefect", "retry-crashed",
+                          "regression/nightly"], env=env, cwd=REPO, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0 and "automation" in out.stdout, out.stderr
+    worker_log = open(tmp_path / "worker.log", "wb")
+    worker = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool",
+                               "caffe2ckpt", "--type", "process"], env=env, cwd=REPO,
+                              stdout=worker_log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        started = prefect(env, "deployment", "run", "regression/nightly", "--param",
+                          f"checkpoint_url={ckpt}", "--param", f"epochs={EPOCHS}")
+        run_id = started.split("flow-run/")[1].split()[0].strip()
+        location = Location(str(ckpt))
+
+        def committed_epoch(minimum: int):
+            refs = [r for r in list_records(location) if r.epoch >= minimum]
+            return refs[-1] if refs else None
+
+        ref = wait_for(lambda: committed_epoch(3), 120, "epoch 3 to be committed")
+        victim = read_record(location, ref).writer["pid"]
+        os.kill(victim, signal.SIGKILL)
+
+        def final_state():
+            run = httpx.get(f"{api}/flow_runs/{run_id}", timeout=10).json()
+            return run if run["state_type"] == "COMPLETED" else None
+
+        run = wait_for(final_state, 240, "the retried flow run to complete")
+    finally:
+        os.killpg(worker.pid, signal.SIGTERM)
+        worker.wait(timeout=30)
+        worker_log.close()
+
+    assert run["run_count"] >= 2  # the same flow run, retried in a new process
+    store = CheckpointStore(location)
+    nodes = ["trainer_0", "trainer_1"]
+    assert store.latest_epoch(nodes) == EPOCHS
+    last = store.epoch_records(EPOCHS, nodes)
+    assert last["trainer_0"].writer["flow_run_id"] == run_id
+    assert last["trainer_0"].writer["run_count"] >= 2
+
+    reference = LocalSession()
+    JobRunner(build_job(EPOCHS), MultiNodeCheckpointManager(str(tmp_path / "ref"))).train(reference)
+    for node in nodes:
+        restored = store.load_node(node, EPOCHS)
+        expected = reference.workspace(node)
+        # outputs created after init_group ("loss", the limiter's stop flag) are not checkpointed
+        assert {"model/w", "model/b", "reader/cursor"} <= restored.keys() <= expected.keys()
+        for name, value in restored.items():
+            assert value.tobytes() == expected[name].tobytes() and value.dtype == expected[name].dtype
+
+    logs = post(api, "/logs/filter", {"logs": {"flow_run_id": {"any_": [run_id]}}, "limit": 200,
+                                      "sort": "TIMESTAMP_DESC"})
+    assert any("Resuming from epoch" in log["message"] and run_id in log["message"]
+               for log in logs), "the retry must log where it resumed from and who wrote it"
+    task_runs = post(api, "/task_runs/filter", {"flow_runs": {"id": {"any_": [run_id]}},
+                                                 "limit": 200})
+    names = {t["name"] for t in task_runs}
+    assert f"epoch_group[trainer_0] e{EPOCHS}" in names
+    assert f"checkpoint_save[trainer_1] e{EPOCHS}" in names
+    assert any(n.startswith("checkpoint_load[trainer_0]") for n in names)
+    artifacts = post(api, "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [run_id]}}})
+    keyed = [a for a in artifacts if a["key"]]
+    assert sorted(a["key"] for a in keyed) == [
+        "regression-checkpoints", "regression-progress", "regression-summary"]
+    table = json.loads(next(a for a in keyed if a["key"] == "regression-checkpoints")["data"])
+    assert [row["epoch"] for row in table] == list(range(EPOCHS + 1))
+    assert np.all([row["status"] == "committed" for row in table])
