@@ -44,6 +44,7 @@ from caffe2ckpt.errors import (
     CheckpointCorruptedError,
     CheckpointFencedError,
     CheckpointNotFoundError,
+    CheckpointWriteError,
 )
 from caffe2ckpt.location import Location
 from caffe2ckpt.naming import (
@@ -106,6 +107,7 @@ class CheckpointStore:
         start = time.perf_counter()
         target = self.group_path(node, epoch)
         previous = [r for r in list_records(self.location) if r.epoch == epoch and r.node == node]
+        self._remove_staged(node, epoch)  # leftovers of interrupted re-saves: never committed
         write_to = (
             self.location.path(STAGING_DIR, f"{get_ckpt_filename(node, epoch)}.{info.save_id}")
             if previous
@@ -140,9 +142,22 @@ class CheckpointStore:
             writer=dict(info.writer or {}),
         )
         write_record(self.location, record)
+        committed = self.node_record(node, epoch)  # the record must vouch for what is stored
+        if committed.save_id != info.save_id:
+            raise CheckpointWriteError(
+                f"checkpoint {self.location.display(get_ckpt_filename(node, epoch))!r} (node "
+                f"{node!r}, epoch {epoch}) holds save {committed.save_id!r} after committing "
+                f"{info.save_id!r}"
+            )
         logger.debug("committed %s (%d bytes, %.3f s)", self.location.display(
             get_ckpt_filename(node, epoch)), record.nbytes, record.seconds)
         return record
+
+    def _remove_staged(self, node: str, epoch: int) -> None:
+        staging = self.location.path(STAGING_DIR)
+        for name in self.location.list_names(staging):
+            if name.rpartition(".")[0] == get_ckpt_filename(node, epoch):
+                self.location.remove(f"{staging}/{name}")
 
     # -- fencing ---------------------------------------------------------------------------------
 

@@ -165,7 +165,7 @@ class Location:
         _fsync_dir(posixpath.dirname(path))
 
     def remove(self, path: str) -> None:
-        """Delete file or tree ``path``; a missing path is not an error."""
+        """Delete file or tree ``path``; a missing path is not an error (any other is)."""
         if self.is_local:
             if os.path.isdir(path) and not os.path.islink(path):
                 _rmtree_local(path)
@@ -177,7 +177,12 @@ class Location:
             _fsync_dir(posixpath.dirname(path))
             return
         try:
-            if self.fs.isdir(path):
+            # not fs.isdir(): it answers False on any error, which would hide an I/O failure
+            kind = self.fs.info(path).get("type")
+        except FileNotFoundError:
+            return
+        try:
+            if kind == "directory":
                 self.fs.rm(path, recursive=True)
             else:
                 self.fs.rm_file(path)
@@ -185,7 +190,13 @@ class Location:
             return
 
     def move(self, src: str, dst: str) -> None:
-        """Move tree ``src`` to ``dst`` (which must not exist). Atomic only on local disks."""
+        """Move tree ``src`` to ``dst``, which must not exist. Atomic only on local disks.
+
+        Raises:
+            FileExistsError: ``dst`` exists (fsspec would move ``src`` *into* it).
+        """
+        if self.exists(dst):
+            raise FileExistsError(f"cannot move {src} to {dst}: the destination exists")
         self.makedirs(posixpath.dirname(dst))
         if self.is_local:
             os.rename(src, dst)

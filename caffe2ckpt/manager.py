@@ -287,6 +287,11 @@ class _BaseManager:
             return True
         return bool(self._metadata_handler.cp_accessible(epoch))
 
+    @property
+    def access_error(self) -> BaseException | None:
+        """Why the metadata handler last found the prefix inaccessible, if it says."""
+        return getattr(self._metadata_handler, "last_error", None)
+
     def collect_checkpoint_stats(self, stats: dict[str, int]) -> None:
         """Add ``{db path: nanoseconds}`` of the last init/save/load actions to ``stats``."""
         stats.update(self._stats)

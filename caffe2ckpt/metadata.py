@@ -59,6 +59,7 @@ class ZarrMetadataHandler:
         self.storage_options = storage_options
         self.filesystem: Any = None
         self.reports: list[tuple[str, dict[str, int]]] = []
+        self.last_error: OSError | None = None  # why cp_accessible last said no
         self._store: CheckpointStore | None = None
         self._nodes: list[str] = []
 
@@ -118,9 +119,9 @@ class ZarrMetadataHandler:
         try:
             self.store.location.makedirs(self.store.location.root)
         except OSError as exc:
-            logger.warning("checkpoint prefix %r is not accessible: %s",
-                           self.store.location.display(), exc)
+            self.last_error = exc
             return False
+        self.last_error = None
         return True
 
     def report(self, action_name: str, stats: dict[str, int]) -> None:

@@ -205,7 +205,10 @@ class JobRunner:
             raise JobDefinitionError("Checkpoint manager is None")
         try:
             if not cm.cp_accessible(epoch=epoch):
-                raise CheckpointWriteError(f"Checkpoint files cannot be accessed at {cm.url!r}")
+                cause = cm.access_error
+                raise CheckpointWriteError(
+                    f"checkpoint of epoch {epoch}: files cannot be accessed at {cm.url!r}"
+                    + (f": {cause}" if cause else "")) from cause
             logger.info("Saving checkpoints for epoch %d", epoch)
             session.run(cm.save(epoch, stop=stop, stop_conditions=stop_conditions,
                                 writer=_writer(session), claim=self._claim))
