@@ -24,6 +24,7 @@ Imports: errors, location, naming, storage, commit. Not prefect.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -54,14 +55,8 @@ from caffe2ckpt.naming import (
     check_node_name,
     get_ckpt_filename,
 )
-from caffe2ckpt.storage import (
-    DEFAULT_PACK_THRESHOLD,
-    Manifest,
-    metadata_digests,
-    read_manifest,
-    read_node,
-    write_node,
-)
+from caffe2ckpt.manifest import Manifest
+from caffe2ckpt.storage import DEFAULT_PACK_THRESHOLD, parse_manifest, read_node, write_node
 
 __all__ = ["CheckpointStore", "SaveInfo"]
 
@@ -114,12 +109,10 @@ class CheckpointStore:
             else target
         )
         self.location.remove(write_to)  # uncommitted leftovers only: nothing commits them
-        manifest = write_node(
+        manifest, digests = write_node(
             self.location, write_to, node=node, epoch=epoch, save_id=info.save_id, blobs=blobs,
             pack_threshold=self.pack_threshold,
         )
-        self.location.sync_tree(write_to)
-        digests = metadata_digests(self.location, write_to, manifest)
         if info.claim is not None:
             self.check_claim(info.claim)
         if previous:
@@ -142,12 +135,11 @@ class CheckpointStore:
             writer=dict(info.writer or {}),
         )
         write_record(self.location, record)
-        committed = self.node_record(node, epoch)  # the record must vouch for what is stored
-        if committed.save_id != info.save_id:
+        stored = hashlib.sha256(self._group_json(node, epoch)).hexdigest()
+        if stored != digests["zarr.json"]:  # the record must vouch for what is stored
             raise CheckpointWriteError(
-                f"checkpoint {self.location.display(get_ckpt_filename(node, epoch))!r} (node "
-                f"{node!r}, epoch {epoch}) holds save {committed.save_id!r} after committing "
-                f"{info.save_id!r}"
+                f"checkpoint {self._where(node, epoch)!r} (node {node!r}, epoch {epoch}) does not "
+                f"hold the group of save {info.save_id!r} that was just committed"
             )
         logger.debug("committed %s (%d bytes, %.3f s)", self.location.display(
             get_ckpt_filename(node, epoch)), record.nbytes, record.seconds)
@@ -190,8 +182,22 @@ class CheckpointStore:
 
     # -- reading ---------------------------------------------------------------------------------
 
+    def _where(self, node: str, epoch: int) -> str:
+        return self.location.display(get_ckpt_filename(node, epoch))
+
+    def _group_json(self, node: str, epoch: int) -> bytes:
+        try:
+            return self.location.read_bytes(f"{self.group_path(node, epoch)}/zarr.json")
+        except CheckpointNotFoundError as exc:
+            raise CheckpointCorruptedError(
+                f"checkpoint {self._where(node, epoch)!r} (node {node!r}, epoch {epoch}) is "
+                "committed but its group metadata is missing", node=node, epoch=epoch,
+                blob="zarr.json",
+            ) from exc
+
     def node_record(self, node: str, epoch: int, refs: list[RecordRef] | None = None) -> CommitRecord:
-        """The valid commit record of ``node`` at ``epoch``.
+        """The valid commit record of ``node`` at ``epoch``: one whose digest of the group's
+        metadata matches the group stored now.
 
         Raises:
             CheckpointNotFoundError: no record for it.
@@ -204,24 +210,34 @@ class CheckpointStore:
                 f"no committed checkpoint for node {node!r} at epoch {epoch} under "
                 f"{self.location.display()!r}"
             )
-        manifest = self.manifest(node, epoch)
+        digest = hashlib.sha256(self._group_json(node, epoch)).hexdigest()
         for ref in refs:
-            if ref.save_id == manifest.save_id:
-                return read_record(self.location, ref)
+            record = read_record(self.location, ref)
+            if record.metadata.get("zarr.json") == digest:
+                return record
         raise CheckpointCorruptedError(
-            f"checkpoint {self.location.display(get_ckpt_filename(node, epoch))!r} holds save "
-            f"{manifest.save_id!r}, which no commit record names (an interrupted re-save?)",
-            node=node, epoch=epoch, blob=None,
+            f"checkpoint {self._where(node, epoch)!r} (node {node!r}, epoch {epoch}) holds "
+            "group metadata that no commit record names (changed, or an interrupted re-save)",
+            node=node, epoch=epoch, blob="zarr.json",
         )
 
     def manifest(self, node: str, epoch: int) -> Manifest:
-        """The manifest of ``node``'s group at ``epoch`` (committed or not)."""
-        path = self.group_path(node, epoch)
-        manifest = read_manifest(self.location, path, node=node, epoch=epoch)
-        if manifest.node != node or manifest.epoch != epoch:
+        """The manifest of ``node``'s committed group at ``epoch`` (validated against it)."""
+        record = self.node_record(node, epoch)
+        return self._checked_manifest(node, epoch, record)
+
+    def _checked_manifest(self, node: str, epoch: int, record: CommitRecord) -> Manifest:
+        raw = self._group_json(node, epoch)
+        if hashlib.sha256(raw).hexdigest() != record.metadata.get("zarr.json"):
             raise CheckpointCorruptedError(
-                f"checkpoint {self.location.display(get_ckpt_filename(node, epoch))!r} says it "
-                f"is node {manifest.node!r} epoch {manifest.epoch}",
+                f"checkpoint {self._where(node, epoch)!r} changed while being read",
+                node=node, epoch=epoch, blob="zarr.json",
+            )
+        manifest = parse_manifest(raw, self._where(node, epoch), node=node, epoch=epoch)
+        if (manifest.node, manifest.epoch, manifest.save_id) != (node, epoch, record.save_id):
+            raise CheckpointCorruptedError(
+                f"checkpoint {self._where(node, epoch)!r} says it is node {manifest.node!r} "
+                f"epoch {manifest.epoch} save {manifest.save_id!r}",
                 node=node, epoch=epoch, blob="zarr.json",
             )
         return manifest
@@ -234,26 +250,25 @@ class CheckpointStore:
             CheckpointCorruptedError: committed but damaged (names node, epoch and blob).
         """
         record = self.node_record(node, epoch)
+        manifest = self._checked_manifest(node, epoch, record)
         path = self.group_path(node, epoch)
-        manifest = self.manifest(node, epoch)
-        if manifest.save_id != record.save_id:  # replaced between the two reads
-            raise CheckpointCorruptedError(
-                f"checkpoint of node {node!r} at epoch {epoch} changed while being read",
-                node=node, epoch=epoch,
-            )
         files = manifest.metadata_files()
         if set(files) != set(record.metadata):
             raise CheckpointCorruptedError(
-                f"checkpoint {self.location.display(path)!r} (node {node!r}, epoch {epoch}): "
-                "its manifest lists other arrays than its commit record",
+                f"checkpoint {self._where(node, epoch)!r} (node {node!r}, epoch {epoch}): its "
+                "manifest lists other arrays than its commit record",
                 node=node, epoch=epoch, blob="zarr.json",
             )
-        for name, digest in metadata_digests(self.location, path, manifest).items():
-            if digest != record.metadata[name]:
+        for name, blob in files.items():
+            try:
+                raw = self.location.read_bytes(f"{path}/{name}")
+            except CheckpointNotFoundError:
+                raw = b""
+            if hashlib.sha256(raw).hexdigest() != record.metadata[name]:
                 raise CheckpointCorruptedError(
-                    f"checkpoint {self.location.display(path)!r} (node {node!r}, epoch {epoch}): "
-                    f"metadata file {name} of blob {files[name] or name!r} was changed or lost",
-                    node=node, epoch=epoch, blob=files[name] or name,
+                    f"checkpoint {self._where(node, epoch)!r} (node {node!r}, epoch {epoch}): "
+                    f"metadata file {name} of blob {blob or name!r} was changed or lost",
+                    node=node, epoch=epoch, blob=blob or name,
                 )
         return read_node(self.location, path, manifest, names)
 

@@ -150,6 +150,60 @@ class Location:
             os.unlink(tmp)
         _fsync_dir(directory)
 
+    def write_file(self, path: str, buffers: list[Any], *, durable: bool = True) -> None:
+        """Write the concatenation of ``buffers`` to ``path`` (parents must exist locally);
+        with ``durable``, fsync it before returning (local disks)."""
+        if not self.is_local:
+            data = buffers[0] if len(buffers) == 1 else b"".join(memoryview(b) for b in buffers)
+            self.fs.pipe_file(path, bytes(data) if not isinstance(data, bytes) else data)
+            return
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            for buf in buffers:
+                view = memoryview(buf).cast("B")
+                while view:
+                    view = view[os.write(fd, view):]
+            if durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def read_exact(self, path: str, out: memoryview, trailer: int) -> bytes:
+        """Read file ``path`` into ``out`` and return its last ``trailer`` bytes.
+
+        Raises:
+            CheckpointNotFoundError: no such file.
+            ValueError: the file's size is not ``len(out) + trailer``.
+        """
+        expected = len(out) + trailer
+        if not self.is_local:
+            data = self.read_bytes(path)
+            if len(data) != expected:
+                raise ValueError(f"{len(data)} bytes where {expected} were expected")
+            out[:] = memoryview(data)[: len(out)]
+            return data[len(out):]
+        try:
+            f = open(path, "rb", buffering=0)
+        except FileNotFoundError as exc:
+            raise CheckpointNotFoundError(f"{path} does not exist") from exc
+        with f:
+            size = os.fstat(f.fileno()).st_size
+            if size != expected:
+                raise ValueError(f"{size} bytes where {expected} were expected")
+            view = out
+            while view:
+                n = f.readinto(view)
+                if not n:
+                    raise ValueError("the file ended early")
+                view = view[n:]
+            return f.read(trailer)
+
+    def sync_dirs(self, paths: list[str]) -> None:
+        """fsync directories (local disks; deepest first so entries are durable upwards)."""
+        if self.is_local:
+            for path in sorted(set(paths), key=lambda p: -p.count("/")):
+                _fsync_dir(path)
+
     def sync_tree(self, path: str) -> None:
         """Make every file and directory under ``path`` durable (local disks only)."""
         if not self.is_local:

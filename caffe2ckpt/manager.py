@@ -142,7 +142,6 @@ class _BaseManager:
             epoch = check_epoch(retrieve_from_epoch)
 
             def from_checkpoint(ws: Workspace) -> None:
-                store.node_record(file_node, epoch)
                 self._blob_names[node] = list(store.manifest(file_node, epoch).blobs)
             return from_checkpoint
 

@@ -255,9 +255,10 @@ def _fault_and_recover(inner, path: str, sc: Scenario, fault: Fault, n: int) -> 
 DISK_FULL = Fault("write", errno.ENOSPC, sticky=True, torn=True, every_n=False)
 CASES = [
     pytest.param(FRESH, Fault("write"), id="fresh-write-EIO"),
-    pytest.param(FRESH, Fault("delete"), id="fresh-delete-EIO"),
+    pytest.param(FRESH, Fault("list"), id="fresh-list-EIO"),  # a fresh save deletes nothing
     pytest.param(RESAVE, Fault("write"), id="resave-write-EIO"),
     pytest.param(RESAVE, Fault("delete"), id="resave-delete-EIO"),
+    pytest.param(RESAVE, Fault("list"), id="resave-list-EIO"),
     # fsspec's isdir() answers False on any OSError: info/exists faults must not go unnoticed
     pytest.param(RESAVE, Fault("stat"), id="resave-stat-EIO"),
     pytest.param(FRESH, DISK_FULL, id="fresh-diskfull-ENOSPC"),
@@ -286,7 +287,7 @@ def test_faults_of_a_save(inner, sc: Scenario, fault: Fault):
     total = counter.counts[kind]
     for node in NODES:  # the comparisons can tell epochs apart
         assert differences(checkpointed(SAVED - 1)[node], checkpointed(SAVED)[node])
-    assert total >= (8 if kind == "write" else 2), counter.ops(kind)
+    assert total >= (8 if kind == "write" else 1), counter.ops(kind)
 
     # one op past the last: no fault fires, the save succeeds (the count is exact)
     clone(fs_inner, template, f"{root}/past-{sc.name}")

@@ -30,8 +30,9 @@ from caffe2ckpt.location import Location
 pytestmark = pytest.mark.slow
 
 NODES = ["trainer_0", "trainer_1"]
-EPOCHS = 10
-KILLS = 8
+EPOCHS = 12
+KILLS = 20
+SMALL = 200  # packed blobs per node, besides one 16 MB array and the step counter
 SEED = 20240611
 
 SCRIPT = textwrap.dedent('''
@@ -45,8 +46,8 @@ SCRIPT = textwrap.dedent('''
     from caffe2ckpt.metadata import ZarrMetadataHandler
 
     NODES = ["trainer_0", "trainer_1"]
-    BIG = 300_000  # float64: 2.4 MB per node, its own Zarr array
-    SMALL = 50  # packed
+    BIG = 2_000_000  # float64: 16 MB per node, its own Zarr array
+    SMALL = 200  # packed
 
 
     def log(event):
@@ -60,7 +61,7 @@ SCRIPT = textwrap.dedent('''
             rng = np.random.default_rng([11, i])
             ws["big"] = rng.standard_normal(BIG)
             for k in range(SMALL):
-                ws[f"small/{k:02d}"] = rng.integers(0, 1 << 30, size=k + 1).astype(np.int32)
+                ws[f"small/{k:03d}"] = rng.integers(0, 1 << 30, size=k + 1).astype(np.int32)
             ws["step"] = np.int64(0)
         return fn
 
@@ -72,7 +73,7 @@ SCRIPT = textwrap.dedent('''
             ws["big"] = ws["big"] * 0.5 + rng.standard_normal(BIG)
             for k in range(SMALL):
                 noise = rng.integers(0, 1 << 30, size=k + 1, dtype=np.int32)
-                ws[f"small/{k:02d}"] = ws[f"small/{k:02d}"] ^ noise
+                ws[f"small/{k:03d}"] = ws[f"small/{k:03d}"] ^ noise
             ws["step"] = np.int64(step)
         return fn
 
@@ -204,7 +205,7 @@ def test_sigkill_at_random_instants_loses_nothing(tmp_path):
         for node in NODES:
             got = store.load_node(node, epoch)
             want = ref_store.load_node(node, epoch)
-            assert len(want) == 52 + (node == NODES[0]), sorted(want)  # + the epoch counter
+            assert len(want) == SMALL + 2 + (node == NODES[0]), sorted(want)  # + the epoch counter
             problems = differences(got, want)
             assert not problems, f"{node} epoch {epoch} differs from the reference: {problems}"
             assert node not in previous or differences(want, previous[node])  # epochs differ
