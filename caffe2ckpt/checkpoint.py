@@ -126,7 +126,7 @@ class CheckpointStore:
             save_id=info.save_id,
             nodes=list(info.nodes),
             nbytes=manifest.nbytes,
-            blob_count=len(manifest.blobs),
+            blob_count=len(manifest.arrays) + len(manifest.packed),
             seconds=time.perf_counter() - start,
             stop=info.stop,
             stop_conditions=list(info.stop_conditions),

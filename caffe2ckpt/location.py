@@ -11,6 +11,7 @@ This is the only module that turns URLs into filesystems. It does not import zar
 
 from __future__ import annotations
 
+import ctypes
 import os
 import posixpath
 import shutil
@@ -198,11 +199,29 @@ class Location:
                 view = view[n:]
             return f.read(trailer)
 
-    def sync_dirs(self, paths: list[str]) -> None:
-        """fsync directories (local disks; deepest first so entries are durable upwards)."""
-        if self.is_local:
-            for path in sorted(set(paths), key=lambda p: -p.count("/")):
-                _fsync_dir(path)
+    @property
+    def fsync_each_file(self) -> bool:
+        """Whether written files must be fsync'ed one by one (else :meth:`make_durable` flushes
+        the whole filesystem with one ``syncfs``)."""
+        return self.is_local and _syncfs is None
+
+    def make_durable(self, dirs: list[str]) -> None:
+        """Make everything written under ``dirs`` durable (local disks): one ``syncfs()`` of the
+        filesystem where Linux offers it (files and directory entries alike), else an fsync of
+        each directory, deepest first (the files were fsync'ed as they were written)."""
+        if not self.is_local or not dirs:
+            return
+        if _syncfs is not None:
+            fd = os.open(dirs[0], os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                if _syncfs(fd) != 0:
+                    err = ctypes.get_errno()
+                    raise OSError(err, f"syncfs failed: {os.strerror(err)}", dirs[0])
+            finally:
+                os.close(fd)
+            return
+        for path in sorted(set(dirs), key=lambda p: -p.count("/")):
+            _fsync_dir(path)
 
     def sync_tree(self, path: str) -> None:
         """Make every file and directory under ``path`` durable (local disks only)."""
@@ -258,6 +277,16 @@ class Location:
             _fsync_dir(posixpath.dirname(src))
             return
         self.fs.mv(src, dst, recursive=True)
+
+
+def _load_syncfs() -> Any:
+    try:
+        return ctypes.CDLL(None, use_errno=True).syncfs
+    except (OSError, AttributeError):  # not Linux/glibc: fsync file by file
+        return None
+
+
+_syncfs = _load_syncfs()
 
 
 def _fsync_dir(path: str) -> None:

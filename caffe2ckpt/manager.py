@@ -181,7 +181,7 @@ class _BaseManager:
                     raise CheckpointNotFoundError(
                         f"checkpoint of node {file_node!r} at epoch {epoch} lacks blobs {missing}"
                     )
-                ws.update(data)
+                ws.restore(data)
             return load
 
         return self._group("checkpoint_load", make)
@@ -192,7 +192,7 @@ class _BaseManager:
         names = list(blob_names)
 
         def make(node: str, file_node: str) -> Any:
-            return lambda ws: ws.update(self._timed(
+            return lambda ws: ws.restore(self._timed(
                 node, file_node, epoch, lambda: self._store.load_node(file_node, epoch, names)))
 
         return self._group("checkpoint_partial_load", make)

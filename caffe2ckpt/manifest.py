@@ -1,6 +1,15 @@
 """The manifest of a node's checkpoint: which blobs it holds and where their bytes are.
 
-It is stored as ``attributes["caffe2ckpt"]`` of the node's Zarr group. Pure data: no I/O, no zarr.
+It is stored as ``attributes["caffe2ckpt"]`` of the node's Zarr group::
+
+    {"format": 1, "node": "trainer_0", "epoch": 7, "save_id": "...",
+     "arrays": {"<blob name>": {"path": "<array>", "dtype": "<f4", "shape": [..],
+                                "order": "C", "chunk_rows": 4096}, ...},
+     "packed": {"nbytes": N, "chunk": C, "names": [..], "dtypes": [..], "shapes": [[..], ..],
+                "offsets": [..], "fortran": [indices of Fortran-ordered blobs]}}
+
+Large blobs are listed by name under ``arrays``; small ones are columns under ``packed`` (ten
+thousand tiny blobs must not cost ten thousand JSON objects). Pure data: no I/O, no zarr.
 Parsing validates every entry, so a damaged manifest fails loudly instead of misplacing bytes.
 """
 
@@ -8,12 +17,12 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["FORMAT_VERSION", "PACKED_ARRAY", "BlobInfo", "Manifest"]
+__all__ = ["FORMAT_VERSION", "PACKED_ARRAY", "BlobInfo", "Manifest", "itemsize"]
 
 FORMAT_VERSION = 1
 PACKED_ARRAY = "_packed"
@@ -21,17 +30,18 @@ _KINDS = frozenset("biufcSU")
 
 
 @functools.lru_cache(maxsize=256)
-def _itemsize(dtype: str) -> int:
+def itemsize(dtype: str) -> int:
+    """The itemsize of numpy dtype string ``dtype``; ValueError unless it is a storable dtype
+    spelled canonically (``np.dtype(dtype).str``)."""
     parsed = np.dtype(dtype)
     if parsed.str != dtype or parsed.kind not in _KINDS:
         raise ValueError(f"bad dtype {dtype!r}")
     return parsed.itemsize
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class BlobInfo:
+class BlobInfo(NamedTuple):
     """Where and how one blob is stored: its own array (``path``, ``chunk_rows``) or a slice of
-    the packed array (``packed`` = offset, nbytes)."""
+    the packed array (``offset``)."""
 
     name: str
     dtype: str  # numpy dtype.str of the original array, e.g. "<f4", ">i8", "<U5"
@@ -39,70 +49,53 @@ class BlobInfo:
     order: str  # "C" or "F": restored with the same memory layout
     path: str | None = None
     chunk_rows: int = 0
-    packed: tuple[int, int] | None = None
+    offset: int | None = None
 
     @property
     def nbytes(self) -> int:
-        return _itemsize(self.dtype) * math.prod(self.shape)
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape), "order": self.order}
-        if self.path is not None:
-            out["path"] = self.path
-            out["chunk_rows"] = self.chunk_rows
-        if self.packed is not None:
-            out["packed"] = list(self.packed)
-        return out
-
-    @classmethod
-    def from_dict(cls, name: str, data: dict[str, Any]) -> BlobInfo:
-        """Parse and validate one entry (raises ValueError, TypeError or KeyError)."""
-        packed = data.get("packed")
-        info = cls(
-            name=name,
-            dtype=data["dtype"],
-            shape=tuple(int(s) for s in data["shape"]),
-            order=data["order"],
-            path=data.get("path"),
-            chunk_rows=int(data.get("chunk_rows", 0)),
-            packed=(int(packed[0]), int(packed[1])) if packed is not None else None,
-        )
-        nbytes = info.nbytes  # validates the dtype
-        if min(info.shape, default=0) < 0 or info.order not in ("C", "F"):
-            raise ValueError(f"blob {name!r}: bad shape {info.shape} or order {info.order!r}")
-        if info.packed is not None:
-            if info.path is not None or info.packed[0] < 0 or info.packed[1] != nbytes:
-                raise ValueError(f"blob {name!r}: bad packed entry {info.packed}")
-        elif not (isinstance(info.path, str) and info.path and info.shape
-                  and 0 < info.chunk_rows <= max(info.shape[0], 1)):
-            raise ValueError(f"blob {name!r}: bad array entry")
-        return info
+        return itemsize(self.dtype) * math.prod(self.shape)
 
 
 @dataclass(frozen=True, kw_only=True)
 class Manifest:
-    """What a node's group holds."""
+    """What a node's group holds: ``arrays`` (own Zarr arrays) and ``packed`` blobs."""
 
     node: str
     epoch: int
     save_id: str
-    blobs: dict[str, BlobInfo]
+    arrays: dict[str, BlobInfo] = field(default_factory=dict)
+    packed: list[BlobInfo] = field(default_factory=list)
     packed_nbytes: int = 0
     packed_chunk: int = 0  # bytes per chunk of the packed array
 
+    @functools.cached_property
+    def blobs(self) -> dict[str, BlobInfo]:
+        """Every blob by name (arrays first, then packed ones, each in saved order)."""
+        return {**self.arrays, **{b.name: b for b in self.packed}}
+
     @property
     def nbytes(self) -> int:
-        return sum(b.nbytes for b in self.blobs.values())
+        return sum(b.nbytes for b in self.arrays.values()) + sum(b.nbytes for b in self.packed)
 
     def to_dict(self) -> dict[str, Any]:
+        packed = self.packed
         return {
             "format": FORMAT_VERSION,
             "node": self.node,
             "epoch": self.epoch,
             "save_id": self.save_id,
-            "packed_nbytes": self.packed_nbytes,
-            "packed_chunk": self.packed_chunk,
-            "blobs": {name: info.to_dict() for name, info in self.blobs.items()},
+            "arrays": {b.name: {"path": b.path, "dtype": b.dtype, "shape": list(b.shape),
+                                "order": b.order, "chunk_rows": b.chunk_rows}
+                       for b in self.arrays.values()},
+            "packed": {
+                "nbytes": self.packed_nbytes,
+                "chunk": self.packed_chunk,
+                "names": [b.name for b in packed],
+                "dtypes": [b.dtype for b in packed],
+                "shapes": [b.shape for b in packed],
+                "offsets": [b.offset for b in packed],
+                "fortran": [i for i, b in enumerate(packed) if b.order == "F"],
+            },
         }
 
     @classmethod
@@ -110,30 +103,50 @@ class Manifest:
         """Parse and validate a manifest (raises ValueError, TypeError or KeyError)."""
         if data.get("format") != FORMAT_VERSION:
             raise ValueError(f"unknown format version {data.get('format')!r}")
-        manifest = cls(
-            node=str(data["node"]),
-            epoch=int(data["epoch"]),
-            save_id=str(data["save_id"]),
-            packed_nbytes=int(data["packed_nbytes"]),
-            packed_chunk=int(data["packed_chunk"]),
-            blobs={n: BlobInfo.from_dict(n, d) for n, d in data["blobs"].items()},
-        )
-        if manifest.packed_nbytes and manifest.packed_chunk <= 0:
-            raise ValueError("bad packed chunk size")
-        paths = [b.path for b in manifest.blobs.values() if b.path is not None]
+        arrays = {name: _array_info(name, entry) for name, entry in data["arrays"].items()}
+        columns = data["packed"]
+        names, dtypes = columns["names"], columns["dtypes"]
+        shapes, offsets = columns["shapes"], columns["offsets"]
+        if not len(names) == len(dtypes) == len(shapes) == len(offsets):
+            raise ValueError("packed columns differ in length")
+        fortran = set(columns["fortran"])
+        nbytes, chunk = int(columns["nbytes"]), int(columns["chunk"])
+        packed = []
+        for i, (name, dtype, shape, offset) in enumerate(zip(names, dtypes, shapes, offsets)):
+            shape = tuple(shape)
+            size = itemsize(dtype) * math.prod(shape)
+            if (not isinstance(name, str) or type(offset) is not int or offset < 0
+                    or offset + size > nbytes or any(type(s) is not int or s < 0 for s in shape)):
+                raise ValueError(f"bad packed entry {i} ({name!r})")
+            packed.append(BlobInfo(name, dtype, shape, "F" if i in fortran else "C",
+                                   offset=offset))
+        if len(set(names)) != len(names) or not set(names).isdisjoint(arrays):
+            raise ValueError("a blob name appears twice")
+        paths = [b.path for b in arrays.values()]
         if len(set(paths)) != len(paths) or PACKED_ARRAY in paths:
-            raise ValueError("two blobs share an array path")
-        for info in manifest.blobs.values():
-            if info.packed is not None and sum(info.packed) > manifest.packed_nbytes:
-                raise ValueError(f"blob {info.name!r} lies outside the packed array")
-        return manifest
+            raise ValueError("two arrays share a path")
+        if nbytes and chunk <= 0:
+            raise ValueError("bad packed chunk size")
+        return cls(node=str(data["node"]), epoch=int(data["epoch"]),
+                   save_id=str(data["save_id"]), arrays=arrays, packed=packed,
+                   packed_nbytes=nbytes, packed_chunk=chunk)
 
     def metadata_files(self) -> dict[str, str | None]:
         """The group's Zarr metadata files (relative paths) and the blob each belongs to."""
         files: dict[str, str | None] = {"zarr.json": None}
         if self.packed_nbytes:
             files[f"{PACKED_ARRAY}/zarr.json"] = None
-        for info in self.blobs.values():
-            if info.path is not None:
-                files[f"{info.path}/zarr.json"] = info.name
+        for info in self.arrays.values():
+            files[f"{info.path}/zarr.json"] = info.name
         return files
+
+
+def _array_info(name: str, entry: dict[str, Any]) -> BlobInfo:
+    info = BlobInfo(name, entry["dtype"], tuple(int(s) for s in entry["shape"]), entry["order"],
+                    path=entry["path"], chunk_rows=int(entry["chunk_rows"]))
+    info.nbytes  # noqa: B018 - validates the dtype
+    if (not info.shape or min(info.shape) <= 0 or info.order not in ("C", "F")
+            or not isinstance(info.path, str) or not info.path
+            or not 0 < info.chunk_rows <= info.shape[0]):
+        raise ValueError(f"bad array entry for blob {name!r}")
+    return info

@@ -50,6 +50,7 @@ DEFAULT_PACK_THRESHOLD = 64 * 1024
 CHUNK_BYTES = 16 * 1024 * 1024
 _ALIGN = 64
 _CRC = 4
+_ZEROS = np.zeros(_ALIGN, np.uint8)
 
 
 @functools.lru_cache(maxsize=1)
@@ -160,13 +161,13 @@ class _Writer:
             while directory.startswith(self.root + "/"):
                 directory = posixpath.dirname(directory)
                 dirs.add(directory)
-        self.location.sync_dirs([*dirs, posixpath.dirname(self.root)])
+        self.location.make_durable([self.root, *dirs, posixpath.dirname(self.root)])
 
     def _write_one(self, path: str, buffers: list[Any]) -> None:
         if len(buffers) == 1 and isinstance(buffers[0], np.ndarray):  # a chunk: add its CRC32C
             chunk = np.ascontiguousarray(buffers[0]).reshape(-1)
             buffers = [chunk, google_crc32c.value(chunk).to_bytes(_CRC, "little")]
-        self.location.write_file(path, buffers)
+        self.location.write_file(path, buffers, durable=self.location.fsync_each_file)
 
 
 def write_node(
@@ -185,30 +186,31 @@ def write_node(
         The manifest and the SHA-256 of every Zarr metadata file written (relative paths).
     """
     pack_threshold = max(1, pack_threshold)
-    infos: dict[str, BlobInfo] = {}
-    small: list[tuple[int, np.ndarray]] = []
+    arrays: dict[str, BlobInfo] = {}
+    packed: list[BlobInfo] = []
+    pieces: list[np.ndarray] = []
     writer = _Writer(location, path)
     offset = 0
     for name, arr in blobs.items():
         order = "F" if arr.flags.f_contiguous and not arr.flags.c_contiguous else "C"
         if arr.ndim == 0 or arr.size == 0 or arr.nbytes < pack_threshold:
-            offset += -offset % _ALIGN
-            infos[name] = BlobInfo(name=name, dtype=arr.dtype.str, shape=arr.shape, order=order,
-                                   packed=(offset, arr.nbytes))
-            small.append((offset, arr))
+            pad = -offset % _ALIGN
+            if pad:
+                pieces.append(_ZEROS[:pad])
+                offset += pad
+            packed.append(BlobInfo(name, arr.dtype.str, arr.shape, order, offset=offset))
+            pieces.append(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
             offset += arr.nbytes
         else:
             data = _stored(arr)
             rows = _chunk_rows(data.shape, data.dtype.itemsize)
-            infos[name] = BlobInfo(name=name, dtype=arr.dtype.str, shape=arr.shape, order=order,
-                                   path=blob_path(name), chunk_rows=rows)
-            writer.array(infos[name].path, data, rows)
+            info = BlobInfo(name, arr.dtype.str, arr.shape, order, path=blob_path(name),
+                            chunk_rows=rows)
+            arrays[name] = info
+            writer.array(info.path, data, rows)
     if offset:
-        packed = np.empty(offset, np.uint8)
-        for start, arr in small:
-            packed[start:start + arr.nbytes] = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
-        writer.array(PACKED_ARRAY, packed, min(offset, CHUNK_BYTES))
-    manifest = Manifest(node=node, epoch=epoch, save_id=save_id, blobs=infos,
+        writer.array(PACKED_ARRAY, np.concatenate(pieces), min(offset, CHUNK_BYTES))
+    manifest = Manifest(node=node, epoch=epoch, save_id=save_id, arrays=arrays, packed=packed,
                         packed_nbytes=offset, packed_chunk=min(offset, CHUNK_BYTES))
     group = {"attributes": {ATTRS_KEY: manifest.to_dict()}, "zarr_format": 3,
              "node_type": "group"}
@@ -237,43 +239,44 @@ def read_node(
 ) -> dict[str, np.ndarray]:
     """Read and verify blobs ``names`` (default: all) of the group at ``path``.
 
+    Small blobs come back as views into one buffer (disjoint, writable).
+
     Raises:
         CheckpointCorruptedError: a chunk is missing, truncated or fails its checksum.
     """
-    wanted = [n for n in (manifest.blobs if names is None else names) if n in manifest.blobs]
+    blobs = manifest.blobs
+    wanted = [blobs[n] for n in (blobs if names is None else names) if n in blobs]
     where = f"checkpoint {location.display(path)!r} (node {manifest.node!r}, epoch {manifest.epoch})"
     reads: list[tuple[str, str, np.ndarray]] = []  # (blob for errors, chunk path, destination)
     arrays: dict[str, np.ndarray] = {}
-    packed = None
-    for name in wanted:
-        info = manifest.blobs[name]
+    for info in wanted:
         if info.path is not None:
             dtype, shape = _stored_spec(info)
-            data = np.empty(shape, dtype)
-            arrays[name] = data
+            arrays[info.name] = data = np.empty(shape, dtype)
             flat = data.reshape(shape[0], -1).view(np.uint8)
             for key, rows in _chunk_keys(shape, info.chunk_rows):
-                reads.append((name, f"{path}/{info.path}/{key}", flat[rows]))
-        elif packed is None and info.packed[1]:
-            packed = np.empty(manifest.packed_nbytes, np.uint8)
-            step = manifest.packed_chunk
-            for key, rows in _chunk_keys((manifest.packed_nbytes,), step):
-                reads.append((PACKED_ARRAY, f"{path}/{PACKED_ARRAY}/{key}", packed[rows]))
+                reads.append((info.name, f"{path}/{info.path}/{key}", flat[rows]))
+    packed = np.empty(manifest.packed_nbytes, np.uint8)
+    if any(info.path is None and info.nbytes for info in wanted):
+        for key, rows in _chunk_keys((manifest.packed_nbytes,), manifest.packed_chunk):
+            reads.append((PACKED_ARRAY, f"{path}/{PACKED_ARRAY}/{key}", packed[rows]))
     futures = [_pool().submit(_read_chunk, location, manifest, where, blob, chunk, out)
                for blob, chunk, out in reads]
     for future in futures:
         future.result()
     out: dict[str, np.ndarray] = {}
-    for name in wanted:
-        info = manifest.blobs[name]
+    for info in wanted:
         if info.path is not None:
-            out[name] = _restored(arrays[name], info)
+            out[info.name] = _restored(arrays[info.name], info)
         else:
-            start, size = info.packed
-            view = np.ndarray(info.shape, np.dtype(info.dtype), buffer=packed if size else None,
-                              offset=start if size else 0)
-            out[name] = np.asfortranarray(view) if info.order == "F" else view
+            view = np.ndarray(info.shape, _dtype(info.dtype), buffer=packed, offset=info.offset)
+            out[info.name] = np.asfortranarray(view) if info.order == "F" else view
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def _dtype(dtype: str) -> np.dtype:
+    return np.dtype(dtype)
 
 
 def _read_chunk(location: Location, manifest: Manifest, where: str, blob: str, chunk: str,

@@ -130,6 +130,13 @@ class Workspace(MutableMapping[str, np.ndarray]):
     def __len__(self) -> int:
         return sum(1 for _ in self)
 
+    def restore(self, blobs: dict[str, np.ndarray]) -> None:
+        """Assign arrays that a checkpoint load produced (already valid: skips per-blob checks)."""
+        if self.parent is None:
+            self._blobs.update(blobs)
+        else:  # a child workspace: keep its write-through rules
+            self.update(blobs)
+
     def local_names(self) -> list[str]:
         """Names stored in this workspace itself (not those seen through a parent)."""
         return list(self._blobs)

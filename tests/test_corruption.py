@@ -244,11 +244,11 @@ def test_deleted_group_metadata_is_not_committed(ckpt):
 # node's group), a regex whose group 1 is the byte to flip, which match of it, and which bit.
 METADATA_FLIPS = {
     "array-chunk-key-separator": (f"{blob_path(BIG)}/zarr.json", rb'"separator":\s*"(/)"', 0, 0),
-    "manifest-packed-offset-1st": ("zarr.json", rb'"packed":\s*\[\s*(\d)', 0, 0),  # 0 -> 1
-    "manifest-packed-offset-2nd": ("zarr.json", rb'"packed":\s*\[\s*(\d)', 1, 0),  # 80 -> 90
-    "manifest-blob-name": ("zarr.json", rb'"(s)mall/b":', 0, 0),  # -> "rmall/b"
+    "manifest-packed-offset-1st": ("zarr.json", rb'"offsets":\s*\[\s*(\d)', 0, 0),  # 0 -> 1
+    "manifest-packed-offset-2nd": ("zarr.json", rb'"offsets":\s*\[\s*\d+\s*,\s*(\d)', 0, 0),
+    "manifest-blob-name": ("zarr.json", rb'"(s)mall/b"', 0, 0),  # -> "rmall/b"
     "manifest-dtype": ("zarr.json", rb'"<f(8)"', 0, 0),  # -> "<f9"
-    "manifest-shape": ("zarr.json", rb'"shape":\s*\[\s*1(0)\s*\]', 0, 0),  # [10] -> [11]
+    "manifest-shape": ("zarr.json", rb'\[\s*1(0)\s*\]', 0, 0),  # [10] -> [11]
 }
 
 

@@ -214,8 +214,8 @@ def test_pack_threshold_one_gives_own_arrays_except_0d_and_empty(prefix):
     session.run(cm.init([NODE]))
     session.run(cm.save(1))
     manifest = cm.store.manifest(NODE, 1)
-    assert manifest.blobs["v"].path == "v" and manifest.blobs["v"].packed is None
-    assert manifest.blobs["one"].packed is not None and manifest.blobs["e"].packed is not None
+    assert manifest.blobs["v"].path == "v" and manifest.blobs["v"].offset is None
+    assert manifest.blobs["one"].offset is not None and manifest.blobs["e"].offset is not None
     group = zarr.open_group(db_name(1, NODE, prefix), mode="r")
     assert group["v"].dtype == np.uint8 and group["v"].shape == (2,)
 
@@ -395,12 +395,12 @@ def test_plain_zarr_reads_large_blob_by_escaped_name(prefix):
     ue = group[blob_path("gewicht/über")]
     assert ue.dtype == np.int16 and np.array_equal(ue[...], blobs["gewicht/über"])
     meta = group.attrs["caffe2ckpt"]
-    assert sorted(meta["blobs"]) == sorted(blobs)
+    assert sorted([*meta["arrays"], *meta["packed"]["names"]]) == sorted(blobs)
     assert meta["node"] == NODE and meta["epoch"] == 4
-    assert meta["blobs"]["layer/1:w"]["dtype"] == "<f4"
-    assert meta["blobs"]["layer/1:w"]["shape"] == [130, 129]
-    assert meta["blobs"]["layer/1:w"]["path"] == "layer%2F1%3Aw"
-    assert "packed" in meta["blobs"]["layer/1:b"] and "path" not in meta["blobs"]["layer/1:b"]
+    assert meta["arrays"]["layer/1:w"]["dtype"] == "<f4"
+    assert meta["arrays"]["layer/1:w"]["shape"] == [130, 129]
+    assert meta["arrays"]["layer/1:w"]["path"] == "layer%2F1%3Aw"
+    assert "layer/1:b" in meta["packed"]["names"] and "layer/1:b" not in meta["arrays"]
     assert sorted(group.array_keys()) == sorted(["_packed", "layer%2F1%3Aw", "gewicht%2F%C3%BCber"])
 
 
