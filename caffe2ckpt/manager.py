@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from caffe2ckpt.background import BackgroundSaves
 from caffe2ckpt.checkpoint import CheckpointStore, SaveInfo
 from caffe2ckpt.commit import CommitRecord
 from caffe2ckpt.errors import (
@@ -56,6 +57,7 @@ class _BaseManager:
         storage_options: dict[str, Any] | None,
         filesystem: Any,
         pack_threshold: int,
+        async_save: bool,
     ) -> None:
         if db_type not in _DB_TYPES:
             raise InvalidLocationError(f"db_type {db_type!r} is not supported; use 'zarr'")
@@ -72,6 +74,7 @@ class _BaseManager:
         self._path_type: str | None = None
         self._stats: dict[str, int] = {}
         self._param_nodes: list[str] = []
+        self._background = BackgroundSaves() if async_save else None
         self.last_records: dict[str, CommitRecord] = {}
 
     # -- properties ------------------------------------------------------------------------------
@@ -223,8 +226,13 @@ class _BaseManager:
         The keyword arguments are kept in the commit records (the runner passes the epoch's stop
         decision and the session's writer info); with ``claim`` (from :meth:`claim`), the save
         refuses to commit once a newer run has claimed the prefix.
+
+        With ``async_save``, running it only snapshots the blobs; they are written and committed
+        in the background (see :meth:`wait_until_finished`). A previous background save is
+        waited for first, and its failure is raised here.
         """
         epoch = check_epoch(epoch)
+        self.wait_until_finished()
         info = SaveInfo(save_id=uuid.uuid4().hex, nodes=self.file_nodes(), stop=bool(stop),
                         stop_conditions=tuple(stop_conditions), metrics=metrics, writer=writer,
                         claim=claim)
@@ -240,20 +248,45 @@ class _BaseManager:
                         "are no longer in its workspace"
                     )
                 blobs = {n: np.asarray(ws[n]) for n in names}
-                try:
-                    record = self._timed(node, file_node, epoch, lambda: self._store.save_node(
-                        file_node, epoch, blobs, info))
-                except CheckpointError:
-                    raise
-                except Exception as exc:
-                    raise CheckpointWriteError(
-                        f"saving node {file_node!r} epoch {epoch} to "
-                        f"{self._location.display(f'{file_node}.{epoch}')!r} failed: {exc}"
-                    ) from exc
-                self.last_records[node] = record
+                if self._background is None:
+                    self.last_records[node] = self._save_node(node, file_node, epoch, blobs, info)
+                    return
+                snapshot = self._background.snapshot(node, blobs)
+                self._background.submit(epoch, node, lambda: self._save_node(
+                    node, file_node, epoch, snapshot, info))
             return save
 
         return self._group("checkpoint_save", make)
+
+    def _save_node(self, node: str, file_node: str, epoch: int, blobs: dict[str, np.ndarray],
+                   info: SaveInfo) -> CommitRecord:
+        try:
+            return self._timed(node, file_node, epoch, lambda: self._store.save_node(
+                file_node, epoch, blobs, info))
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise CheckpointWriteError(
+                f"saving node {file_node!r} epoch {epoch} to "
+                f"{self._location.display(f'{file_node}.{epoch}')!r} failed: {exc}"
+            ) from exc
+
+    @property
+    def pending_epoch(self) -> int | None:
+        """The epoch an ``async_save`` manager is still writing in the background, if any."""
+        return self._background.pending_epoch if self._background is not None else None
+
+    def wait_until_finished(self) -> dict[str, CommitRecord]:
+        """Wait for a background save (if any) and return its records by node.
+
+        Raises:
+            CheckpointWriteError: the background save failed (``.epoch`` names the epoch).
+        """
+        if self._background is None or self._background.pending_epoch is None:
+            return {}
+        _, records = self._background.wait()
+        self.last_records = dict(records)
+        return self.last_records
 
     def write_checkpoint_metadata(self, epoch: int) -> None:
         if self._metadata_handler is not None:
@@ -327,6 +360,7 @@ class MultiNodeCheckpointManager(_BaseManager):
         storage_options: fsspec options for ``db_prefix``.
         filesystem: an fsspec filesystem to use instead of one made from the URL.
         pack_threshold: blobs smaller than this many bytes are packed together.
+        async_save: write and commit in the background after a snapshot (see ``save``).
 
     Example:
         >>> cm = MultiNodeCheckpointManager("memory://doc/ckpt")
@@ -344,9 +378,11 @@ class MultiNodeCheckpointManager(_BaseManager):
         storage_options: dict[str, Any] | None = None,
         filesystem: Any = None,
         pack_threshold: int = DEFAULT_PACK_THRESHOLD,
+        async_save: bool = False,
     ) -> None:
         super().__init__(db_prefix, db_type, metadata_handler, storage_options=storage_options,
-                         filesystem=filesystem, pack_threshold=pack_threshold)
+                         filesystem=filesystem, pack_threshold=pack_threshold,
+                         async_save=async_save)
 
     def init(self, nodes: Sequence[str | Node], retrieve_from_epoch: int | None = None,
              path_prefix: str | None = None, path_type: str | None = None) -> TaskGroup:
@@ -410,9 +446,11 @@ class CheckpointManager(_BaseManager):
         storage_options: dict[str, Any] | None = None,
         filesystem: Any = None,
         pack_threshold: int = DEFAULT_PACK_THRESHOLD,
+        async_save: bool = False,
     ) -> None:
         super().__init__(db_prefix, db_type, metadata_handler, storage_options=storage_options,
-                         filesystem=filesystem, pack_threshold=pack_threshold)
+                         filesystem=filesystem, pack_threshold=pack_threshold,
+                         async_save=async_save)
         self._node_name = check_node_name(str(node_name))
 
     def init(self, nodes: Sequence[str | Node] | None = None,

@@ -109,15 +109,22 @@ class JobRunner:
         else:
             epoch, finished = self._resume(session, cm, resume,
                                            automatic=self.resume_from_epoch is None)
-        while not finished:
-            epoch += 1
-            logger.info("Running epoch %d of job %r", epoch, job.name)
-            self._notify(session, "epoch", epoch)
-            session.run(job.epoch_group)
-            met = [c.key for c in job.stop_conditions if bool(np.any(c.fetch()))]
-            if cm is not None:
-                self.save_checkpoints(epoch, session, stop=bool(met), stop_conditions=met)
-            finished = bool(met)
+        try:
+            while not finished:
+                epoch += 1
+                logger.info("Running epoch %d of job %r", epoch, job.name)
+                self._notify(session, "epoch", epoch)
+                session.run(job.epoch_group)
+                met = [c.key for c in job.stop_conditions if bool(np.any(c.fetch()))]
+                if cm is not None:
+                    self.save_checkpoints(epoch, session, stop=bool(met), stop_conditions=met)
+                finished = bool(met)
+        except BaseException:
+            if cm is not None and cm.pending_epoch is not None:  # let it commit, then fail
+                self._finish_background(session, cm)
+            raise
+        if cm is not None:
+            self._finish_background(session, cm)
         if self.upload_task_group_builder is not None:
             session.run(self.upload_task_group_builder.build(epoch, cm))
         session.run(job.download_group)
@@ -199,10 +206,13 @@ class JobRunner:
 
         A failure is logged as a WARNING and recorded in :attr:`failed_saves`
         (``on_save_error="warn"``) or raised as :class:`CheckpointWriteError` (``"raise"``).
+        With an ``async_save`` manager the save is finished in the background; its outcome is
+        handled at the next save or at the end of :meth:`train`.
         """
         cm = self.checkpoint_manager
         if cm is None:
             raise JobDefinitionError("Checkpoint manager is None")
+        self._finish_background(session, cm)
         try:
             if not cm.cp_accessible(epoch=epoch):
                 cause = cm.access_error
@@ -212,18 +222,34 @@ class JobRunner:
             logger.info("Saving checkpoints for epoch %d", epoch)
             session.run(cm.save(epoch, stop=stop, stop_conditions=stop_conditions,
                                 writer=_writer(session), claim=self._claim))
-            cm.write_checkpoint_metadata(epoch)
-            cm.report_checkpoint_stats("checkpoint_save")
+            if cm.pending_epoch is None:
+                self._committed(epoch, session, cm)
         except Exception as exc:
-            self.failed_saves.append(epoch)
-            self._notify(session, "save_failed", epoch, error=f"{type(exc).__name__}: {exc}")
-            if self.on_save_error == "raise" or isinstance(exc, CheckpointFencedError):
-                if isinstance(exc, CheckpointError):
-                    raise
-                raise CheckpointWriteError(f"checkpoint of epoch {epoch} failed: {exc}") from exc
-            logger.warning("Unable to write checkpoint for epoch %d. Error=%s", epoch, exc)
+            self._save_failed(epoch, session, exc)
+
+    def _finish_background(self, session: Session, cm: _BaseManager) -> None:
+        epoch = cm.pending_epoch
+        if epoch is None:
             return
+        try:
+            cm.wait_until_finished()
+            self._committed(epoch, session, cm)
+        except Exception as exc:
+            self._save_failed(epoch, session, exc)
+
+    def _committed(self, epoch: int, session: Session, cm: _BaseManager) -> None:
+        cm.write_checkpoint_metadata(epoch)
+        cm.report_checkpoint_stats("checkpoint_save")
         self._notify(session, "saved", epoch, records=dict(cm.last_records))
+
+    def _save_failed(self, epoch: int, session: Session, exc: Exception) -> None:
+        self.failed_saves.append(epoch)
+        self._notify(session, "save_failed", epoch, error=f"{type(exc).__name__}: {exc}")
+        if self.on_save_error == "raise" or isinstance(exc, CheckpointFencedError):
+            if isinstance(exc, CheckpointError):
+                raise exc
+            raise CheckpointWriteError(f"checkpoint of epoch {epoch} failed: {exc}") from exc
+        logger.warning("Unable to write checkpoint for epoch %d. Error=%s", epoch, exc)
 
 
 def _writer(session: Session) -> dict[str, Any] | None:
