@@ -10,7 +10,8 @@ This is the only module that imports zarr. It knows the group layout and nothing
 - smaller blobs (and every 0-d or empty one) are packed, 64-byte aligned, into one uint8 array
   ``_packed``; the manifest gives each one's ``[offset, nbytes]``;
 - every chunk is the raw little-endian bytes followed by their CRC32C — exactly Zarr's
-  ``bytes`` + ``crc32c`` codec pipeline, no compression.
+  ``bytes`` + ``crc32c`` codec pipeline, no compression — under Zarr's default chunk key
+  encoding with the ``.`` separator (``<array>/c.3.0``).
 
 Zarr itself writes the array metadata (one template per dtype); the chunks are written and read
 here directly, because Zarr's pipeline copies every chunk once more on the way out (to append the
@@ -71,6 +72,8 @@ def _array_metadata(dtype: np.dtype, shape: tuple[int, ...], chunks: tuple[int, 
     meta = json.loads(json.dumps(_metadata_template(dtype.str)))
     meta["shape"] = list(shape)
     meta["chunk_grid"]["configuration"]["chunk_shape"] = list(chunks)
+    # "c.0.0" instead of "c/0/0": no directory per array for its chunks (fewer files to create)
+    meta["chunk_key_encoding"] = {"name": "default", "configuration": {"separator": "."}}
     return json.dumps(meta, indent=2).encode()
 
 
@@ -111,9 +114,10 @@ def _restored(data: np.ndarray, info: BlobInfo) -> np.ndarray:
 
 
 def _chunk_keys(shape: tuple[int, ...], rows: int) -> list[tuple[str, slice]]:
-    """Chunk keys (Zarr's default encoding) and the rows each covers; chunks split axis 0 only."""
-    zeros = "/0" * (len(shape) - 1)
-    return [(f"c/{i}{zeros}", slice(i * rows, min((i + 1) * rows, shape[0])))
+    """Chunk keys (Zarr's default encoding, "." separator) and the rows each covers; chunks
+    split axis 0 only."""
+    zeros = ".0" * (len(shape) - 1)
+    return [(f"c.{i}{zeros}", slice(i * rows, min((i + 1) * rows, shape[0])))
             for i in range(math.ceil(shape[0] / rows))]
 
 

@@ -52,7 +52,8 @@ class Ckpt:
         return "/".join([self.root, f"{node}.{epoch}", *parts])
 
     def chunk(self, node: str, epoch: int, array: str) -> str:
-        chunks = sorted(self.fs.find(self.path(node, epoch, array, "c")))
+        chunks = sorted(p for p in self.fs.find(self.path(node, epoch, array))
+                        if p.rsplit("/", 1)[1].startswith("c."))
         assert chunks, (node, epoch, array)
         return chunks[0]
 
@@ -243,7 +244,7 @@ def test_deleted_group_metadata_is_not_committed(ckpt):
 # Single-bit flips in metadata documents that still parse. Each case: the file (relative to the
 # node's group), a regex whose group 1 is the byte to flip, which match of it, and which bit.
 METADATA_FLIPS = {
-    "array-chunk-key-separator": (f"{blob_path(BIG)}/zarr.json", rb'"separator":\s*"(/)"', 0, 0),
+    "array-chunk-key-separator": (f"{blob_path(BIG)}/zarr.json", rb'"separator":\s*"(\.)"', 0, 0),
     "manifest-packed-offset-1st": ("zarr.json", rb'"offsets":\s*\[\s*(\d)', 0, 0),  # 0 -> 1
     "manifest-packed-offset-2nd": ("zarr.json", rb'"offsets":\s*\[\s*\d+\s*,\s*(\d)', 0, 0),
     "manifest-blob-name": ("zarr.json", rb'"(s)mall/b"', 0, 0),  # -> "rmall/b"
@@ -317,7 +318,8 @@ def test_job_falls_back_past_corrupt_newest_epoch(prefix, memory_fs, caplog, cap
 
     assert train(prefix, 4).final_epoch == 4
     fs, root = fs_root(prefix, memory_fs)
-    chunk = sorted(fs.find(f"{root}/trainer_1.4/{blob_path('data/x')}/c"))[0]
+    chunk = sorted(fs.find(f"{root}/trainer_1.4/{blob_path('data/x')}"))[0]
+    assert chunk.rsplit("/", 1)[1].startswith("c."), chunk
     mutate(fs, chunk, "flip")
 
     # explicitly asked for: a clear error, not a fallback

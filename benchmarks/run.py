@@ -1,0 +1,43 @@
+"""Every benchmark in one run: checkpoint save/restore (W1, W2, W3) against raw files and peers,
+async-save blocking time, latest-epoch lookup, and Prefect's per-epoch overhead.
+
+    python benchmarks/run.py [--dir DIR] [--smoke]
+
+``--dir`` should be on the disk whose speed matters (default: a temporary folder). ``--smoke``
+runs tiny versions of the storage benchmarks in seconds (CI uses it) and skips Prefect's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).parent
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", default=None, help="where checkpoint files are written")
+    parser.add_argument("--smoke", action="store_true", help="seconds-long versions, no Prefect")
+    args = parser.parse_args()
+    where = ["--dir", args.dir] if args.dir else []
+    smoke = ["--smoke"] if args.smoke else []
+    runs = [
+        ["bench_checkpoint.py", "--workloads", "W1,W2,W3", *where, *smoke],
+        ["bench_extras.py", *where, *smoke],
+    ]
+    if not args.smoke:
+        runs.append(["bench_prefect.py"])
+    for run in runs:
+        print(f"\n$ python benchmarks/{' '.join(run)}", flush=True)
+        result = subprocess.run([sys.executable, str(HERE / run[0]), *run[1:]])
+        if result.returncode != 0:
+            return result.returncode
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
