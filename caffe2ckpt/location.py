@@ -105,15 +105,6 @@ class Location:
             entries = self.fs.ls(path, detail=False)
         return [posixpath.basename(e.rstrip("/")) for e in entries]
 
-    def count_files(self, path: str) -> int:
-        """How many files lie under ``path``, at any depth (0 if it does not exist)."""
-        if self.is_local:
-            return sum(len(files) for _, _, files in os.walk(path))
-        try:
-            return len(self.fs.find(path))
-        except FileNotFoundError:
-            return 0
-
     def exists(self, path: str) -> bool:
         if self.is_local:
             return os.path.lexists(path)
@@ -222,20 +213,6 @@ class Location:
             return
         for path in sorted(set(dirs), key=lambda p: -p.count("/")):
             _fsync_dir(path)
-
-    def sync_tree(self, path: str) -> None:
-        """Make every file and directory under ``path`` durable (local disks only)."""
-        if not self.is_local:
-            return
-        for dirpath, _dirnames, filenames in os.walk(path, topdown=False):
-            for name in filenames:
-                fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-            _fsync_dir(dirpath)
-        _fsync_dir(posixpath.dirname(path))
 
     def remove(self, path: str) -> None:
         """Delete file or tree ``path``; a missing path is not an error (any other is)."""

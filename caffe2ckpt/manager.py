@@ -241,13 +241,14 @@ class _BaseManager:
         def make(node: str, file_node: str) -> Any:
             def save(ws: Workspace) -> None:
                 names = self._names(node)
-                missing = [n for n in names if n not in ws]
-                if missing:
+                try:
+                    blobs = {n: ws[n] for n in names}
+                except KeyError:
+                    missing = [n for n in names if n not in ws]
                     raise CheckpointWriteError(
                         f"cannot save node {node!r} epoch {epoch}: checkpointed blobs {missing} "
                         "are no longer in its workspace"
-                    )
-                blobs = {n: np.asarray(ws[n]) for n in names}
+                    ) from None
                 if self._background is None:
                     self.last_records[node] = self._save_node(node, file_node, epoch, blobs, info)
                     return

@@ -16,6 +16,7 @@ Parsing validates every entry, so a damaged manifest fails loudly instead of mis
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -73,7 +74,7 @@ class Manifest:
         """Every blob by name (arrays first, then packed ones, each in saved order)."""
         return {**self.arrays, **{b.name: b for b in self.packed}}
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.arrays.values()) + sum(b.nbytes for b in self.packed)
 
@@ -111,15 +112,19 @@ class Manifest:
             raise ValueError("packed columns differ in length")
         fortran = set(columns["fortran"])
         nbytes, chunk = int(columns["nbytes"]), int(columns["chunk"])
-        packed = []
-        for i, (name, dtype, shape, offset) in enumerate(zip(names, dtypes, shapes, offsets)):
-            shape = tuple(shape)
-            size = itemsize(dtype) * math.prod(shape)
-            if (not isinstance(name, str) or type(offset) is not int or offset < 0
-                    or offset + size > nbytes or any(type(s) is not int or s < 0 for s in shape)):
-                raise ValueError(f"bad packed entry {i} ({name!r})")
-            packed.append(BlobInfo(name, dtype, shape, "F" if i in fortran else "C",
-                                   offset=offset))
+        if not all(isinstance(n, str) for n in names):
+            raise ValueError("packed blob names must be strings")
+        if not all(type(x) is int and x >= 0 for shape in shapes for x in shape):
+            raise ValueError("packed shapes must be lists of non-negative ints")
+        sizes = {d: itemsize(d) for d in set(dtypes)}
+        ends = [o + sizes[d] * math.prod(shape) for o, d, shape in zip(offsets, dtypes, shapes)]
+        if not all(type(o) is int and o >= 0 for o in offsets) or max(ends, default=0) > nbytes:
+            raise ValueError("a packed blob lies outside the packed array")
+        orders = ["F" if i in fortran else "C" for i in range(len(names))] if fortran else (
+            ["C"] * len(names))
+        packed = list(map(BlobInfo._make, zip(names, dtypes, map(tuple, shapes), orders,
+                                               itertools.repeat(None), itertools.repeat(0),
+                                               offsets)))
         if len(set(names)) != len(names) or not set(names).isdisjoint(arrays):
             raise ValueError("a blob name appears twice")
         paths = [b.path for b in arrays.values()]

@@ -51,7 +51,6 @@ DEFAULT_PACK_THRESHOLD = 64 * 1024
 CHUNK_BYTES = 16 * 1024 * 1024
 _ALIGN = 64
 _CRC = 4
-_ZEROS = np.zeros(_ALIGN, np.uint8)
 
 
 @functools.lru_cache(maxsize=1)
@@ -196,15 +195,14 @@ def write_node(
     writer = _Writer(location, path)
     offset = 0
     for name, arr in blobs.items():
-        order = "F" if arr.flags.f_contiguous and not arr.flags.c_contiguous else "C"
-        if arr.ndim == 0 or arr.size == 0 or arr.nbytes < pack_threshold:
-            pad = -offset % _ALIGN
-            if pad:
-                pieces.append(_ZEROS[:pad])
-                offset += pad
-            packed.append(BlobInfo(name, arr.dtype.str, arr.shape, order, offset=offset))
-            pieces.append(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
-            offset += arr.nbytes
+        nbytes = arr.nbytes
+        flags = arr.flags
+        order = "F" if flags.f_contiguous and not flags.c_contiguous else "C"
+        if nbytes < pack_threshold or arr.ndim == 0 or arr.size == 0:
+            offset = -(-offset // _ALIGN) * _ALIGN
+            packed.append(BlobInfo(name, arr.dtype.str, arr.shape, order, None, 0, offset))
+            pieces.append(arr if flags.c_contiguous else np.ascontiguousarray(arr))
+            offset += nbytes
         else:
             data = _stored(arr)
             rows = _chunk_rows(data.shape, data.dtype.itemsize)
@@ -213,7 +211,7 @@ def write_node(
             arrays[name] = info
             writer.array(info.path, data, rows)
     if offset:
-        writer.array(PACKED_ARRAY, np.concatenate(pieces), min(offset, CHUNK_BYTES))
+        writer.array(PACKED_ARRAY, _pack(packed, pieces, offset), min(offset, CHUNK_BYTES))
     manifest = Manifest(node=node, epoch=epoch, save_id=save_id, arrays=arrays, packed=packed,
                         packed_nbytes=offset, packed_chunk=min(offset, CHUNK_BYTES))
     group = {"attributes": {ATTRS_KEY: manifest.to_dict()}, "zarr_format": 3,
@@ -221,6 +219,16 @@ def write_node(
     writer.metadata("zarr.json", json.dumps(group, separators=(",", ":")).encode())
     writer.write()
     return manifest, writer.digests
+
+
+def _pack(infos: list[BlobInfo], arrays: list[np.ndarray], nbytes: int) -> np.ndarray:
+    """One uint8 buffer holding the C-contiguous ``arrays`` at their manifest offsets."""
+    buffer = np.zeros(nbytes, np.uint8)
+    view = memoryview(buffer)
+    for info, arr in zip(infos, arrays):
+        if arr.nbytes:
+            view[info.offset:info.offset + arr.nbytes] = memoryview(arr.reshape(-1)).cast("B")
+    return buffer
 
 
 def parse_manifest(raw: bytes, where: str, *, node: str, epoch: int) -> Manifest:
@@ -261,7 +269,7 @@ def read_node(
             for key, rows in _chunk_keys(shape, info.chunk_rows):
                 reads.append((info.name, f"{path}/{info.path}/{key}", flat[rows]))
     packed = np.empty(manifest.packed_nbytes, np.uint8)
-    if any(info.path is None and info.nbytes for info in wanted):
+    if manifest.packed_nbytes and any(info.path is None for info in wanted):
         for key, rows in _chunk_keys((manifest.packed_nbytes,), manifest.packed_chunk):
             reads.append((PACKED_ARRAY, f"{path}/{PACKED_ARRAY}/{key}", packed[rows]))
     futures = [_pool().submit(_read_chunk, location, manifest, where, blob, chunk, out)
