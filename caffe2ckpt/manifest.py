@@ -51,6 +51,7 @@ class BlobInfo(NamedTuple):
     path: str | None = None
     chunk_rows: int = 0
     offset: int | None = None
+    crcs: tuple[int, ...] = ()  # CRC32C of each chunk of its array
 
     @property
     def nbytes(self) -> int:
@@ -68,6 +69,7 @@ class Manifest:
     packed: list[BlobInfo] = field(default_factory=list)
     packed_nbytes: int = 0
     packed_chunk: int = 0  # bytes per chunk of the packed array
+    packed_crcs: tuple[int, ...] = ()  # CRC32C of each chunk of the packed array
 
     @functools.cached_property
     def blobs(self) -> dict[str, BlobInfo]:
@@ -86,11 +88,13 @@ class Manifest:
             "epoch": self.epoch,
             "save_id": self.save_id,
             "arrays": {b.name: {"path": b.path, "dtype": b.dtype, "shape": list(b.shape),
-                                "order": b.order, "chunk_rows": b.chunk_rows}
+                                "order": b.order, "chunk_rows": b.chunk_rows,
+                                "crc32c": list(b.crcs)}
                        for b in self.arrays.values()},
             "packed": {
                 "nbytes": self.packed_nbytes,
                 "chunk": self.packed_chunk,
+                "crc32c": list(self.packed_crcs),
                 "names": [b.name for b in packed],
                 "dtypes": [b.dtype for b in packed],
                 "shapes": [b.shape for b in packed],
@@ -120,11 +124,10 @@ class Manifest:
         ends = [o + sizes[d] * math.prod(shape) for o, d, shape in zip(offsets, dtypes, shapes)]
         if not all(type(o) is int and o >= 0 for o in offsets) or max(ends, default=0) > nbytes:
             raise ValueError("a packed blob lies outside the packed array")
-        orders = ["F" if i in fortran else "C" for i in range(len(names))] if fortran else (
-            ["C"] * len(names))
+        orders = ["F" if i in fortran else "C" for i in range(len(names))]
         packed = list(map(BlobInfo._make, zip(names, dtypes, map(tuple, shapes), orders,
                                                itertools.repeat(None), itertools.repeat(0),
-                                               offsets)))
+                                               offsets, itertools.repeat(()))))
         if len(set(names)) != len(names) or not set(names).isdisjoint(arrays):
             raise ValueError("a blob name appears twice")
         paths = [b.path for b in arrays.values()]
@@ -132,9 +135,10 @@ class Manifest:
             raise ValueError("two arrays share a path")
         if nbytes and chunk <= 0:
             raise ValueError("bad packed chunk size")
+        packed_crcs = _crcs(columns["crc32c"], math.ceil(nbytes / chunk) if nbytes else 0)
         return cls(node=str(data["node"]), epoch=int(data["epoch"]),
                    save_id=str(data["save_id"]), arrays=arrays, packed=packed,
-                   packed_nbytes=nbytes, packed_chunk=chunk)
+                   packed_nbytes=nbytes, packed_chunk=chunk, packed_crcs=packed_crcs)
 
     def metadata_files(self) -> dict[str, str | None]:
         """The group's Zarr metadata files (relative paths) and the blob each belongs to."""
@@ -146,9 +150,18 @@ class Manifest:
         return files
 
 
+def _crcs(values: list[Any], count: int) -> tuple[int, ...]:
+    if len(values) != count or not all(type(v) is int and 0 <= v < 2**32 for v in values):
+        raise ValueError(f"expected {count} chunk checksums, found {values!r:.80}")
+    return tuple(values)
+
+
 def _array_info(name: str, entry: dict[str, Any]) -> BlobInfo:
-    info = BlobInfo(name, entry["dtype"], tuple(int(s) for s in entry["shape"]), entry["order"],
-                    path=entry["path"], chunk_rows=int(entry["chunk_rows"]))
+    shape = tuple(int(s) for s in entry["shape"])
+    rows = int(entry["chunk_rows"])
+    crcs = _crcs(entry["crc32c"], math.ceil(shape[0] / rows) if shape and rows > 0 else 0)
+    info = BlobInfo(name, entry["dtype"], shape, entry["order"], path=entry["path"],
+                    chunk_rows=rows, crcs=crcs)
     info.nbytes  # noqa: B018 - validates the dtype
     if (not info.shape or min(info.shape) <= 0 or info.order not in ("C", "F")
             or not isinstance(info.path, str) or not info.path

@@ -126,51 +126,58 @@ def _chunk_rows(shape: tuple[int, ...], itemsize: int) -> int:
 
 
 class _Writer:
-    """Collects the files of one group and writes them concurrently."""
+    """The files of one group: array metadata and chunks first (concurrently), then the group's
+    ``zarr.json``, whose manifest records every chunk's CRC32C."""
 
     def __init__(self, location: Location, root: str) -> None:
         self.location = location
         self.root = root
-        self.files: list[tuple[str, list[Any]]] = []
-        self.dirs: set[str] = {root}
+        self.metadata_files: list[tuple[str, bytes]] = []
+        self.chunks: list[tuple[str, str, np.ndarray]] = []  # (array, path, data)
+        self.dirs: list[str] = [root]
         self.digests: dict[str, str] = {}
 
     def metadata(self, rel: str, data: bytes) -> None:
         self.digests[rel] = hashlib.sha256(data).hexdigest()
-        self.add(rel, [data])
+        self.metadata_files.append((f"{self.root}/{rel}", data))
 
     def array(self, rel: str, data: np.ndarray, rows: int) -> None:
+        self.dirs.append(f"{self.root}/{rel}")
         self.metadata(f"{rel}/zarr.json", _array_metadata(data.dtype, data.shape,
                                                           (rows, *data.shape[1:])))
         flat = data.reshape(data.shape[0], -1).view(np.uint8)
         for key, rows_slice in _chunk_keys(data.shape, rows):
-            self.add(f"{rel}/{key}", [flat[rows_slice]])
+            self.chunks.append((rel, f"{self.root}/{rel}/{key}", flat[rows_slice]))
 
-    def add(self, rel: str, buffers: list[Any]) -> None:
-        path = f"{self.root}/{rel}"
-        self.dirs.add(posixpath.dirname(path))
-        self.files.append((path, buffers))
-
-    def write(self) -> None:
+    def write_arrays(self) -> dict[str, list[int]]:
+        """Write every array; return the CRC32C of each chunk, by array path."""
         if self.location.is_local:
-            for directory in sorted(self.dirs):
+            for directory in self.dirs:
                 self.location.makedirs(directory)
-        futures = [_pool().submit(self._write_one, path, buffers)
-                   for path, buffers in self.files]
+        durable = self.location.fsync_each_file
+        futures = [_pool().submit(self.location.write_file, path, [data], durable=durable)
+                   for path, data in self.metadata_files]
+        chunk_futures = [(rel, _pool().submit(self._write_chunk, path, data, durable))
+                         for rel, path, data in self.chunks]
         for future in futures:
             future.result()
-        dirs = set(self.dirs)
-        for directory in self.dirs:  # parents of chunk directories (c/0/..)
-            while directory.startswith(self.root + "/"):
-                directory = posixpath.dirname(directory)
-                dirs.add(directory)
-        self.location.make_durable([self.root, *dirs, posixpath.dirname(self.root)])
+        crcs: dict[str, list[int]] = {}
+        for rel, future in chunk_futures:
+            crcs.setdefault(rel, []).append(future.result())
+        return crcs
 
-    def _write_one(self, path: str, buffers: list[Any]) -> None:
-        if len(buffers) == 1 and isinstance(buffers[0], np.ndarray):  # a chunk: add its CRC32C
-            chunk = np.ascontiguousarray(buffers[0]).reshape(-1)
-            buffers = [chunk, google_crc32c.value(chunk).to_bytes(_CRC, "little")]
-        self.location.write_file(path, buffers, durable=self.location.fsync_each_file)
+    def _write_chunk(self, path: str, data: np.ndarray, durable: bool) -> int:
+        chunk = np.ascontiguousarray(data).reshape(-1)
+        crc = google_crc32c.value(chunk)
+        self.location.write_file(path, [chunk, crc.to_bytes(_CRC, "little")], durable=durable)
+        return crc
+
+    def finish(self, group: bytes) -> None:
+        """Write the group's ``zarr.json`` last, then make the whole group durable."""
+        self.metadata("zarr.json", group)
+        path, data = self.metadata_files[-1]
+        self.location.write_file(path, [data], durable=self.location.fsync_each_file)
+        self.location.make_durable([self.root, *self.dirs[1:], posixpath.dirname(self.root)])
 
 
 def write_node(
@@ -212,12 +219,14 @@ def write_node(
             writer.array(info.path, data, rows)
     if offset:
         writer.array(PACKED_ARRAY, _pack(packed, pieces, offset), min(offset, CHUNK_BYTES))
+    crcs = writer.write_arrays()
+    arrays = {name: info._replace(crcs=tuple(crcs[info.path])) for name, info in arrays.items()}
     manifest = Manifest(node=node, epoch=epoch, save_id=save_id, arrays=arrays, packed=packed,
-                        packed_nbytes=offset, packed_chunk=min(offset, CHUNK_BYTES))
+                        packed_nbytes=offset, packed_chunk=min(offset, CHUNK_BYTES),
+                        packed_crcs=tuple(crcs.get(PACKED_ARRAY, ())))
     group = {"attributes": {ATTRS_KEY: manifest.to_dict()}, "zarr_format": 3,
              "node_type": "group"}
-    writer.metadata("zarr.json", json.dumps(group, separators=(",", ":")).encode())
-    writer.write()
+    writer.finish(json.dumps(group, separators=(",", ":")).encode())
     return manifest, writer.digests
 
 
@@ -259,21 +268,21 @@ def read_node(
     blobs = manifest.blobs
     wanted = [blobs[n] for n in (blobs if names is None else names) if n in blobs]
     where = f"checkpoint {location.display(path)!r} (node {manifest.node!r}, epoch {manifest.epoch})"
-    reads: list[tuple[str, str, np.ndarray]] = []  # (blob for errors, chunk path, destination)
+    reads: list[tuple[str, str, np.ndarray, int]] = []  # (blob, chunk path, destination, crc)
     arrays: dict[str, np.ndarray] = {}
     for info in wanted:
         if info.path is not None:
             dtype, shape = _stored_spec(info)
             arrays[info.name] = data = np.empty(shape, dtype)
             flat = data.reshape(shape[0], -1).view(np.uint8)
-            for key, rows in _chunk_keys(shape, info.chunk_rows):
-                reads.append((info.name, f"{path}/{info.path}/{key}", flat[rows]))
+            for (key, rows), crc in zip(_chunk_keys(shape, info.chunk_rows), info.crcs):
+                reads.append((info.name, f"{path}/{info.path}/{key}", flat[rows], crc))
     packed = np.empty(manifest.packed_nbytes, np.uint8)
     if manifest.packed_nbytes and any(info.path is None for info in wanted):
-        for key, rows in _chunk_keys((manifest.packed_nbytes,), manifest.packed_chunk):
-            reads.append((PACKED_ARRAY, f"{path}/{PACKED_ARRAY}/{key}", packed[rows]))
-    futures = [_pool().submit(_read_chunk, location, manifest, where, blob, chunk, out)
-               for blob, chunk, out in reads]
+        keys = _chunk_keys((manifest.packed_nbytes,), manifest.packed_chunk)
+        for (key, rows), crc in zip(keys, manifest.packed_crcs):
+            reads.append((PACKED_ARRAY, f"{path}/{PACKED_ARRAY}/{key}", packed[rows], crc))
+    futures = [_pool().submit(_read_chunk, location, manifest, where, *read) for read in reads]
     for future in futures:
         future.result()
     out: dict[str, np.ndarray] = {}
@@ -292,7 +301,7 @@ def _dtype(dtype: str) -> np.dtype:
 
 
 def _read_chunk(location: Location, manifest: Manifest, where: str, blob: str, chunk: str,
-                out: np.ndarray) -> None:
+                out: np.ndarray, expected: int) -> None:
     def corrupted(msg: str) -> CheckpointCorruptedError:
         return CheckpointCorruptedError(
             f"{where}: blob {blob!r}, chunk {location.display(chunk)!r}: {msg}",
@@ -308,3 +317,6 @@ def _read_chunk(location: Location, manifest: Manifest, where: str, blob: str, c
         raise corrupted(f"the chunk is damaged ({exc})") from exc
     if google_crc32c.value(flat).to_bytes(_CRC, "little") != stored:
         raise corrupted("checksum mismatch (the data was changed or torn)")
+    if int.from_bytes(stored, "little") != expected:
+        raise corrupted("the chunk is not the one this checkpoint wrote (its checksum differs "
+                        "from the manifest's: written by another save?)")

@@ -348,3 +348,23 @@ def test_job_falls_back_past_corrupt_newest_epoch(prefix, memory_fs, caplog, cap
     handler = ZarrMetadataHandler()
     handler.set_params(db_prefix=prefix, db_type="zarr", node_names=["trainer_0", "trainer_1"])
     assert handler.last_epoch() == 6
+
+
+def test_a_chunk_from_another_save_is_detected(prefix, memory_fs):
+    """Two runs writing the same epoch must never yield a checkpoint that mixes their data: a
+    chunk carries a valid CRC32C either way, but the manifest records which one was written."""
+    fs, root = fsspec.core.url_to_fs(prefix)
+    stores = {}
+    for run, value in (("a", 1.0), ("b", 2.0)):
+        session = LocalSession()
+        session.workspace("n")["w"] = np.full(1 << 15, value)  # 256 KiB: its own array
+        cm = MultiNodeCheckpointManager(f"{prefix}/{run}")
+        session.run(cm.init(["n"]))
+        session.run(cm.save(3))
+        stores[run] = cm.store
+    (chunk,) = [p for p in fs.find(f"{root}/b/n.3/w") if p.rsplit("/", 1)[1].startswith("c.")]
+    fs.pipe_file(chunk.replace(f"{root}/b/", f"{root}/a/"), fs.cat_file(chunk))
+    with pytest.raises(CheckpointCorruptedError, match="another save") as info:
+        stores["a"].load_node("n", 3)
+    assert (info.value.node, info.value.epoch, info.value.blob) == ("n", 3, "w")
+    assert stores["b"].load_node("n", 3)["w"][0] == 2.0
