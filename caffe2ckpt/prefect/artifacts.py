@@ -176,7 +176,8 @@ class CheckpointArtifacts:
                       "import zarr",
                       f"g = zarr.open_group({db_name(event.epoch, cm.file_nodes()[0], cm.url)!r},"
                       " mode='r')",
-                      "print(g.attrs['caffe2ckpt']['blobs'].keys())", "```"]
+                      "m = g.attrs['caffe2ckpt']",
+                      "print(list(m['arrays']), m['packed']['names'])", "```"]
         markdown = "\n".join(lines)
         self._update(key, markdown, lambda: create_markdown_artifact(
             markdown, key=key, description=f"Summary of job {event.job!r}"))
