@@ -51,13 +51,13 @@ class _BaseManager:
     def __init__(
         self,
         db_prefix: str,
-        db_type: str,
-        metadata_handler: MetadataHandler | None,
+        db_type: str = "zarr",
+        metadata_handler: MetadataHandler | None = None,
         *,
-        storage_options: dict[str, Any] | None,
-        filesystem: Any,
-        pack_threshold: int,
-        async_save: bool,
+        storage_options: dict[str, Any] | None = None,
+        filesystem: Any = None,
+        pack_threshold: int = DEFAULT_PACK_THRESHOLD,
+        async_save: bool = False,
     ) -> None:
         if db_type not in _DB_TYPES:
             raise InvalidLocationError(f"db_type {db_type!r} is not supported; use 'zarr'")
@@ -369,21 +369,6 @@ class MultiNodeCheckpointManager(_BaseManager):
         >>> cm.get_ckpt_db_name("trainer_1", 5)
         'memory://doc/ckpt/trainer_1.5'
     """
-
-    def __init__(
-        self,
-        db_prefix: str,
-        db_type: str = "zarr",
-        metadata_handler: MetadataHandler | None = None,
-        *,
-        storage_options: dict[str, Any] | None = None,
-        filesystem: Any = None,
-        pack_threshold: int = DEFAULT_PACK_THRESHOLD,
-        async_save: bool = False,
-    ) -> None:
-        super().__init__(db_prefix, db_type, metadata_handler, storage_options=storage_options,
-                         filesystem=filesystem, pack_threshold=pack_threshold,
-                         async_save=async_save)
 
     def init(self, nodes: Sequence[str | Node], retrieve_from_epoch: int | None = None,
              path_prefix: str | None = None, path_type: str | None = None) -> TaskGroup:
