@@ -31,7 +31,7 @@ import hashlib
 import json
 import math
 import posixpath
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import google_crc32c
@@ -57,6 +57,14 @@ _CRC = 4
 def _pool() -> ThreadPoolExecutor:
     """Threads for chunk I/O (the work is system calls and CRC32C, which release the GIL)."""
     return ThreadPoolExecutor(max_workers=8, thread_name_prefix="caffe2ckpt-io")
+
+
+def _wait_all(futures: list[Future[Any]]) -> None:
+    """Wait for every future (no thread keeps writing after we return), then raise the first
+    failure."""
+    wait(futures)
+    for future in futures:
+        future.result()
 
 
 @functools.lru_cache(maxsize=64)
@@ -159,8 +167,7 @@ class _Writer:
                    for path, data in self.metadata_files]
         chunk_futures = [(rel, _pool().submit(self._write_chunk, path, data, durable))
                          for rel, path, data in self.chunks]
-        for future in futures:
-            future.result()
+        _wait_all([*futures, *(f for _, f in chunk_futures)])
         crcs: dict[str, list[int]] = {}
         for rel, future in chunk_futures:
             crcs.setdefault(rel, []).append(future.result())
@@ -282,9 +289,7 @@ def read_node(
         keys = _chunk_keys((manifest.packed_nbytes,), manifest.packed_chunk)
         for (key, rows), crc in zip(keys, manifest.packed_crcs):
             reads.append((PACKED_ARRAY, f"{path}/{PACKED_ARRAY}/{key}", packed[rows], crc))
-    futures = [_pool().submit(_read_chunk, location, manifest, where, *read) for read in reads]
-    for future in futures:
-        future.result()
+    _wait_all([_pool().submit(_read_chunk, location, manifest, where, *read) for read in reads])
     out: dict[str, np.ndarray] = {}
     for info in wanted:
         if info.path is not None:
