@@ -28,7 +28,6 @@ import hashlib
 import json
 import logging
 import time
-import uuid
 from dataclasses import dataclass
 
 import numpy as np
@@ -76,6 +75,13 @@ class SaveInfo:
     claim: str | None = None  # the run's claim on the prefix: fenced saves never commit
 
 
+def _claim_number(name: str) -> int | None:
+    digits = name.removeprefix("claim-").removesuffix(".json")
+    if name.startswith("claim-") and name.endswith(".json") and digits.isdigit():
+        return int(digits)
+    return None
+
+
 class CheckpointStore:
     """Node checkpoints and their commit records under one prefix.
 
@@ -99,6 +105,8 @@ class CheckpointStore:
         """Write and commit ``blobs`` as ``node``'s checkpoint of ``epoch``."""
         check_node_name(node)
         check_epoch(epoch)
+        if info.claim is not None:  # before touching anything: a fenced run must not delete
+            self.check_claim(info.claim)
         start = time.perf_counter()
         target = self.group_path(node, epoch)
         previous = [r for r in list_records(self.location) if r.epoch == epoch and r.node == node]
@@ -135,6 +143,12 @@ class CheckpointStore:
             writer=dict(info.writer or {}),
         )
         write_record(self.location, record)
+        if info.claim is not None:
+            try:
+                self.check_claim(info.claim)
+            except Exception:  # fenced meanwhile (or cannot tell): take the commit back
+                delete_record(self.location, record.ref)
+                raise
         stored = hashlib.sha256(self._group_json(node, epoch)).hexdigest()
         if stored != digests["zarr.json"]:  # the record must vouch for what is stored
             raise CheckpointWriteError(
@@ -154,18 +168,28 @@ class CheckpointStore:
     # -- fencing ---------------------------------------------------------------------------------
 
     def claim(self, writer: dict | None = None, *, keep: int = 8) -> str:
-        """Claim the prefix for a new run; older claimants are fenced off. Returns the claim."""
-        name = f"{time.time_ns():020d}-{uuid.uuid4().hex}.json"
+        """Claim the prefix for a new run; older claimants are fenced off. Returns the claim.
+
+        Claims are numbered in creation order (``claim-<n>.json``, each created exclusively), so
+        "newer" never depends on clocks.
+        """
         directory = self.location.path(CLAIMS_DIR)
-        self.location.create_exclusive(f"{directory}/{name}",
-                                       json.dumps(writer or {}, default=str).encode())
+        data = json.dumps(writer or {}, default=str).encode()
+        while True:
+            number = max((_claim_number(n) for n in self._claims()), default=0) + 1
+            name = f"claim-{number:012d}.json"
+            try:
+                self.location.create_exclusive(f"{directory}/{name}", data)
+                break
+            except FileExistsError:  # another run claimed that number first: take the next
+                continue
         for old in sorted(self._claims())[:-keep]:
             self.location.remove(f"{directory}/{old}")
         return name
 
     def _claims(self) -> list[str]:
         names = self.location.list_names(self.location.path(CLAIMS_DIR))
-        return [n for n in names if n.endswith(".json") and not n.startswith(".")]
+        return [n for n in names if _claim_number(n) is not None]
 
     def check_claim(self, claim: str) -> None:
         """Raise :class:`CheckpointFencedError` if a newer claim than ``claim`` exists."""

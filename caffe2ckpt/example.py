@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from caffe2ckpt.errors import JobDefinitionError
 from caffe2ckpt.job import Job, Node, Task, epoch_limiter
 from caffe2ckpt.workspace import Workspace
 
@@ -101,6 +102,8 @@ def build_job(
     ``fail_at_epoch`` makes every node raise :class:`InjectedFailure` in that epoch (for demos
     and tests of resuming).
     """
+    if num_nodes < 1:
+        raise JobDefinitionError(f"the example needs at least one node, got {num_nodes}")
     with Job(name="regression") as job:
         for i in range(num_nodes):
             node = f"trainer_{i}"
@@ -111,6 +114,14 @@ def build_job(
                      outputs=["loss"])
         epoch_limiter(job, num_epochs)
     return job
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an int >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -124,13 +135,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint-url", default="checkpoints/regression",
                         help="local folder or fsspec URL of the checkpoints")
-    parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--nodes", type=int, default=2)
-    parser.add_argument("--batches-per-epoch", type=int, default=16)
+    parser.add_argument("--epochs", type=positive_int, default=10)
+    parser.add_argument("--nodes", type=positive_int, default=2)
+    parser.add_argument("--batches-per-epoch", type=positive_int, default=16)
     parser.add_argument("--fail-at-epoch", type=int, default=None,
                         help="raise in this epoch (to demonstrate resuming)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)-7s %(name)s %(message)s")
     job = build_job(args.epochs, args.nodes, batches_per_epoch=args.batches_per_epoch,
                     fail_at_epoch=args.fail_at_epoch)
     cm = MultiNodeCheckpointManager(args.checkpoint_url, metadata_handler=ZarrMetadataHandler())

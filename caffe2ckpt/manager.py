@@ -135,7 +135,7 @@ class _BaseManager:
 
     def _init(self, files: dict[str, str], retrieve_from_epoch: int | None,
               path_prefix: str | None, path_type: str | None) -> TaskGroup:
-        if not self._bind_nodes(files):
+        if not self._bind_nodes(files) and retrieve_from_epoch is None:
             return TaskGroup(WorkspaceType.GLOBAL, name="checkpoint_init")  # reuse: keep lists
         store = self._source(path_prefix, path_type)
 
@@ -375,6 +375,8 @@ class MultiNodeCheckpointManager(_BaseManager):
         """A runnable that fixes each node's blob list: the blobs in its workspace now (fresh
         start) or those in its checkpoint of ``retrieve_from_epoch``. On a manager already
         initialised for the same nodes it is empty and the lists are kept."""
+        if isinstance(nodes, str):
+            raise JobDefinitionError(f"nodes must be a list of node names, not the string {nodes!r}")
         names = [str(n) for n in nodes]
         return self._init({n: n for n in names}, retrieve_from_epoch, path_prefix, path_type)
 

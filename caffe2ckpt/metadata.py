@@ -13,7 +13,11 @@ import logging
 from typing import Any, Protocol, runtime_checkable
 
 from caffe2ckpt.checkpoint import CheckpointStore
-from caffe2ckpt.errors import CheckpointNotFoundError, JobDefinitionError
+from caffe2ckpt.errors import (
+    CheckpointCorruptedError,
+    CheckpointNotFoundError,
+    JobDefinitionError,
+)
 from caffe2ckpt.location import Location
 from caffe2ckpt.naming import check_epoch
 
@@ -92,7 +96,14 @@ class ZarrMetadataHandler:
             CheckpointNotFoundError: ``user_epoch`` is not committed for every node.
         """
         if user_epoch is None:
-            return self.store.latest_epoch(self._nodes)
+            latest = self.store.latest_epoch(self._nodes)
+            candidates = self.store.candidate_epochs(self._nodes)
+            if latest is None and candidates:
+                raise CheckpointCorruptedError(
+                    f"every epoch with commit records under {self.store.location.display()!r} "
+                    f"for nodes {self._nodes} is damaged: {sorted(candidates)}; refusing to start "
+                    "from scratch over them (inspect them, or use another prefix)")
+            return latest
         epoch = check_epoch(user_epoch)
         if self.store.epoch_records(epoch, self._nodes) is None:
             committed = sorted(self.store.candidate_epochs(self._nodes))

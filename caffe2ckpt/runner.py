@@ -121,7 +121,10 @@ class JobRunner:
                 finished = bool(met)
         except BaseException:
             if cm is not None and cm.pending_epoch is not None:  # let it commit, then fail
-                self._finish_background(session, cm)
+                try:
+                    self._finish_background(session, cm)
+                except Exception as exc:  # noqa: BLE001 - the original error matters more
+                    logger.warning("the background save failed too: %s", exc)
             raise
         if cm is not None:
             self._finish_background(session, cm)
@@ -225,6 +228,11 @@ class JobRunner:
             if cm.pending_epoch is None:
                 self._committed(epoch, session, cm)
         except Exception as exc:
+            if cm.pending_epoch == epoch:  # other nodes' background saves: drain them first
+                try:
+                    cm.wait_until_finished()
+                except Exception:  # noqa: BLE001 - the first failure is reported below
+                    pass
             self._save_failed(epoch, session, exc)
 
     def _finish_background(self, session: Session, cm: _BaseManager) -> None:
@@ -238,6 +246,9 @@ class JobRunner:
             self._save_failed(epoch, session, exc)
 
     def _committed(self, epoch: int, session: Session, cm: _BaseManager) -> None:
+        if len(cm.last_records) != len(cm.file_nodes()):
+            raise CheckpointWriteError(
+                f"checkpoint of epoch {epoch}: only nodes {sorted(cm.last_records)} committed")
         cm.write_checkpoint_metadata(epoch)
         cm.report_checkpoint_stats("checkpoint_save")
         self._notify(session, "saved", epoch, records=dict(cm.last_records))

@@ -318,8 +318,11 @@ def _read_chunk(location: Location, manifest: Manifest, where: str, blob: str, c
         stored = location.read_exact(chunk, memoryview(flat), _CRC)
     except CheckpointNotFoundError as exc:
         raise corrupted("the chunk is missing") from exc
-    except (ValueError, OSError) as exc:
+    except ValueError as exc:
         raise corrupted(f"the chunk is damaged ({exc})") from exc
+    except OSError as exc:  # an I/O failure is not evidence of corruption: do not fall back
+        raise OSError(exc.errno, f"{where}: cannot read chunk {location.display(chunk)!r} of "
+                      f"blob {blob!r}: {exc.strerror or exc}") from exc
     if google_crc32c.value(flat).to_bytes(_CRC, "little") != stored:
         raise corrupted("checksum mismatch (the data was changed or torn)")
     if int.from_bytes(stored, "little") != expected:

@@ -67,10 +67,12 @@ def as_blob(name: str, value: Any) -> np.ndarray:
             "use a numpy array or a numeric scalar"
         )
     kind = arr.dtype.kind
-    if kind not in _SUPPORTED_KINDS or arr.dtype.fields is not None or arr.dtype.subdtype:
+    if (kind not in _SUPPORTED_KINDS or arr.dtype.fields is not None or arr.dtype.subdtype
+            or (kind in "fc" and arr.dtype.itemsize > 8 * (1 + (kind == "c")))):
         raise InvalidBlobError(
             f"blob {name!r}: dtype {arr.dtype} is not supported (object, structured, "
-            "datetime and void arrays cannot be stored without pickle)"
+            "datetime and void arrays cannot be stored without pickle; Zarr has no "
+            "float128/complex256)"
         )
     return arr
 

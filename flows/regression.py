@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 import os
 
-# The temporary server needs more than Prefect's default 20 s on a busy 2-core machine.
+# The temporary server needs more than Prefect's default 20 s on a busy 2-core machine, and its
+# analytics service only adds "database is locked" noise to a first run.
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 from caffe2ckpt.prefect import run_job  # before prefect: routes caffe2ckpt logs to the run
 
@@ -19,7 +21,7 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from caffe2ckpt import MultiNodeCheckpointManager
-from caffe2ckpt.example import build_job
+from caffe2ckpt.example import build_job, positive_int
 from caffe2ckpt.metadata import ZarrMetadataHandler
 
 
@@ -45,8 +47,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint-url", default="checkpoints/regression")
-    parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--nodes", type=int, default=2)
-    parser.add_argument("--fail-at-epoch", type=int, default=None)
+    parser.add_argument("--epochs", type=positive_int, default=10)
+    parser.add_argument("--nodes", type=positive_int, default=2)
+    parser.add_argument("--fail-at-epoch", type=positive_int, default=None)
     args = parser.parse_args()
     print(f"final epoch: {regression(args.checkpoint_url, args.epochs, args.nodes, args.fail_at_epoch)}")

@@ -19,7 +19,8 @@ def test_scalars_become_0d_arrays(value):
 
 @pytest.mark.parametrize("value", [np.array([object()]), [1, 2], None, {"a": 1},
                                    np.zeros(2, dtype=[("a", "i4")]),
-                                   np.array(["2020-01-01"], dtype="datetime64[D]")])
+                                   np.array(["2020-01-01"], dtype="datetime64[D]"),
+                                   np.zeros(3, np.longdouble), np.zeros(3, np.clongdouble)])
 def test_unsupported_values_name_the_blob(value):
     with pytest.raises(InvalidBlobError, match="'bad/blob'"):
         Workspace()["bad/blob"] = value

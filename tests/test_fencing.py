@@ -1,0 +1,85 @@
+"""Two runs on one prefix, transient I/O errors, and a prefix whose every epoch is damaged."""
+
+from __future__ import annotations
+
+import errno
+
+import fsspec
+import numpy as np
+import pytest
+
+from caffe2ckpt import (
+    CheckpointCorruptedError,
+    CheckpointFencedError,
+    JobRunner,
+    LocalSession,
+    MultiNodeCheckpointManager,
+)
+from caffe2ckpt.example import build_job
+from caffe2ckpt.metadata import ZarrMetadataHandler
+from tests.faultfs import FaultyFileSystem
+
+
+def saver(prefix: str) -> tuple[LocalSession, MultiNodeCheckpointManager]:
+    session = LocalSession()
+    session.workspace("n")["w"] = np.arange(4.0)
+    cm = MultiNodeCheckpointManager(prefix)
+    session.run(cm.init(["n"]))
+    return session, cm
+
+
+def test_an_older_claim_is_fenced_and_commits_nothing(prefix):
+    (old_session, old), (new_session, new) = saver(prefix), saver(prefix)
+    old_claim = old.claim({"run": "old"})
+    new_claim = new.claim({"run": "new"})
+    assert old_claim < new_claim  # numbered in creation order, not by clock
+    with pytest.raises(CheckpointFencedError, match="newer run") as info:
+        old_session.run(old.save(1, claim=old_claim))
+    assert "'run': 'new'" in str(info.value)
+    assert old.store.candidate_epochs(["n"]) == []
+    new_session.run(new.save(1, claim=new_claim))
+    assert new.store.latest_epoch(["n"]) == 1
+
+
+def test_a_fenced_runner_stops_even_when_warning(prefix):
+    cm = MultiNodeCheckpointManager(prefix, metadata_handler=ZarrMetadataHandler())
+
+    def intruder(ws):  # another run claims the prefix during epoch 2
+        if int(ws["epoch"]) == 1:
+            cm.store.claim({"run": "intruder"})
+    job = build_job(4)
+    job.epoch_group.tasks[0].fn = lambda ws, f=job.epoch_group.tasks[0].fn: (intruder(ws), f(ws))
+    runner = JobRunner(job, cm)  # on_save_error="warn" does not apply to fencing
+    with pytest.raises(CheckpointFencedError):
+        runner.train(LocalSession())
+    assert cm.store.latest_epoch(["trainer_0", "trainer_1"]) == 1
+
+
+def test_an_io_error_while_reading_is_not_taken_for_corruption(memory_fs):
+    JobRunner(build_job(3), MultiNodeCheckpointManager(
+        "memory://io", metadata_handler=ZarrMetadataHandler())).train(LocalSession())
+    faulty = FaultyFileSystem(fsspec.filesystem("memory"))
+    faulty.arm("read", 1, errno.EIO, sticky=True)
+    cm = MultiNodeCheckpointManager("/io", filesystem=faulty,
+                                    metadata_handler=ZarrMetadataHandler())
+    runner = JobRunner(build_job(5), cm)
+    with pytest.raises(OSError) as info:  # no silent fall back to an older epoch
+        runner.train(LocalSession())
+    assert not isinstance(info.value, CheckpointCorruptedError)
+    assert runner.resumed_from is None
+
+
+def test_every_epoch_damaged_refuses_to_start_over(prefix, memory_fs):
+    JobRunner(build_job(2), MultiNodeCheckpointManager(prefix)).train(LocalSession())
+    fs, root = fsspec.core.url_to_fs(prefix)
+    for epoch in range(3):
+        fs.pipe_file(f"{root}/trainer_0.{epoch}/zarr.json", b"{}")
+    cm = MultiNodeCheckpointManager(prefix, metadata_handler=ZarrMetadataHandler())
+    with pytest.raises(CheckpointCorruptedError, match=r"damaged: \[0, 1, 2\]"):
+        JobRunner(build_job(2), cm).train(LocalSession())
+
+
+def test_nodes_given_as_a_string_are_rejected(prefix):
+    from caffe2ckpt import JobDefinitionError
+    with pytest.raises(JobDefinitionError, match="list of node names"):
+        MultiNodeCheckpointManager(prefix).init("ab")
