@@ -152,12 +152,15 @@ def test_deploy_kill_and_automatic_retry(server, tmp_path):
                                       "sort": "TIMESTAMP_DESC"})
     assert any("Resuming from epoch" in log["message"] and run_id in log["message"]
                for log in logs), "the retry must log where it resumed from and who wrote it"
-    task_runs = post(api, "/task_runs/filter", {"flow_runs": {"id": {"any_": [run_id]}},
-                                                 "limit": 200})
-    names = {t["name"] for t in task_runs}
-    assert f"epoch_group[trainer_0] e{EPOCHS}" in names
-    assert f"checkpoint_save[trainer_1] e{EPOCHS}" in names
-    assert any(n.startswith("checkpoint_load[trainer_0]") for n in names)
+    def task_runs(name_filter: dict) -> set[str]:  # a run has more task runs than one page
+        found = post(api, "/task_runs/filter", {"flow_runs": {"id": {"any_": [run_id]}},
+                                                "task_runs": {"name": name_filter}})
+        return {t["name"] for t in found}
+
+    final = {f"epoch_group[trainer_0] e{EPOCHS}", f"checkpoint_save[trainer_1] e{EPOCHS}"}
+    # the server records task runs asynchronously: the last ones may land after the flow run
+    wait_for(lambda: task_runs({"any_": sorted(final)}) == final, 60, f"task runs {final}")
+    assert task_runs({"like_": "checkpoint_load[trainer_0]"})
     artifacts = post(api, "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [run_id]}}})
     keyed = [a for a in artifacts if a["key"]]
     assert sorted(a["key"] for a in keyed) == [
