@@ -253,7 +253,12 @@ class Location:
             _fsync_dir(posixpath.dirname(dst))
             _fsync_dir(posixpath.dirname(src))
             return
-        self.fs.mv(src, dst, recursive=True)
+        # Copy through this process rather than fs.mv: object stores have no rename, and their
+        # server-side copy mishandles keys with '%' (escaped blob names) in s3fs.
+        root = src.rstrip("/")
+        for path in self.fs.find(root):
+            self.fs.pipe_file(dst + path[len(root):], self.fs.cat_file(path))
+        self.fs.rm(root, recursive=True)
 
 
 def _load_syncfs() -> Any:
