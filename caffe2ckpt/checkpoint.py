@@ -227,6 +227,11 @@ class CheckpointStore:
             CheckpointNotFoundError: no record for it.
             CheckpointCorruptedError: records exist but none matches the stored group.
         """
+        return self._committed(node, epoch, refs)[0]
+
+    def _committed(self, node: str, epoch: int,
+                   refs: list[RecordRef] | None = None) -> tuple[CommitRecord, bytes]:
+        """The valid record and the group metadata (``zarr.json`` bytes) it vouches for."""
         refs = [r for r in (refs if refs is not None else list_records(self.location))
                 if r.epoch == epoch and r.node == node]
         if not refs:
@@ -234,11 +239,12 @@ class CheckpointStore:
                 f"no committed checkpoint for node {node!r} at epoch {epoch} under "
                 f"{self.location.display()!r}"
             )
-        digest = hashlib.sha256(self._group_json(node, epoch)).hexdigest()
+        raw = self._group_json(node, epoch)
+        digest = hashlib.sha256(raw).hexdigest()
         for ref in refs:
             record = read_record(self.location, ref)
             if record.metadata.get("zarr.json") == digest:
-                return record
+                return record, raw
         raise CheckpointCorruptedError(
             f"checkpoint {self._where(node, epoch)!r} (node {node!r}, epoch {epoch}) holds "
             "group metadata that no commit record names (changed, or an interrupted re-save)",
@@ -247,16 +253,10 @@ class CheckpointStore:
 
     def manifest(self, node: str, epoch: int) -> Manifest:
         """The manifest of ``node``'s committed group at ``epoch`` (validated against it)."""
-        record = self.node_record(node, epoch)
-        return self._checked_manifest(node, epoch, record)
+        return self._checked_manifest(node, epoch, *self._committed(node, epoch))
 
-    def _checked_manifest(self, node: str, epoch: int, record: CommitRecord) -> Manifest:
-        raw = self._group_json(node, epoch)
-        if hashlib.sha256(raw).hexdigest() != record.metadata.get("zarr.json"):
-            raise CheckpointCorruptedError(
-                f"checkpoint {self._where(node, epoch)!r} changed while being read",
-                node=node, epoch=epoch, blob="zarr.json",
-            )
+    def _checked_manifest(self, node: str, epoch: int, record: CommitRecord,
+                          raw: bytes) -> Manifest:
         manifest = parse_manifest(raw, self._where(node, epoch), node=node, epoch=epoch)
         if (manifest.node, manifest.epoch, manifest.save_id) != (node, epoch, record.save_id):
             raise CheckpointCorruptedError(
@@ -273,8 +273,8 @@ class CheckpointStore:
             CheckpointNotFoundError: not committed.
             CheckpointCorruptedError: committed but damaged (names node, epoch and blob).
         """
-        record = self.node_record(node, epoch)
-        manifest = self._checked_manifest(node, epoch, record)
+        record, raw = self._committed(node, epoch)
+        manifest = self._checked_manifest(node, epoch, record, raw)
         path = self.group_path(node, epoch)
         files = manifest.metadata_files()
         if set(files) != set(record.metadata):
@@ -284,6 +284,8 @@ class CheckpointStore:
                 node=node, epoch=epoch, blob="zarr.json",
             )
         for name, blob in files.items():
+            if name == "zarr.json":  # checked above
+                continue
             try:
                 raw = self.location.read_bytes(f"{path}/{name}")
             except CheckpointNotFoundError:
