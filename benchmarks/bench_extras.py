@@ -97,7 +97,7 @@ def main() -> None:
     epochs = 20 if args.smoke else args.epochs
     try:
         print(f"async save blocking time vs memcpy of the workspace (medians of {repeats})")
-        print(f"| workload | blocking s | memcpy s | ratio |\n|---|---|---|---|")
+        print("| workload | blocking s | memcpy s | ratio |\n|---|---|---|---|")
         for workload in ("W1", "W2"):
             blocking, copy = async_blocking(workload, root, repeats, args.smoke)
             print(f"| {workload} | {blocking:.4f} | {copy:.4f} | {blocking / copy:.2f} |")
