@@ -6,12 +6,27 @@ Local disks get real durability (fsync of files, then of their directories) and 
 wrappers) goes through its own API, where an exclusive create is ``open(path, "xb")`` (an
 ``If-None-Match`` PUT on S3) and nothing relies on a rename being atomic.
 
+Prefixes: a local path may contain ``.`` and ``..`` segments; they are resolved the way the
+operating system resolves them (``os.path.realpath``) before anything is written, so nothing
+lands outside the resolved prefix and no directory named in a ``..`` step is created. A URL of
+any other filesystem (``memory://``, ``s3://``, ...) must not contain ``.``, ``..`` or empty
+segments, nor be empty: object stores keep such segments as literal key parts, while HTTP
+clients and other tools may resolve them, so the same URL could name two different places. They
+are refused with :class:`InvalidLocationError`.
+
+Errors: a filesystem failure that is not an ``OSError`` (e.g. botocore's ``NoCredentialsError``,
+which s3fs passes through untranslated) is re-raised naming the prefix: configuration problems
+(credentials, profile, region, parameters, storage options the filesystem does not take) as
+:class:`InvalidLocationError`, anything else (e.g. ``EndpointConnectionError`` after s3fs's
+retries) as an ``OSError`` (``EIO``), so callers see an I/O failure, not corruption.
+
 This is the only module that turns URLs into filesystems. It does not import zarr or prefect.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import posixpath
 import shutil
@@ -21,7 +36,11 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from caffe2ckpt.errors import CheckpointNotFoundError, InvalidLocationError
+from caffe2ckpt.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    InvalidLocationError,
+)
 
 __all__ = ["Location"]
 
@@ -44,20 +63,64 @@ class Location:
     ) -> None:
         if not isinstance(url, str) or not url.strip():
             raise InvalidLocationError(f"a checkpoint prefix must be a non-empty string, got {url!r}")
+        if "\x00" in url:
+            raise InvalidLocationError(f"checkpoint prefix {url!r} contains a NUL character")
         self.url = url
         if filesystem is not None:
             self.fs = filesystem
-            self.root = filesystem._strip_protocol(url).rstrip("/") or "/"
+            root = filesystem._strip_protocol(url)
         else:
             try:
                 self.fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
-            except (ValueError, ImportError) as exc:
+            except CheckpointError:
+                raise
+            except Exception as exc:  # unknown protocol, missing package, bad options
                 raise InvalidLocationError(
-                    f"cannot open checkpoint prefix {url!r}: {exc}"
+                    f"cannot open checkpoint prefix {url!r}: {type(exc).__name__}: {exc}"
                 ) from exc
-            self.root = root.rstrip("/") or "/"
         # Only a plain local filesystem gets os-level fast paths; wrappers go through fsspec.
         self.is_local = type(self.fs) is LocalFileSystem
+        self.root = self._checked_root(str(root))
+
+    def _checked_root(self, root: str) -> str:
+        """The prefix's path on the filesystem: local ``.``/``..`` resolved, others checked."""
+        segments = root.strip("/").split("/")
+        if self.is_local:
+            if "." in segments or ".." in segments:
+                root = os.path.realpath(root)  # as the OS would resolve it, without creating
+            return root.rstrip("/") or "/"
+        if not root.strip("/"):
+            raise InvalidLocationError(
+                f"checkpoint prefix {self.url!r} names no path on its filesystem (e.g. "
+                "'s3://bucket/run', 'memory://run')")
+        bad = sorted({s for s in segments if s in ("", ".", "..")})
+        if bad:
+            shown = ", ".join(repr(s) if s else "empty" for s in bad)
+            raise InvalidLocationError(
+                f"checkpoint prefix {self.url!r} has {shown} path segments: on this filesystem "
+                "they would be literal key parts that other tools may resolve differently; "
+                "write the normalised path")
+        return root.rstrip("/")
+
+    def _guard(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Call filesystem method ``fn``; a failure that is not an OSError (e.g. botocore's
+        ``NoCredentialsError``) is re-raised naming the prefix (see the module docstring)."""
+        try:
+            return fn(*args, **kwargs)
+        except (OSError, CheckpointError):
+            raise
+        except Exception as exc:
+            raise self._translate(exc) from exc
+
+    def _translate(self, exc: Exception) -> Exception:
+        name = type(exc).__name__
+        if isinstance(exc, TypeError) or any(  # a TypeError here comes from bad options
+                word in name for word in ("Credential", "Profile", "Region", "ParamValidation",
+                                          "Unsigned", "Token", "Config")):
+            return InvalidLocationError(
+                f"cannot use checkpoint prefix {self.url!r}: {name}: {exc} (check the "
+                "credentials, region and storage_options of this filesystem)")
+        return OSError(errno.EIO, f"checkpoint prefix {self.url!r}: {name}: {exc}")
 
     def __repr__(self) -> str:
         return f"Location({self.url!r})"
@@ -86,7 +149,7 @@ class Location:
             if self.is_local:
                 with open(path, "rb") as f:
                     return f.read()
-            return self.fs.cat_file(path)
+            return self._guard(self.fs.cat_file, path)
         except FileNotFoundError as exc:
             raise CheckpointNotFoundError(f"{path} does not exist") from exc
 
@@ -97,18 +160,21 @@ class Location:
                 return os.listdir(path)
             except (FileNotFoundError, NotADirectoryError):
                 return []
+        def ls() -> list[str]:
+            try:
+                return self.fs.ls(path, detail=False, refresh=True)
+            except TypeError:  # filesystems whose ls takes no refresh argument
+                return self.fs.ls(path, detail=False)
         try:
-            entries = self.fs.ls(path, detail=False, refresh=True)
+            entries = self._guard(ls)
         except FileNotFoundError:
             return []
-        except TypeError:  # filesystems whose ls takes no refresh argument
-            entries = self.fs.ls(path, detail=False)
         return [posixpath.basename(e.rstrip("/")) for e in entries]
 
     def exists(self, path: str) -> bool:
         if self.is_local:
             return os.path.lexists(path)
-        return self.fs.exists(path)
+        return self._guard(self.fs.exists, path)
 
     # -- writes --------------------------------------------------------------------------------
 
@@ -116,7 +182,7 @@ class Location:
         if self.is_local:
             os.makedirs(path, exist_ok=True)
         else:
-            self.fs.makedirs(path, exist_ok=True)
+            self._guard(self.fs.makedirs, path, exist_ok=True)
 
     def create_exclusive(self, path: str, data: bytes) -> None:
         """Write ``data`` to a new file ``path`` in one step, durably.
@@ -127,8 +193,10 @@ class Location:
         directory = posixpath.dirname(path)
         self.makedirs(directory)
         if not self.is_local:
-            with self.fs.open(path, "xb") as f:
-                f.write(data)
+            def create() -> None:
+                with self.fs.open(path, "xb") as f:
+                    f.write(data)
+            self._guard(create)
             return
         tmp = posixpath.join(directory, f".tmp-{uuid.uuid4().hex}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -147,7 +215,8 @@ class Location:
         with ``durable``, fsync it before returning (local disks)."""
         if not self.is_local:
             data = buffers[0] if len(buffers) == 1 else b"".join(memoryview(b) for b in buffers)
-            self.fs.pipe_file(path, bytes(data) if not isinstance(data, bytes) else data)
+            self._guard(self.fs.pipe_file, path,
+                        bytes(data) if not isinstance(data, bytes) else data)
             return
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
@@ -228,14 +297,14 @@ class Location:
             return
         try:
             # not fs.isdir(): it answers False on any error, which would hide an I/O failure
-            kind = self.fs.info(path).get("type")
+            kind = self._guard(self.fs.info, path).get("type")
         except FileNotFoundError:
             return
         try:
             if kind == "directory":
-                self.fs.rm(path, recursive=True)
+                self._guard(self.fs.rm, path, recursive=True)
             else:
-                self.fs.rm_file(path)
+                self._guard(self.fs.rm_file, path)
         except FileNotFoundError:
             return
 
@@ -256,9 +325,10 @@ class Location:
         # Copy through this process rather than fs.mv: object stores have no rename, and their
         # server-side copy mishandles keys with '%' (escaped blob names) in s3fs.
         root = src.rstrip("/")
-        for path in self.fs.find(root):
-            self.fs.pipe_file(dst + path[len(root):], self.fs.cat_file(path))
-        self.fs.rm(root, recursive=True)
+        for path in self._guard(self.fs.find, root):
+            self._guard(self.fs.pipe_file, dst + path[len(root):],
+                        self._guard(self.fs.cat_file, path))
+        self._guard(self.fs.rm, root, recursive=True)
 
 
 def _load_syncfs() -> Any:

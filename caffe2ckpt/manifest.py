@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -28,6 +29,8 @@ __all__ = ["FORMAT_VERSION", "PACKED_ARRAY", "BlobInfo", "Manifest", "itemsize"]
 FORMAT_VERSION = 1
 PACKED_ARRAY = "_packed"
 _KINDS = frozenset("biufcSU")
+# an array path is one segment made by naming.blob_path: never "/", never "." or ".."
+_SEGMENT = re.compile(r"[A-Za-z0-9_.%~-]{1,200}")
 
 
 @functools.lru_cache(maxsize=256)
@@ -164,7 +167,8 @@ def _array_info(name: str, entry: dict[str, Any]) -> BlobInfo:
                     chunk_rows=rows, crcs=crcs)
     info.nbytes  # noqa: B018 - validates the dtype
     if (not info.shape or min(info.shape) <= 0 or info.order not in ("C", "F")
-            or not isinstance(info.path, str) or not info.path
+            or not isinstance(info.path, str) or not _SEGMENT.fullmatch(info.path)
+            or info.path in (".", "..") or info.path.startswith(".")
             or not 0 < info.chunk_rows <= info.shape[0]):
         raise ValueError(f"bad array entry for blob {name!r}")
     return info

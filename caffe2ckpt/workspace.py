@@ -133,7 +133,22 @@ class Workspace(MutableMapping[str, np.ndarray]):
         return sum(1 for _ in self)
 
     def restore(self, blobs: dict[str, np.ndarray]) -> None:
-        """Assign arrays that a checkpoint load produced (already valid: skips per-blob checks)."""
+        """Assign arrays that a checkpoint load produced: numpy arrays only, no scalar
+        conversion, and each distinct dtype checked once (cheap for ten thousand blobs), so
+        an object array can never reach a save this way either.
+
+        Raises:
+            InvalidBlobError: a name or value that assignment would refuse; nothing assigned.
+        """
+        checked: set[np.dtype] = set()
+        for name, arr in blobs.items():
+            check_blob_name(name)
+            if not isinstance(arr, np.ndarray):
+                raise InvalidBlobError(
+                    f"blob {name!r}: restore() takes numpy arrays, got {type(arr).__name__}")
+            if arr.dtype not in checked:
+                as_blob(name, arr)
+                checked.add(arr.dtype)
         if self.parent is None:
             self._blobs.update(blobs)
         else:  # a child workspace: keep its write-through rules

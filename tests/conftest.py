@@ -1,4 +1,5 @@
-"""Shared fixtures: checkpoint prefixes on real filesystems (memory:// and a local temp dir)."""
+"""Shared fixtures: checkpoint prefixes on real filesystems (memory://, a local temp dir and, for
+the storage and resume modules, s3:// on a moto S3 server on 127.0.0.1)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,28 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 import fsspec
 import pytest
 
+# Test modules whose `prefix` tests also run on S3 (a moto server, see tests/s3server.py): the
+# storage, resume, corruption and fencing sets. Other modules get memory and local prefixes.
+S3_PREFIX_MODULES = frozenset({
+    "test_storage", "test_contract", "test_runner", "test_corruption", "test_fencing",
+    "test_hostile", "test_concurrency",
+})
+
+
+def pytest_generate_tests(metafunc):
+    """Parametrize ``prefix`` (also when requested through another fixture) by filesystem kind:
+    memory and local everywhere, plus s3 (marked slow) in :data:`S3_PREFIX_MODULES`."""
+    if "prefix" not in metafunc.fixturenames:
+        return
+    for mark in metafunc.definition.iter_markers("parametrize"):
+        names = mark.args[0] if mark.args else mark.kwargs.get("argnames", ())
+        if "prefix" in (names.replace(" ", "").split(",") if isinstance(names, str) else names):
+            return  # the test chooses its own prefixes
+    kinds = ["memory", "local"]
+    if metafunc.module.__name__.rpartition(".")[2] in S3_PREFIX_MODULES:
+        kinds.append(pytest.param("s3", marks=pytest.mark.slow))
+    metafunc.parametrize("prefix", kinds, indirect=True)
+
 
 @pytest.fixture
 def memory_fs():
@@ -29,9 +52,34 @@ def memory_fs():
     fs.pseudo_dirs.append("")
 
 
-@pytest.fixture(params=["memory", "local"])
+@pytest.fixture(scope="session")
+def s3_server():
+    """One moto S3 server on 127.0.0.1 (a free port) for the whole session."""
+    pytest.importorskip("moto.server")
+    pytest.importorskip("s3fs")
+    from tests import s3server
+
+    server = s3server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_server, monkeypatch) -> str:
+    """A fresh empty bucket on the session's S3 server; during the test, ``s3://`` URLs without
+    storage options reach that server (fsspec's defaults for ``s3``), never AWS."""
+    s3_server.configure(monkeypatch)
+    return s3_server.new_bucket()
+
+
+@pytest.fixture
 def prefix(request, tmp_path, memory_fs) -> str:
-    """A fresh checkpoint prefix: ``memory://...`` or a local directory."""
-    if request.param == "memory":
+    """A fresh checkpoint prefix: ``memory://...``, a local directory, or ``s3://<new bucket>/ckpt``
+    (see :func:`pytest_generate_tests` for which modules get which)."""
+    kind = getattr(request, "param", "memory")
+    if kind == "memory":
         return f"memory://ckpt-{uuid.uuid4().hex[:8]}"
+    if kind == "s3":
+        return f"s3://{request.getfixturevalue('s3_bucket')}/ckpt"
     return str(tmp_path / "ckpt")
+

@@ -70,6 +70,9 @@ class Ckpt:
 def fs_root(prefix: str, memory_fs) -> tuple[fsspec.AbstractFileSystem, str]:
     if prefix.startswith("memory://"):
         return memory_fs, memory_fs._strip_protocol(prefix).rstrip("/")
+    if prefix.startswith("s3://"):  # the moto server of tests/conftest.py
+        fs, root = fsspec.core.url_to_fs(prefix)
+        return fs, root.rstrip("/")
     return fsspec.filesystem("file"), prefix
 
 
@@ -96,7 +99,7 @@ def ckpt(prefix, memory_fs) -> Ckpt:
     """Epochs 1 and 2 of nodes n0 and n1, committed under ``prefix``. Written by caffe2ckpt once
     per filesystem kind; later tests get a byte-for-byte copy of those files (it is faster)."""
     fs, root = fs_root(prefix, memory_fs)
-    kind = "memory" if prefix.startswith("memory://") else "local"
+    kind = prefix.partition("://")[0] if "://" in prefix else "local"
     if kind not in _PRISTINE:
         write_checkpoint(prefix)
         _PRISTINE[kind] = {p[len(root) + 1:]: fs.cat_file(p) for p in fs.find(root)}

@@ -8,6 +8,7 @@ import uuid
 import zlib
 from pathlib import Path
 
+import fsspec
 import numpy as np
 import pytest
 import zarr
@@ -118,6 +119,11 @@ def test_any_name_round_trips_and_stays_inside_prefix(prefix, memory_fs, tmp_pat
         outside = [k for k in memory_fs.store if not k.startswith(root)]
         assert outside == []
         assert [d for d in memory_fs.pseudo_dirs if d and not (d + "/").startswith(root)] == []
+    elif prefix.startswith("s3://"):  # the test's own fresh bucket: every key under the prefix
+        fs, root = fsspec.core.url_to_fs(prefix)
+        keys = fs.find(root.split("/", 1)[0])
+        assert keys, "nothing was written"
+        assert [k for k in keys if not k.startswith(root + "/")] == []
     else:
         new = files_under(tmp_path.parent) - before
         assert new, "nothing was written"
