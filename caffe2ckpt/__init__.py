@@ -13,12 +13,15 @@ from caffe2ckpt.errors import (
     InvalidBlobError,
     InvalidLocationError,
     JobDefinitionError,
+    JobPreemptedError,
 )
 from caffe2ckpt.job import Job, Node, Task, TaskGroup, TaskOutput, epoch_limiter
 from caffe2ckpt.manager import CheckpointManager, MultiNodeCheckpointManager, UploadTaskGroupBuilder
 from caffe2ckpt.naming import db_name, get_ckpt_filename
+from caffe2ckpt.policy import StepManagerOptions
 from caffe2ckpt.runner import JobRunner
 from caffe2ckpt.session import LocalSession, Session
+from caffe2ckpt.steps import StepCheckpointManager
 from caffe2ckpt.workspace import Workspace, WorkspaceType
 
 __all__ = [
@@ -32,11 +35,14 @@ __all__ = [
     "InvalidLocationError",
     "Job",
     "JobDefinitionError",
+    "JobPreemptedError",
     "JobRunner",
     "LocalSession",
     "MultiNodeCheckpointManager",
     "Node",
     "Session",
+    "StepCheckpointManager",
+    "StepManagerOptions",
     "Task",
     "TaskGroup",
     "TaskOutput",

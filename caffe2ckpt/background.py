@@ -66,6 +66,11 @@ class BackgroundSaves:
             self._epoch = epoch
             self._futures[node] = self._pool.submit(save)
 
+    def done(self) -> bool:
+        """Whether every save in flight has finished (successfully or not)."""
+        with self._lock:
+            return all(f.done() for f in self._futures.values())
+
     def wait(self) -> tuple[int | None, dict[str, Any]]:
         """Wait for the saves in flight; return (their epoch, {node: result}).
 

@@ -16,6 +16,7 @@ Imports: errors, location, naming. Not zarr, not prefect.
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -69,7 +70,7 @@ class CommitRecord:
     seconds: float
     stop: bool = False  # the job's stop condition held after this epoch
     stop_conditions: list[str] = field(default_factory=list)  # keys of the conditions that held
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)  # e.g. loss; NaN allowed
     metadata: dict[str, str] = field(default_factory=dict)  # Zarr metadata file -> sha256
     writer: dict[str, Any] = field(default_factory=dict)  # e.g. flow run id and run count
     created: float = field(default_factory=time.time)
@@ -80,7 +81,10 @@ class CommitRecord:
         return RecordRef(epoch=self.epoch, node=self.node, save_id=self.save_id)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """As JSON-ready data; non-finite metrics become the strings "nan", "inf", "-inf"."""
+        data = asdict(self)
+        data["metrics"] = {k: v if math.isfinite(v) else repr(v) for k, v in self.metrics.items()}
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CommitRecord:

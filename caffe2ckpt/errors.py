@@ -10,7 +10,8 @@ the builtin a caller would naturally catch, so ``except FileNotFoundError`` keep
     │   └── CheckpointFencedError                     a newer run took over the prefix
     ├── InvalidBlobError (ValueError)                 a workspace value or blob name we cannot store
     ├── InvalidLocationError (ValueError)             a bad node name, prefix, URL or epoch
-    └── JobDefinitionError (ValueError)               a Job / Task / runner set up wrongly
+    ├── JobDefinitionError (ValueError)               a Job / Task / runner set up wrongly
+    └── JobPreemptedError                             a signal stopped the job between epochs
 
 This module imports nothing from the rest of the package.
 """
@@ -26,6 +27,7 @@ __all__ = [
     "InvalidBlobError",
     "InvalidLocationError",
     "JobDefinitionError",
+    "JobPreemptedError",
 ]
 
 
@@ -78,3 +80,19 @@ class InvalidLocationError(CheckpointError, ValueError):
 
 class JobDefinitionError(CheckpointError, ValueError):
     """A job, task, group or runner was defined or used inconsistently."""
+
+
+class JobPreemptedError(CheckpointError):
+    """A preemption signal (SIGTERM) stopped the job after an epoch, which was checkpointed.
+
+    Attributes:
+        epoch: the last epoch that ran.
+        committed: whether that epoch's checkpoint is committed (a rerun resumes from it).
+        signal: the signal's name, e.g. ``"SIGTERM"``.
+    """
+
+    def __init__(self, message: str, *, epoch: int, committed: bool, signal: str) -> None:
+        super().__init__(message)
+        self.epoch = epoch
+        self.committed = committed
+        self.signal = signal

@@ -12,6 +12,8 @@ Run it (``--help`` lists the options)::
     python -m caffe2ckpt.example --checkpoint-url checkpoints/regression --epochs 10
 
 Kill it at any time and run the same command again: it resumes from the newest committed epoch.
+SIGTERM is a polite preemption: the running epoch finishes and is committed, then the program
+exits with status 75 (EX_TEMPFAIL); run it again to continue.
 """
 
 from __future__ import annotations
@@ -23,11 +25,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from caffe2ckpt.errors import JobDefinitionError
+from caffe2ckpt.errors import JobDefinitionError, JobPreemptedError
 from caffe2ckpt.job import Job, Node, Task, epoch_limiter
 from caffe2ckpt.workspace import Workspace
 
-__all__ = ["build_job", "main"]
+__all__ = ["EXIT_PREEMPTED", "build_job", "main"]
+
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by a preemption signal, rerun to resume
 
 FEATURES = 8
 SAMPLES_PER_NODE = 4096
@@ -110,8 +114,10 @@ def build_job(
             with Node(node):
                 with job.init_group:
                     Task(_init_node(i, seed), name="init")
-                Task(_train_epoch(node, i, seed, batches_per_epoch, fail_at_epoch), name="sgd",
-                     outputs=["loss"])
+                sgd = Task(_train_epoch(node, i, seed, batches_per_epoch, fail_at_epoch),
+                           name="sgd", outputs=["loss"])
+            if i == 0:
+                job.add_metric("loss", sgd.outputs()[0])  # kept in each epoch's commit record
         epoch_limiter(job, num_epochs)
     return job
 
@@ -128,6 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Command line entry point: train (or resume) the example job with a LocalSession."""
     from caffe2ckpt.manager import MultiNodeCheckpointManager
     from caffe2ckpt.metadata import ZarrMetadataHandler
+    from caffe2ckpt.policy import StepManagerOptions
     from caffe2ckpt.runner import JobRunner
     from caffe2ckpt.session import LocalSession
 
@@ -140,6 +147,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--batches-per-epoch", type=positive_int, default=16)
     parser.add_argument("--fail-at-epoch", type=int, default=None,
                         help="raise in this epoch (to demonstrate resuming)")
+    parser.add_argument("--save-every", type=positive_int, default=None, metavar="N",
+                        help="checkpoint every N-th epoch (epoch 0 and the last always)")
+    parser.add_argument("--keep-last", type=positive_int, default=None, metavar="N",
+                        help="keep only the newest N checkpoints (default: keep all)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)-7s %(name)s %(message)s")
@@ -147,7 +158,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     fail_at_epoch=args.fail_at_epoch)
     cm = MultiNodeCheckpointManager(args.checkpoint_url, metadata_handler=ZarrMetadataHandler())
     session = LocalSession()
-    final = JobRunner(job, cm).train(session)
+    options = StepManagerOptions(save_interval_steps=args.save_every, max_to_keep=args.keep_last)
+    try:
+        final = JobRunner(job, cm, options=options).train(session)
+    except JobPreemptedError as exc:
+        print(f"preempted: {exc}", file=sys.stderr)
+        return EXIT_PREEMPTED
     for node in job.nodes_to_checkpoint():
         ws = session.workspace(node)
         print(f"[{node}] final epoch {final}: w[:3]={ws['model/w'][:3]} b={float(ws['model/b']):.4f}")

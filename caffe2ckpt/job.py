@@ -263,6 +263,7 @@ class Job(_Stacked):
         self.download_group = download_group or TaskGroup(name="download_group")
         self.exit_group = exit_group or TaskGroup(name="exit_group")
         self.stop_conditions: list[TaskOutput] = list(stop_conditions or [])
+        self.metrics: dict[str, TaskOutput] = {}  # recorded with every epoch's checkpoint
         self._nodes_to_checkpoint = [str(n) for n in nodes_to_checkpoint or []]
         self._limiters = 0
         self.max_epochs: int | None = None  # the tightest epoch_limiter, for progress reports
@@ -294,15 +295,45 @@ class Job(_Stacked):
         ``output`` is a :class:`TaskOutput` or the name of a blob on the current node (it is then
         declared as the output of an empty task in the epoch group).
         """
-        if isinstance(output, str):
-            output = Task(None, name=f"stop:{output}", outputs=[output], group=self.epoch_group)
-            output = output.outputs()[0]
-        if not isinstance(output, TaskOutput):
-            raise JobDefinitionError(
-                f"a stop condition must be a TaskOutput or a blob name, got {output!r}"
-            )
+        output = self._as_output(output, "stop", "a stop condition")
         self.stop_conditions.append(output)
         return output
+
+    def _as_output(self, output: TaskOutput | str, prefix: str, what: str) -> TaskOutput:
+        if isinstance(output, str):  # an empty epoch-group task declaring the blob
+            task = Task(None, name=f"{prefix}:{output}", outputs=[output], group=self.epoch_group)
+            output = task.outputs()[0]
+        if not isinstance(output, TaskOutput):
+            raise JobDefinitionError(f"{what} must be a TaskOutput or a blob name, got {output!r}")
+        return output
+
+    def add_metric(self, name: str, output: TaskOutput | str) -> TaskOutput:
+        """Record ``output`` (a scalar) as metric ``name`` in every epoch's commit record.
+
+        ``output`` is a :class:`TaskOutput` or a blob name on the current node, as for
+        :meth:`add_stop_condition`. Metrics drive best-N retention and show in the Prefect
+        checkpoint table and ``caffe2ckpt ls``.
+        """
+        if not isinstance(name, str) or not name:
+            raise JobDefinitionError(f"a metric needs a non-empty name, got {name!r}")
+        output = self._as_output(output, "metric", f"metric {name!r}")
+        self.metrics[name] = output
+        return output
+
+    def fetch_metrics(self) -> dict[str, float]:
+        """The current value of every metric.
+
+        Raises:
+            JobDefinitionError: a metric is not a single number.
+        """
+        values = {}
+        for name, output in self.metrics.items():
+            value = np.asarray(output.fetch())
+            if value.size != 1 or value.dtype.kind not in "biuf":
+                raise JobDefinitionError(f"metric {name!r} ({output.key}) must be one real "
+                                         f"number, got {value.dtype} of shape {value.shape}")
+            values[name] = float(value.reshape(()))
+        return values
 
     def nodes_to_checkpoint(self) -> list[str]:
         """The explicit node list if one was given, else the init group's nodes."""

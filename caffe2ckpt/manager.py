@@ -377,7 +377,7 @@ class MultiNodeCheckpointManager(_BaseManager):
         initialised for the same nodes it is empty and the lists are kept."""
         if isinstance(nodes, str):
             raise JobDefinitionError(f"nodes must be a list of node names, not the string {nodes!r}")
-        names = [str(n) for n in nodes]
+        names = [_node_str(n) for n in nodes]
         return self._init({n: n for n in names}, retrieve_from_epoch, path_prefix, path_type)
 
     def blob_list(self) -> dict[str, list[str]]:
@@ -386,18 +386,19 @@ class MultiNodeCheckpointManager(_BaseManager):
 
     def set_params(self, nodes: Sequence[str | Node], path_prefix: str | None = None,
                    path_type: str | None = None) -> None:
-        self._set_params([str(n) for n in nodes], path_prefix, path_type)
+        self._set_params([_node_str(n) for n in nodes], path_prefix, path_type)
 
     def get_ckpt_db_name(self, node_name: str, epoch: int) -> str | None:
         """Where ``node_name``'s checkpoint of ``epoch`` lives, or None for an unknown node."""
         file_node = self._require_files().get(str(node_name))
-        return None if file_node is None else db_name(epoch, file_node, self._db_prefix)
+        return None if file_node is None else db_name(check_epoch(epoch), file_node,
+                                                      self._db_prefix)
 
     def load_blobs_locally(self, nodes: Sequence[str | Node], blob_names: Sequence[str],
                            epoch: int, session: Session) -> bool:
         """Load ``blob_names`` from every node's checkpoint of ``epoch`` into that node's
         workspace. Returns False, loading nothing, if any node's checkpoint is not committed."""
-        files = {str(n): str(n) for n in nodes}
+        files = {_node_str(n): _node_str(n) for n in nodes}
         if self._files is None:
             self._bind_nodes(files)
         elif self._files != files:
@@ -439,7 +440,7 @@ class CheckpointManager(_BaseManager):
         super().__init__(db_prefix, db_type, metadata_handler, storage_options=storage_options,
                          filesystem=filesystem, pack_threshold=pack_threshold,
                          async_save=async_save)
-        self._node_name = check_node_name(str(node_name))
+        self._node_name = check_node_name(node_name)
 
     def init(self, nodes: Sequence[str | Node] | None = None,
              retrieve_from_epoch: int | None = None, path_prefix: str | None = None,
@@ -450,7 +451,7 @@ class CheckpointManager(_BaseManager):
                 f"CheckpointManager handles a single node, got {list(map(str, nodes))}; "
                 "use MultiNodeCheckpointManager"
             )
-        ws_node = str(nodes[0]) if nodes else self._node_name
+        ws_node = _node_str(nodes[0]) if nodes else self._node_name
         return self._init({ws_node: self._node_name}, retrieve_from_epoch, path_prefix, path_type)
 
     def blob_list(self) -> list[str]:
@@ -461,6 +462,13 @@ class CheckpointManager(_BaseManager):
     def set_params(self, nodes: Sequence[str | Node] | None = None,
                    path_prefix: str | None = None, path_type: str | None = None) -> None:
         self._set_params([self._node_name], path_prefix, path_type)
+
+
+def _node_str(node: str | Node) -> str:
+    """A node given as a name or a :class:`Node` (anything else is refused, never str()'d)."""
+    if isinstance(node, Node):
+        return str(node)
+    return check_node_name(node)
 
 
 class UploadTaskGroupBuilder(abc.ABC):

@@ -8,7 +8,8 @@ Layout under a checkpoint prefix::
     <prefix>/<node>.<epoch>/            one Zarr v3 group per node and epoch (db_name)
     <prefix>/_commits/<record>.json     commit records (see caffe2ckpt.commit)
     <prefix>/_staging/...               re-saves being written aside (uncommitted)
-    <prefix>/_claims/<ns>-<id>.json     which run currently owns the prefix (newest wins)
+    <prefix>/_claims/claim-<n>.json     which run currently owns the prefix (newest wins)
+    <prefix>/_metadata.json             optional custom metadata of the prefix, written once
 
 Blob names become array paths by :func:`blob_path`: characters other than ``A-Z a-z 0-9 _ . -``
 are percent-encoded as UTF-8 bytes (``/`` -> ``%2F``, ``:`` -> ``%3A``, ``%`` -> ``%25``), a
@@ -30,6 +31,7 @@ from caffe2ckpt.errors import InvalidLocationError
 __all__ = [
     "CLAIMS_DIR",
     "COMMITS_DIR",
+    "ROOT_METADATA",
     "STAGING_DIR",
     "blob_path",
     "check_epoch",
@@ -41,8 +43,9 @@ __all__ = [
 CLAIMS_DIR = "_claims"
 COMMITS_DIR = "_commits"
 STAGING_DIR = "_staging"
+ROOT_METADATA = "_metadata.json"  # custom metadata of the whole prefix (StepCheckpointManager)
 MAX_EPOCH = 10**12 - 1
-_MAX_NODE_LEN = 128
+_MAX_NODE_LEN = 128  # bytes in UTF-8
 _SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-")
 _MAX_SEGMENT = 120
 _NODE_FORBIDDEN = re.compile(r"[/\\\x00-\x1f\x7f]")
@@ -71,20 +74,27 @@ def db_name(epoch: int, node_name: str, db_prefix: str, path_prefix: str | None 
 def check_node_name(node: object) -> str:
     """Return ``node`` if it can name checkpoint files, else raise :class:`InvalidLocationError`.
 
-    A node name is a non-empty string of at most 128 characters, without ``/``, ``\\`` or control
-    characters, that is not ``.`` or ``..`` and does not start with ``_`` (reserved).
+    A node name is a non-empty string of at most 128 bytes in UTF-8 (so that every file name
+    built from it stays under the usual 255-byte limit), without ``/``, ``\\``, control
+    characters or lone surrogates, that is not ``.`` or ``..`` and does not start with ``_``
+    (reserved).
     """
     if not isinstance(node, str) or not node:
         raise InvalidLocationError(f"node names must be non-empty strings, got {node!r}")
+    try:
+        size = len(node.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise InvalidLocationError(
+            f"node name {node!r} is not valid unicode (lone surrogate)") from None
     if (
-        len(node) > _MAX_NODE_LEN
+        size > _MAX_NODE_LEN
         or node in (".", "..")
         or node.startswith("_")
         or _NODE_FORBIDDEN.search(node)
     ):
         raise InvalidLocationError(
             f"node name {node!r} cannot name checkpoint files: use at most {_MAX_NODE_LEN} "
-            "characters, no '/', '\\' or control characters, not '.' or '..', no leading '_'"
+            "bytes in UTF-8, no '/', '\\' or control characters, not '.' or '..', no leading '_'"
         )
     return node
 

@@ -17,6 +17,8 @@ Imports: errors, job, manager, session. Not zarr, not prefect.
 from __future__ import annotations
 
 import logging
+import time
+from contextlib import nullcontext
 from typing import Any, Literal
 
 import numpy as np
@@ -28,9 +30,14 @@ from caffe2ckpt.errors import (
     CheckpointNotFoundError,
     CheckpointWriteError,
     JobDefinitionError,
+    JobPreemptedError,
 )
+from caffe2ckpt.catalog import apply_retention
 from caffe2ckpt.job import Job
 from caffe2ckpt.manager import UploadTaskGroupBuilder, _BaseManager
+from caffe2ckpt.naming import check_node_name
+from caffe2ckpt.policy import StepManagerOptions, should_save
+from caffe2ckpt.preemption import PreemptionWatch
 from caffe2ckpt.session import RunEvent, Session, notify
 
 __all__ = ["JobRunner"]
@@ -49,6 +56,12 @@ class JobRunner:
         upload_task_group_builder: run with the final epoch after the loop.
         on_save_error: ``"warn"`` (Caffe2's behaviour: log a WARNING and keep training) or
             ``"raise"``. Failed epochs are listed in :attr:`failed_saves` either way.
+        options: save policy (which epochs to checkpoint; epoch 0, the final epoch and a
+            preempted epoch always are) and retention (which committed epochs to keep; the
+            newest and the one resumed from always are). Default: save and keep every epoch.
+        handle_preemption: while training (in the main thread), SIGTERM only sets a flag: the
+            current epoch finishes, is saved and committed, and :meth:`train` raises
+            :class:`JobPreemptedError` instead of running another epoch.
 
     Example:
         >>> from caffe2ckpt import LocalSession, MultiNodeCheckpointManager
@@ -66,6 +79,8 @@ class JobRunner:
         upload_task_group_builder: UploadTaskGroupBuilder | None = None,
         *,
         on_save_error: Literal["warn", "raise"] = "warn",
+        options: StepManagerOptions | None = None,
+        handle_preemption: bool = True,
     ) -> None:
         if on_save_error not in ("warn", "raise"):
             raise JobDefinitionError(f"on_save_error must be 'warn' or 'raise', got {on_save_error!r}")
@@ -74,12 +89,26 @@ class JobRunner:
         self.resume_from_epoch = resume_from_epoch
         self.upload_task_group_builder = upload_task_group_builder
         self.on_save_error = on_save_error
+        self.options = options
+        self.handle_preemption = handle_preemption
         self.failed_saves: list[int] = []
+        self.saved_epochs: list[int] = []  # committed by this train() call
         self.resumed_from: int | None = None
         self._claim: str | None = None
+        self._last_save_time: float | None = None
 
     def train(self, session: Session) -> int:
-        """Run the job to its stop condition; return the number of the final epoch."""
+        """Run the job to its stop condition; return the number of the final epoch.
+
+        Raises:
+            JobPreemptedError: a preemption signal arrived; the epoch that was running finished
+                and was checkpointed, and no further epoch ran.
+        """
+        watch = PreemptionWatch() if self.handle_preemption else nullcontext(None)
+        with watch as preemption:
+            return self._train(session, preemption)
+
+    def _train(self, session: Session, preemption: PreemptionWatch | None) -> int:
         job, cm = self.job, self.checkpoint_manager
         job.compile()  # rejects a job without stop conditions
         if cm is None and self.resume_from_epoch is not None:
@@ -87,16 +116,19 @@ class JobRunner:
                 f"resume_from_epoch={self.resume_from_epoch} needs a checkpoint manager"
             )
         self.failed_saves = []
+        self.saved_epochs = []
         self.resumed_from = None
+        self._last_save_time = None
         resume = None
         if cm is not None:
-            cm.set_params(nodes=job.nodes_to_checkpoint())
-            try:
+            nodes = [check_node_name(n) for n in job.nodes_to_checkpoint()]
+            cm.set_params(nodes=nodes)
+            resume = cm.get_resume_from_epoch_id(self.resume_from_epoch)
+            try:  # only once the run is known to be valid: a refused run writes nothing
                 self._claim = cm.claim(_writer(session))
             except OSError as exc:  # an unreachable prefix: the saves will report it
                 logger.warning("cannot claim checkpoint prefix %r: %s", cm.url, exc)
                 self._claim = None
-            resume = cm.get_resume_from_epoch_id(self.resume_from_epoch)
         finished = False
         if resume is None:
             logger.info("Starting job %r from scratch", job.name)
@@ -111,14 +143,20 @@ class JobRunner:
                                            automatic=self.resume_from_epoch is None)
         try:
             while not finished:
+                if preemption is not None and preemption.requested:
+                    self._preempted(epoch, session, preemption.signal_name)
                 epoch += 1
                 logger.info("Running epoch %d of job %r", epoch, job.name)
                 self._notify(session, "epoch", epoch)
                 session.run(job.epoch_group)
                 met = [c.key for c in job.stop_conditions if bool(np.any(c.fetch()))]
-                if cm is not None:
-                    self.save_checkpoints(epoch, session, stop=bool(met), stop_conditions=met)
                 finished = bool(met)
+                preempted = preemption is not None and preemption.requested
+                if cm is not None and (preempted or should_save(
+                        self.options, epoch, final=finished,
+                        last_save_time=self._last_save_time, now=time.monotonic())):
+                    self.save_checkpoints(epoch, session, stop=finished, stop_conditions=met,
+                                          metrics=job.fetch_metrics())
         except BaseException:
             if cm is not None and cm.pending_epoch is not None:  # let it commit, then fail
                 try:
@@ -137,6 +175,22 @@ class JobRunner:
                            job.name, epoch, self.failed_saves)
         self._notify(session, "finished", epoch)
         return epoch
+
+    def _preempted(self, epoch: int, session: Session, signal_name: str) -> None:
+        """Make sure ``epoch`` is checkpointed, then stop with :class:`JobPreemptedError`."""
+        cm = self.checkpoint_manager
+        if cm is not None:
+            if epoch not in self.saved_epochs and epoch not in self.failed_saves:
+                self.save_checkpoints(epoch, session, metrics=self.job.fetch_metrics())
+            self._finish_background(session, cm)
+        committed = cm is not None and epoch in self.saved_epochs
+        self._notify(session, "preempted", epoch)
+        where = f"under {cm.url!r}" if cm is not None else "(no checkpoint manager)"
+        raise JobPreemptedError(
+            f"job {self.job.name!r} was stopped by {signal_name} after epoch {epoch}; its "
+            + (f"checkpoint is committed {where}: run the job again to resume from it"
+               if committed else f"checkpoint was NOT committed {where}"),
+            epoch=epoch, committed=committed, signal=signal_name)
 
     def _notify(self, session: Session, kind: str, epoch: int, **info: Any) -> None:
         notify(session, RunEvent(kind=kind, job=self.job.name, epoch=epoch,  # type: ignore[arg-type]
@@ -204,7 +258,8 @@ class JobRunner:
         return ok
 
     def save_checkpoints(self, epoch: int, session: Session, *, stop: bool = False,
-                         stop_conditions: list[str] | tuple[str, ...] = ()) -> None:
+                         stop_conditions: list[str] | tuple[str, ...] = (),
+                         metrics: dict[str, float] | None = None) -> None:
         """Save and commit every node's checkpoint of ``epoch``.
 
         A failure is logged as a WARNING and recorded in :attr:`failed_saves`
@@ -223,8 +278,9 @@ class JobRunner:
                     f"checkpoint of epoch {epoch}: files cannot be accessed at {cm.url!r}"
                     + (f": {cause}" if cause else "")) from cause
             logger.info("Saving checkpoints for epoch %d", epoch)
+            self._last_save_time = time.monotonic()
             session.run(cm.save(epoch, stop=stop, stop_conditions=stop_conditions,
-                                writer=_writer(session), claim=self._claim))
+                                metrics=metrics, writer=_writer(session), claim=self._claim))
             if cm.pending_epoch is None:
                 self._committed(epoch, session, cm)
         except Exception as exc:
@@ -251,7 +307,21 @@ class JobRunner:
                 f"checkpoint of epoch {epoch}: only nodes {sorted(cm.last_records)} committed")
         cm.write_checkpoint_metadata(epoch)
         cm.report_checkpoint_stats("checkpoint_save")
+        self.saved_epochs.append(epoch)
         self._notify(session, "saved", epoch, records=dict(cm.last_records))
+        if self.options is not None and self.options.has_retention:
+            self._retain(session, cm)
+
+    def _retain(self, session: Session, cm: _BaseManager) -> None:
+        """Apply retention; a failure only leaves unreferenced files (``caffe2ckpt gc``)."""
+        protect = {self.resumed_from} if self.resumed_from is not None else set()
+        try:
+            deleted = apply_retention(cm.store, self.options, cm.file_nodes(), protect)
+        except (OSError, CheckpointError) as exc:
+            logger.warning("retention could not delete old checkpoints under %r: %s", cm.url, exc)
+            return
+        for epoch in deleted:
+            self._notify(session, "deleted", epoch)
 
     def _save_failed(self, epoch: int, session: Session, exc: Exception) -> None:
         self.failed_saves.append(epoch)

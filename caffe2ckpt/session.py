@@ -33,10 +33,13 @@ class RunEvent:
     Kinds: ``"started"`` (fresh start), ``"loading"`` (checkpoint ``epoch`` is about to be
     loaded to resume), ``"resumed"`` (it was loaded),
     ``"epoch"`` (epoch ``epoch`` is about to run), ``"saved"`` / ``"save_failed"`` (checkpoint
-    of ``epoch``), ``"finished"`` (``epoch`` is the final epoch).
+    of ``epoch``), ``"deleted"`` (retention removed checkpoint ``epoch``), ``"preempted"`` (a
+    preemption signal stopped the job after ``epoch``), ``"finished"`` (``epoch`` is the final
+    epoch).
     """
 
-    kind: Literal["started", "loading", "resumed", "epoch", "saved", "save_failed", "finished"]
+    kind: Literal["started", "loading", "resumed", "epoch", "saved", "save_failed", "deleted",
+                  "preempted", "finished"]
     job: str
     epoch: int
     max_epochs: int | None = None

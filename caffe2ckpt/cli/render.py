@@ -1,0 +1,349 @@
+"""Human output of the ``caffe2ckpt`` command: aligned tables built from the same JSON documents
+``--json`` prints, byte and age formatting, and a one-line progress bar for terminals.
+
+Imports nothing from the rest of the package.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+__all__ = ["Progress", "render"]
+
+
+# -- formatting --------------------------------------------------------------------------------
+
+
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "?"
+    if n < 1024:
+        return f"{n} B"
+    value = float(n)
+    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        value /= 1024
+        if value < 1024 or unit == "PiB":
+            return f"{value:.1f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def human_age(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    seconds = max(0, int(seconds))
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d {hours}h"
+    if hours:
+        return f"{hours}h {minutes}m"
+    if minutes:
+        return f"{minutes}m {secs}s"
+    return f"{secs}s"
+
+
+def human_time(timestamp: float | None) -> str:
+    if timestamp is None:
+        return "-"
+    return datetime.datetime.fromtimestamp(timestamp).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def number(value: Any) -> str:
+    """A metric or difference: floats with 6 significant digits; "nan"/"inf" strings as is."""
+    if isinstance(value, bool) or value is None:
+        return str(value)
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
+
+
+def metrics_text(metrics: dict[str, Any]) -> str:
+    return " ".join(f"{k}={number(v)}" for k, v in sorted(metrics.items())) or "-"
+
+
+def shape_text(shape: Sequence[int]) -> str:
+    return "(" + ", ".join(map(str, shape)) + ("," if len(shape) == 1 else "") + ")"
+
+
+def epochs_text(epochs: Sequence[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2, 5, 7-8"``."""
+    runs: list[list[int]] = []
+    for epoch in sorted(epochs):
+        if runs and epoch == runs[-1][1] + 1:
+            runs[-1][1] = epoch
+        else:
+            runs.append([epoch, epoch])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs) or "none"
+
+
+def writer_text(writer: dict[str, Any]) -> str:
+    """Who wrote a checkpoint, short: ``"my-flow-run attempt 2 host:pid"``."""
+    if not writer:
+        return "-"
+    who = writer.get("flow_run_name") or writer.get("manager") or writer.get("session") or ""
+    if "run_count" in writer:
+        who += f" attempt {writer['run_count']}"
+    where = str(writer.get("host", ""))
+    if "pid" in writer:
+        where += f":{writer['pid']}"
+    text = " ".join(p for p in (who.strip(), where) if p)
+    return text or ", ".join(f"{k}={v}" for k, v in sorted(writer.items()))[:40]
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequence[str] = ()) -> str:
+    """Rows as aligned columns (``right``: headers of right-aligned columns); the last column
+    is never padded."""
+    cells = [[str(c) for c in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = []
+    for row in cells:
+        parts = []
+        for i, cell in enumerate(row):
+            if i == len(row) - 1 and headers[i] not in right:
+                parts.append(cell)
+            elif headers[i] in right:
+                parts.append(cell.rjust(widths[i]))
+            else:
+                parts.append(cell.ljust(widths[i]))
+        lines.append("  ".join(parts).rstrip())
+    return "\n".join(lines)
+
+
+def plural(n: int, word: str, many: str | None = None) -> str:
+    return f"{n} {word if n == 1 else many or word + 's'}"
+
+
+# -- the commands ------------------------------------------------------------------------------
+
+
+def render_ls(doc: dict[str, Any]) -> str:
+    epochs = doc["epochs"]
+    committed = [e for e in epochs if e["state"] == "committed"]
+    out = [f"{doc['prefix']}: {plural(len(committed), 'committed epoch')}"
+           + (f", newest {committed[-1]['epoch']}" if committed else "")
+           + f", {human_bytes(sum(e['bytes'] for e in committed))} committed"]
+    rows = []
+    for e in epochs:
+        state = e["state"]
+        if e.get("missing_nodes"):
+            state += f" (missing {', '.join(e['missing_nodes'])})"
+        if e.get("error"):
+            state += f": {e['error']}"
+        rows.append([e["epoch"], ",".join(e["nodes"]), human_bytes(e["bytes"]),
+                     metrics_text(e["metrics"]), human_time(e["created"]), writer_text(e["writer"]),
+                     state])
+    if rows:
+        out += ["", table(["EPOCH", "NODES", "BYTES", "METRICS", "CREATED", "WRITER", "STATE"],
+                          rows, right=["EPOCH", "BYTES"])]
+    else:
+        out.append("no committed epochs")
+    if doc["leftovers"]:
+        out += ["", ("Uncommitted leftovers (`caffe2ckpt gc --yes` removes those older than "
+                    "--min-age):"),
+                table(["KIND", "AGE", "BYTES", "PATH"],
+                      [[x["kind"], human_age(x["age_seconds"]), human_bytes(x["bytes"]), x["path"]]
+                       for x in doc["leftovers"]], right=["AGE", "BYTES"])]
+    return "\n".join(out)
+
+
+def render_show(doc: dict[str, Any]) -> str:
+    blobs = doc["blobs"]
+    check = "verified" if doc["verified"] else "recorded, not read (add --verify to check them)"
+    out = [(f"{doc['prefix']} epoch {doc['epoch']}: nodes {', '.join(doc['nodes'])}; "
+           f"{plural(len(blobs), 'blob')}, {human_bytes(sum(b['bytes'] for b in blobs))}; "
+           f"checksums {check}")]
+    rows = []
+    for b in blobs:
+        if b["storage"] == "array":
+            storage = f"array {b['path']}, {plural(b['chunks'], 'chunk')}"
+        else:
+            storage = f"packed @{b['offset']}"
+        state = {"recorded": "crc32c recorded", "ok": "ok", "bad": "BAD",
+                 "error": "READ ERROR"}[b["checksum"]]
+        rows.append([b["node"], b["name"], b["dtype"], shape_text(b["shape"]),
+                     human_bytes(b["bytes"]), storage, state])
+    if rows:
+        out += ["", table(["NODE", "BLOB", "DTYPE", "SHAPE", "BYTES", "STORAGE", "CHECKSUM"],
+                          rows, right=["BYTES"])]
+    for problem in doc["problems"]:
+        out.append(f"{problem['node']}: {problem['error']}")
+    return "\n".join(out)
+
+
+def render_verify(doc: dict[str, Any]) -> str:
+    rows = []
+    for r in doc["results"]:
+        detail = "; ".join(e["error"] + packed_note(e) for e in r["errors"])
+        rows.append([r["epoch"], r["node"], r["blobs"], human_bytes(r["bytes"]),
+                     r["status"].upper() if r["status"] != "ok" else "ok", detail])
+    out = [table(["EPOCH", "NODE", "BLOBS", "BYTES", "RESULT", "DETAIL"], rows,
+                 right=["EPOCH", "BLOBS", "BYTES"])] if rows else []
+    for bad in doc["unreadable_records"]:
+        out.append(f"DAMAGED commit record: {bad['error']}")
+    s = doc["summary"]
+    bad = [text for n, text in ((s["damaged"], f"{s['damaged']} DAMAGED"),
+                                (s["error"], f"{s['error']} could not be read"),
+                                (len(doc["unreadable_records"]),
+                                 plural(len(doc["unreadable_records"]), "DAMAGED commit record")))
+           if n]
+    out.append(f"{doc['prefix']}: {s['ok']} of {plural(s['checked'], 'node checkpoint')} "
+               f"verified ok ({human_bytes(s['bytes'])} read)" + "".join("; " + b for b in bad))
+    if doc["partial"]:
+        out.append("not committed (partial saves, not checked): " + "; ".join(
+            f"epoch {p['epoch']} missing {', '.join(p['missing_nodes'])}" for p in doc["partial"]))
+    return "\n".join(out)
+
+
+def packed_note(error: dict[str, Any]) -> str:
+    names = error.get("packed_blobs")
+    if not names:
+        return ""
+    shown = ", ".join(map(repr, names[:5]))
+    if len(names) > 5:
+        shown += f" and {len(names) - 5} more"
+    return f" (the packed array holds blobs {shown})"
+
+
+def render_gc(doc: dict[str, Any]) -> str:
+    dry = doc["dry_run"]
+    remove_word = "would remove" if dry else "removed"
+    out = [f"REFUSED: {doc['refused']}", ""] if doc.get("refused") else []
+    if doc["leftovers"]:
+        out += [(f"Uncommitted leftovers older than {human_age(doc['min_age_seconds'])} "
+                f"({remove_word}):"),
+                table(["KIND", "AGE", "BYTES", "PATH", "RESULT"],
+                      [[x["kind"], human_age(x["age_seconds"]), human_bytes(x["bytes"]), x["path"],
+                        x.get("error") or remove_word] for x in doc["leftovers"]],
+                      right=["AGE", "BYTES"]), ""]
+    if doc["skipped"]:
+        out += ["Left alone:"] + [f"  {x['path']}: {x['reason']}" for x in doc["skipped"]] + [""]
+    if doc["delete"]:
+        out += [f"Epochs outside the retention policy ({remove_word}):",
+                table(["EPOCH", "NODES", "BYTES", "METRICS", "RESULT"],
+                      [[d["epoch"], ",".join(d["nodes"]), human_bytes(d["bytes"]),
+                        metrics_text(d["metrics"]), d.get("error") or remove_word]
+                       for d in doc["delete"]], right=["EPOCH", "BYTES"]), ""]
+    if doc["keep"]:
+        out += ["Epochs kept:",
+                table(["EPOCH", "NODES", "BYTES", "WHY"],
+                      [[k["epoch"], ",".join(k["nodes"]), human_bytes(k["bytes"]),
+                        ", ".join(k["reasons"])] for k in doc["keep"]],
+                      right=["EPOCH", "BYTES"]), ""]
+    freed = doc["bytes_freed"]
+    n_epochs, n_left = len(doc["delete"]), len(doc["leftovers"])
+    if dry:
+        out.append(f"Dry run: {plural(n_epochs, 'epoch')} and {plural(n_left, 'leftover')} "
+                   f"({human_bytes(freed)}) would be removed; run again with --yes to remove them.")
+    else:
+        failed = [x for x in doc["delete"] + doc["leftovers"] if x.get("error")]
+        out.append(f"Removed {plural(n_epochs, 'epoch')} and {plural(n_left, 'leftover')} "
+                   f"({human_bytes(freed)})" + (f"; {len(failed)} failed" if failed else "") + ".")
+    return "\n".join(out)
+
+
+def render_diff(doc: dict[str, Any]) -> str:
+    a, b = doc["epochs"]
+    s = doc["summary"]
+    out = [(f"{doc['prefix']} epoch {a} -> {b}: {s['changed']} changed, {s['added']} added, "
+           f"{s['removed']} removed, {s['same']} same")]
+    rows = []
+    for blob in doc["blobs"]:
+        if blob["status"] == "same" and not doc["show_same"]:
+            continue
+        rows.append([blob["node"], blob["name"], blob["status"], diff_detail(blob)])
+    if rows:
+        out += ["", table(["NODE", "BLOB", "CHANGE", "DETAIL"], rows)]
+    return "\n".join(out)
+
+
+def diff_detail(blob: dict[str, Any]) -> str:
+    a, b = blob["a"], blob["b"]
+    if a is None or b is None:
+        side = a or b
+        return f"{side['dtype']} {shape_text(side['shape'])}, {human_bytes(side['bytes'])}"
+    if blob["differing"] is None:
+        parts = []
+        if a["dtype"] != b["dtype"]:
+            parts.append(f"dtype {a['dtype']} -> {b['dtype']}")
+        if a["shape"] != b["shape"]:
+            parts.append(f"shape {shape_text(a['shape'])} -> {shape_text(b['shape'])}")
+        return ", ".join(parts)
+    if not blob["differing"]:
+        return f"{b['dtype']} {shape_text(b['shape'])}, identical"
+    text = f"{blob['differing']}/{blob['elements']} elements differ"
+    if blob["max_abs_diff"] is not None:
+        text += f", max |b-a| {number(blob['max_abs_diff'])}"
+    if blob["nan_mismatches"]:
+        text += f", {blob['nan_mismatches']} NaN on one side only"
+    return text
+
+
+RENDERERS = {"ls": render_ls, "show": render_show, "verify": render_verify, "gc": render_gc,
+             "diff": render_diff}
+
+
+def render(command: str, doc: dict[str, Any]) -> str:
+    return RENDERERS[command](doc)
+
+
+# -- progress ----------------------------------------------------------------------------------
+
+
+class Progress:
+    """A one-line ``\\r`` progress bar on ``stream``, drawn only when ``enabled`` (a terminal).
+
+    Redrawn at most ten times a second; :meth:`close` erases it.
+    """
+
+    def __init__(self, stream: TextIO | None = None, *, enabled: bool | None = None) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        if enabled is None:
+            enabled = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.enabled = enabled
+        self.label = ""
+        self.total = 0
+        self.done = 0
+        self.unit = "bytes"
+        self._drawn = 0.0
+        self._width = 0
+
+    def start(self, label: str, total: int, unit: str = "bytes") -> None:
+        self.label, self.total, self.done, self.unit = label, total, 0, unit
+        self._draw("", force=True)
+
+    def advance(self, amount: int, note: str = "") -> None:
+        self.done += amount
+        self._draw(note)
+
+    def _draw(self, note: str, force: bool = False) -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if not force and now - self._drawn < 0.1 and self.done < self.total:
+            return
+        self._drawn = now
+        fraction = min(1.0, self.done / self.total) if self.total else 1.0
+        bar = "#" * math.floor(fraction * 20)
+        if self.unit == "bytes":
+            count = f"{human_bytes(self.done)}/{human_bytes(self.total)}"
+        else:
+            count = f"{self.done}/{self.total}"
+        line = f"{self.label} [{bar:<20}] {fraction:4.0%} {count} {note}".rstrip()
+        columns = shutil.get_terminal_size((80, 24)).columns
+        line = line[: max(columns - 1, 10)]
+        self.stream.write("\r" + line.ljust(self._width))
+        self.stream.flush()
+        self._width = len(line)
+
+    def close(self) -> None:
+        if self.enabled and self._width:
+            self.stream.write("\r" + " " * self._width + "\r")
+            self.stream.flush()
+            self._width = 0
