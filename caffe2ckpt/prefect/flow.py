@@ -10,6 +10,7 @@ Automations have no attempt limit, so :func:`run_job` enforces one from ``run_co
 from __future__ import annotations
 
 import logging
+import signal
 from uuid import UUID
 
 from prefect.automations import Automation
@@ -18,9 +19,10 @@ from prefect.events.actions import ChangeFlowRunState
 from prefect.events.schemas.automations import EventTrigger, Posture
 from prefect.runtime import flow_run
 
-from caffe2ckpt.errors import CheckpointError
+from caffe2ckpt.errors import CheckpointError, JobPreemptedError
 from caffe2ckpt.job import Job
 from caffe2ckpt.manager import UploadTaskGroupBuilder, _BaseManager
+from caffe2ckpt.policy import StepManagerOptions
 from caffe2ckpt.prefect.session import PrefectSession
 from caffe2ckpt.runner import JobRunner
 
@@ -41,6 +43,7 @@ def run_job(
     resume_from_epoch: int | None = None,
     upload_task_group_builder: UploadTaskGroupBuilder | None = None,
     on_save_error: str = "warn",
+    options: StepManagerOptions | None = None,
     session: PrefectSession | None = None,
 ) -> int:
     """``JobRunner(job, checkpoint_manager).train(PrefectSession())`` for a flow body.
@@ -48,6 +51,12 @@ def run_job(
     Args:
         max_attempts: fail at once (without running anything) when this flow run's
             ``run_count`` is higher; caps crash retries by automation and flow retries alike.
+        options: save policy and retention (see :class:`JobRunner`).
+
+    Preemption: SIGTERM during an epoch (a cancellation from the UI or the worker, or the
+    machine going away) lets the epoch finish and commit; then the signal is handed back to
+    Prefect, which ends the run *Cancelled* (a cancellation) or *Crashed* (anything else; the
+    crash-retry automation resumes it from that epoch) instead of retrying it in this process.
 
     Returns:
         The final epoch.
@@ -63,8 +72,22 @@ def run_job(
         )
     runner = JobRunner(job, checkpoint_manager, resume_from_epoch=resume_from_epoch,
                        upload_task_group_builder=upload_task_group_builder,
-                       on_save_error=on_save_error)  # type: ignore[arg-type]
-    return runner.train(session or PrefectSession())
+                       on_save_error=on_save_error, options=options)  # type: ignore[arg-type]
+    try:
+        return runner.train(session or PrefectSession())
+    except JobPreemptedError as exc:
+        logger.warning("%s", exc)
+        if _prefect_handles_sigterm():
+            signal.raise_signal(signal.SIGTERM)  # Prefect's handler raises TerminationSignal
+        raise
+
+
+def _prefect_handles_sigterm() -> bool:
+    try:
+        from prefect.utilities.engine import is_prefect_sigterm_handler_installed
+    except ImportError:  # an older Prefect: let the error end the run as Failed
+        return False
+    return is_prefect_sigterm_handler_installed()
 
 
 def create_crash_retry_automation(deployment_id: UUID | str, *, name: str | None = None) -> UUID:
