@@ -7,6 +7,8 @@ send SIGTERM in the middle of a known epoch. Exit code 75 means "preempted, reru
 from __future__ import annotations
 
 import pathlib
+import signal
+import subprocess
 import sys
 import time
 
@@ -43,6 +45,18 @@ def build(prefix: str, epochs: int) -> Job:
                 Task(step, name="step")
         epoch_limiter(job, epochs)
     return job
+
+
+def sigterm_in_epoch(proc: subprocess.Popen, prefix: str, epoch: int,
+                     timeout: float = 120) -> None:
+    """Send SIGTERM to ``proc`` (running this job on ``prefix``) once ``epoch`` has started."""
+    marker = pathlib.Path(f"{prefix}.started.{epoch}")
+    deadline = time.monotonic() + timeout
+    while not marker.exists():
+        assert proc.poll() is None, proc.communicate()[0]
+        assert time.monotonic() < deadline, f"the job never reached epoch {epoch}"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
 
 
 def main() -> int:

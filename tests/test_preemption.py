@@ -8,7 +8,6 @@ import pathlib
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -33,13 +32,7 @@ def run(prefix: str, epochs: int, *, kill_in_epoch: int | None = None) -> tuple[
     proc = subprocess.Popen([sys.executable, str(JOB), prefix, str(epochs)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if kill_in_epoch is not None:
-        marker = pathlib.Path(f"{prefix}.started.{kill_in_epoch}")
-        deadline = time.monotonic() + 60
-        while not marker.exists():
-            assert proc.poll() is None, proc.communicate()[0]
-            assert time.monotonic() < deadline, "the job never reached the epoch"
-            time.sleep(0.01)
-        proc.send_signal(signal.SIGTERM)
+        preempt_job.sigterm_in_epoch(proc, prefix, kill_in_epoch)
     out, _ = proc.communicate(timeout=120)
     return proc.returncode, out
 

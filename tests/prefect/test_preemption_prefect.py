@@ -10,7 +10,6 @@ import pathlib
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 from prefect.client.schemas.filters import FlowFilter, FlowFilterName
@@ -22,6 +21,7 @@ from caffe2ckpt.checkpoint import CheckpointStore
 from caffe2ckpt.location import Location
 
 from conftest import poll
+from preempt_job import sigterm_in_epoch
 
 FLOW = pathlib.Path(__file__).with_name("preempt_flow.py")
 NODES = ["trainer_0", "trainer_1"]
@@ -37,13 +37,7 @@ def start(prefix: str, epochs: int) -> subprocess.Popen:
 def test_sigterm_mid_epoch_commits_it_and_prefect_ends_the_run_crashed(tmp_path, client):
     prefix = str(tmp_path / "ckpt")
     proc = start(prefix, 6)
-    marker = pathlib.Path(f"{prefix}.started.3")
-    deadline = time.monotonic() + 120
-    while not marker.exists():
-        assert proc.poll() is None, proc.communicate()[0]
-        assert time.monotonic() < deadline, "the flow never reached epoch 3"
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGTERM)
+    sigterm_in_epoch(proc, prefix, 3)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == -signal.SIGTERM, out  # Prefect re-raised the signal
     assert "stopped by SIGTERM after epoch 3" in out, out
