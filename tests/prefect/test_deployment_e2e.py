@@ -148,8 +148,11 @@ def test_deploy_kill_and_automatic_retry(server, tmp_path):
         for name, value in restored.items():
             assert value.tobytes() == expected[name].tobytes() and value.dtype == expected[name].dtype
 
-    logs = post(api, "/logs/filter", {"logs": {"flow_run_id": {"any_": [run_id]}}, "limit": 200,
-                                      "sort": "TIMESTAMP_DESC"})
+    logs: list = []  # every log of the run: a page holds at most 200 and 40 epochs log more
+    while page := post(api, "/logs/filter", {"logs": {"flow_run_id": {"any_": [run_id]}},
+                                            "limit": 200, "offset": len(logs),
+                                            "sort": "TIMESTAMP_ASC"}):
+        logs += page
     assert any("Resuming from epoch" in log["message"] and run_id in log["message"]
                for log in logs), "the retry must log where it resumed from and who wrote it"
     def task_runs(name_filter: dict) -> set[str]:  # a run has more task runs than one page
