@@ -4,13 +4,32 @@ There is exactly one artifact per key per flow run, also across retries: each ar
 looked up by key and flow run id and updated in place, and only created when the run has none.
 Keys are ``<job>-checkpoints``, ``<job>-progress`` and ``<job>-summary`` (lowercase letters,
 digits and dashes, as Prefect requires).
+
+The checkpoint table has a column per metric the commit records carry (``CommitRecord.metrics``),
+formatted to 4 significant digits (``NaN`` and ``inf`` as such).
+
+Uploads are throttled. Updating the table and the progress bar takes two API calls (~25-30 ms
+on a local server, measured) and sends the whole table, which grows with the epochs; doing that
+after every save made short epochs pay far more for the artifacts than for their task runs, and
+more so the longer the job ran. So the table and progress of saved epochs are uploaded at most
+every ``min_interval`` seconds, by a timer thread when the training loop is not due to (the last
+change is never held back longer than that); with epochs longer than ``min_interval`` every save
+is still uploaded at once. The first upload, a failed save, a preemption, the end of the job and
+a failing task run (:class:`~caffe2ckpt.prefect.PrefectSession` calls :meth:`flush`) are
+uploaded at once too. A process that dies otherwise may lose the last ``min_interval`` seconds of
+table updates; the next attempt rebuilds the table from the commit records.
 """
 
 from __future__ import annotations
 
+import contextvars
 import json
 import logging
+import math
 import re
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 from uuid import UUID
 
@@ -23,6 +42,7 @@ from prefect.artifacts import (
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import ArtifactUpdate
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+from prefect.context import SyncClientContext
 from prefect.runtime import flow_run
 
 from caffe2ckpt.commit import CommitRecord, list_records, read_record
@@ -30,11 +50,13 @@ from caffe2ckpt.errors import CheckpointError
 from caffe2ckpt.naming import db_name
 from caffe2ckpt.session import RunEvent
 
-__all__ = ["CheckpointArtifacts", "artifact_key"]
+__all__ = ["CheckpointArtifacts", "artifact_key", "checkpoint_row", "checkpoint_table",
+           "format_metric"]
 
 logger = logging.getLogger(__name__)
 
 COLUMNS = ["epoch", "status", "nodes", "bytes", "seconds", "MB/s", "attempt", "url"]
+METRICS_AFTER = "status"  # metric columns go right after this one
 
 
 def artifact_key(job_name: str, what: str) -> str:
@@ -43,13 +65,36 @@ def artifact_key(job_name: str, what: str) -> str:
     return f"{slug}-{what}"
 
 
-def _row(epoch: int, records: dict[str, CommitRecord], url: str) -> dict[str, Any]:
+def format_metric(value: float) -> str:
+    """A metric value for the table: 4 significant digits, ``NaN``, ``inf``, ``-inf``."""
+    value = float(value)
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return format(value, ".4g")
+
+
+def _epoch_metrics(records: Mapping[str, CommitRecord]) -> dict[str, str]:
+    """One text per metric name; nodes that disagree are listed as ``node: value``."""
+    by_name: dict[str, dict[str, str]] = {}
+    for node in sorted(records):
+        for name, value in (getattr(records[node], "metrics", None) or {}).items():
+            by_name.setdefault(str(name), {})[node] = format_metric(value)
+    return {name: (next(iter(texts.values())) if len(set(texts.values())) == 1
+                   else ", ".join(f"{node}: {text}" for node, text in texts.items()))
+            for name, texts in by_name.items()}
+
+
+def checkpoint_row(epoch: int, records: Mapping[str, CommitRecord], url: str) -> dict[str, Any]:
+    """The table row of a committed epoch (its metrics under ``"metrics"``)."""
     nbytes = sum(r.nbytes for r in records.values())
     seconds = max((r.seconds for r in records.values()), default=0.0)
     attempt = next(iter(records.values())).writer.get("run_count", "") if records else ""
     return {
         "epoch": epoch,
         "status": "committed",
+        "metrics": _epoch_metrics(records),
         "nodes": ", ".join(sorted(records)),
         "bytes": nbytes,
         "seconds": round(seconds, 4),
@@ -59,13 +104,47 @@ def _row(epoch: int, records: dict[str, CommitRecord], url: str) -> dict[str, An
     }
 
 
-class CheckpointArtifacts:
-    """Keeps a flow run's checkpoint artifacts in step with :class:`RunEvent`\\ s."""
+def _failed_row(epoch: int, error: str | None) -> dict[str, Any]:
+    return {c: "" for c in COLUMNS} | {"epoch": epoch, "status": f"FAILED: {error}",
+                                       "metrics": {}}
 
-    def __init__(self) -> None:
+
+def checkpoint_table(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The table artifact's rows: ``COLUMNS`` with a column per metric name (in the order the
+    names first appear) after ``status``; every row has every column ("" when absent)."""
+    rows = list(rows)
+    names = list(dict.fromkeys(n for r in rows for n in r.get("metrics", {})))
+    columns = {n: (n if n not in COLUMNS else f"metric {n}") for n in names}
+    table = []
+    for row in rows:
+        out: dict[str, Any] = {}
+        metrics = row.get("metrics", {})
+        for column in COLUMNS:
+            out[column] = row.get(column, "")
+            if column == METRICS_AFTER:
+                out.update({columns[n]: metrics.get(n, "") for n in names})
+        table.append(out)
+    return table
+
+
+class CheckpointArtifacts:
+    """Keeps a flow run's checkpoint artifacts in step with :class:`RunEvent`\\ s.
+
+    Args:
+        min_interval: upload the table and progress of saved epochs at most this often
+            (seconds); 0 uploads every epoch.
+    """
+
+    def __init__(self, *, min_interval: float = 2.0) -> None:
+        self.min_interval = min_interval
         self._rows: dict[int, dict[str, Any]] = {}
         self._ids: dict[str, UUID] = {}
         self._resumed: tuple[int, dict[str, Any]] | None = None
+        self._lock = threading.Lock()  # rows, pending uploads, timer
+        self._upload_lock = threading.RLock()  # one upload at a time, newest snapshot last
+        self._pending: dict[str, Callable[[], Any]] = {}  # artifact key -> its data, rendered late
+        self._timer: threading.Timer | None = None
+        self._last_upload = float("-inf")
 
     def handle(self, event: RunEvent) -> None:
         """Update the artifacts for ``event``; Prefect API errors are logged, never raised."""
@@ -79,24 +158,86 @@ class CheckpointArtifacts:
         cm = event.checkpoint_manager
         if event.kind in ("started", "resumed"):
             if cm is not None:
-                self._rows = self._committed_rows(cm)
+                rows = self._committed_rows(cm)
+                with self._lock:
+                    self._rows = rows
             if event.kind == "resumed" and event.records:
                 self._resumed = (event.epoch, next(iter(event.records.values())).writer)
             self._summary(event, final=False)
             self._table(event)
             self._progress(event)
         elif event.kind in ("saved", "save_failed"):
-            if event.kind == "saved":
-                self._rows[event.epoch] = _row(event.epoch, dict(event.records),
-                                               self._url(cm, event.epoch))
-            else:
-                self._rows[event.epoch] = {c: "" for c in COLUMNS} | {
-                    "epoch": event.epoch, "status": f"FAILED: {event.error}"}
-            self._table(event)
-            self._progress(event)
+            row = (checkpoint_row(event.epoch, event.records, self._url(cm, event.epoch))
+                   if event.kind == "saved" else _failed_row(event.epoch, event.error))
+            with self._lock:
+                self._rows[event.epoch] = row
+            self._changed(event, urgent=event.kind == "save_failed")
+        elif event.kind == "deleted":  # retention removed it: keep the row (and its metrics)
+            with self._lock:
+                row = self._rows.get(event.epoch)
+                if row is not None:
+                    self._rows[event.epoch] = row | {"status": "deleted (retention)"}
+            if row is not None:
+                self._changed(event, urgent=False, progress=False)
+        elif event.kind == "preempted":  # the job stops now, without a "finished" event
+            self.flush()
         elif event.kind == "finished":
+            self.flush()
             self._progress(event, done=True)
             self._summary(event, final=True)
+
+    # -- throttled uploads ---------------------------------------------------------------------
+
+    def _changed(self, event: RunEvent, *, urgent: bool, progress: bool = True) -> None:
+        """The table (and progress) changed: upload now, or within ``min_interval``."""
+        table, bar = artifact_key(event.job, "checkpoints"), artifact_key(event.job, "progress")
+        if table not in self._ids or (progress and bar not in self._ids):  # no "started" seen
+            self._table(event)
+            if progress:
+                self._progress(event)
+            return
+        value = self._progress_value(event)
+        with self._lock:
+            self._pending[table] = self._table_json
+            if progress:
+                self._pending[bar] = lambda: value
+            wait = self._last_upload + self.min_interval - time.monotonic()
+            if not urgent and wait > 0:
+                if self._timer is None:  # the timer uploads whatever is pending by then
+                    run = contextvars.copy_context().run  # Prefect's settings (API URL) live there
+                    self._timer = threading.Timer(wait, run, args=(self._flush_quietly,))
+                    self._timer.name = "caffe2ckpt-artifacts"
+                    self._timer.daemon = True  # never hold up (or hang) the process's exit
+                    self._timer.start()
+                return
+        self.flush()
+
+    def flush(self) -> None:
+        """Upload pending table and progress changes now."""
+        with self._upload_lock:
+            with self._lock:
+                if self._timer is not None:
+                    self._timer.cancel()
+                    self._timer = None
+                pending, self._pending = self._pending, {}
+                data = {key: render() for key, render in pending.items()}
+            if data:
+                with get_client(sync_client=True) as client:
+                    for key, value in data.items():
+                        client.update_artifact(self._ids[key], ArtifactUpdate(data=value))
+            self._last_upload = time.monotonic()
+
+    def _flush_quietly(self) -> None:
+        """The timer's upload, in a copy of the flow's context: it keeps Prefect's settings (the
+        API URL) but must not reuse the flow's client, which is closed when the flow run ends."""
+        SyncClientContext.__var__.set(None)
+        try:
+            self.flush()
+        except Exception as exc:  # a timer thread: nobody to raise to
+            logger.warning("could not update checkpoint artifacts: %s", exc)
+
+    def _table_json(self) -> str:
+        return json.dumps(checkpoint_table(self._rows[e] for e in sorted(self._rows)))
 
     @staticmethod
     def _url(cm: Any, epoch: int) -> str:
@@ -112,7 +253,7 @@ class CheckpointArtifacts:
                     by_epoch.setdefault(ref.epoch, {})[ref.node] = read_record(location, ref)
                 except CheckpointError:
                     continue
-        return {e: _row(e, recs, self._url(cm, e)) for e, recs in sorted(by_epoch.items())
+        return {e: checkpoint_row(e, recs, self._url(cm, e)) for e, recs in sorted(by_epoch.items())
                 if set(recs) == set(nodes)}
 
     # -- one artifact per key per flow run -----------------------------------------------------
@@ -139,20 +280,32 @@ class CheckpointArtifacts:
 
     def _table(self, event: RunEvent) -> None:
         key = artifact_key(event.job, "checkpoints")
-        rows = [self._rows[e] for e in sorted(self._rows)]
-        self._update(key, json.dumps(rows), lambda: create_table_artifact(
-            rows, key=key, description=f"Checkpoints of job {event.job!r}"))
+        with self._upload_lock:
+            with self._lock:
+                self._pending.pop(key, None)
+                rows = checkpoint_table(self._rows[e] for e in sorted(self._rows))
+            self._update(key, json.dumps(rows), lambda: create_table_artifact(
+                rows, key=key, description=f"Checkpoints of job {event.job!r}"))
+            self._last_upload = time.monotonic()
+
+    @staticmethod
+    def _progress_value(event: RunEvent, *, done: bool = False) -> float:
+        limit = event.max_epochs
+        return 100.0 if done else (min(100.0, 100.0 * event.epoch / limit) if limit else 0.0)
 
     def _progress(self, event: RunEvent, *, done: bool = False) -> None:
         key = artifact_key(event.job, "progress")
-        limit = event.max_epochs
-        value = 100.0 if done else (min(100.0, 100.0 * event.epoch / limit) if limit else 0.0)
-        artifact_id = self._existing(key)
-        if artifact_id is None:
-            self._ids[key] = create_progress_artifact(
-                value, key=key, description=f"Epochs of job {event.job!r} (of {limit})")
-            return
-        update_progress_artifact(artifact_id, value)
+        value = self._progress_value(event, done=done)
+        with self._upload_lock:
+            with self._lock:
+                self._pending.pop(key, None)
+            artifact_id = self._existing(key)
+            if artifact_id is None:
+                self._ids[key] = create_progress_artifact(
+                    value, key=key,
+                    description=f"Epochs of job {event.job!r} (of {event.max_epochs})")
+                return
+            update_progress_artifact(artifact_id, value)
 
     def _summary(self, event: RunEvent, *, final: bool) -> None:
         key = artifact_key(event.job, "summary")
@@ -167,9 +320,11 @@ class CheckpointArtifacts:
             lines.append("- **Fresh start** (no committed checkpoint to resume from)")
         lines.append(f"- Attempt {flow_run.run_count} of flow run `{flow_run.id}`")
         if final:
-            failed = [e for e, r in sorted(self._rows.items()) if r["status"] != "committed"]
-            lines.append(f"- Finished at epoch **{event.epoch}**; "
-                         f"{len(self._rows) - len(failed)} committed checkpoints"
+            with self._lock:
+                statuses = {e: r["status"] for e, r in sorted(self._rows.items())}
+            failed = [e for e, status in statuses.items() if status.startswith("FAILED")]
+            committed = sum(status == "committed" for status in statuses.values())
+            lines.append(f"- Finished at epoch **{event.epoch}**; {committed} committed checkpoints"
                          + (f"; **failed saves: {failed}**" if failed else ""))
         if cm is not None:
             lines += ["", f"Checkpoints: `{cm.url}`", "", "Inspect them with:", "", "```python",

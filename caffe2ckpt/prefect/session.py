@@ -9,11 +9,14 @@ persistence): the checkpoint store is the only cache. Outside a flow it behaves 
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from collections.abc import Mapping
+from functools import lru_cache
 from typing import Any
 
+from prefect import Task as PrefectTask
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.context import FlowRunContext
@@ -28,6 +31,8 @@ from caffe2ckpt.workspace import Workspace, WorkspaceType
 
 __all__ = ["PrefectSession", "in_flow_run"]
 
+logger = logging.getLogger(__name__)
+
 
 def in_flow_run() -> bool:
     """Whether the caller runs inside a Prefect flow run."""
@@ -39,12 +44,21 @@ def _run_node(label: str, tasks: list[Task], ws: Workspace, workspace_type: Work
     run_node_tasks(tasks, ws, workspace_type)
 
 
+@lru_cache(maxsize=1024)
+def _node_task(group_name: str) -> PrefectTask:
+    """``_run_node`` named after the group, made once per name: ``with_options`` builds a new
+    Prefect task (reading the function's source and hashing its code), ~1 ms per call."""
+    return _run_node.with_options(name=group_name)
+
+
 class PrefectSession:
     """Runs task groups as Prefect task runs and reports checkpoints as flow run artifacts.
 
     Args:
         workspaces: existing node workspaces (others are created empty on first use).
         artifacts: keep the checkpoint table, progress and summary artifacts up to date.
+        artifacts_interval: while epochs are short, upload the table and progress at most this
+            often (seconds); the last change is uploaded at most this late (0: every epoch).
 
     Example:
         >>> from prefect import flow
@@ -55,9 +69,9 @@ class PrefectSession:
     """
 
     def __init__(self, workspaces: Mapping[str, Workspace] | None = None, *,
-                 artifacts: bool = True) -> None:
+                 artifacts: bool = True, artifacts_interval: float = 2.0) -> None:
         self._local = LocalSession(workspaces)
-        self._artifacts = CheckpointArtifacts() if artifacts else None
+        self._artifacts = CheckpointArtifacts(min_interval=artifacts_interval) if artifacts else None
         self.epoch: int | None = None
 
     def workspace(self, node: str) -> Workspace:
@@ -87,6 +101,13 @@ class PrefectSession:
         if self._artifacts is not None and in_flow_run():
             self._artifacts.handle(event)
 
+    def _flush_artifacts(self) -> None:
+        if self._artifacts is not None:
+            try:
+                self._artifacts.flush()
+            except Exception as exc:  # never hide the task's own failure
+                logger.warning("could not update checkpoint artifacts: %s", exc)
+
     def run(self, runnable: TaskGroup | Task) -> None:
         group = as_group(runnable)
         if not in_flow_run():
@@ -95,8 +116,9 @@ class PrefectSession:
         by_node = group.tasks_by_node()
         wtype = group.workspace_type or WorkspaceType.PRIVATE
         suffix = f" e{self.epoch}" if self.epoch is not None else ""
+        node_task = _node_task(group.name)
         futures = [
-            _run_node.with_options(name=group.name).submit(
+            node_task.submit(
                 f"{group.name}[{node}]{suffix}", quote(tasks), quote(self.workspace(node)), wtype
             )
             for node, tasks in by_node.items()
@@ -104,7 +126,13 @@ class PrefectSession:
         try:
             wait(futures)
             for future in futures:
-                future.result()  # the first failure, after every node has finished
+                # The first failure, after every node has finished. A completed run's result is
+                # None: skip fetching it (State.result goes through Prefect's event loop thread).
+                if not future.state.is_completed():
+                    future.result()
+        except BaseException:
+            self._flush_artifacts()  # the job may end here, without a "finished" event
+            raise
         finally:
             for t in group.tasks:
                 t.last_session = self

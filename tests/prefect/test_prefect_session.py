@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 from uuid import UUID
 
+import numpy as np
 import pytest
 from prefect import flow
 from prefect.client.schemas.filters import (
@@ -17,10 +19,13 @@ from prefect.client.schemas.filters import (
 )
 from prefect.runtime import flow_run
 
-from caffe2ckpt import JobRunner, LocalSession, MultiNodeCheckpointManager
+from caffe2ckpt import Job, JobRunner, LocalSession, MultiNodeCheckpointManager, Node, Task
+from caffe2ckpt.commit import CommitRecord
 from caffe2ckpt.example import build_job
+from caffe2ckpt.job import epoch_limiter
 from caffe2ckpt.metadata import ZarrMetadataHandler
 from caffe2ckpt.prefect import AttemptLimitExceeded, PrefectSession, artifact_key, run_job
+from caffe2ckpt.prefect.artifacts import checkpoint_row, checkpoint_table, format_metric
 from tests.jobs import EXPECTED_TOTALS, Counter, fetch, make_job
 from tests.prefect.conftest import poll
 
@@ -139,3 +144,122 @@ def test_attempt_cap_fails_the_run_before_training(tmp_path):
 
     with pytest.raises(AttemptLimitExceeded, match="max_attempts=1"):
         capped()
+
+
+# -- metrics in the checkpoint table -------------------------------------------------------------
+
+def record(epoch: int, node: str, metrics: dict[str, float]) -> CommitRecord:
+    return CommitRecord(epoch=epoch, node=node, save_id="s", nodes=["trainer_0", "trainer_1"],
+                        nbytes=1000, blob_count=1, seconds=0.5, metrics=metrics,
+                        writer={"run_count": 1})
+
+
+def test_checkpoint_table_has_a_compact_column_per_metric():
+    nan = float("nan")
+    both = {"loss": 0.123456789, "acc": nan, "epoch": 3.0}
+    rows = [
+        checkpoint_row(0, {n: record(0, n, {}) for n in ("trainer_0", "trainer_1")}, "u0"),
+        checkpoint_row(1, {n: record(1, n, both) for n in ("trainer_0", "trainer_1")}, "u1"),
+        checkpoint_row(2, {"trainer_0": record(2, "trainer_0", {"loss": 12345678.0}),
+                           "trainer_1": record(2, "trainer_1", {"loss": -math.inf})}, "u2"),
+        {"epoch": 3, "status": "FAILED: OSError: disk full", "nodes": "", "bytes": "",
+         "seconds": "", "MB/s": "", "attempt": "", "url": "", "metrics": {}},
+    ]
+    table = checkpoint_table(rows)
+    # metric columns right after "status", in first-seen order; a name taken by a column is prefixed
+    assert list(table[0]) == ["epoch", "status", "loss", "acc", "metric epoch", "nodes", "bytes",
+                              "seconds", "MB/s", "attempt", "url"]
+    assert all(list(row) == list(table[0]) for row in table)
+    assert [(r["loss"], r["acc"], r["metric epoch"]) for r in table] == [
+        ("", "", ""), ("0.1235", "NaN", "3"),
+        ("trainer_0: 1.235e+07, trainer_1: -inf", "", ""), ("", "", "")]
+    assert table[1]["epoch"] == 1 and table[1]["MB/s"] == 0.0 and table[3]["status"].startswith("FAILED")
+    json.loads(json.dumps(table), parse_constant=pytest.fail)  # strict JSON: NaN is a string
+    assert [format_metric(v) for v in (1e-7, 2.0, math.inf, nan)] == ["1e-07", "2", "inf", "NaN"]
+
+
+def metrics_job(epochs: int) -> Job:
+    """Two nodes; after epoch e: "loss" = 1/e (NaN in epoch 2) and "lr" = 0.1 (trainer_0)."""
+    with Job(name="metrics job") as job:
+        for node in ("trainer_0", "trainer_1"):
+            with Node(node):
+                with job.init_group:
+                    Task(lambda ws: ws.update(e=np.int64(0)), name="init")
+
+                def step(ws):
+                    ws["e"] = ws["e"] + 1
+                    ws["loss"] = np.float64("nan" if int(ws["e"]) == 2 else 1 / int(ws["e"]))
+                    ws["lr"] = np.float32(0.1)
+                task = Task(step, name="step", outputs=["loss", "lr"])
+                if node == "trainer_0":
+                    job.add_metric("loss", task.outputs()[0])
+                    job.add_metric("lr", task.outputs()[1])
+        epoch_limiter(job, epochs)
+    return job
+
+
+def read_table(client, run_id: str, key: str) -> list[dict]:
+    artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
+        flow_run_id=ArtifactFilterFlowRunId(any_=[UUID(run_id)])))
+    found = [a for a in artifacts if a.key == key]
+    assert len(found) == 1
+    return json.loads(found[0].data)
+
+
+def test_checkpoint_table_artifact_shows_the_metrics_of_each_save(prefix, client):
+    @flow(name="with-metrics")
+    def with_metrics() -> str:
+        # a long interval: every save after the first is deferred, "finished" uploads them
+        session = PrefectSession(artifacts_interval=3600)
+        JobRunner(metrics_job(3), MultiNodeCheckpointManager(prefix)).train(session)
+        return flow_run.id
+
+    rows = read_table(client, with_metrics(), artifact_key("metrics job", "checkpoints"))
+    assert [r["epoch"] for r in rows] == [0, 1, 2, 3]
+    assert [(r["loss"], r["lr"]) for r in rows] == [
+        ("", ""), ("1", "0.1"), ("NaN", "0.1"), ("0.3333", "0.1")]
+    assert all(r["status"] == "committed" for r in rows)
+
+
+def test_throttled_artifacts_reach_the_server_when_the_flow_fails(tmp_path, client):
+    url = str(tmp_path / "ckpt")
+
+    @flow(name="failing")
+    def failing() -> None:
+        job = build_job(6, fail_at_epoch=4)
+        cm = MultiNodeCheckpointManager(url, metadata_handler=ZarrMetadataHandler())
+        JobRunner(job, cm).train(PrefectSession(artifacts_interval=3600))
+
+    state = failing(return_state=True)
+    assert state.is_failed()
+    # no "finished" event and a long interval: the failing task run uploads epochs 1-3
+    rows = read_table(client, str(state.state_details.flow_run_id), "regression-checkpoints")
+    assert [r["epoch"] for r in rows] == [0, 1, 2, 3]
+    assert [r["loss"] != "" for r in rows] == [False, True, True, True]
+
+
+def test_throttled_table_is_uploaded_while_the_next_epoch_runs(tmp_path, client):
+    seen: list[list[int]] = []
+
+    @flow(name="slow-last-epoch")
+    def slow_last_epoch() -> None:
+        run_id = flow_run.id
+
+        def step(ws):  # epochs 1-3 take no time; epoch 4 waits for the timer's upload
+            ws["e"] = ws["e"] + 1
+            if int(ws["e"]) == 4:
+                rows = poll(lambda: read_table(client, run_id, "slow-checkpoints"),
+                            lambda rs: len(rs) == 4, timeout=15)
+                seen.append([r["epoch"] for r in rows])
+
+        with Job(name="slow") as job:
+            with Node("trainer_0"):
+                with job.init_group:
+                    Task(lambda ws: ws.update(e=np.int64(0)), name="init")
+                Task(step, name="step")
+            epoch_limiter(job, 4)
+        cm = MultiNodeCheckpointManager(str(tmp_path / "ckpt"))
+        JobRunner(job, cm).train(PrefectSession(artifacts_interval=1.0))
+
+    slow_last_epoch()
+    assert seen == [[0, 1, 2, 3]]
