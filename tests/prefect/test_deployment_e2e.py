@@ -148,13 +148,20 @@ def test_deploy_kill_and_automatic_retry(server, tmp_path):
         for name, value in restored.items():
             assert value.tobytes() == expected[name].tobytes() and value.dtype == expected[name].dtype
 
-    logs: list = []  # every log of the run: a page holds at most 200 and 40 epochs log more
-    while page := post(api, "/logs/filter", {"logs": {"flow_run_id": {"any_": [run_id]}},
-                                            "limit": 200, "offset": len(logs),
-                                            "sort": "TIMESTAMP_ASC"}):
-        logs += page
-    assert any("Resuming from epoch" in log["message"] and run_id in log["message"]
-               for log in logs), "the retry must log where it resumed from and who wrote it"
+    def run_logs() -> list:  # every log of the run: a page holds at most 200
+        logs: list = []
+        while page := post(api, "/logs/filter", {"logs": {"flow_run_id": {"any_": [run_id]}},
+                                                "limit": 200, "offset": len(logs),
+                                                "sort": "TIMESTAMP_ASC"}):
+            logs += page
+        return logs
+
+    def resumed() -> list[str]:  # the retry logs where it resumed from and who wrote it
+        return [log["message"] for log in run_logs()
+                if "Resuming from epoch" in log["message"] and run_id in log["message"]]
+
+    # the flow process may send its last log batch after the run is already Completed
+    wait_for(resumed, 60, "the retry's 'Resuming from epoch ... <flow run id>' log line")
     def task_runs(name_filter: dict) -> set[str]:  # a run has more task runs than one page
         found = post(api, "/task_runs/filter", {"flow_runs": {"id": {"any_": [run_id]}},
                                                 "task_runs": {"name": name_filter}})
