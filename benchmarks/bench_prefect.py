@@ -170,7 +170,7 @@ def main() -> None:
     bench(2, True)
     drain_events()
     services = "default services" if args.default_services else "lean server settings"
-    load = "load average %.2f %.2f %.2f" % os.getloadavg()
+    load = "load average {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
     print(f"{len(NODES)} nodes x {GROUPS} groups, trivial tasks, median of {args.repeats}, "
           f"{services}; {load} at start")
     for epochs in args.epochs:
@@ -197,10 +197,10 @@ def main() -> None:
         print(f"{'PrefectSession':<27}{'ms/epoch':>9}{'ms/group':>9}{'early':>7}{'late':>7}"
               f"{'+events':>8}{'cpu/grp':>8}{'x local':>9}{'backlog':>8}{'flow s':>7}")
         for label, results in runs.items():
-            def med(i: int) -> float:
+            def med(i: int, results: list = results) -> float:
                 return statistics.median(r[i] for r in results)
 
-            def per_group(seconds: float) -> float:
+            def per_group(seconds: float, base: float = base) -> float:
                 return (seconds - base) * 1e3 / GROUPS
 
             with_events = statistics.median(r[0] + r[3] / epochs for r in results)
@@ -209,7 +209,7 @@ def main() -> None:
                   f"{per_group(with_events):>8.2f}{(med(6) - base_cpu) * 1e3 / GROUPS:>8.2f}"
                   f"{med(0) / base:>8.0f}x{med(5):>8.0f}"
                   f"{med(4):>7.2f}")
-    print("\nload average %.2f %.2f %.2f at the end" % os.getloadavg())
+    print("\nload average {:.2f} {:.2f} {:.2f} at the end".format(*os.getloadavg()))
 
 
 if __name__ == "__main__":
