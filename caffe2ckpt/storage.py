@@ -263,14 +263,18 @@ def parse_manifest(raw: bytes, where: str, *, node: str, epoch: int) -> Manifest
 
 
 def read_node(
-    location: Location, path: str, manifest: Manifest, names: list[str] | None = None
+    location: Location, path: str, manifest: Manifest, names: list[str] | None = None, *,
+    metadata: dict[str, str] | None = None,
 ) -> dict[str, np.ndarray]:
     """Read and verify blobs ``names`` (default: all) of the group at ``path``.
 
+    ``metadata`` maps metadata files of the group (relative paths) to the SHA-256 they must
+    have; they are read and checked together with the chunks (one round of concurrent reads).
     Small blobs come back as views into one buffer (disjoint, writable).
 
     Raises:
-        CheckpointCorruptedError: a chunk is missing, truncated or fails its checksum.
+        CheckpointCorruptedError: a chunk is missing, truncated or fails its checksum, or a
+            metadata file is missing or changed.
     """
     blobs = manifest.blobs
     wanted = [blobs[n] for n in (blobs if names is None else names) if n in blobs]
@@ -289,7 +293,11 @@ def read_node(
         keys = _chunk_keys((manifest.packed_nbytes,), manifest.packed_chunk)
         for (key, rows), crc in zip(keys, manifest.packed_crcs):
             reads.append((PACKED_ARRAY, f"{path}/{PACKED_ARRAY}/{key}", packed[rows], crc))
-    _wait_all([_pool().submit(_read_chunk, location, manifest, where, *read) for read in reads])
+    owners = manifest.metadata_files()
+    _wait_all([*(_pool().submit(_check_metadata, location, manifest, where, f"{path}/{rel}",
+                                owners.get(rel) or rel, digest)
+                 for rel, digest in (metadata or {}).items()),
+               *(_pool().submit(_read_chunk, location, manifest, where, *read) for read in reads)])
     out: dict[str, np.ndarray] = {}
     for info in wanted:
         if info.path is not None:
@@ -303,6 +311,19 @@ def read_node(
 @functools.lru_cache(maxsize=256)
 def _dtype(dtype: str) -> np.dtype:
     return np.dtype(dtype)
+
+
+def _check_metadata(location: Location, manifest: Manifest, where: str, file: str, blob: str,
+                    digest: str) -> None:
+    try:
+        raw = location.read_bytes(file)
+    except CheckpointNotFoundError:
+        raw = b""
+    if hashlib.sha256(raw).hexdigest() != digest:
+        raise CheckpointCorruptedError(
+            f"{where}: metadata file {location.display(file)!r} of blob {blob!r} was changed "
+            "or lost", node=manifest.node, epoch=manifest.epoch, blob=blob,
+        )
 
 
 def _read_chunk(location: Location, manifest: Manifest, where: str, blob: str, chunk: str,
