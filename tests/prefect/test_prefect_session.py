@@ -53,10 +53,10 @@ def test_caffe2_job_through_prefect_with_named_task_runs(prefix, client):
 
     final, run_id = pipeline()
     assert final == 4 and fetch(session, "trainer_0", total) == 145
-    names = task_run_names(client, run_id, 16)
     expected = (["init_group[trainer_0] e0", "checkpoint_init[trainer_0] e0"]
                 + [f"checkpoint_save[trainer_0] e{e}" for e in range(5)]
                 + [f"epoch_group[trainer_0] e{e}" for e in range(1, 5)])
+    names = task_run_names(client, run_id, len(expected))
     assert sorted(expected) == [n for n in names if n in expected] and len(names) == len(expected)
 
     for epoch in (1, 2, 3, 4):
