@@ -211,8 +211,9 @@ class Location:
         _fsync_dir(directory)
 
     def write_file(self, path: str, buffers: list[Any], *, durable: bool = True) -> None:
-        """Write the concatenation of ``buffers`` to ``path`` (parents must exist locally);
-        with ``durable``, fsync it before returning (local disks)."""
+        """Write the concatenation of ``buffers`` to ``path`` (parents must exist locally).
+        On local disks: with ``durable``, fsync it before returning; without, start writing it
+        out (Linux) and leave the wait to :meth:`make_durable`."""
         if not self.is_local:
             data = buffers[0] if len(buffers) == 1 else b"".join(memoryview(b) for b in buffers)
             self._guard(self.fs.pipe_file, path,
@@ -226,6 +227,8 @@ class Location:
                     view = view[os.write(fd, view):]
             if durable:
                 os.fsync(fd)
+            elif _start_writeback is not None:  # the disk starts now, make_durable waits
+                _start_writeback(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
         finally:
             os.close(fd)
 
@@ -338,7 +341,20 @@ def _load_syncfs() -> Any:
         return None
 
 
+def _load_start_writeback() -> Any:
+    """``sync_file_range(fd, offset, nbytes, flags)``, used to start writing a file's dirty pages
+    to disk without waiting (Linux); None elsewhere."""
+    try:
+        function = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return function
+
+
 _syncfs = _load_syncfs()
+_start_writeback = _load_start_writeback()
+_SYNC_FILE_RANGE_WRITE = 2  # <fcntl.h>: start write-out of dirty pages not yet under write-out
 
 
 def _fsync_dir(path: str) -> None:
