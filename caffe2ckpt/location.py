@@ -25,7 +25,6 @@ This is the only module that turns URLs into filesystems. It does not import zar
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import os
 import posixpath
@@ -36,6 +35,7 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from caffe2ckpt import localio
 from caffe2ckpt.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -208,7 +208,7 @@ class Location:
             os.link(tmp, path)  # fails with FileExistsError if a record is already there
         finally:
             os.unlink(tmp)
-        _fsync_dir(directory)
+        localio.fsync_dir(directory)
 
     def write_file(self, path: str, buffers: list[Any], *, durable: bool = True) -> None:
         """Write the concatenation of ``buffers`` to ``path`` (parents must exist locally).
@@ -227,8 +227,8 @@ class Location:
                     view = view[os.write(fd, view):]
             if durable:
                 os.fsync(fd)
-            elif _start_writeback is not None:  # the disk starts now, make_durable waits
-                _start_writeback(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
+            else:  # the disk starts now, make_durable waits
+                localio.start_writeback(fd)
         finally:
             os.close(fd)
 
@@ -239,34 +239,23 @@ class Location:
             CheckpointNotFoundError: no such file.
             ValueError: the file's size is not ``len(out) + trailer``.
         """
-        expected = len(out) + trailer
         if not self.is_local:
+            expected = len(out) + trailer
             data = self.read_bytes(path)
             if len(data) != expected:
                 raise ValueError(f"{len(data)} bytes where {expected} were expected")
             out[:] = memoryview(data)[: len(out)]
             return data[len(out):]
         try:
-            f = open(path, "rb", buffering=0)
+            return localio.read_into(path, out, trailer)
         except FileNotFoundError as exc:
             raise CheckpointNotFoundError(f"{path} does not exist") from exc
-        with f:
-            size = os.fstat(f.fileno()).st_size
-            if size != expected:
-                raise ValueError(f"{size} bytes where {expected} were expected")
-            view = out
-            while view:
-                n = f.readinto(view)
-                if not n:
-                    raise ValueError("the file ended early")
-                view = view[n:]
-            return f.read(trailer)
 
     @property
     def fsync_each_file(self) -> bool:
         """Whether written files must be fsync'ed one by one (else :meth:`make_durable` flushes
         the whole filesystem with one ``syncfs``)."""
-        return self.is_local and _syncfs is None
+        return self.is_local and not localio.HAVE_SYNCFS
 
     def make_durable(self, dirs: list[str]) -> None:
         """Make everything written under ``dirs`` durable (local disks): one ``syncfs()`` of the
@@ -274,17 +263,11 @@ class Location:
         each directory, deepest first (the files were fsync'ed as they were written)."""
         if not self.is_local or not dirs:
             return
-        if _syncfs is not None:
-            fd = os.open(dirs[0], os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                if _syncfs(fd) != 0:
-                    err = ctypes.get_errno()
-                    raise OSError(err, f"syncfs failed: {os.strerror(err)}", dirs[0])
-            finally:
-                os.close(fd)
+        if localio.HAVE_SYNCFS:
+            localio.syncfs(dirs[0])
             return
         for path in sorted(set(dirs), key=lambda p: -p.count("/")):
-            _fsync_dir(path)
+            localio.fsync_dir(path)
 
     def remove(self, path: str) -> None:
         """Delete file or tree ``path``; a missing path is not an error (any other is)."""
@@ -296,7 +279,7 @@ class Location:
                     os.unlink(path)
                 except FileNotFoundError:
                     return
-            _fsync_dir(posixpath.dirname(path))
+            localio.fsync_dir(posixpath.dirname(path))
             return
         try:
             # not fs.isdir(): it answers False on any error, which would hide an I/O failure
@@ -322,8 +305,8 @@ class Location:
         self.makedirs(posixpath.dirname(dst))
         if self.is_local:
             os.rename(src, dst)
-            _fsync_dir(posixpath.dirname(dst))
-            _fsync_dir(posixpath.dirname(src))
+            localio.fsync_dir(posixpath.dirname(dst))
+            localio.fsync_dir(posixpath.dirname(src))
             return
         # Copy through this process rather than fs.mv: object stores have no rename, and their
         # server-side copy mishandles keys with '%' (escaped blob names) in s3fs.
@@ -332,40 +315,6 @@ class Location:
             self._guard(self.fs.pipe_file, dst + path[len(root):],
                         self._guard(self.fs.cat_file, path))
         self._guard(self.fs.rm, root, recursive=True)
-
-
-def _load_syncfs() -> Any:
-    try:
-        return ctypes.CDLL(None, use_errno=True).syncfs
-    except (OSError, AttributeError):  # not Linux/glibc: fsync file by file
-        return None
-
-
-def _load_start_writeback() -> Any:
-    """``sync_file_range(fd, offset, nbytes, flags)``, used to start writing a file's dirty pages
-    to disk without waiting (Linux); None elsewhere."""
-    try:
-        function = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    return function
-
-
-_syncfs = _load_syncfs()
-_start_writeback = _load_start_writeback()
-_SYNC_FILE_RANGE_WRITE = 2  # <fcntl.h>: start write-out of dirty pages not yet under write-out
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path or ".", os.O_RDONLY | os.O_DIRECTORY)
-    except FileNotFoundError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _rmtree_local(path: str) -> None:

@@ -2,7 +2,7 @@
 
 It is stored as ``attributes["caffe2ckpt"]`` of the node's Zarr group::
 
-    {"format": 1, "node": "trainer_0", "epoch": 7, "save_id": "...",
+    {"format": 2, "node": "trainer_0", "epoch": 7, "save_id": "...",
      "arrays": {"<blob name>": {"path": "<array>", "dtype": "<f4", "shape": [..],
                                 "order": "C", "chunk_rows": 4096}, ...},
      "packed": {"nbytes": N, "chunk": C, "names": [..], "dtypes": [..], "shapes": [[..], ..],
@@ -11,6 +11,9 @@ It is stored as ``attributes["caffe2ckpt"]`` of the node's Zarr group::
 Large blobs are listed by name under ``arrays``; small ones are columns under ``packed`` (ten
 thousand tiny blobs must not cost ten thousand JSON objects). Pure data: no I/O, no zarr.
 Parsing validates every entry, so a damaged manifest fails loudly instead of misplacing bytes.
+
+Format 2 stores the last chunk of an array padded to the full chunk shape, as Zarr v3 requires;
+format 1 (still read) stored only its rows, which plain zarr cannot read.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ import numpy as np
 
 __all__ = ["FORMAT_VERSION", "PACKED_ARRAY", "BlobInfo", "Manifest", "itemsize"]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+_READABLE_FORMATS = frozenset({1, 2})
 PACKED_ARRAY = "_packed"
 _KINDS = frozenset("biufcSU")
 # an array path is one segment made by naming.blob_path: never "/", never "." or ".."
@@ -73,6 +77,12 @@ class Manifest:
     packed_nbytes: int = 0
     packed_chunk: int = 0  # bytes per chunk of the packed array
     packed_crcs: tuple[int, ...] = ()  # CRC32C of each chunk of the packed array
+    format: int = FORMAT_VERSION
+
+    @property
+    def padded_edges(self) -> bool:
+        """Whether each array's last chunk is stored at the full chunk shape (Zarr v3)."""
+        return self.format >= 2
 
     @functools.cached_property
     def blobs(self) -> dict[str, BlobInfo]:
@@ -86,7 +96,7 @@ class Manifest:
     def to_dict(self) -> dict[str, Any]:
         packed = self.packed
         return {
-            "format": FORMAT_VERSION,
+            "format": self.format,
             "node": self.node,
             "epoch": self.epoch,
             "save_id": self.save_id,
@@ -109,8 +119,9 @@ class Manifest:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Manifest:
         """Parse and validate a manifest (raises ValueError, TypeError or KeyError)."""
-        if data.get("format") != FORMAT_VERSION:
-            raise ValueError(f"unknown format version {data.get('format')!r}")
+        version = data.get("format")
+        if type(version) is not int or version not in _READABLE_FORMATS:
+            raise ValueError(f"unknown format version {version!r}")
         arrays = {name: _array_info(name, entry) for name, entry in data["arrays"].items()}
         columns = data["packed"]
         names, dtypes = columns["names"], columns["dtypes"]
@@ -141,7 +152,8 @@ class Manifest:
         packed_crcs = _crcs(columns["crc32c"], math.ceil(nbytes / chunk) if nbytes else 0)
         return cls(node=str(data["node"]), epoch=int(data["epoch"]),
                    save_id=str(data["save_id"]), arrays=arrays, packed=packed,
-                   packed_nbytes=nbytes, packed_chunk=chunk, packed_crcs=packed_crcs)
+                   packed_nbytes=nbytes, packed_chunk=chunk, packed_crcs=packed_crcs,
+                   format=version)
 
     def metadata_files(self) -> dict[str, str | None]:
         """The group's Zarr metadata files (relative paths) and the blob each belongs to."""

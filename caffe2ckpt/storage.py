@@ -6,12 +6,15 @@ This is the only module that imports zarr. It knows the group layout and nothing
   (:mod:`caffe2ckpt.manifest`): node, epoch, save id and, per blob, its exact name, dtype, shape,
   memory order and where its bytes are;
 - a blob of at least ``pack_threshold`` bytes is its own array at ``naming.blob_path(name)``,
-  chunked along its first axis (about 16 MiB per chunk), readable by name with plain zarr;
+  chunked along its first axis into chunks of at most 16 MiB, as even as possible and a whole
+  number of 4 KiB blocks where the row size allows (so each can be read straight from the disk),
+  readable by name with plain zarr;
 - smaller blobs (and every 0-d or empty one) are packed, 64-byte aligned, into one uint8 array
   ``_packed``; the manifest gives each one's ``[offset, nbytes]``;
 - every chunk is the raw little-endian bytes followed by their CRC32C — exactly Zarr's
   ``bytes`` + ``crc32c`` codec pipeline, no compression — under Zarr's default chunk key
-  encoding with the ``.`` separator (``<array>/c.3.0``).
+  encoding with the ``.`` separator (``<array>/c.3.0``). As in Zarr, the last chunk is stored
+  at the full chunk shape: zero padding after its rows, covered by the checksum.
 
 Zarr itself writes the array metadata (one template per dtype); the chunks are written and read
 here directly, because Zarr's pipeline copies every chunk once more on the way out (to append the
@@ -40,6 +43,7 @@ import zarr
 from zarr.codecs import Crc32cCodec
 
 from caffe2ckpt.errors import CheckpointCorruptedError, CheckpointNotFoundError
+from caffe2ckpt.localio import DIRECT_ALIGN, aligned_empty
 from caffe2ckpt.location import Location
 from caffe2ckpt.manifest import PACKED_ARRAY, BlobInfo, Manifest
 from caffe2ckpt.naming import blob_path
@@ -120,17 +124,44 @@ def _restored(data: np.ndarray, info: BlobInfo) -> np.ndarray:
     return np.asfortranarray(out) if info.order == "F" else out
 
 
-def _chunk_keys(shape: tuple[int, ...], rows: int) -> list[tuple[str, slice]]:
-    """Chunk keys (Zarr's default encoding, "." separator) and the rows each covers; chunks
-    split axis 0 only."""
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _chunks(shape: tuple[int, ...], rows: int, row_bytes: int,
+            padded: bool) -> list[tuple[str, slice, int]]:
+    """Per chunk (chunks split axis 0 only): its key (Zarr's default encoding, "." separator),
+    the rows it holds, and how many bytes of padding follow them in its file (the last chunk of
+    a padded array is stored at the full chunk shape, as Zarr v3 stores edge chunks)."""
     zeros = ".0" * (len(shape) - 1)
-    return [(f"c.{i}{zeros}", slice(i * rows, min((i + 1) * rows, shape[0])))
-            for i in range(math.ceil(shape[0] / rows))]
+    chunks = []
+    for i in range(_ceil_div(shape[0], rows)):
+        stop = min((i + 1) * rows, shape[0])
+        padding = ((i + 1) * rows - stop) * row_bytes if padded else 0
+        chunks.append((f"c.{i}{zeros}", slice(i * rows, stop), padding))
+    return chunks
 
 
 def _chunk_rows(shape: tuple[int, ...], itemsize: int) -> int:
-    row_bytes = itemsize * math.prod(shape[1:])
-    return max(1, min(shape[0], CHUNK_BYTES // max(row_bytes, 1)))
+    """Rows per chunk: at most about CHUNK_BYTES each; a whole number of DIRECT_ALIGN blocks
+    where the row size allows (every chunk can then be read straight from the disk into its
+    place); and chunks as even as that allows, because the last one is padded to full size."""
+    n = shape[0]
+    row_bytes = max(1, itemsize * math.prod(shape[1:]))
+    most = max(1, CHUNK_BYTES // row_bytes)
+    if n <= most:
+        return n
+    step = DIRECT_ALIGN // math.gcd(row_bytes, DIRECT_ALIGN)
+    step = step if step <= most else 1
+    most -= most % step
+    fewest = _ceil_div(n, most)
+
+    def rows(chunks: int) -> int:
+        return _ceil_div(_ceil_div(n, chunks), step) * step
+
+    # a few more chunks than the fewest often divide the rows evenly: no padding at all
+    return min((rows(k) for k in range(fewest, fewest + 8)),
+               key=lambda r: (_ceil_div(n, r) * r, -r))
 
 
 class _Writer:
@@ -141,7 +172,7 @@ class _Writer:
         self.location = location
         self.root = root
         self.metadata_files: list[tuple[str, bytes]] = []
-        self.chunks: list[tuple[str, str, np.ndarray]] = []  # (array, path, data)
+        self.chunks: list[tuple[str, str, np.ndarray, int]] = []  # (array, path, data, padding)
         self.dirs: list[str] = [root]
         self.digests: dict[str, str] = {}
 
@@ -154,8 +185,8 @@ class _Writer:
         self.metadata(f"{rel}/zarr.json", _array_metadata(data.dtype, data.shape,
                                                           (rows, *data.shape[1:])))
         flat = data.reshape(data.shape[0], -1).view(np.uint8)
-        for key, rows_slice in _chunk_keys(data.shape, rows):
-            self.chunks.append((rel, f"{self.root}/{rel}/{key}", flat[rows_slice]))
+        for key, rows_slice, padding in _chunks(data.shape, rows, flat.shape[1], padded=True):
+            self.chunks.append((rel, f"{self.root}/{rel}/{key}", flat[rows_slice], padding))
 
     def write_arrays(self) -> dict[str, list[int]]:
         """Write every array; return the CRC32C of each chunk, by array path."""
@@ -165,18 +196,23 @@ class _Writer:
         durable = self.location.fsync_each_file
         futures = [_pool().submit(self.location.write_file, path, [data], durable=durable)
                    for path, data in self.metadata_files]
-        chunk_futures = [(rel, _pool().submit(self._write_chunk, path, data, durable))
-                         for rel, path, data in self.chunks]
+        chunk_futures = [(rel, _pool().submit(self._write_chunk, path, data, padding, durable))
+                         for rel, path, data, padding in self.chunks]
         _wait_all([*futures, *(f for _, f in chunk_futures)])
         crcs: dict[str, list[int]] = {}
         for rel, future in chunk_futures:
             crcs.setdefault(rel, []).append(future.result())
         return crcs
 
-    def _write_chunk(self, path: str, data: np.ndarray, durable: bool) -> int:
+    def _write_chunk(self, path: str, data: np.ndarray, padding: int, durable: bool) -> int:
         chunk = np.ascontiguousarray(data).reshape(-1)
         crc = google_crc32c.value(chunk)
-        self.location.write_file(path, [chunk, crc.to_bytes(_CRC, "little")], durable=durable)
+        buffers: list[Any] = [chunk]
+        if padding:
+            buffers.append(bytes(padding))
+            crc = google_crc32c.extend(crc, buffers[-1])
+        buffers.append(crc.to_bytes(_CRC, "little"))
+        self.location.write_file(path, buffers, durable=durable)
         return crc
 
     def finish(self, group: bytes) -> None:
@@ -224,12 +260,13 @@ def write_node(
                             chunk_rows=rows)
             arrays[name] = info
             writer.array(info.path, data, rows)
+    packed_chunk = _chunk_rows((offset,), 1) if offset else 0
     if offset:
-        writer.array(PACKED_ARRAY, _pack(packed, pieces, offset), min(offset, CHUNK_BYTES))
+        writer.array(PACKED_ARRAY, _pack(packed, pieces, offset), packed_chunk)
     crcs = writer.write_arrays()
     arrays = {name: info._replace(crcs=tuple(crcs[info.path])) for name, info in arrays.items()}
     manifest = Manifest(node=node, epoch=epoch, save_id=save_id, arrays=arrays, packed=packed,
-                        packed_nbytes=offset, packed_chunk=min(offset, CHUNK_BYTES),
+                        packed_nbytes=offset, packed_chunk=packed_chunk,
                         packed_crcs=tuple(crcs.get(PACKED_ARRAY, ())))
     group = {"attributes": {ATTRS_KEY: manifest.to_dict()}, "zarr_format": 3,
              "node_type": "group"}
@@ -279,25 +316,30 @@ def read_node(
     blobs = manifest.blobs
     wanted = [blobs[n] for n in (blobs if names is None else names) if n in blobs]
     where = f"checkpoint {location.display(path)!r} (node {manifest.node!r}, epoch {manifest.epoch})"
-    reads: list[tuple[str, str, np.ndarray, int]] = []  # (blob, chunk path, destination, crc)
+    # (blob, chunk path, destination, bytes of padding after it, crc)
+    reads: list[tuple[str, str, np.ndarray, int, int]] = []
     arrays: dict[str, np.ndarray] = {}
     for info in wanted:
         if info.path is not None:
             dtype, shape = _stored_spec(info)
-            arrays[info.name] = data = np.empty(shape, dtype)
+            arrays[info.name] = data = aligned_empty(shape, dtype)
             flat = data.reshape(shape[0], -1).view(np.uint8)
-            for (key, rows), crc in zip(_chunk_keys(shape, info.chunk_rows), info.crcs):
-                reads.append((info.name, f"{path}/{info.path}/{key}", flat[rows], crc))
-    packed = np.empty(manifest.packed_nbytes, np.uint8)
+            chunks = _chunks(shape, info.chunk_rows, flat.shape[1], manifest.padded_edges)
+            for (key, rows, padding), crc in zip(chunks, info.crcs):
+                reads.append((info.name, f"{path}/{info.path}/{key}", flat[rows], padding, crc))
+    packed = aligned_empty((manifest.packed_nbytes,), np.dtype(np.uint8))
     if manifest.packed_nbytes and any(info.path is None for info in wanted):
-        keys = _chunk_keys((manifest.packed_nbytes,), manifest.packed_chunk)
-        for (key, rows), crc in zip(keys, manifest.packed_crcs):
-            reads.append((PACKED_ARRAY, f"{path}/{PACKED_ARRAY}/{key}", packed[rows], crc))
+        chunks = _chunks((manifest.packed_nbytes,), manifest.packed_chunk, 1,
+                         manifest.padded_edges)
+        for (key, rows, padding), crc in zip(chunks, manifest.packed_crcs):
+            reads.append((PACKED_ARRAY, f"{path}/{PACKED_ARRAY}/{key}", packed[rows], padding,
+                          crc))
     owners = manifest.metadata_files()
-    _wait_all([*(_pool().submit(_check_metadata, location, manifest, where, f"{path}/{rel}",
+    reads.sort(key=lambda read: -read[2].nbytes)  # largest first: the disk is busy from the start
+    _wait_all([*(_pool().submit(_read_chunk, location, manifest, where, *read) for read in reads),
+               *(_pool().submit(_check_metadata, location, manifest, where, f"{path}/{rel}",
                                 owners.get(rel) or rel, digest)
-                 for rel, digest in (metadata or {}).items()),
-               *(_pool().submit(_read_chunk, location, manifest, where, *read) for read in reads)])
+                 for rel, digest in (metadata or {}).items())])
     out: dict[str, np.ndarray] = {}
     for info in wanted:
         if info.path is not None:
@@ -327,7 +369,7 @@ def _check_metadata(location: Location, manifest: Manifest, where: str, file: st
 
 
 def _read_chunk(location: Location, manifest: Manifest, where: str, blob: str, chunk: str,
-                out: np.ndarray, expected: int) -> None:
+                out: np.ndarray, padding: int, expected: int) -> None:
     def corrupted(msg: str) -> CheckpointCorruptedError:
         return CheckpointCorruptedError(
             f"{where}: blob {blob!r}, chunk {location.display(chunk)!r}: {msg}",
@@ -336,7 +378,7 @@ def _read_chunk(location: Location, manifest: Manifest, where: str, blob: str, c
 
     flat = out.reshape(-1)
     try:
-        stored = location.read_exact(chunk, memoryview(flat), _CRC)
+        tail = location.read_exact(chunk, memoryview(flat), padding + _CRC)
     except CheckpointNotFoundError as exc:
         raise corrupted("the chunk is missing") from exc
     except ValueError as exc:
@@ -344,7 +386,11 @@ def _read_chunk(location: Location, manifest: Manifest, where: str, blob: str, c
     except OSError as exc:  # an I/O failure is not evidence of corruption: do not fall back
         raise OSError(exc.errno, f"{where}: cannot read chunk {location.display(chunk)!r} of "
                       f"blob {blob!r}: {exc.strerror or exc}") from exc
-    if google_crc32c.value(flat).to_bytes(_CRC, "little") != stored:
+    crc = google_crc32c.value(flat)
+    if padding:
+        crc = google_crc32c.extend(crc, tail[:padding])
+    stored = tail[padding:]
+    if crc.to_bytes(_CRC, "little") != stored:
         raise corrupted("checksum mismatch (the data was changed or torn)")
     if int.from_bytes(stored, "little") != expected:
         raise corrupted("the chunk is not the one this checkpoint wrote (its checksum differs "

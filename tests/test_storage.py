@@ -9,12 +9,14 @@ import zlib
 from pathlib import Path
 
 import fsspec
+import google_crc32c
 import numpy as np
 import pytest
 import zarr
 
 import caffe2ckpt
 from caffe2ckpt import (
+    CheckpointCorruptedError,
     CheckpointManager,
     InvalidBlobError,
     LocalSession,
@@ -23,7 +25,9 @@ from caffe2ckpt import (
     db_name,
 )
 from caffe2ckpt.checkpoint import CheckpointStore, SaveInfo
+from caffe2ckpt import storage
 from caffe2ckpt.location import Location
+from caffe2ckpt.manifest import Manifest
 from caffe2ckpt.naming import blob_path
 
 LARGE = 64 * 1024  # the default pack threshold: blobs this big are their own zarr array
@@ -408,6 +412,63 @@ def test_plain_zarr_reads_large_blob_by_escaped_name(prefix):
     assert meta["arrays"]["layer/1:w"]["path"] == "layer%2F1%3Aw"
     assert "layer/1:b" in meta["packed"]["names"] and "layer/1:b" not in meta["arrays"]
     assert sorted(group.array_keys()) == sorted(["_packed", "layer%2F1%3Aw", "gewicht%2F%C3%BCber"])
+
+
+def test_plain_zarr_reads_a_blob_of_several_chunks(prefix):
+    """Zarr v3 stores every chunk at the full chunk shape: the last one is padded (here 7 rows
+    of 3004), and plain zarr reads across the chunk boundary and the edge."""
+    emb = np.random.default_rng(3).random((6001, 768), dtype=np.float32)
+    session = LocalSession()
+    session.workspace(NODE)["emb"] = emb
+    cm = MultiNodeCheckpointManager(prefix)
+    session.run(cm.init([NODE]))
+    session.run(cm.save(2))
+    arr = zarr.open_group(db_name(2, NODE, prefix), mode="r")["emb"]
+    assert arr.chunks == (3004, 768)
+    assert arr[3003:3005].tobytes() == emb[3003:3005].tobytes()
+    assert arr[...].tobytes() == emb.tobytes()
+    fresh = LocalSession()
+    cm2 = MultiNodeCheckpointManager(prefix)
+    fresh.run(cm2.init([NODE], retrieve_from_epoch=2))
+    fresh.run(cm2.load(2))
+    assert fresh.workspace(NODE)["emb"].tobytes() == emb.tobytes()
+
+
+def test_groups_of_format_1_without_edge_padding_still_load(tmp_path):
+    """Format 1 (before Zarr's edge padding) stored only the rows of the last chunk."""
+    emb = np.random.default_rng(5).random((6001, 768), dtype=np.float32)
+    location = Location(str(tmp_path))
+    group = location.path("trainer_0.1")
+    manifest, _ = storage.write_node(location, group, node=NODE, epoch=1, save_id="s1",
+                                     blobs={"emb": emb})
+    info = manifest.arrays["emb"]
+    last = tmp_path / "trainer_0.1" / info.path / f"c.{len(info.crcs) - 1}.0"
+    data = last.read_bytes()[:(6001 - (len(info.crcs) - 1) * info.chunk_rows) * 3072]
+    crc = google_crc32c.value(data)
+    entry = {**manifest.to_dict()["arrays"]["emb"], "crc32c": [*info.crcs[:-1], crc]}
+    old = Manifest.from_dict({**manifest.to_dict(), "format": 1, "arrays": {"emb": entry}})
+    with pytest.raises(CheckpointCorruptedError, match="bytes where"):  # padded: not format 1
+        storage.read_node(location, group, old)
+    last.write_bytes(data + crc.to_bytes(4, "little"))
+    assert storage.read_node(location, group, old)["emb"].tobytes() == emb.tobytes()
+    with pytest.raises(CheckpointCorruptedError, match="bytes where"):
+        storage.read_node(location, group, manifest)
+
+
+def test_plain_zarr_reads_blobs_from_a_packed_array_of_several_chunks(prefix):
+    blobs = {f"b{i:04d}": np.full(4000, i, np.float32) for i in range(1100)}  # 17.6 MB packed
+    session = LocalSession()
+    session.workspace(NODE).update(blobs)
+    cm = MultiNodeCheckpointManager(prefix)
+    session.run(cm.init([NODE]))
+    session.run(cm.save(1))
+    group = zarr.open_group(db_name(1, NODE, prefix), mode="r")
+    packed, meta = group["_packed"], group.attrs["caffe2ckpt"]["packed"]
+    assert packed.nchunks == 2 and meta["nbytes"] > 16 * 2**20
+    index = meta["names"].index("b1099")
+    start = meta["offsets"][index]
+    last = packed[start:start + 16000].view(np.float32)
+    assert np.array_equal(last, blobs["b1099"])
 
 
 # -- no pickle -------------------------------------------------------------------------------------

@@ -1,0 +1,218 @@
+"""Local-disk file I/O with Linux fast paths, and portable fallbacks where they are missing.
+
+- Durability: ``syncfs()`` flushes a whole filesystem at once, and ``sync_file_range()`` starts a
+  file's write-out as soon as it is written, so the final flush waits for less.
+- Reads: a large file that is not in the page cache is read with ``O_DIRECT``, straight from
+  the disk into the destination array. Going through the page cache costs the kernel about as
+  much CPU time again as the copy itself: it allocates a page cache page for every 4 KiB and
+  copies each one out. A buffered ``readinto`` of a cold 256 MiB spent 0.17 s of system time
+  against 0.01 s for a direct read, which is what capped cold restores. A file that ``mincore()``
+  finds mostly cached is still read through the cache, because that is then a plain memory copy.
+  Filesystems that refuse ``O_DIRECT`` (tmpfs, for one) are remembered and read buffered.
+
+Direct reads need the destination address, file offset and length aligned to the device's
+logical block; :data:`DIRECT_ALIGN` (4 KiB) covers the devices in use. :func:`aligned_empty`
+allocates such destinations. Files must end with a small trailer (a checksum) or an unaligned
+tail, which the buffered read after the direct body picks up.
+
+The system calls the ``os`` module lacks are loaded with ctypes; each is None where the C
+library does not have it. Imports nothing from caffe2ckpt.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import math
+import mmap
+import os
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "DIRECT_ALIGN",
+    "DIRECT_MIN_BYTES",
+    "aligned_empty",
+    "fsync_dir",
+    "read_into",
+    "start_writeback",
+    "syncfs",
+]
+
+DIRECT_ALIGN = 4096
+DIRECT_MIN_BYTES = 1 << 20  # smaller files: one buffered read, not worth a second open
+
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_SYNC_FILE_RANGE_WRITE = 2  # <fcntl.h>: start write-out of dirty pages not yet under write-out
+_no_direct_devices: set[int] = set()  # st_dev of filesystems that refused O_DIRECT
+
+
+def _libc_function(name: str, restype: Any, *argtypes: Any) -> Any:
+    try:
+        function = getattr(ctypes.CDLL(None, use_errno=True), name)
+    except (OSError, AttributeError):  # not Linux/glibc
+        return None
+    function.restype = restype
+    function.argtypes = list(argtypes)
+    return function
+
+
+_syncfs = _libc_function("syncfs", ctypes.c_int, ctypes.c_int)
+_sync_file_range = _libc_function("sync_file_range", ctypes.c_int, ctypes.c_int, ctypes.c_int64,
+                                  ctypes.c_int64, ctypes.c_uint)
+_mmap = _libc_function("mmap", ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_int, ctypes.c_long)
+_munmap = _libc_function("munmap", ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t)
+_mincore = _libc_function("mincore", ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t,
+                          ctypes.c_void_p)
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_syscall = _libc_function("syscall", ctypes.c_long, ctypes.c_long, ctypes.c_int, ctypes.c_void_p,
+                          ctypes.c_void_p, ctypes.c_uint)
+_SYS_CACHESTAT = 451  # Linux >= 6.5; one number on every architecture with the unified table
+_cachestat_missing = False  # set once the kernel answered ENOSYS
+
+HAVE_SYNCFS = _syncfs is not None
+
+
+def syncfs(path: str) -> None:
+    """Flush every written file and directory entry of the filesystem holding ``path``.
+
+    Raises:
+        OSError: the flush failed, or this system has no ``syncfs``.
+    """
+    if _syncfs is None:
+        raise OSError(errno.ENOSYS, "syncfs is not available on this system", path)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        if _syncfs(fd) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"syncfs failed: {os.strerror(err)}", path)
+    finally:
+        os.close(fd)
+
+
+def start_writeback(fd: int) -> None:
+    """Start writing the file's dirty pages to disk without waiting (no-op off Linux)."""
+    if _sync_file_range is not None:
+        _sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
+
+
+def fsync_dir(path: str) -> None:
+    """fsync directory ``path`` (its entries become durable); a missing one is skipped."""
+    try:
+        fd = os.open(path or ".", os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An uninitialised C-contiguous array whose data starts on a :data:`DIRECT_ALIGN` boundary
+    when it is large enough to be read directly (a view into a slightly larger buffer)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < DIRECT_MIN_BYTES or not _O_DIRECT:
+        return np.empty(shape, dtype)
+    raw = np.empty(nbytes + DIRECT_ALIGN, np.uint8)
+    start = -raw.ctypes.data % DIRECT_ALIGN
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+def read_into(path: str, out: memoryview, trailer: int) -> bytes:
+    """Read local file ``path``: its first ``len(out)`` bytes into ``out``; return the
+    ``trailer`` bytes after them.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: the file's size is not ``len(out) + trailer``, or it shrank while read.
+    """
+    with open(path, "rb", buffering=0) as f:
+        st = os.fstat(f.fileno())
+        expected = len(out) + trailer
+        if st.st_size != expected:
+            raise ValueError(f"{st.st_size} bytes where {expected} were expected")
+        done = _read_direct(path, out, st) if _direct_pays(f.fileno(), out, st) else 0
+        f.seek(done)
+        view = out[done:]
+        while view:
+            n = f.readinto(view)
+            if not n:
+                raise ValueError("the file ended early")
+            view = view[n:]
+        tail = f.read(trailer)
+        if len(tail) != trailer:
+            raise ValueError("the file ended early")
+        return tail
+
+
+def _direct_pays(fd: int, out: memoryview, st: os.stat_result) -> bool:
+    """Whether to read ``out``'s body with O_DIRECT: possible here, large, aligned, not cached."""
+    return (bool(_O_DIRECT) and len(out) >= DIRECT_MIN_BYTES
+            and st.st_dev not in _no_direct_devices
+            and np.frombuffer(out, np.uint8).ctypes.data % DIRECT_ALIGN == 0
+            and not _mostly_cached(fd, st.st_size))
+
+
+def _mostly_cached(fd: int, size: int) -> bool:
+    """Whether at least half of the file's bytes are in the page cache (True when unknown).
+
+    ``cachestat()`` asks the page cache directly. Older kernels get ``mincore()`` on a mapping
+    of the file: that answers too, but ``mmap`` waits for the process's address-space lock,
+    which other threads hold while they fault in destination pages.
+    """
+    cached = _cachestat_pages(fd, size)
+    if cached is None:
+        cached = _mincore_pages(fd, size)
+    return cached is None or 2 * cached * mmap.PAGESIZE >= size
+
+
+def _cachestat_pages(fd: int, size: int) -> int | None:
+    global _cachestat_missing
+    if _syscall is None or _cachestat_missing:
+        return None
+    span = (ctypes.c_uint64 * 2)(0, size)  # struct cachestat_range {off, len}
+    stat = (ctypes.c_uint64 * 5)()  # struct cachestat; nr_cache first
+    if _syscall(_SYS_CACHESTAT, fd, ctypes.byref(span), ctypes.byref(stat), 0) != 0:
+        _cachestat_missing = ctypes.get_errno() == errno.ENOSYS
+        return None
+    return int(stat[0])
+
+
+def _mincore_pages(fd: int, size: int) -> int | None:
+    if _mmap is None or _mincore is None or _munmap is None:
+        return None
+    addr = _mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    if addr in (None, _MAP_FAILED):
+        return None
+    try:
+        pages = np.zeros(-(-size // mmap.PAGESIZE), np.uint8)
+        if _mincore(addr, size, pages.ctypes.data) != 0:
+            return None
+        return int(np.count_nonzero(pages & 1))
+    finally:
+        _munmap(addr, size)
+
+
+def _read_direct(path: str, out: memoryview, st: os.stat_result) -> int:
+    """Read the largest aligned prefix of ``out`` with O_DIRECT; return how many bytes were read
+    (a multiple of :data:`DIRECT_ALIGN`; 0 when the filesystem refuses direct I/O)."""
+    body = len(out) - len(out) % DIRECT_ALIGN
+    done = 0
+    try:
+        fd = os.open(path, os.O_RDONLY | _O_DIRECT)
+        try:
+            while done < body:
+                n = os.preadv(fd, [out[done:body]], done)
+                if n <= 0:  # the file shrank: the buffered read after this one reports it
+                    break
+                done += n
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        _no_direct_devices.add(st.st_dev)  # the filesystem or device refuses direct I/O
+    return done - done % DIRECT_ALIGN
