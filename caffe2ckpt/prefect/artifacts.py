@@ -8,16 +8,16 @@ digits and dashes, as Prefect requires).
 The checkpoint table has a column per metric the commit records carry (``CommitRecord.metrics``),
 formatted to 4 significant digits (``NaN`` and ``inf`` as such).
 
-Uploads are throttled. Updating the table and the progress bar takes two API calls (~25-30 ms
-on a local server, measured) and sends the whole table, which grows with the epochs; doing that
-after every save made short epochs pay far more for the artifacts than for their task runs, and
-more so the longer the job ran. So the table and progress of saved epochs are uploaded at most
-every ``min_interval`` seconds, by a timer thread when the training loop is not due to (the last
-change is never held back longer than that); with epochs longer than ``min_interval`` every save
-is still uploaded at once. The first upload, a failed save, a preemption, the end of the job and
-a failing task run (:class:`~caffe2ckpt.prefect.PrefectSession` calls :meth:`flush`) are
-uploaded at once too. A process that dies otherwise may lose the last ``min_interval`` seconds of
-table updates; the next attempt rebuilds the table from the commit records.
+Uploads are throttled. Updating the table and the progress bar takes two API calls and sends
+the whole table, which grows with the epochs (~90 ms for 500 rows on a busy local server,
+measured); doing that after every save made short epochs pay far more for the artifacts than for
+their task runs, and more so the longer the job ran. So the table and progress of saved epochs
+are uploaded by a background thread, at most every ``min_interval`` seconds, or every ten times
+the last upload's duration when that is longer (uploads take at most about a tenth of the time);
+the training loop never waits for them. A failed save, a preemption, the end of the job and a
+failing task run (:class:`~caffe2ckpt.prefect.PrefectSession` calls :meth:`flush`) are uploaded at
+once, as is the first upload. A process that dies otherwise may lose the last interval's table
+updates; the next attempt rebuilds the table from the commit records.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ logger = logging.getLogger(__name__)
 
 COLUMNS = ["epoch", "status", "nodes", "bytes", "seconds", "MB/s", "attempt", "url"]
 METRICS_AFTER = "status"  # metric columns go right after this one
+_UPLOAD_SHARE = 0.1  # throttled uploads wait 1 / share x the last one's duration, at least
 
 
 def artifact_key(job_name: str, what: str) -> str:
@@ -132,7 +133,7 @@ class CheckpointArtifacts:
 
     Args:
         min_interval: upload the table and progress of saved epochs at most this often
-            (seconds); 0 uploads every epoch.
+            (seconds; longer while uploads are slow); 0: as soon as the last upload is done.
     """
 
     def __init__(self, *, min_interval: float = 2.0) -> None:
@@ -144,7 +145,9 @@ class CheckpointArtifacts:
         self._upload_lock = threading.RLock()  # one upload at a time, newest snapshot last
         self._pending: dict[str, Callable[[], Any]] = {}  # artifact key -> its data, rendered late
         self._timer: threading.Timer | None = None
+        self._uploading = False  # a flush is sending: it schedules what comes in meanwhile
         self._last_upload = float("-inf")
+        self._interval = min_interval  # grows when uploads get slow (a long table, a busy server)
 
     def handle(self, event: RunEvent) -> None:
         """Update the artifacts for ``event``; Prefect API errors are logged, never raised."""
@@ -189,7 +192,7 @@ class CheckpointArtifacts:
     # -- throttled uploads ---------------------------------------------------------------------
 
     def _changed(self, event: RunEvent, *, urgent: bool, progress: bool = True) -> None:
-        """The table (and progress) changed: upload now, or within ``min_interval``."""
+        """The table (and progress) changed: upload now if ``urgent``, else in the background."""
         table, bar = artifact_key(event.job, "checkpoints"), artifact_key(event.job, "progress")
         if table not in self._ids or (progress and bar not in self._ids):  # no "started" seen
             self._table(event)
@@ -201,16 +204,22 @@ class CheckpointArtifacts:
             self._pending[table] = self._table_json
             if progress:
                 self._pending[bar] = lambda: value
-            wait = self._last_upload + self.min_interval - time.monotonic()
-            if not urgent and wait > 0:
-                if self._timer is None:  # the timer uploads whatever is pending by then
-                    run = contextvars.copy_context().run  # Prefect's settings (API URL) live there
-                    self._timer = threading.Timer(wait, run, args=(self._flush_quietly,))
-                    self._timer.name = "caffe2ckpt-artifacts"
-                    self._timer.daemon = True  # never hold up (or hang) the process's exit
-                    self._timer.start()
+            if not urgent:
+                self._schedule()
                 return
         self.flush()
+
+    def _schedule(self) -> None:
+        """Start the timer that uploads whatever is pending one interval after the last upload
+        (the caller holds ``_lock``). The training loop never waits for it."""
+        if self._timer is not None or self._uploading or not self._pending:
+            return
+        wait = max(0.0, self._last_upload + self._interval - time.monotonic())
+        run = contextvars.copy_context().run  # Prefect's settings (API URL) live there
+        self._timer = threading.Timer(wait, run, args=(self._flush_quietly,))
+        self._timer.name = "caffe2ckpt-artifacts"
+        self._timer.daemon = True  # never hold up (or hang) the process's exit
+        self._timer.start()
 
     def flush(self) -> None:
         """Upload pending table and progress changes now."""
@@ -221,11 +230,21 @@ class CheckpointArtifacts:
                     self._timer = None
                 pending, self._pending = self._pending, {}
                 data = {key: render() for key, render in pending.items()}
-            if data:
-                with get_client(sync_client=True) as client:
-                    for key, value in data.items():
-                        client.update_artifact(self._ids[key], ArtifactUpdate(data=value))
-            self._last_upload = time.monotonic()
+                self._uploading = True
+            start = time.monotonic()
+            try:
+                if data:
+                    with get_client(sync_client=True) as client:
+                        for key, value in data.items():
+                            client.update_artifact(self._ids[key], ArtifactUpdate(data=value))
+            finally:
+                with self._lock:
+                    self._uploading = False
+                    self._last_upload = time.monotonic()
+                    if data:
+                        self._interval = max(self.min_interval,
+                                             (self._last_upload - start) / _UPLOAD_SHARE)
+                    self._schedule()  # changes made while this upload ran
 
     def _flush_quietly(self) -> None:
         """The timer's upload, in a copy of the flow's context: it keeps Prefect's settings (the

@@ -57,8 +57,9 @@ class PrefectSession:
     Args:
         workspaces: existing node workspaces (others are created empty on first use).
         artifacts: keep the checkpoint table, progress and summary artifacts up to date.
-        artifacts_interval: while epochs are short, upload the table and progress at most this
-            often (seconds); the last change is uploaded at most this late (0: every epoch).
+        artifacts_interval: upload the checkpoint table and progress at most this often
+            (seconds), in the background; longer when uploads get slow (ten times the last
+            one's duration). Failures and the end of the job are uploaded at once.
 
     Example:
         >>> from prefect import flow
