@@ -64,6 +64,17 @@ def store_round_trip(prefix, blobs, *, pack_threshold=LARGE, node=NODE, epoch=3)
     return CheckpointStore(Location(prefix)).load_node(node, epoch)
 
 
+def saved_group(prefix, blobs, epoch, **manager_options) -> zarr.Group:
+    """Save ``blobs`` as node NODE's checkpoint of ``epoch``; return that group, opened with
+    plain zarr."""
+    session = LocalSession()
+    session.workspace(NODE).update(blobs)
+    cm = MultiNodeCheckpointManager(prefix, **manager_options)
+    session.run(cm.init([NODE]))
+    session.run(cm.save(epoch))
+    return zarr.open_group(db_name(epoch, NODE, prefix), mode="r")
+
+
 def assert_bit_exact(got, want, name=""):
     want = np.asarray(want)
     assert isinstance(got, np.ndarray), (name, type(got))
@@ -218,15 +229,10 @@ def test_all_dtypes_together_through_store(prefix, pack_threshold):
 
 def test_pack_threshold_one_gives_own_arrays_except_0d_and_empty(prefix):
     blobs = {"one": np.int8(1), "e": np.zeros((0, 4), np.float32), "v": np.arange(2, dtype="u1")}
-    session = LocalSession()
-    session.workspace(NODE).update(blobs)
-    cm = MultiNodeCheckpointManager(prefix, pack_threshold=1)
-    session.run(cm.init([NODE]))
-    session.run(cm.save(1))
-    manifest = cm.store.manifest(NODE, 1)
+    group = saved_group(prefix, blobs, 1, pack_threshold=1)
+    manifest = CheckpointStore(Location(prefix)).manifest(NODE, 1)
     assert manifest.blobs["v"].path == "v" and manifest.blobs["v"].offset is None
     assert manifest.blobs["one"].offset is not None and manifest.blobs["e"].offset is not None
-    group = zarr.open_group(db_name(1, NODE, prefix), mode="r")
     assert group["v"].dtype == np.uint8 and group["v"].shape == (2,)
 
 
@@ -324,12 +330,7 @@ def test_unicode_and_bytes_arrays_round_trip_exactly(prefix, pack_threshold):
 
 def test_strings_are_stored_as_code_units_with_trailing_axis(prefix):
     blobs = string_blobs(np.random.default_rng(4))
-    session = LocalSession()
-    session.workspace(NODE).update(blobs)
-    cm = MultiNodeCheckpointManager(prefix)
-    session.run(cm.init([NODE]))
-    session.run(cm.save(2))
-    group = zarr.open_group(db_name(2, NODE, prefix), mode="r")
+    group = saved_group(prefix, blobs, 2)
     u = group[blob_path("large/u3_be")]
     assert u.dtype == np.uint32 and u.shape == blobs["large/u3_be"].shape + (3,)
     assert u[...].astype("<u4").view("<U3").reshape(u.shape[:-1]).tolist() == \
@@ -418,12 +419,7 @@ def test_plain_zarr_reads_a_blob_of_several_chunks(prefix):
     """Zarr v3 stores every chunk at the full chunk shape: the last one is padded (here 7 rows
     of 3004), and plain zarr reads across the chunk boundary and the edge."""
     emb = np.random.default_rng(3).random((6001, 768), dtype=np.float32)
-    session = LocalSession()
-    session.workspace(NODE)["emb"] = emb
-    cm = MultiNodeCheckpointManager(prefix)
-    session.run(cm.init([NODE]))
-    session.run(cm.save(2))
-    arr = zarr.open_group(db_name(2, NODE, prefix), mode="r")["emb"]
+    arr = saved_group(prefix, {"emb": emb}, 2)["emb"]
     assert arr.chunks == (3004, 768)
     assert arr[3003:3005].tobytes() == emb[3003:3005].tobytes()
     assert arr[...].tobytes() == emb.tobytes()
@@ -457,12 +453,7 @@ def test_groups_of_format_1_without_edge_padding_still_load(tmp_path):
 
 def test_plain_zarr_reads_blobs_from_a_packed_array_of_several_chunks(prefix):
     blobs = {f"b{i:04d}": np.full(4000, i, np.float32) for i in range(1100)}  # 17.6 MB packed
-    session = LocalSession()
-    session.workspace(NODE).update(blobs)
-    cm = MultiNodeCheckpointManager(prefix)
-    session.run(cm.init([NODE]))
-    session.run(cm.save(1))
-    group = zarr.open_group(db_name(1, NODE, prefix), mode="r")
+    group = saved_group(prefix, blobs, 1)
     packed, meta = group["_packed"], group.attrs["caffe2ckpt"]["packed"]
     assert packed.nchunks == 2 and meta["nbytes"] > 16 * 2**20
     index = meta["names"].index("b1099")
