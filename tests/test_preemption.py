@@ -66,11 +66,12 @@ def test_sigterm_mid_epoch_commits_that_epoch_and_the_rerun_resumes(tmp_path):
 def test_in_process_preemption_saves_even_an_epoch_the_policy_skips(tmp_path):
     prefix = str(tmp_path / "ckpt")
     job = preempt_job.build(prefix, 6)
-    marker = pathlib.Path(f"{prefix}.started.2")
     sent: list[bool] = []
 
     def signal_in_epoch_2(ws):  # the process signals itself while epoch 2 runs
-        if marker.exists() and not sent:
+        # this node's own epoch counter (its "step" ran just before): trainer_0's marker file
+        # of the same epoch may not exist yet, since the nodes of a group run concurrently
+        if int(ws["e"]) == 2 and not sent:
             sent.append(True)
             signal.raise_signal(signal.SIGTERM)
     Task(signal_in_epoch_2, name="preempt", group=job.epoch_group, node="trainer_1")
