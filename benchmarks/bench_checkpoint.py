@@ -1,4 +1,5 @@
-"""Benchmark caffe2ckpt save/restore side by side with raw file I/O, safetensors and np.savez.
+"""Benchmark caffe2ckpt save/restore side by side with raw file I/O, safetensors, np.savez and,
+when torch is installed, torch.save / torch.load.
 
     /tmp/venv/bin/python benchmarks/bench_checkpoint.py --workloads W1 --repeats 5 --dir /tmp/bench
     /tmp/venv/bin/python benchmarks/bench_checkpoint.py --workloads W1,W2,W3 --dir /tmp/bench
@@ -52,6 +53,10 @@ try:
     import safetensors.numpy
 except ImportError:  # the table then has no safetensors row
     safetensors = None
+try:
+    import torch
+except ImportError:  # the table then has no torch row (pip install torch==2.13.0 adds it)
+    torch = None
 
 MiB = 1 << 20
 SEED = 20240601
@@ -106,6 +111,14 @@ def raw_load(path, spec):
             if f.readinto(arr) != arr.nbytes:  # one read(2) per array (< 2 GiB each here)
                 raise EOFError(path)
     return out
+
+
+def torch_save(ws, path):
+    torch.save({k: torch.from_numpy(v) for k, v in ws.items()}, path)
+
+
+def torch_load(path, spec):
+    return {k: t.numpy() for k, t in torch.load(path, weights_only=True).items()}
 
 
 def npz_load(path, spec):
@@ -170,6 +183,8 @@ def build_methods(root, ws, only=None):
     if safetensors is not None:
         methods.append(FileMethod("safetensors", ".safetensors", safetensors.numpy.save_file,
                                   lambda path, spec: safetensors.numpy.load_file(path), root, ws))
+    if torch is not None:
+        methods.append(FileMethod("torch", ".pt", torch_save, torch_load, root, ws))
     methods.append(FileMethod("np.savez", ".npz",  # uncompressed
                               lambda ws, path: np.savez(path, **ws), npz_load, root, ws))
     return [m for m in methods if only is None or m.name == only]
@@ -350,7 +365,8 @@ def main():
     mode = cache_mode(args.warm)
     du, mem = shutil.disk_usage(args.dir), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     have = {d.metadata["Name"].lower(): d.version for d in importlib.metadata.distributions()}
-    versions = [f"{m} {have[m]}" for m in ("numpy", "zarr", "fsspec", "safetensors", "caffe2ckpt")
+    versions = [f"{m} {have[m]}" for m in ("numpy", "zarr", "fsspec", "safetensors", "torch",
+                                           "caffe2ckpt")
                 if m in have]
     rev = subprocess.run(["git", "-C", os.path.dirname(os.path.abspath(__file__)), "describe",
                           "--always", "--dirty"], capture_output=True, text=True).stdout.strip()
