@@ -1,8 +1,9 @@
 """What a checkpoint prefix holds, and the two ways things are removed from it.
 
-:func:`scan` reads every commit record once and sorts the prefix into *steps* (epochs whose
-save is complete: every node the save names has its record), *partial saves* (some nodes'
-records are missing: never a committed epoch) and unreadable records.
+:func:`scan` reads every commit record once and sorts the prefix into *steps* (committed epochs,
+as :mod:`caffe2ckpt.lineage` defines them, each marked when a later run superseded it),
+*partial saves* (some nodes' records are missing or unreadable: never a committed epoch) and
+unreadable records.
 
 Removal is ordered so that a crash at any instant leaves only unreferenced files, never a
 record over missing data:
@@ -28,8 +29,9 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from caffe2ckpt.checkpoint import CheckpointStore
-from caffe2ckpt.commit import CommitRecord, RecordRef, delete_record, list_records, read_record
-from caffe2ckpt.errors import CheckpointError, InvalidLocationError
+from caffe2ckpt.commit import CommitRecord, RecordRef, delete_record, list_records
+from caffe2ckpt.errors import InvalidLocationError
+from caffe2ckpt.lineage import History
 from caffe2ckpt.naming import (
     CLAIMS_DIR,
     COMMITS_DIR,
@@ -66,6 +68,11 @@ class Step:
         return sum(r.nbytes for r in self.records.values())
 
     @property
+    def generation(self) -> int:
+        """The generation (claim number) of the run that saved it."""
+        return self.records[self.nodes[0]].generation
+
+    @property
     def metrics(self) -> dict[str, float]:
         """The epoch's metrics (every node of a save records the same ones)."""
         merged: dict[str, float] = {}
@@ -96,56 +103,86 @@ class PartialSave(NamedTuple):
 class PrefixScan:
     """Everything :func:`scan` found under a prefix."""
 
-    steps: dict[int, Step]
+    steps: dict[int, Step]  # every committed epoch, superseded ones included
     partial: list[PartialSave]
     unreadable: list[tuple[RecordRef, str]] = field(default_factory=list)
+    superseded: frozenset[int] = frozenset()  # committed epochs outside the current lineage
 
     def epochs(self) -> list[int]:
         return sorted(self.steps)
 
+    def current(self) -> dict[int, Step]:
+        """The committed steps of the current lineage (the ones a job resumes along)."""
+        return {e: s for e, s in self.steps.items() if e not in self.superseded}
+
 
 def _read_all(store: CheckpointStore, refs: Sequence[RecordRef]) -> list[CommitRecord | str]:
-    def read(ref: RecordRef) -> CommitRecord | str:
-        try:
-            return read_record(store.location, ref)
-        except CheckpointError as exc:
-            return str(exc)
     if len(refs) < 8:
-        return [read(r) for r in refs]
+        return [store.read_or_reason(r) for r in refs]
     with ThreadPoolExecutor(max_workers=16) as pool:
-        return list(pool.map(read, refs))
+        return list(pool.map(store.read_or_reason, refs))
+
+
+def _families(refs: Sequence[RecordRef], read: dict[RecordRef, CommitRecord | str],
+              wanted: set[str] | None) -> dict[frozenset[str], list[RecordRef]]:
+    """The records by job: all of them for the ``wanted`` nodes, else by the set of nodes
+    saved together (each job has its own lineage)."""
+    if wanted is not None:
+        return {frozenset(wanted): list(refs)}
+    families: dict[frozenset[str], list[RecordRef]] = {}
+    for ref in refs:
+        record = read[ref]
+        if not isinstance(record, str):
+            families.setdefault(frozenset(record.nodes) | {ref.node}, []).append(ref)
+    return families
 
 
 def scan(store: CheckpointStore, nodes: Iterable[str] | None = None) -> PrefixScan:
-    """Read every commit record under ``store`` (one listing, one read per record).
+    """Read every commit record under ``store`` (one listing, one read per record) and sort
+    the saves into committed steps (:class:`~caffe2ckpt.lineage.History` decides) and partial
+    saves, marking the steps a later run superseded.
 
     With ``nodes``, a step needs all of them and reports only them; saves of other nodes are
     ignored.
     """
     wanted = None if nodes is None else set(nodes)
-    refs = [r for r in list_records(store.location) if wanted is None or r.node in wanted]
+    refs = list_records(store.location)
+    if wanted is not None:  # the saves involving the wanted nodes, with all of their nodes
+        keys = {(r.epoch, r.save_id) for r in refs if r.node in wanted}
+        refs = [r for r in refs if (r.epoch, r.save_id) in keys]
+    read = dict(zip(refs, _read_all(store, refs)))
+    committed: set[tuple[int, str]] = set()
+    current: set[tuple[int, str]] = set()
+    for family_nodes, family in _families(refs, read, wanted).items():
+        history = History(family, family_nodes, read.__getitem__)
+        committed.update(k for k in {(r.epoch, r.save_id) for r in family}
+                         if history.committed(*k) is not None)
+        current.update((save.epoch, save.save_id) for save in history.lineage())
     saves: dict[tuple[int, str], dict[str, CommitRecord]] = {}
     unreadable: list[tuple[RecordRef, str]] = []
-    for ref, record in zip(refs, _read_all(store, refs)):
+    for ref, record in read.items():
+        if wanted is not None and ref.node not in wanted:
+            continue
         if isinstance(record, str):
             unreadable.append((ref, record))
         else:
             saves.setdefault((ref.epoch, ref.save_id), {})[ref.node] = record
     steps: dict[int, dict[str, CommitRecord]] = {}
+    in_lineage: set[int] = set()
     partial = []
     for (epoch, save_id), records in sorted(saves.items()):
+        if (epoch, save_id) in committed:
+            steps.setdefault(epoch, {}).update(records)
+            if (epoch, save_id) in current:
+                in_lineage.add(epoch)
+            continue
         expected = set().union(*(r.nodes for r in records.values()))
         if wanted is not None:
             expected &= wanted
         missing = sorted(expected - set(records))
-        if missing:
-            partial.append(PartialSave(epoch, save_id, sorted(records), missing, records))
-        else:
-            steps.setdefault(epoch, {}).update(records)
-    if wanted is not None:
-        steps = {e: r for e, r in steps.items() if wanted <= set(r)}
+        partial.append(PartialSave(epoch, save_id, sorted(records), missing, records))
     return PrefixScan(steps={e: Step(e, r) for e, r in steps.items()}, partial=partial,
-                      unreadable=unreadable)
+                      unreadable=unreadable, superseded=frozenset(steps) - in_lineage)
 
 
 def delete_step(store: CheckpointStore, epoch: int, nodes: Iterable[str]) -> None:
@@ -168,12 +205,14 @@ def apply_retention(store: CheckpointStore, options: StepManagerOptions, nodes: 
                     protect: Iterable[int] = ()) -> list[int]:
     """Delete the steps of ``nodes`` that ``options``' retention does not keep; return them.
 
-    The newest committed step and ``protect`` are always kept (see
-    :func:`~caffe2ckpt.policy.retained_epochs`). Steps saved together with other nodes are
-    left alone: deleting part of a save would un-commit the other nodes' epoch.
+    The newest step of the current lineage and ``protect`` are always kept; superseded steps
+    never are (see :func:`~caffe2ckpt.policy.retained_epochs`). Steps saved together with other
+    nodes are left alone: deleting part of a save would un-commit the other nodes' epoch.
     """
-    steps = {e: s for e, s in scan(store, nodes).steps.items() if s.save_nodes <= set(nodes)}
-    keep = retained_epochs(options, {e: s.metrics for e, s in steps.items()}, set(protect))
+    found = scan(store, nodes)
+    steps = {e: s for e, s in found.steps.items() if s.save_nodes <= set(nodes)}
+    keep = retained_epochs(options, {e: s.metrics for e, s in steps.items()}, set(protect),
+                           superseded=found.superseded)
     doomed = sorted(set(steps) - keep)
     for epoch in doomed:
         delete_step(store, epoch, nodes)

@@ -4,11 +4,12 @@
 records (:mod:`caffe2ckpt.commit`) so that a crash at any instant leaves every committed
 checkpoint intact:
 
-1. A first save of (node, epoch) writes the group straight to ``db_name`` (after removing any
-   uncommitted leftovers there). A re-save of a committed (node, epoch) writes the new group
-   aside under ``_staging/``, and only when it is complete retires the old record, swaps the
-   directories and writes the new record. A crash may therefore make that one epoch fall back
-   to the previous one; it can never leave a record over data it does not describe.
+1. Every save writes its group aside, under ``_staging/<node>.<epoch>.<save_id>``; never into a
+   path that a commit record may name. Only when the group is complete (and the run is still
+   the prefix's newest claimant) is the previous copy's record retired, the staged group moved to
+   ``<node>.<epoch>`` (a rename on local disks) and the new record written. A crash may
+   therefore make that one epoch fall back to the previous one; it can never leave a record over
+   data it does not describe, and a fenced run never touches the group a newer run committed.
 2. Data is made durable (fsync of files and directories on local disks) before the record.
 3. The record is written last, exclusively, and never edited.
 
@@ -16,8 +17,9 @@ Fencing: a run that claims the prefix (:meth:`CheckpointStore.claim`) owns it un
 claim appears; its saves check the claim just before committing and raise
 :class:`CheckpointFencedError` instead once a newer run (e.g. a duplicate retry) took over.
 
-An epoch is committed for a set of nodes when every node has a record whose save id matches its
-group's manifest and all those records share one save id (they were saved together).
+What counts as committed, and which committed epoch a job resumes from (the lineage of runs), is
+defined once in :mod:`caffe2ckpt.lineage`; a committed epoch is *usable* when, besides, the
+group metadata stored for each node is the one its record names.
 
 Imports: errors, location, naming, storage, commit. Not prefect.
 """
@@ -28,6 +30,7 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,14 +41,17 @@ from caffe2ckpt.commit import (
     delete_record,
     list_records,
     read_record,
+    save_generation,
     write_record,
 )
 from caffe2ckpt.errors import (
     CheckpointCorruptedError,
+    CheckpointError,
     CheckpointFencedError,
     CheckpointNotFoundError,
     CheckpointWriteError,
 )
+from caffe2ckpt.lineage import History, Save
 from caffe2ckpt.location import Location
 from caffe2ckpt.naming import (
     CLAIMS_DIR,
@@ -73,6 +79,7 @@ class SaveInfo:
     metrics: dict[str, float] | None = None
     writer: dict | None = None
     claim: str | None = None  # the run's claim on the prefix: fenced saves never commit
+    parent: tuple[int, int] | None = None  # the save the run started from: (epoch, generation)
 
 
 def _claim_number(name: str) -> int | None:
@@ -80,6 +87,11 @@ def _claim_number(name: str) -> int | None:
     if name.startswith("claim-") and name.endswith(".json") and digits.isdigit():
         return int(digits)
     return None
+
+
+def claim_generation(claim: str | None) -> int:
+    """The generation of a run's saves: its claim number (0 without a claim)."""
+    return (_claim_number(claim) or 0) if claim is not None else 0
 
 
 class CheckpointStore:
@@ -109,25 +121,26 @@ class CheckpointStore:
             self.check_claim(info.claim)
         start = time.perf_counter()
         target = self.group_path(node, epoch)
-        previous = [r for r in list_records(self.location) if r.epoch == epoch and r.node == node]
-        self._remove_staged(node, epoch)  # leftovers of interrupted re-saves: never committed
-        write_to = (
-            self.location.path(STAGING_DIR, f"{get_ckpt_filename(node, epoch)}.{info.save_id}")
-            if previous
-            else target
-        )
-        self.location.remove(write_to)  # uncommitted leftovers only: nothing commits them
-        manifest, digests = write_node(
-            self.location, write_to, node=node, epoch=epoch, save_id=info.save_id, blobs=blobs,
-            pack_threshold=self.pack_threshold,
-        )
-        if info.claim is not None:
-            self.check_claim(info.claim)
-        if previous:
-            for ref in previous:  # the old copy stops counting before it is replaced
+        staged = self.location.path(STAGING_DIR, f"{get_ckpt_filename(node, epoch)}.{info.save_id}")
+        self._remove_staged(node, epoch, info.save_id)
+        try:
+            manifest, digests = write_node(
+                self.location, staged, node=node, epoch=epoch, save_id=info.save_id, blobs=blobs,
+                pack_threshold=self.pack_threshold,
+            )
+            if info.claim is not None:  # a fenced run never moves its data into place
+                self.check_claim(info.claim)
+        except BaseException:
+            self._discard(staged)
+            raise
+        try:
+            for ref in self._records_of(node, epoch):  # the old copy stops counting first
                 delete_record(self.location, ref)
-            self.location.remove(target)
-            self.location.move(write_to, target)
+            self._install(staged, target, node, epoch)
+        except Exception:
+            if info.claim is not None:  # a newer run took over meanwhile: that is the cause
+                self.check_claim(info.claim)
+            raise
         record = CommitRecord(
             epoch=epoch,
             node=node,
@@ -141,6 +154,7 @@ class CheckpointStore:
             metrics=dict(info.metrics or {}),
             metadata=digests,
             writer=dict(info.writer or {}),
+            parent=info.parent,
         )
         write_record(self.location, record)
         if info.claim is not None:
@@ -153,16 +167,42 @@ class CheckpointStore:
         if stored != digests["zarr.json"]:  # the record must vouch for what is stored
             raise CheckpointWriteError(
                 f"checkpoint {self._where(node, epoch)!r} (node {node!r}, epoch {epoch}) does not "
-                f"hold the group of save {info.save_id!r} that was just committed"
-            )
+                f"hold the group of save {info.save_id!r} that was just committed", epoch=epoch)
         logger.debug("committed %s (%d bytes, %.3f s)", self.location.display(
             get_ckpt_filename(node, epoch)), record.nbytes, record.seconds)
         return record
 
-    def _remove_staged(self, node: str, epoch: int) -> None:
+    def _records_of(self, node: str, epoch: int) -> list[RecordRef]:
+        return [r for r in list_records(self.location) if r.epoch == epoch and r.node == node]
+
+    def _install(self, staged: str, target: str, node: str, epoch: int) -> None:
+        """Move the staged group to ``target``, which no record names any more."""
+        if self.location.exists(target):
+            others = self._records_of(node, epoch)
+            if others:  # another save committed this group while ours was written: keep it
+                raise CheckpointWriteError(
+                    f"checkpoint {self._where(node, epoch)!r} (node {node!r}, epoch {epoch}) was "
+                    f"committed by save {others[0].save_id!r} while this save was written; "
+                    "leaving it in place", epoch=epoch)
+            self.location.remove(target)  # uncommitted: a leftover, or the copy just retired
+        self.location.move(staged, target)
+
+    def _discard(self, staged: str) -> None:
+        """Remove this save's own staged group after a failure (best effort: ``gc`` too)."""
+        try:
+            self.location.remove(staged)
+        except Exception as exc:  # noqa: BLE001 - the original failure matters more
+            logger.debug("could not remove %s: %s", staged, exc)
+
+    def _remove_staged(self, node: str, epoch: int, save_id: str) -> None:
+        """Remove staged copies of (node, epoch) left by interrupted saves of this run or older
+        runs; a newer run's staged copy (a save in progress) is never touched."""
         staging = self.location.path(STAGING_DIR)
+        generation = save_generation(save_id)
         for name in self.location.list_names(staging):
-            if name.rpartition(".")[0] == get_ckpt_filename(node, epoch):
+            group, _, other = name.rpartition(".")
+            if (group == get_ckpt_filename(node, epoch) and other != save_id
+                    and save_generation(other) <= generation):
                 self.location.remove(f"{staging}/{name}")
 
     # -- fencing ---------------------------------------------------------------------------------
@@ -287,36 +327,71 @@ class CheckpointStore:
                     if name != "zarr.json"}  # zarr.json: checked above
         return read_node(self.location, path, manifest, names, metadata=metadata)
 
-    def candidate_epochs(self, nodes: list[str]) -> list[int]:
-        """Epochs (newest first) for which every node in ``nodes`` has a record file."""
+    def epochs_with_records(self, nodes: list[str]) -> list[int]:
+        """Epochs (newest first) for which every node in ``nodes`` has a record file, committed
+        or not (listing only: used to refuse starting over damaged checkpoints)."""
         by_epoch: dict[int, set[str]] = {}
         for ref in list_records(self.location):
             by_epoch.setdefault(ref.epoch, set()).add(ref.node)
         wanted = set(nodes)
         return sorted((e for e, have in by_epoch.items() if wanted <= have), reverse=True)
 
+    def history(self, nodes: list[str]) -> History:
+        """The saves of ``nodes`` under the prefix (one listing; records are read lazily)."""
+        return History(list_records(self.location), nodes, self._read_or_warn)
+
+    def _read_or_warn(self, ref: RecordRef) -> CommitRecord | str:
+        record = self.read_or_reason(ref)
+        if isinstance(record, str):
+            logger.warning("epoch %d is not committed for node %r: %s", ref.epoch, ref.node,
+                           record)
+        return record
+
+    def read_or_reason(self, ref: RecordRef) -> CommitRecord | str:
+        """The record ``ref`` names, or why it is not a valid record (I/O errors propagate)."""
+        try:
+            return read_record(self.location, ref)
+        except CheckpointError as exc:
+            return str(exc)
+
+    def _usable(self, save: Save, nodes: list[str]) -> bool:
+        """Whether the group stored for each of ``nodes`` is the one ``save`` committed."""
+        try:
+            for node in nodes:
+                raw = self._group_json(node, save.epoch)
+                if hashlib.sha256(raw).hexdigest() != save.records[node].metadata.get("zarr.json"):
+                    raise CheckpointCorruptedError(
+                        f"checkpoint {self._where(node, save.epoch)!r} (node {node!r}, epoch "
+                        f"{save.epoch}) holds group metadata its commit record does not name",
+                        node=node, epoch=save.epoch, blob="zarr.json")
+        except CheckpointCorruptedError as exc:
+            logger.warning("epoch %d is not usable: %s", save.epoch, exc)
+            return False
+        return True
+
     def epoch_records(self, epoch: int, nodes: list[str]) -> dict[str, CommitRecord] | None:
-        """The records committing ``epoch`` for all ``nodes`` (one save), or None if it is not
-        committed for all of them. Damaged records count as not committed (logged)."""
-        refs = [r for r in list_records(self.location) if r.epoch == epoch]
-        records: dict[str, CommitRecord] = {}
-        for node in nodes:
-            try:
-                records[node] = self.node_record(node, epoch, refs)
-            except CheckpointNotFoundError:
-                return None
-            except CheckpointCorruptedError as exc:
-                logger.warning("epoch %d is not usable: %s", epoch, exc)
-                return None
-        if len({r.save_id for r in records.values()}) > 1:
-            logger.warning("epoch %d mixes saves of different runs across nodes %s; ignoring it",
-                           epoch, nodes)
-            return None
-        return records
+        """The records of the committed save of ``epoch`` for all ``nodes``, or None if there
+        is none whose stored groups are the ones it committed (a damaged one is logged)."""
+        for save in self.history(nodes).saves_at(epoch):
+            if self._usable(save, nodes):
+                return {node: save.records[node] for node in nodes}
+        return None
+
+    def lineage_epochs(self, nodes: list[str]) -> Iterator[int]:
+        """The committed epochs of the current lineage of ``nodes``, newest first (lazily)."""
+        return (save.epoch for save in self.history(nodes).lineage())
 
     def latest_epoch(self, nodes: list[str]) -> int | None:
-        """The newest epoch committed by every node in ``nodes``, or None."""
-        for epoch in self.candidate_epochs(nodes):
-            if self.epoch_records(epoch, nodes) is not None:
-                return epoch
+        """The newest usable epoch of the current lineage of ``nodes``, or None."""
+        for save in self.history(nodes).lineage():
+            if self._usable(save, nodes):
+                return save.epoch
+        return None
+
+    def parent_before(self, epoch: int, nodes: list[str]) -> tuple[int, int] | None:
+        """Where a run that saves ``epoch`` without having resumed continues from: the newest
+        committed save of the lineage below ``epoch``, as (epoch, generation); None if none."""
+        for save in self.history(nodes).lineage():
+            if save.epoch < epoch:
+                return save.epoch, save.generation
         return None

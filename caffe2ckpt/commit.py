@@ -10,6 +10,12 @@ durable. Its file name carries everything needed to find it by listing alone::
 group manifest; a record is valid only when the group it names carries the same save id, so a
 record can never vouch for data written by a different save.
 
+A save id also names the run that wrote it: ``g<generation>-<random hex>``, where the
+generation is the run's claim number on the prefix (:mod:`caffe2ckpt.checkpoint`), so the
+lineage of runs (:mod:`caffe2ckpt.lineage`) can be ordered from a listing alone. Each record
+also says which committed save its run started from (``parent``: epoch and generation, or
+None for a fresh start). Save ids of another form (records of format 1) are generation 0.
+
 Imports: errors, location, naming. Not zarr, not prefect.
 """
 
@@ -17,7 +23,9 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -25,11 +33,24 @@ from caffe2ckpt.errors import CheckpointCorruptedError
 from caffe2ckpt.location import Location
 from caffe2ckpt.naming import COMMITS_DIR
 
-__all__ = ["CommitRecord", "RecordRef", "delete_record", "list_records", "read_record",
-           "write_record"]
+__all__ = ["CommitRecord", "RecordRef", "delete_record", "list_records", "new_save_id",
+           "read_record", "save_generation", "write_record"]
 
-RECORD_FORMAT = 1
+RECORD_FORMAT = 2
+_READABLE_FORMATS = frozenset({1, 2})
 _SUFFIX = ".json"
+_SAVE_ID = re.compile(r"g([0-9]{1,18})-[0-9a-f]{8,64}")
+
+
+def new_save_id(generation: int) -> str:
+    """A fresh save id for a save of run ``generation`` (its claim number; 0 if it has none)."""
+    return f"g{generation}-{uuid.uuid4().hex}"
+
+
+def save_generation(save_id: str) -> int:
+    """The generation a save id names (0 for ids that name none, e.g. format-1 records)."""
+    match = _SAVE_ID.fullmatch(save_id)
+    return int(match.group(1)) if match else 0
 
 
 @dataclass(frozen=True, kw_only=True, order=True)
@@ -43,6 +64,10 @@ class RecordRef:
     @property
     def filename(self) -> str:
         return f"{self.epoch:012d}.{self.node}.{self.save_id}{_SUFFIX}"
+
+    @property
+    def generation(self) -> int:
+        return save_generation(self.save_id)
 
     @classmethod
     def parse(cls, filename: str) -> RecordRef | None:
@@ -74,7 +99,14 @@ class CommitRecord:
     metadata: dict[str, str] = field(default_factory=dict)  # Zarr metadata file -> sha256
     writer: dict[str, Any] = field(default_factory=dict)  # e.g. flow run id and run count
     created: float = field(default_factory=time.time)
+    # the committed save the writing run started from: (epoch, generation); None: fresh start
+    parent: tuple[int, int] | None = None
     format: int = RECORD_FORMAT
+
+    @property
+    def generation(self) -> int:
+        """The claim number of the run that wrote this record (see :func:`new_save_id`)."""
+        return save_generation(self.save_id)
 
     @property
     def ref(self) -> RecordRef:
@@ -84,12 +116,20 @@ class CommitRecord:
         """As JSON-ready data; non-finite metrics become the strings "nan", "inf", "-inf"."""
         data = asdict(self)
         data["metrics"] = {k: v if math.isfinite(v) else repr(v) for k, v in self.metrics.items()}
+        data["parent"] = None if self.parent is None else list(self.parent)
         return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CommitRecord:
-        if data.get("format") != RECORD_FORMAT:
-            raise ValueError(f"unknown record format {data.get('format')!r}")
+        version = data.get("format")
+        if type(version) is not int or version not in _READABLE_FORMATS:
+            raise ValueError(f"unknown record format {version!r}")
+        parent = data.get("parent") if version >= 2 else None
+        if parent is not None:
+            if (not isinstance(parent, list) or len(parent) != 2
+                    or not all(type(x) is int and 0 <= x < 10**18 for x in parent)):
+                raise ValueError(f"bad parent {parent!r}")
+            parent = (parent[0], parent[1])
         return cls(
             epoch=int(data["epoch"]),
             node=str(data["node"]),
@@ -104,6 +144,8 @@ class CommitRecord:
             metadata={str(k): str(v) for k, v in data["metadata"].items()},
             writer=dict(data["writer"]),
             created=float(data["created"]),
+            parent=parent,
+            format=version,
         )
 
 

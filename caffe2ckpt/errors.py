@@ -63,7 +63,15 @@ class CheckpointCorruptedError(CheckpointError, ValueError):
 
 
 class CheckpointWriteError(CheckpointError, OSError):
-    """A save or commit failed; nothing already committed was changed."""
+    """A save or commit failed; nothing already committed was changed.
+
+    Attributes:
+        epoch: the epoch whose save failed, or None when not known.
+    """
+
+    def __init__(self, *args: object, epoch: int | None = None) -> None:
+        super().__init__(*args)
+        self.epoch = epoch
 
 
 class CheckpointFencedError(CheckpointWriteError):

@@ -295,10 +295,12 @@ class Location:
             return
 
     def move(self, src: str, dst: str) -> None:
-        """Move tree ``src`` to ``dst``, which must not exist. Atomic only on local disks.
+        """Move tree ``src`` to ``dst``, which must not exist. Atomic only on local disks;
+        elsewhere a copy of each file that never overwrites one.
 
         Raises:
-            FileExistsError: ``dst`` exists (fsspec would move ``src`` *into* it).
+            FileExistsError: ``dst`` (or, off local disks, one of its files) exists.
+            FileNotFoundError: ``src`` holds nothing.
         """
         if self.exists(dst):
             raise FileExistsError(f"cannot move {src} to {dst}: the destination exists")
@@ -309,11 +311,15 @@ class Location:
             localio.fsync_dir(posixpath.dirname(src))
             return
         # Copy through this process rather than fs.mv: object stores have no rename, and their
-        # server-side copy mishandles keys with '%' (escaped blob names) in s3fs.
+        # server-side copy mishandles keys with '%' (escaped blob names) in s3fs. Each copy is
+        # an exclusive create: a copy that is late (its run stalled, then was fenced) can never
+        # overwrite a file that another save has put there and committed meanwhile.
         root = src.rstrip("/")
-        for path in self._guard(self.fs.find, root):
-            self._guard(self.fs.pipe_file, dst + path[len(root):],
-                        self._guard(self.fs.cat_file, path))
+        paths = self._guard(self.fs.find, root)
+        if not paths:
+            raise FileNotFoundError(f"cannot move {src} to {dst}: it holds no files")
+        for path in paths:
+            self.create_exclusive(dst + path[len(root):], self._guard(self.fs.cat_file, path))
         self._guard(self.fs.rm, root, recursive=True)
 
 

@@ -13,14 +13,13 @@ from __future__ import annotations
 import abc
 import logging
 import time
-import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from caffe2ckpt.background import BackgroundSaves
-from caffe2ckpt.checkpoint import CheckpointStore, SaveInfo
+from caffe2ckpt.checkpoint import CheckpointStore, SaveInfo, claim_generation
 from caffe2ckpt.commit import CommitRecord
 from caffe2ckpt.errors import (
     CheckpointError,
@@ -31,7 +30,8 @@ from caffe2ckpt.errors import (
 )
 from caffe2ckpt.job import Node, Task, TaskGroup
 from caffe2ckpt.location import Location
-from caffe2ckpt.metadata import MetadataHandler
+from caffe2ckpt.commit import new_save_id
+from caffe2ckpt.metadata import MetadataHandler, ZarrMetadataHandler
 from caffe2ckpt.naming import check_epoch, check_node_name, db_name
 from caffe2ckpt.session import Session
 from caffe2ckpt.storage import DEFAULT_PACK_THRESHOLD
@@ -58,11 +58,14 @@ class _BaseManager:
         filesystem: Any = None,
         pack_threshold: int = DEFAULT_PACK_THRESHOLD,
         async_save: bool = False,
+        auto_resume: bool = True,
     ) -> None:
         if db_type not in _DB_TYPES:
             raise InvalidLocationError(f"db_type {db_type!r} is not supported; use 'zarr'")
         self._db_prefix = db_prefix
         self._db_type = db_type
+        if metadata_handler is None and auto_resume:
+            metadata_handler = ZarrMetadataHandler()
         self._metadata_handler = metadata_handler
         self._storage_options = storage_options
         self._filesystem = filesystem
@@ -75,6 +78,8 @@ class _BaseManager:
         self._stats: dict[str, int] = {}
         self._param_nodes: list[str] = []
         self._background = BackgroundSaves() if async_save else None
+        self._claim: str | None = None  # this manager's run: its claim and where it started
+        self._parent: tuple[int, int] | None = None
         self.last_records: dict[str, CommitRecord] = {}
 
     # -- properties ------------------------------------------------------------------------------
@@ -87,6 +92,11 @@ class _BaseManager:
     @property
     def store(self) -> CheckpointStore:
         return self._store
+
+    @property
+    def run_claim(self) -> str | None:
+        """This manager's claim on the prefix (see :meth:`claim`), once it has one."""
+        return self._claim
 
     def file_nodes(self) -> list[str]:
         """Node names as they appear in checkpoint files, in node order (from ``init``, else
@@ -224,8 +234,11 @@ class _BaseManager:
         """A runnable that saves and commits every node's checkpointed blobs as ``epoch``.
 
         The keyword arguments are kept in the commit records (the runner passes the epoch's stop
-        decision and the session's writer info); with ``claim`` (from :meth:`claim`), the save
-        refuses to commit once a newer run has claimed the prefix.
+        decision and the session's writer info). Saves belong to this manager's run (see
+        :meth:`claim`; claimed here on the first save if not before, continuing the lineage from
+        the newest committed epoch below ``epoch``): they refuse to commit once a newer run has
+        claimed the prefix. An explicit ``claim`` from another manager's :meth:`claim` makes the
+        save part of that run instead.
 
         With ``async_save``, running it only snapshots the blobs; they are written and committed
         in the background (see :meth:`wait_until_finished`). A previous background save is
@@ -233,9 +246,18 @@ class _BaseManager:
         """
         epoch = check_epoch(epoch)
         self.wait_until_finished()
-        info = SaveInfo(save_id=uuid.uuid4().hex, nodes=self.file_nodes(), stop=bool(stop),
-                        stop_conditions=tuple(stop_conditions), metrics=metrics, writer=writer,
-                        claim=claim)
+        if claim is None:
+            if self._claim is None:
+                try:
+                    self.claim(writer, parent=self._store.parent_before(epoch, self.file_nodes()))
+                except OSError as exc:  # an unreachable prefix: the save itself reports it
+                    logger.warning("cannot claim checkpoint prefix %r: %s", self.url, exc)
+            claim = self._claim
+        parent = (self._parent if claim == self._claim
+                  else self._store.parent_before(epoch, self.file_nodes()))
+        info = SaveInfo(save_id=new_save_id(claim_generation(claim)), nodes=self.file_nodes(),
+                        stop=bool(stop), stop_conditions=tuple(stop_conditions), metrics=metrics,
+                        writer=writer, claim=claim, parent=parent)
         self.last_records = {}
 
         def make(node: str, file_node: str) -> Any:
@@ -269,7 +291,7 @@ class _BaseManager:
         except Exception as exc:
             raise CheckpointWriteError(
                 f"saving node {file_node!r} epoch {epoch} to "
-                f"{self._location.display(f'{file_node}.{epoch}')!r} failed: {exc}"
+                f"{self._location.display(f'{file_node}.{epoch}')!r} failed: {exc}", epoch=epoch,
             ) from exc
 
     @property
@@ -297,6 +319,8 @@ class _BaseManager:
         """``user_epoch``, or with a metadata handler, the epoch it says to resume from."""
         if self._metadata_handler is None:
             return user_epoch
+        if not self._param_nodes and self._files is not None:  # bound by init() alone
+            self._set_params(self.file_nodes(), None, None)
         return self._metadata_handler.last_epoch(user_epoch=user_epoch)
 
     def _set_params(self, node_names: list[str], path_prefix: str | None,
@@ -338,17 +362,23 @@ class _BaseManager:
 
     # -- beyond Caffe2: what the runner needs to resume safely ------------------------------------
 
-    def claim(self, writer: dict[str, Any] | None = None) -> str:
-        """Claim the prefix for a run (see :meth:`CheckpointStore.claim`); pass it to ``save``."""
-        return self._store.claim(writer)
+    def claim(self, writer: dict[str, Any] | None = None, *,
+              parent: tuple[int, int] | None = None) -> str:
+        """Start a run: claim the prefix (see :meth:`CheckpointStore.claim`; older runs are
+        fenced off) for the saves that follow. ``parent`` is the committed save the run
+        resumed from, as (epoch, generation), or None for a fresh start, which supersedes every
+        earlier run's epochs (see :mod:`caffe2ckpt.lineage`)."""
+        self._claim = self._store.claim(writer)
+        self._parent = parent
+        return self._claim
 
     def epoch_records(self, epoch: int) -> dict[str, CommitRecord] | None:
         """The records committing ``epoch`` for every node, or None."""
         return self._store.epoch_records(epoch, self.file_nodes())
 
-    def committed_epochs(self) -> list[int]:
-        """Epochs with a record for every node, newest first (validated lazily by loads)."""
-        return self._store.candidate_epochs(self.file_nodes())
+    def committed_epochs(self) -> Iterator[int]:
+        """The committed epochs of the current lineage, newest first (read lazily)."""
+        return self._store.lineage_epochs(self.file_nodes())
 
 
 class MultiNodeCheckpointManager(_BaseManager):
@@ -357,11 +387,15 @@ class MultiNodeCheckpointManager(_BaseManager):
     Args:
         db_prefix: a local path or any fsspec URL.
         db_type: ``"zarr"``.
-        metadata_handler: decides the resume epoch (e.g. :class:`ZarrMetadataHandler`).
+        metadata_handler: decides the resume epoch. Default: a :class:`ZarrMetadataHandler`,
+            so a retried or re-run job resumes from its newest committed epoch.
         storage_options: fsspec options for ``db_prefix``.
         filesystem: an fsspec filesystem to use instead of one made from the URL.
         pack_threshold: blobs smaller than this many bytes are packed together.
         async_save: write and commit in the background after a snapshot (see ``save``).
+        auto_resume: with ``False`` and no ``metadata_handler``, Caffe2's behaviour: a job
+            resumes only from an explicit ``resume_from_epoch`` and otherwise starts from
+            scratch; its fresh start then supersedes the epochs already committed.
 
     Example:
         >>> cm = MultiNodeCheckpointManager("memory://doc/ckpt")
@@ -436,10 +470,11 @@ class CheckpointManager(_BaseManager):
         filesystem: Any = None,
         pack_threshold: int = DEFAULT_PACK_THRESHOLD,
         async_save: bool = False,
+        auto_resume: bool = True,
     ) -> None:
         super().__init__(db_prefix, db_type, metadata_handler, storage_options=storage_options,
                          filesystem=filesystem, pack_threshold=pack_threshold,
-                         async_save=async_save)
+                         async_save=async_save, auto_resume=auto_resume)
         self._node_name = check_node_name(node_name)
 
     def init(self, nodes: Sequence[str | Node] | None = None,

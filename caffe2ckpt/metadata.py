@@ -51,9 +51,11 @@ class MetadataHandler(Protocol):
 class ZarrMetadataHandler:
     """Resume from the commit records of a caffe2ckpt prefix.
 
-    ``last_epoch()`` is the newest epoch committed by every node of the job (records of other
-    nodes under the same prefix are ignored); ``last_epoch(user_epoch=k)`` returns k if it is
-    committed for every node and raises otherwise.
+    ``last_epoch()`` is the newest usable epoch of the job's current lineage (see
+    :mod:`caffe2ckpt.lineage`: epochs of a run that a later resume from an earlier epoch
+    superseded never count; records of other nodes under the same prefix are ignored);
+    ``last_epoch(user_epoch=k)`` returns k if it is committed for every node and raises
+    otherwise.
 
     Args:
         storage_options: fsspec options for the prefix (the managers pass theirs on if unset).
@@ -97,7 +99,7 @@ class ZarrMetadataHandler:
         """
         if user_epoch is None:
             latest = self.store.latest_epoch(self._nodes)
-            candidates = self.store.candidate_epochs(self._nodes)
+            candidates = [] if latest is not None else self.store.epochs_with_records(self._nodes)
             if latest is None and candidates:
                 raise CheckpointCorruptedError(
                     f"every epoch with commit records under {self.store.location.display()!r} "
@@ -106,7 +108,7 @@ class ZarrMetadataHandler:
             return latest
         epoch = check_epoch(user_epoch)
         if self.store.epoch_records(epoch, self._nodes) is None:
-            committed = sorted(self.store.candidate_epochs(self._nodes))
+            committed = sorted(self.store.epochs_with_records(self._nodes))
             raise CheckpointNotFoundError(
                 f"epoch {epoch} is not committed for nodes {self._nodes} under "
                 f"{self.store.location.display()!r}; epochs with records: {committed}"

@@ -12,8 +12,10 @@ Retention (a union: an epoch is kept when any rule keeps it):
     ``max_to_keep`` (the newest N), ``keep_period`` (every K-th epoch), ``keep_best`` (the
     best N by ``best_fn`` over the epoch's metrics, ``best_mode`` min or max; NaN or a missing
     metric counts as worst). ``keep_checkpoints_without_metrics`` keeps epochs without metrics
-    when best-N is on. The newest committed epoch and the protected epochs (e.g. the one a run
-    resumed from) are always kept. No rule: everything is kept.
+    when best-N is on. The rules rank the current lineage only: an epoch a later run superseded
+    (it resumed from an earlier epoch) is never kept by a rule. The newest epoch of the lineage
+    and the protected epochs (e.g. the one a run resumed from) are always kept. No rule:
+    everything is kept.
 
 Imports: errors. Nothing else.
 """
@@ -111,15 +113,19 @@ def should_save(options: StepManagerOptions | None, epoch: int, *, final: bool =
 
 
 def retained_epochs(options: StepManagerOptions | None, metrics: Mapping[int, Metrics | None],
-                    protect: Collection[int] = ()) -> set[int]:
+                    protect: Collection[int] = (), *,
+                    superseded: Collection[int] = ()) -> set[int]:
     """Which of the committed epochs (the keys of ``metrics``) retention keeps.
 
-    The newest epoch and every epoch in ``protect`` are always kept.
+    The rules rank only the current lineage; ``superseded`` epochs (committed by a run that a
+    later resume from an earlier epoch replaced, see :mod:`caffe2ckpt.lineage`) are never kept
+    by a rule, and never count as the newest. The newest lineage epoch and every epoch in
+    ``protect`` are always kept.
     """
-    epochs = sorted(metrics)
     if options is None or not options.has_retention:
-        return set(epochs)
-    keep = set(protect) & set(epochs)
+        return set(metrics)
+    keep = set(protect) & set(metrics)
+    epochs = sorted(set(metrics) - set(superseded))
     if epochs:
         keep.add(epochs[-1])
     if options.max_to_keep:

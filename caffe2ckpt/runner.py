@@ -16,8 +16,10 @@ Imports: errors, job, manager, session. Not zarr, not prefect.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
+from collections.abc import Iterable
 from contextlib import nullcontext
 from typing import Any, Literal
 
@@ -94,7 +96,6 @@ class JobRunner:
         self.failed_saves: list[int] = []
         self.saved_epochs: list[int] = []  # committed by this train() call
         self.resumed_from: int | None = None
-        self._claim: str | None = None
         self._last_save_time: float | None = None
 
     def train(self, session: Session) -> int:
@@ -124,11 +125,6 @@ class JobRunner:
             nodes = [check_node_name(n) for n in job.nodes_to_checkpoint()]
             cm.set_params(nodes=nodes)
             resume = cm.get_resume_from_epoch_id(self.resume_from_epoch)
-            try:  # only once the run is known to be valid: a refused run writes nothing
-                self._claim = cm.claim(_writer(session))
-            except OSError as exc:  # an unreachable prefix: the saves will report it
-                logger.warning("cannot claim checkpoint prefix %r: %s", cm.url, exc)
-                self._claim = None
         finished = False
         if resume is None:
             logger.info("Starting job %r from scratch", job.name)
@@ -137,10 +133,12 @@ class JobRunner:
             epoch = 0
             if cm is not None:
                 session.run(cm.init(job.nodes_to_checkpoint()))
+                self._start_run(session, cm, parent=None)
                 self.save_checkpoints(0, session)
         else:
-            epoch, finished = self._resume(session, cm, resume,
-                                           automatic=self.resume_from_epoch is None)
+            epoch, finished, parent = self._resume(session, cm, resume,
+                                                   automatic=self.resume_from_epoch is None)
+            self._start_run(session, cm, parent)
         try:
             while not finished:
                 if preemption is not None and preemption.requested:
@@ -192,18 +190,30 @@ class JobRunner:
                if committed else f"checkpoint was NOT committed {where}"),
             epoch=epoch, committed=committed, signal=signal_name)
 
+    @staticmethod
+    def _start_run(session: Session, cm: _BaseManager, parent: tuple[int, int] | None) -> None:
+        """Start this run on the prefix (only once it is known to be valid: a refused run
+        writes nothing); ``parent`` is the save it resumed from, None for a fresh start."""
+        try:
+            cm.claim(_writer(session), parent=parent)
+        except OSError as exc:  # an unreachable prefix: the saves will report it
+            logger.warning("cannot claim checkpoint prefix %r: %s", cm.url, exc)
+
     def _notify(self, session: Session, kind: str, epoch: int, **info: Any) -> None:
         notify(session, RunEvent(kind=kind, job=self.job.name, epoch=epoch,  # type: ignore[arg-type]
                                  max_epochs=self.job.max_epochs,
                                  checkpoint_manager=self.checkpoint_manager, **info))
 
     def _resume(self, session: Session, cm: _BaseManager, epoch: int, *,
-                automatic: bool) -> tuple[int, bool]:
-        """Load the checkpoint to resume from; return (epoch loaded, whether the job is done)."""
+                automatic: bool) -> tuple[int, bool, tuple[int, int]]:
+        """Load the checkpoint to resume from; return (epoch loaded, whether the job is done,
+        the loaded save as (epoch, generation)). An automatically chosen epoch that fails to
+        load falls back along the lineage (never to a superseded epoch)."""
         nodes = self.job.nodes_to_checkpoint()
-        candidates = [epoch]
+        candidates: Iterable[int] = [epoch]
         if automatic:
-            candidates += [e for e in cm.committed_epochs() if e < epoch]
+            candidates = itertools.chain(candidates,
+                                         (e for e in cm.committed_epochs() if e < epoch))
         failures: list[str] = []
         for candidate in candidates:
             self._notify(session, "loading", candidate)
@@ -225,7 +235,8 @@ class JobRunner:
             writer = next(iter(records.values())).writer
             logger.info("Resuming from epoch %d (written by %s)", candidate, _describe(writer))
             self._notify(session, "resumed", candidate, records=records)
-            return candidate, self._still_finished(records, session)
+            generation = next(iter(records.values())).generation
+            return candidate, self._still_finished(records, session), (candidate, generation)
         raise CheckpointCorruptedError(
             f"no committed epoch of {cm.url!r} could be loaded: " + "; ".join(failures)
         )
@@ -276,11 +287,11 @@ class JobRunner:
                 cause = cm.access_error
                 raise CheckpointWriteError(
                     f"checkpoint of epoch {epoch}: files cannot be accessed at {cm.url!r}"
-                    + (f": {cause}" if cause else "")) from cause
+                    + (f": {cause}" if cause else ""), epoch=epoch) from cause
             logger.info("Saving checkpoints for epoch %d", epoch)
             self._last_save_time = time.monotonic()
             session.run(cm.save(epoch, stop=stop, stop_conditions=stop_conditions,
-                                metrics=metrics, writer=_writer(session), claim=self._claim))
+                                metrics=metrics, writer=_writer(session)))
             if cm.pending_epoch is None:
                 self._committed(epoch, session, cm)
         except Exception as exc:
@@ -329,7 +340,8 @@ class JobRunner:
         if self.on_save_error == "raise" or isinstance(exc, CheckpointFencedError):
             if isinstance(exc, CheckpointError):
                 raise exc
-            raise CheckpointWriteError(f"checkpoint of epoch {epoch} failed: {exc}") from exc
+            raise CheckpointWriteError(f"checkpoint of epoch {epoch} failed: {exc}",
+                                       epoch=epoch) from exc
         logger.warning("Unable to write checkpoint for epoch %d. Error=%s", epoch, exc)
 
 

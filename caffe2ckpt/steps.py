@@ -24,7 +24,6 @@ import logging
 import os
 import socket
 import time
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,8 +32,8 @@ import numpy as np
 
 from caffe2ckpt.background import BackgroundSaves
 from caffe2ckpt.catalog import Step, delete_step, scan
-from caffe2ckpt.checkpoint import CheckpointStore, SaveInfo
-from caffe2ckpt.commit import CommitRecord
+from caffe2ckpt.checkpoint import CheckpointStore, SaveInfo, claim_generation
+from caffe2ckpt.commit import CommitRecord, new_save_id
 from caffe2ckpt.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -118,9 +117,11 @@ class StepCheckpointManager:
         self._background = BackgroundSaves() if self.options.enable_async_checkpointing else None
         self._pending: tuple[int, dict[str, float]] | None = None
         self._claim: str | None = None
+        self._parent: tuple[int, int] | None = None  # the step this manager's run started from
         self._last_save_time: float | None = None
         self._protected: set[int] = set()
         self._steps: dict[int, Step] = {}
+        self._superseded: dict[int, Step] = {}
         if metadata is not None:
             self._write_root_metadata(dict(metadata))
         self.reload()
@@ -134,8 +135,12 @@ class StepCheckpointManager:
         return self._store.location.url
 
     def reload(self) -> None:
-        """Re-read the commit records (the prefix may have changed outside this manager)."""
-        self._steps = scan(self._store, self._nodes).steps
+        """Re-read the commit records (the prefix may have changed outside this manager). Only
+        the steps of the current lineage count: steps a later run superseded (it restored an
+        earlier step and saved from there) are not listed, restored or kept."""
+        found = scan(self._store, self._nodes)
+        self._steps = found.current()
+        self._superseded = {e: found.steps[e] for e in found.superseded}
 
     def all_steps(self, read: bool = False) -> list[int]:
         """Committed steps, oldest first (``read=True`` re-reads the prefix first)."""
@@ -197,10 +202,15 @@ class StepCheckpointManager:
             return False
         self.wait_until_finished()
         values = {str(k): float(v) for k, v in (metrics or {}).items()}
-        if self._claim is None:
+        if self._claim is None:  # this manager's run starts: from the step it restored, else
+            # it continues the lineage below this step
+            if self._parent is None:
+                below = [e for e in self._steps if e < step]
+                self._parent = ((max(below), self._steps[max(below)].generation) if below
+                                else None)
             self._claim = self._store.claim(_writer())
-        info = SaveInfo(save_id=uuid.uuid4().hex, nodes=sorted(blobs), metrics=values,
-                        writer=_writer(), claim=self._claim)
+        info = SaveInfo(save_id=new_save_id(claim_generation(self._claim)), nodes=sorted(blobs),
+                        metrics=values, writer=_writer(), claim=self._claim, parent=self._parent)
         self._owned.update(blobs)
         self._last_save_time = time.monotonic()
         if self._background is None:
@@ -233,18 +243,23 @@ class StepCheckpointManager:
 
     def _committed(self, step: int, records: dict[str, CommitRecord]) -> None:
         self._steps[step] = Step(step, dict(records))
+        if max(self._steps) > step:  # saved below the newest: the lineage changed, re-read it
+            self.reload()
         self._apply_retention()
 
     def _apply_retention(self) -> None:
-        ours = {e: s for e, s in self._steps.items() if s.save_nodes <= self._owned}
+        known = {**self._superseded, **self._steps}
+        ours = {e: s for e, s in known.items() if s.save_nodes <= self._owned}
         keep = retained_epochs(self.options, {e: s.metrics for e, s in ours.items()},
-                               protect=self._protected)
+                               protect=self._protected, superseded=set(self._superseded))
         for epoch in sorted(set(ours) - keep):
             self._delete(epoch)
 
     def _delete(self, step: int) -> None:
-        delete_step(self._store, step, self._steps[step].nodes)
-        del self._steps[step]
+        known = self._steps.get(step) or self._superseded[step]
+        delete_step(self._store, step, known.nodes)
+        self._steps.pop(step, None)
+        self._superseded.pop(step, None)
 
     # -- reading ---------------------------------------------------------------------------------
 
@@ -273,6 +288,8 @@ class StepCheckpointManager:
                     f"step {step} of node {node!r} under {self._store.location.display()!r} has "
                     f"no blobs {missing}")
         self._protected = {info.epoch}
+        if self._claim is None:  # saves from now on continue from this step
+            self._parent = (info.epoch, info.generation)
         return out
 
     def item_metadata(self, step: int) -> dict[str, dict[str, BlobMetadata]]:

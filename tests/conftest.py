@@ -20,7 +20,7 @@ import pytest
 # storage, resume, corruption and fencing sets. Other modules get memory and local prefixes.
 S3_PREFIX_MODULES = frozenset({
     "test_storage", "test_contract", "test_runner", "test_corruption", "test_fencing",
-    "test_hostile", "test_concurrency",
+    "test_hostile", "test_concurrency", "test_lineage",
 })
 
 

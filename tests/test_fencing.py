@@ -36,7 +36,7 @@ def test_an_older_claim_is_fenced_and_commits_nothing(prefix):
     with pytest.raises(CheckpointFencedError, match="newer run") as info:
         old_session.run(old.save(1, claim=old_claim))
     assert "'run': 'new'" in str(info.value)
-    assert old.store.candidate_epochs(["n"]) == []
+    assert old.store.epochs_with_records(["n"]) == []
     new_session.run(new.save(1, claim=new_claim))
     assert new.store.latest_epoch(["n"]) == 1
 

@@ -399,7 +399,7 @@ def test_unstorable_values_are_refused_in_tasks_and_restore(prefix, world, value
     runner = JobRunner(job, cm)
     with pytest.raises(InvalidBlobError, match="'layer/evil'"):
         runner.train(LocalSession())
-    assert cm.store.latest_epoch(["n"]) == 0 and cm.store.candidate_epochs(["n"]) == [0]
+    assert cm.store.latest_epoch(["n"]) == 0 and cm.store.epochs_with_records(["n"]) == [0]
     before = world()
     session = LocalSession()
     session.workspace("n")["ok"] = np.arange(3)

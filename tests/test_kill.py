@@ -200,9 +200,9 @@ def test_sigkill_at_random_instants_loses_nothing(tmp_path, mode, kills):
     # every epoch is committed in both prefixes and holds exactly the reference data
     ref_store = CheckpointStore(Location(str(ref_prefix)))
     store = CheckpointStore(Location(str(prefix)))
-    assert ref_store.candidate_epochs(NODES) == list(range(EPOCHS, -1, -1))
+    assert ref_store.epochs_with_records(NODES) == list(range(EPOCHS, -1, -1))
     assert store.latest_epoch(NODES) == EPOCHS
-    candidates = store.candidate_epochs(NODES)
+    candidates = store.epochs_with_records(NODES)
     uncommitted = [e for e in candidates if store.epoch_records(e, NODES) is None]
     assert not uncommitted, f"epochs with records that do not commit: {uncommitted}"
     assert sorted(candidates) == list(range(EPOCHS + 1)), f"committed epochs: {candidates}"

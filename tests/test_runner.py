@@ -22,6 +22,8 @@ from caffe2ckpt.commit import list_records, read_record
 from caffe2ckpt.example import InjectedFailure, build_job
 from caffe2ckpt.metadata import ZarrMetadataHandler
 
+NODES = ["trainer_0", "trainer_1"]
+
 
 def workspaces(session: LocalSession, nodes=("trainer_0", "trainer_1")) -> dict:
     return {n: {k: (v.dtype.str, v.shape, v.tobytes()) for k, v in session.workspace(n).items()}
@@ -141,11 +143,26 @@ def test_metadata_handler_call_sequence(prefix):
                                  ("report", "checkpoint_load", 2)]
 
 
-def test_no_handler_means_fresh_start(prefix):
+def test_resume_is_the_default(prefix):
+    """A re-run with a plain manager resumes from the records and re-saves nothing."""
     run(prefix, 2)
+    store = MultiNodeCheckpointManager(prefix).store
+    before = {r.filename for r in list_records(store.location)}
     runner = JobRunner(build_job(2), MultiNodeCheckpointManager(prefix))
     assert runner.train(LocalSession()) == 2
+    assert runner.resumed_from == 2 and runner.saved_epochs == []
+    assert {r.filename for r in list_records(store.location)} == before
+
+
+def test_auto_resume_off_is_caffe2s_fresh_start_and_supersedes(prefix):
+    run(prefix, 4)
+    cm = MultiNodeCheckpointManager(prefix, auto_resume=False)
+    runner = JobRunner(build_job(2), cm)
+    assert runner.train(LocalSession()) == 2
     assert runner.resumed_from is None
+    # the old run's epochs 3 and 4 are superseded: the next automatic resume takes the new 2
+    assert cm.store.latest_epoch(NODES) == 2
+    assert JobRunner(build_job(2), MultiNodeCheckpointManager(prefix)).train(LocalSession()) == 2
 
 
 def test_epoch_limiter_counts_and_places_tasks():

@@ -56,10 +56,12 @@ def test_records_are_created_exclusively_on_s3(s3):
 _MOVES = ("mv", "_mv", "copy", "_copy", "cp_file", "_cp_file", "rename", "move", "_move")
 
 
-def test_saving_and_committing_issue_no_rename_or_copy_on_s3(s3, monkeypatch):
-    """A whole job (first saves of epochs 0..3, their commits, claims, a resume and loads) calls
-    no rename, move or copy of s3fs (each patched to fail), and every one of its writes is a
-    plain PUT of a new object."""
+def test_saves_on_s3_write_aside_and_never_overwrite_a_group(s3, monkeypatch):
+    """A whole job (saves of epochs 0..3, their commits, claims, a resume and loads) calls no
+    rename, move or copy of s3fs (each patched to fail): each group is written under _staging/
+    and copied into place through the client, where every write is an exclusive create (a PUT
+    with If-None-Match), so no object a commit record may name is ever overwritten, and only
+    staged copies are deleted."""
     options, bucket = s3
     for name in _MOVES:
         if hasattr(s3fs.S3FileSystem, name):
@@ -74,8 +76,10 @@ def test_saving_and_committing_issue_no_rename_or_copy_on_s3(s3, monkeypatch):
     writes = counter.ops("write")
     assert {m for m, _p in writes} <= {"pipe_file", "open(xb)", "makedirs"}, writes
     assert any(m == "open(xb)" and "/_commits/" in p for m, p in writes)
-    assert counter.ops("delete") == []  # a first save replaces nothing
-    puts = [p for m, p in writes if m == "pipe_file"]
+    in_place = [(m, p) for m, p in writes if m != "makedirs" and "/_staging/" not in p]
+    assert in_place and all(m == "open(xb)" for m, _p in in_place), in_place
+    assert all("/_staging/" in p for _m, p in counter.ops("delete")), counter.ops("delete")
+    puts = [p for m, p in writes if m != "makedirs"]
     assert len(puts) == len(set(puts)), "an object was written twice"
     assert manager(options, url).store.latest_epoch(NODES) == 3
 

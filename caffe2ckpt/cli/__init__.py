@@ -81,9 +81,10 @@ examples:
 
 {EXIT_CODES}""",
     "ls": """\
-One row per epoch: committed (every node of its save has a commit record), partial
-(some records are missing: not committed) or "damaged record" (a record that cannot be
-read). Leftovers are data no record references (interrupted saves); `gc` removes them.
+One row per epoch: committed (every node of its save has a commit record), superseded
+(committed, but a later run resumed from an earlier epoch and went on from there: never a
+resume point; retention deletes it), partial (some records are missing: not committed) or
+"damaged record" (a record that cannot be read). Leftovers are data no record references (interrupted saves); `gc` removes them.
 
 examples:
   caffe2ckpt ls checkpoints/regression

@@ -187,7 +187,9 @@ def cmd_ls(ctx: Context, args: argparse.Namespace) -> tuple[Document, int]:
     for step in found.steps.values():
         records = [step.records[n] for n in step.nodes]
         rows.append({
-            "epoch": step.epoch, "state": "committed", "nodes": step.nodes, "missing_nodes": [],
+            "epoch": step.epoch,
+            "state": "superseded" if step.epoch in found.superseded else "committed",
+            "nodes": step.nodes, "missing_nodes": [],
             "bytes": step.nbytes, "node_bytes": {r.node: r.nbytes for r in records},
             "blobs": sum(r.blob_count for r in records), "metrics": json_metrics(step.metrics),
             "created": step.created, "created_utc": utc(step.created),
@@ -215,13 +217,13 @@ def cmd_ls(ctx: Context, args: argparse.Namespace) -> tuple[Document, int]:
                      "missing_nodes": [], "bytes": 0, "node_bytes": {}, "blobs": 0,
                      "metrics": {}, "created": None, "created_utc": None, "writer": {},
                      "stop": False, "save_ids": [save_id], "error": message})
-    order = {"committed": 0, "partial": 1, "damaged record": 2}
+    order = {"committed": 0, "superseded": 0, "partial": 1, "damaged record": 2}
     rows.sort(key=lambda r: (r["epoch"], order[r["state"]]))
     items = find_leftovers(store, min_age=0, found=found)
     leftovers = [leftover_doc(location, x) for x in items
                  if x.kind != "partial save"]  # partial saves are rows above
     doc = {"prefix": location.display(), "epochs": rows, "leftovers": leftovers,
-           "committed_epochs": found.epochs()}
+           "committed_epochs": found.epochs(), "superseded_epochs": sorted(found.superseded)}
     return doc, EXIT_OK
 
 
@@ -281,9 +283,10 @@ def check_node(store: CheckpointStore, node: str, epoch: int, progress: Progress
 
 
 def newest_epoch(store: CheckpointStore, found: PrefixScan) -> int:
-    if not found.steps:
+    """The newest epoch of the current lineage (never a superseded one)."""
+    if not found.current():
         raise CLIError(f"no committed epoch under {store.location.display()!r}", EXIT_NOT_FOUND)
-    return max(found.steps)
+    return max(found.current())
 
 
 def cmd_show(ctx: Context, args: argparse.Namespace) -> tuple[Document, int]:

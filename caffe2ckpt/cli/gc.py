@@ -49,11 +49,12 @@ def retention_options(args: argparse.Namespace) -> StepManagerOptions:
         raise CLIError(str(exc), EXIT_USAGE) from exc
 
 
-def keep_reasons(args: argparse.Namespace, metrics: dict[int, dict[str, float]]
-                 ) -> dict[int, list[str]]:
-    """Why each epoch is kept, rule by rule (the same pure function retention uses)."""
-    epochs = sorted(metrics)
-    reasons: dict[int, list[str]] = {e: [] for e in epochs}
+def keep_reasons(args: argparse.Namespace, metrics: dict[int, dict[str, float]],
+                 superseded: frozenset[int]) -> dict[int, list[str]]:
+    """Why each epoch is kept, rule by rule (the same pure function retention uses); the
+    rules rank the current lineage only, never a superseded epoch."""
+    reasons: dict[int, list[str]] = {e: [] for e in metrics}
+    epochs = sorted(set(metrics) - superseded)
     if not epochs:
         return reasons
     reasons[epochs[-1]].append("newest")
@@ -69,7 +70,8 @@ def keep_reasons(args: argparse.Namespace, metrics: dict[int, dict[str, float]]
             keep_checkpoints_without_metrics=False)))
     for label, options in rules:
         # the newest epoch is in every rule's set; it is labelled by the simple rules only
-        for epoch in sorted(retained_epochs(options, metrics) - {epochs[-1]}):
+        for epoch in sorted(retained_epochs(options, metrics, superseded=superseded)
+                            - {epochs[-1]}):
             reasons[epoch].append(label)
     if args.keep_last:
         reasons[epochs[-1]].append(f"last {args.keep_last}")
@@ -80,7 +82,7 @@ def keep_reasons(args: argparse.Namespace, metrics: dict[int, dict[str, float]]
             if not metrics[epoch]:
                 reasons[epoch].append("has no metrics")
     if not rules:
-        for epoch in epochs:
+        for epoch in metrics:
             reasons[epoch].append("no --keep-* option given")
     return reasons
 
@@ -114,8 +116,9 @@ def cmd_gc(ctx: Context, args: argparse.Namespace) -> tuple[Document, int]:
         raise CLIError(f"metric {args.metric!r} is in no committed epoch's metrics under "
                        f"{location.display()!r} (metrics found: {', '.join(names) or 'none'})",
                        EXIT_USAGE)
-    keep = retained_epochs(options, metrics)
-    reasons = keep_reasons(args, metrics)
+    superseded = found.superseded & set(managed)
+    keep = retained_epochs(options, metrics, superseded=superseded)
+    reasons = keep_reasons(args, metrics, superseded)
     for epoch in sorted(set(managed) - keep):
         if epoch in shared:  # deleting part of a save would uncommit the other nodes' epoch
             keep.add(epoch)

@@ -125,9 +125,12 @@ def plural(n: int, word: str, many: str | None = None) -> str:
 
 def render_ls(doc: dict[str, Any]) -> str:
     epochs = doc["epochs"]
-    committed = [e for e in epochs if e["state"] == "committed"]
+    committed = [e for e in epochs if e["state"] in ("committed", "superseded")]
+    current = [e for e in committed if e["state"] == "committed"]
+    superseded = len(committed) - len(current)
     out = [f"{doc['prefix']}: {plural(len(committed), 'committed epoch')}"
-           + (f", newest {committed[-1]['epoch']}" if committed else "")
+           + (f" ({superseded} superseded)" if superseded else "")
+           + (f", newest {current[-1]['epoch']}" if current else "")
            + f", {human_bytes(sum(e['bytes'] for e in committed))} committed"]
     rows = []
     for e in epochs:

@@ -45,8 +45,8 @@ from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRun
 from prefect.context import SyncClientContext
 from prefect.runtime import flow_run
 
-from caffe2ckpt.commit import CommitRecord, list_records, read_record
-from caffe2ckpt.errors import CheckpointError
+from caffe2ckpt.catalog import scan
+from caffe2ckpt.commit import CommitRecord
 from caffe2ckpt.naming import db_name
 from caffe2ckpt.session import RunEvent
 
@@ -57,6 +57,7 @@ logger = logging.getLogger(__name__)
 
 COLUMNS = ["epoch", "status", "nodes", "bytes", "seconds", "MB/s", "attempt", "url"]
 METRICS_AFTER = "status"  # metric columns go right after this one
+_SUPERSEDED = "superseded (a later run went back to an earlier epoch)"
 _UPLOAD_SHARE = 0.1  # throttled uploads wait 1 / share x the last one's duration, at least
 
 
@@ -174,6 +175,10 @@ class CheckpointArtifacts:
                    if event.kind == "saved" else _failed_row(event.epoch, event.error))
             with self._lock:
                 self._rows[event.epoch] = row
+                if event.kind == "saved":  # this run went on from an earlier epoch: rows of
+                    for epoch in self._rows:  # later epochs belong to a superseded run
+                        if epoch > event.epoch and self._rows[epoch]["status"] == "committed":
+                            self._rows[epoch] = self._rows[epoch] | {"status": _SUPERSEDED}
             self._changed(event, urgent=event.kind == "save_failed")
         elif event.kind == "deleted":  # retention removed it: keep the row (and its metrics)
             with self._lock:
@@ -263,17 +268,12 @@ class CheckpointArtifacts:
         return db_name(epoch, "*", cm.url) if cm is not None else ""
 
     def _committed_rows(self, cm: Any) -> dict[int, dict[str, Any]]:
-        """Rows for every epoch committed under the prefix for the job's nodes (records only)."""
-        location, nodes = cm.store.location, cm.file_nodes()
-        by_epoch: dict[int, dict[str, CommitRecord]] = {}
-        for ref in list_records(location):
-            if ref.node in nodes:
-                try:
-                    by_epoch.setdefault(ref.epoch, {})[ref.node] = read_record(location, ref)
-                except CheckpointError:
-                    continue
-        return {e: checkpoint_row(e, recs, self._url(cm, e)) for e, recs in sorted(by_epoch.items())
-                if set(recs) == set(nodes)}
+        """Rows for every epoch committed under the prefix for the job's nodes (records only,
+        as :func:`caffe2ckpt.catalog.scan` defines them; superseded epochs say so)."""
+        found = scan(cm.store, cm.file_nodes())
+        return {e: checkpoint_row(e, step.records, self._url(cm, e))
+                | ({"status": _SUPERSEDED} if e in found.superseded else {})
+                for e, step in sorted(found.steps.items())}
 
     # -- one artifact per key per flow run -----------------------------------------------------
 
