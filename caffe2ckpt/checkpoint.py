@@ -19,7 +19,7 @@ claim appears; its saves check the claim just before committing and raise
 An epoch is committed for a set of nodes when every node has a record whose save id matches its
 group's manifest and all those records share one save id (they were saved together).
 
-Imports: errors, location, naming, storage, commit. Not prefect.
+Imports: errors, location, naming, storage, commit, strictjson. Not prefect.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from caffe2ckpt import strictjson
 from caffe2ckpt.commit import (
     CommitRecord,
     RecordRef,
@@ -196,8 +197,9 @@ class CheckpointStore:
         newest = max(self._claims(), default=claim)
         if newest > claim:
             try:
-                who = json.loads(self.location.read_bytes(self.location.path(CLAIMS_DIR, newest)))
-            except (CheckpointNotFoundError, ValueError):
+                who = strictjson.loads(self.location.read_bytes(
+                    self.location.path(CLAIMS_DIR, newest), limit=strictjson.MAX_BYTES))
+            except (CheckpointNotFoundError, ValueError):  # only shown: any damage is fine
                 who = {}
             raise CheckpointFencedError(
                 f"a newer run took over checkpoint prefix {self.location.display()!r} "
@@ -211,12 +213,18 @@ class CheckpointStore:
 
     def _group_json(self, node: str, epoch: int) -> bytes:
         try:
-            return self.location.read_bytes(f"{self.group_path(node, epoch)}/zarr.json")
+            return self.location.read_bytes(f"{self.group_path(node, epoch)}/zarr.json",
+                                            limit=strictjson.MAX_BYTES)
         except CheckpointNotFoundError as exc:
             raise CheckpointCorruptedError(
                 f"checkpoint {self._where(node, epoch)!r} (node {node!r}, epoch {epoch}) is "
                 "committed but its group metadata is missing", node=node, epoch=epoch,
                 blob="zarr.json",
+            ) from exc
+        except ValueError as exc:  # too large, not a regular file, or through a symlink
+            raise CheckpointCorruptedError(
+                f"checkpoint {self._where(node, epoch)!r} (node {node!r}, epoch {epoch}): its "
+                f"group metadata is unreadable: {exc}", node=node, epoch=epoch, blob="zarr.json",
             ) from exc
 
     def node_record(self, node: str, epoch: int, refs: list[RecordRef] | None = None) -> CommitRecord:
@@ -277,6 +285,12 @@ class CheckpointStore:
         manifest = self._checked_manifest(node, epoch, record, raw)
         path = self.group_path(node, epoch)
         files = manifest.metadata_files()
+        if manifest.nbytes != record.nbytes:  # before anything is allocated for the blobs
+            raise CheckpointCorruptedError(
+                f"checkpoint {self._where(node, epoch)!r} (node {node!r}, epoch {epoch}): its "
+                f"manifest claims {manifest.nbytes} bytes of blobs, its commit record "
+                f"{record.nbytes}", node=node, epoch=epoch, blob="zarr.json",
+            )
         if set(files) != set(record.metadata):
             raise CheckpointCorruptedError(
                 f"checkpoint {self._where(node, epoch)!r} (node {node!r}, epoch {epoch}): its "
