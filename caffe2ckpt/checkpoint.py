@@ -21,7 +21,7 @@ What counts as committed, and which committed epoch a job resumes from (the line
 defined once in :mod:`caffe2ckpt.lineage`; a committed epoch is *usable* when, besides, the
 group metadata stored for each node is the one its record names.
 
-Imports: errors, location, naming, storage, commit. Not prefect.
+Imports: errors, location, naming, storage, commit, strictjson. Not prefect.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from caffe2ckpt import strictjson
 from caffe2ckpt.commit import (
     CommitRecord,
     RecordRef,
@@ -236,8 +237,9 @@ class CheckpointStore:
         newest = max(self._claims(), default=claim)
         if newest > claim:
             try:
-                who = json.loads(self.location.read_bytes(self.location.path(CLAIMS_DIR, newest)))
-            except (CheckpointNotFoundError, ValueError):
+                who = strictjson.loads(self.location.read_bytes(
+                    self.location.path(CLAIMS_DIR, newest), limit=strictjson.MAX_BYTES))
+            except (CheckpointNotFoundError, ValueError):  # only shown: any damage is fine
                 who = {}
             raise CheckpointFencedError(
                 f"a newer run took over checkpoint prefix {self.location.display()!r} "
@@ -251,12 +253,18 @@ class CheckpointStore:
 
     def _group_json(self, node: str, epoch: int) -> bytes:
         try:
-            return self.location.read_bytes(f"{self.group_path(node, epoch)}/zarr.json")
+            return self.location.read_bytes(f"{self.group_path(node, epoch)}/zarr.json",
+                                            limit=strictjson.MAX_BYTES)
         except CheckpointNotFoundError as exc:
             raise CheckpointCorruptedError(
                 f"checkpoint {self._where(node, epoch)!r} (node {node!r}, epoch {epoch}) is "
                 "committed but its group metadata is missing", node=node, epoch=epoch,
                 blob="zarr.json",
+            ) from exc
+        except ValueError as exc:  # too large, not a regular file, or through a symlink
+            raise CheckpointCorruptedError(
+                f"checkpoint {self._where(node, epoch)!r} (node {node!r}, epoch {epoch}): its "
+                f"group metadata is unreadable: {exc}", node=node, epoch=epoch, blob="zarr.json",
             ) from exc
 
     def node_record(self, node: str, epoch: int, refs: list[RecordRef] | None = None) -> CommitRecord:
@@ -317,6 +325,12 @@ class CheckpointStore:
         manifest = self._checked_manifest(node, epoch, record, raw)
         path = self.group_path(node, epoch)
         files = manifest.metadata_files()
+        if manifest.nbytes != record.nbytes:  # before anything is allocated for the blobs
+            raise CheckpointCorruptedError(
+                f"checkpoint {self._where(node, epoch)!r} (node {node!r}, epoch {epoch}): its "
+                f"manifest claims {manifest.nbytes} bytes of blobs, its commit record "
+                f"{record.nbytes}", node=node, epoch=epoch, blob="zarr.json",
+            )
         if set(files) != set(record.metadata):
             raise CheckpointCorruptedError(
                 f"checkpoint {self._where(node, epoch)!r} (node {node!r}, epoch {epoch}): its "

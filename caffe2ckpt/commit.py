@@ -16,7 +16,12 @@ lineage of runs (:mod:`caffe2ckpt.lineage`) can be ordered from a listing alone.
 also says which committed save its run started from (``parent``: epoch and generation, or
 None for a fresh start). Save ids of another form (records of format 1) are generation 0.
 
-Imports: errors, location, naming. Not zarr, not prefect.
+Reading is strict (:mod:`caffe2ckpt.strictjson`, and every field's type and range checked): a
+damaged or crafted record — deeply nested, ``NaN``, a 400-digit number, a huge file — is
+:class:`CheckpointCorruptedError` for its own node and epoch, so listings skip it and a resume
+falls back past it.
+
+Imports: errors, location, naming, strictjson. Not zarr, not prefect.
 """
 
 from __future__ import annotations
@@ -29,9 +34,10 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from caffe2ckpt.errors import CheckpointCorruptedError
+from caffe2ckpt import strictjson
+from caffe2ckpt.errors import CheckpointCorruptedError, CheckpointWriteError
 from caffe2ckpt.location import Location
-from caffe2ckpt.naming import COMMITS_DIR
+from caffe2ckpt.naming import COMMITS_DIR, MAX_EPOCH
 
 __all__ = ["CommitRecord", "RecordRef", "delete_record", "list_records", "new_save_id",
            "read_record", "save_generation", "write_record"]
@@ -121,6 +127,7 @@ class CommitRecord:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CommitRecord:
+        """Parse and validate a record (raises ValueError, TypeError or KeyError)."""
         version = data.get("format")
         if type(version) is not int or version not in _READABLE_FORMATS:
             raise ValueError(f"unknown record format {version!r}")
@@ -131,22 +138,49 @@ class CommitRecord:
                 raise ValueError(f"bad parent {parent!r}")
             parent = (parent[0], parent[1])
         return cls(
-            epoch=int(data["epoch"]),
+            epoch=_number(data, "epoch", int, MAX_EPOCH),
             node=str(data["node"]),
             save_id=str(data["save_id"]),
             nodes=[str(n) for n in data["nodes"]],
-            nbytes=int(data["nbytes"]),
-            blob_count=int(data["blob_count"]),
-            seconds=float(data["seconds"]),
-            stop=bool(data["stop"]),
+            nbytes=_number(data, "nbytes", int, _MAX_COUNT),
+            blob_count=_number(data, "blob_count", int, _MAX_COUNT),
+            seconds=float(_number(data, "seconds", float, _MAX_TIME)),
+            stop=_bool(data["stop"]),
             stop_conditions=[str(k) for k in data["stop_conditions"]],
-            metrics={str(k): float(v) for k, v in data["metrics"].items()},
+            metrics={str(k): _metric(v) for k, v in data["metrics"].items()},
             metadata={str(k): str(v) for k, v in data["metadata"].items()},
             writer=dict(data["writer"]),
-            created=float(data["created"]),
+            created=float(_number(data, "created", float, _MAX_TIME)),
             parent=parent,
             format=version,
         )
+
+
+_MAX_COUNT = 2**63 - 1
+_MAX_TIME = 253402300799  # 9999-12-31T23:59:59Z: the last second datetime can show
+
+
+def _number(data: dict[str, Any], key: str, kind: type, high: int) -> int | float:
+    """``data[key]`` if it is a number of ``kind`` (an int also counts as a float, a bool as
+    neither) in ``[0, high]``: later arithmetic and ``datetime`` must not overflow on it."""
+    value = data[key]
+    kinds = (int,) if kind is int else (int, float)
+    if type(value) not in kinds or not 0 <= value <= high:
+        raise ValueError(f"{key} must be {kind.__name__} from 0 to {high}, got {value!r:.40}")
+    return value
+
+
+def _bool(value: Any) -> bool:
+    if type(value) is not bool:
+        raise ValueError(f"stop must be true or false, got {value!r:.40}")
+    return value
+
+
+def _metric(value: Any) -> float:
+    """A metric: a finite number, or one of the strings ``to_dict`` writes for the others."""
+    if type(value) in (int, float, bool) or value in ("nan", "inf", "-inf"):
+        return float(value)
+    raise ValueError(f"a metric must be a number, 'nan', 'inf' or '-inf', got {value!r:.40}")
 
 
 def _path(location: Location, ref: RecordRef) -> str:
@@ -160,6 +194,10 @@ def write_record(location: Location, record: CommitRecord) -> None:
         FileExistsError: a record with the same epoch, node and save id exists already.
     """
     data = json.dumps(record.to_dict(), sort_keys=True, allow_nan=False).encode("utf-8")
+    try:
+        strictjson.check_size(data, f"commit record {record.ref.filename!r}")
+    except ValueError as exc:  # readers would refuse it: never commit what cannot be read
+        raise CheckpointWriteError(f"{location.display(COMMITS_DIR)}: {exc}") from exc
     location.create_exclusive(_path(location, record.ref), data)
 
 
@@ -177,9 +215,9 @@ def read_record(location: Location, ref: RecordRef) -> CommitRecord:
         CheckpointCorruptedError: it is not a valid record for ``ref`` (garbage, truncated, or
             its content disagrees with its name).
     """
-    raw = location.read_bytes(_path(location, ref))
     try:
-        record = CommitRecord.from_dict(json.loads(raw))
+        raw = location.read_bytes(_path(location, ref), limit=strictjson.MAX_BYTES)
+        record = CommitRecord.from_dict(strictjson.loads(raw))
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CheckpointCorruptedError(
             f"commit record {location.display(COMMITS_DIR, ref.filename)!r} is unreadable: {exc}",

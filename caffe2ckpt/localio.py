@@ -16,6 +16,11 @@ logical block; :data:`DIRECT_ALIGN` (4 KiB) covers the devices in use. :func:`al
 allocates such destinations. Files must end with a small trailer (a checksum) or an unaligned
 tail, which the buffered read after the direct body picks up.
 
+Opening: files are opened only through :func:`open_regular`, which follows no symlink below the
+checkpoint prefix and accepts only regular files: a FIFO would block the open (or the read)
+forever, and a symlink could lead out of the prefix (its target's content or size must never be
+read or reported). The prefix itself may be reached through symlinks: the user chose it.
+
 The system calls the ``os`` module lacks are loaded with ctypes; each is None where the C
 library does not have it. Imports nothing from caffe2ckpt.
 """
@@ -24,9 +29,12 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import math
 import mmap
 import os
+import posixpath
+import stat
 from typing import Any
 
 import numpy as np
@@ -36,6 +44,7 @@ __all__ = [
     "DIRECT_MIN_BYTES",
     "aligned_empty",
     "fsync_dir",
+    "open_regular",
     "read_into",
     "start_writeback",
     "syncfs",
@@ -47,6 +56,12 @@ DIRECT_MIN_BYTES = 1 << 20  # smaller files: one buffered read, not worth a seco
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _SYNC_FILE_RANGE_WRITE = 2  # <fcntl.h>: start write-out of dirty pages not yet under write-out
 _no_direct_devices: set[int] = set()  # st_dev of filesystems that refused O_DIRECT
+# O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY
+_DIR_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_DIRECTORY
+_KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK:
+          "a block device", stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a directory",
+          stat.S_IFLNK: "a symbolic link (checkpoint files are never read through symlinks)"}
 
 
 def _libc_function(name: str, restype: Any, *argtypes: Any) -> Any:
@@ -122,20 +137,60 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
-def read_into(path: str, out: memoryview, trailer: int) -> bytes:
+def open_regular(path: str, root: str | None = None) -> int:
+    """Open regular file ``path`` for reading, following no symlink in the part of the path
+    below directory ``root`` (default: the file's own directory); return the descriptor.
+
+    Raises:
+        FileNotFoundError: some part of the path does not exist.
+        ValueError: a part of it is a symlink or not a directory, or the file is not a regular
+            file (a FIFO, device, socket, directory). The message names the part, nothing more.
+    """
+    root = posixpath.dirname(path) if root is None else root
+    base = root.rstrip("/") + "/"
+    parts = path[len(base):].split("/") if path.startswith(base) else []
+    if not parts or any(p in ("", ".", "..") for p in parts):
+        raise ValueError(f"{path} is not a file path under {root}")
+    fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for i, name in enumerate(parts):
+            last = i == len(parts) - 1
+            try:
+                child = os.open(name, _FILE_FLAGS if last else _DIR_FLAGS, dir_fd=fd)
+            except OSError as exc:  # ELOOP: a symlink; ENOTDIR: not a directory; ENXIO: socket
+                if exc.errno not in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK, errno.ENXIO):
+                    raise
+                mode = os.lstat(name, dir_fd=fd).st_mode
+                what = _KINDS.get(stat.S_IFMT(mode), "not a directory")
+                raise ValueError(f"{base}{'/'.join(parts[:i + 1])} is {what}") from None
+            os.close(fd)
+            fd = child
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise ValueError(f"{path} is {_KINDS.get(stat.S_IFMT(mode), 'not a regular file')}, "
+                             "not a regular file")
+        os.set_blocking(fd, True)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_into(path: str, out: memoryview, trailer: int, *, root: str | None = None) -> bytes:
     """Read local file ``path``: its first ``len(out)`` bytes into ``out``; return the
-    ``trailer`` bytes after them.
+    ``trailer`` bytes after them. ``root``: as for :func:`open_regular`.
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: the file's size is not ``len(out) + trailer``, or it shrank while read.
+        ValueError: the file's size is not ``len(out) + trailer``, or it shrank while read, or
+            it is not a regular file reached without symlinks (:func:`open_regular`).
     """
-    with open(path, "rb", buffering=0) as f:
+    with open(open_regular(path, root), "rb", buffering=0) as f:
         st = os.fstat(f.fileno())
         expected = len(out) + trailer
         if st.st_size != expected:
             raise ValueError(f"{st.st_size} bytes where {expected} were expected")
-        done = _read_direct(path, out, st) if _direct_pays(f.fileno(), out, st) else 0
+        done = _read_direct(f.fileno(), out, st) if _direct_pays(f.fileno(), out, st) else 0
         f.seek(done)
         view = out[done:]
         while view:
@@ -197,13 +252,16 @@ def _mincore_pages(fd: int, size: int) -> int | None:
         _munmap(addr, size)
 
 
-def _read_direct(path: str, out: memoryview, st: os.stat_result) -> int:
-    """Read the largest aligned prefix of ``out`` with O_DIRECT; return how many bytes were read
-    (a multiple of :data:`DIRECT_ALIGN`; 0 when the filesystem refuses direct I/O)."""
+def _read_direct(fd: int, out: memoryview, st: os.stat_result) -> int:
+    """Read the largest aligned prefix of ``out`` from open file ``fd`` with O_DIRECT; return
+    how many bytes were read (a multiple of :data:`DIRECT_ALIGN`; 0 when the filesystem refuses
+    direct I/O). O_DIRECT is set on ``fd`` itself (Linux allows that with F_SETFL) and cleared
+    again: opening the path a second time could reach another file than the checked one."""
     body = len(out) - len(out) % DIRECT_ALIGN
     done = 0
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
     try:
-        fd = os.open(path, os.O_RDONLY | _O_DIRECT)
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | _O_DIRECT)
         try:
             while done < body:
                 n = os.preadv(fd, [out[done:body]], done)
@@ -211,7 +269,7 @@ def _read_direct(path: str, out: memoryview, st: os.stat_result) -> int:
                     break
                 done += n
         finally:
-            os.close(fd)
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags)
     except OSError as exc:
         if exc.errno != errno.EINVAL:
             raise

@@ -20,6 +20,11 @@ which s3fs passes through untranslated) is re-raised naming the prefix: configur
 :class:`InvalidLocationError`, anything else (e.g. ``EndpointConnectionError`` after s3fs's
 retries) as an ``OSError`` (``EIO``), so callers see an I/O failure, not corruption.
 
+Reads: a local file is read only if it is a regular file reached without following a symlink
+below the prefix (:func:`caffe2ckpt.localio.open_regular`); a FIFO, device, socket or symlink
+there is refused as ``ValueError`` naming the file, which callers report as corruption of the
+checkpoint that holds it. Reads of metadata take a size ``limit`` and never read more than that.
+
 This is the only module that turns URLs into filesystems. It does not import zarr or prefect.
 """
 
@@ -139,19 +144,66 @@ class Location:
 
     # -- reads ---------------------------------------------------------------------------------
 
-    def read_bytes(self, path: str) -> bytes:
-        """The content of file ``path``.
+    def read_bytes(self, path: str, *, limit: int | None = None) -> bytes:
+        """The content of file ``path`` (at most ``limit`` bytes are read, if given).
+
+        Local files are read only if they are regular files reached without a symlink below
+        the prefix (see :func:`caffe2ckpt.localio.open_regular`).
 
         Raises:
             CheckpointNotFoundError: there is no such file.
+            ValueError: it is larger than ``limit``, or (locally) not a regular file or reached
+                through a symlink; the message names the file.
         """
         try:
             if self.is_local:
-                with open(path, "rb") as f:
-                    return f.read()
-            return self._guard(self.fs.cat_file, path)
+                with open(localio.open_regular(path, self.root), "rb") as f:
+                    size = os.fstat(f.fileno()).st_size
+                    too_large = limit is not None and size > limit
+                    data = b"" if too_large else f.read(-1 if limit is None else limit + 1)
+            elif limit is None:
+                return self._guard(self.fs.cat_file, path)
+            else:
+                data = self._read_head(path, limit + 1)
+                size = len(data)
         except FileNotFoundError as exc:
             raise CheckpointNotFoundError(f"{path} does not exist") from exc
+        if limit is not None and max(size, len(data)) > limit:
+            raise ValueError(f"{self.display(path)} is larger than the {limit} bytes such a "
+                             "file may have")
+        return data
+
+    def _read_head(self, path: str, count: int) -> bytes:
+        """The first ``count`` bytes of non-local file ``path``, in one ranged GET: an object of
+        any size costs at most ``count`` bytes of memory."""
+        try:
+            return self._guard(self.fs.cat_file, path, start=0, end=count)
+        except FileNotFoundError:
+            raise
+        except OSError:  # S3 refuses any range of an empty object (416): is it empty?
+            if self._guard(self.fs.info, path).get("size") == 0:
+                return b""
+            raise
+
+    def size(self, path: str) -> int | None:
+        """The size of file ``path`` (None if the filesystem does not say), checked like
+        :meth:`read_bytes` checks a file locally.
+
+        Raises:
+            CheckpointNotFoundError: there is no such file.
+            ValueError: (locally) it is not a regular file, or is reached through a symlink.
+        """
+        try:
+            if not self.is_local:
+                size = self._guard(self.fs.info, path).get("size")
+                return None if size is None else int(size)
+            fd = localio.open_regular(path, self.root)
+        except FileNotFoundError as exc:
+            raise CheckpointNotFoundError(f"{path} does not exist") from exc
+        try:
+            return os.fstat(fd).st_size
+        finally:
+            os.close(fd)
 
     def list_names(self, path: str) -> list[str]:
         """Base names of the entries directly under ``path`` ([] if it does not exist)."""
@@ -237,17 +289,21 @@ class Location:
 
         Raises:
             CheckpointNotFoundError: no such file.
-            ValueError: the file's size is not ``len(out) + trailer``.
+            ValueError: the file's size is not ``len(out) + trailer``, or (locally) it is not a
+                regular file reached without a symlink below the prefix.
         """
         if not self.is_local:
             expected = len(out) + trailer
-            data = self.read_bytes(path)
+            try:
+                data = self.read_bytes(path, limit=expected)
+            except ValueError:  # larger: not read whole into memory
+                raise ValueError(f"more than the {expected} bytes expected") from None
             if len(data) != expected:
                 raise ValueError(f"{len(data)} bytes where {expected} were expected")
             out[:] = memoryview(data)[: len(out)]
             return data[len(out):]
         try:
-            return localio.read_into(path, out, trailer)
+            return localio.read_into(path, out, trailer, root=self.root)
         except FileNotFoundError as exc:
             raise CheckpointNotFoundError(f"{path} does not exist") from exc
 

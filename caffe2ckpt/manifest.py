@@ -10,7 +10,10 @@ It is stored as ``attributes["caffe2ckpt"]`` of the node's Zarr group::
 
 Large blobs are listed by name under ``arrays``; small ones are columns under ``packed`` (ten
 thousand tiny blobs must not cost ten thousand JSON objects). Pure data: no I/O, no zarr.
-Parsing validates every entry, so a damaged manifest fails loudly instead of misplacing bytes.
+Parsing validates every entry, so a damaged manifest fails loudly instead of misplacing bytes,
+and every size it claims is one numpy can allocate (each blob at most :data:`MAX_BLOB_BYTES`,
+numpy's number of axes): a crafted claim fails here as ValueError, not later as MemoryError.
+Whether the claimed bytes are really stored is checked by the reader, against the files.
 
 Format 2 stores the last chunk of an array padded to the full chunk shape, as Zarr v3 requires;
 format 1 (still read) stored only its rows, which plain zarr cannot read.
@@ -27,7 +30,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["FORMAT_VERSION", "PACKED_ARRAY", "BlobInfo", "Manifest", "itemsize"]
+__all__ = ["FORMAT_VERSION", "MAX_BLOB_BYTES", "PACKED_ARRAY", "BlobInfo", "Manifest",
+           "itemsize"]
 
 FORMAT_VERSION = 2
 _READABLE_FORMATS = frozenset({1, 2})
@@ -35,6 +39,8 @@ PACKED_ARRAY = "_packed"
 _KINDS = frozenset("biufcSU")
 # an array path is one segment made by naming.blob_path: never "/", never "." or ".."
 _SEGMENT = re.compile(r"[A-Za-z0-9_.%~-]{1,200}")
+MAX_BLOB_BYTES = 2**62  # also bounds each axis: numpy refuses sizes near 2**63
+_MAX_NDIM = 64 if np.lib.NumpyVersion(np.__version__) >= "2.0.0" else 32  # NPY_MAXDIMS
 
 
 @functools.lru_cache(maxsize=256)
@@ -129,17 +135,17 @@ class Manifest:
         if not len(names) == len(dtypes) == len(shapes) == len(offsets):
             raise ValueError("packed columns differ in length")
         fortran = set(columns["fortran"])
-        nbytes, chunk = int(columns["nbytes"]), int(columns["chunk"])
+        nbytes, chunk = _size(columns["nbytes"], "packed nbytes"), _size(columns["chunk"],
+                                                                         "packed chunk")
         if not all(isinstance(n, str) for n in names):
             raise ValueError("packed blob names must be strings")
-        if not all(type(x) is int and x >= 0 for shape in shapes for x in shape):
-            raise ValueError("packed shapes must be lists of non-negative ints")
         sizes = {d: itemsize(d) for d in set(dtypes)}
+        shapes = [_shape(shape, dtype, name) for shape, dtype, name in zip(shapes, dtypes, names)]
         ends = [o + sizes[d] * math.prod(shape) for o, d, shape in zip(offsets, dtypes, shapes)]
         if not all(type(o) is int and o >= 0 for o in offsets) or max(ends, default=0) > nbytes:
             raise ValueError("a packed blob lies outside the packed array")
         orders = ["F" if i in fortran else "C" for i in range(len(names))]
-        packed = list(map(BlobInfo._make, zip(names, dtypes, map(tuple, shapes), orders,
+        packed = list(map(BlobInfo._make, zip(names, dtypes, shapes, orders,
                                                itertools.repeat(None), itertools.repeat(0),
                                                offsets, itertools.repeat(()))))
         if len(set(names)) != len(names) or not set(names).isdisjoint(arrays):
@@ -147,8 +153,8 @@ class Manifest:
         paths = [b.path for b in arrays.values()]
         if len(set(paths)) != len(paths) or PACKED_ARRAY in paths:
             raise ValueError("two arrays share a path")
-        if nbytes and chunk <= 0:
-            raise ValueError("bad packed chunk size")
+        if nbytes and not 0 < chunk <= nbytes:
+            raise ValueError(f"bad packed chunk size {chunk} for {nbytes} bytes")
         packed_crcs = _crcs(columns["crc32c"], math.ceil(nbytes / chunk) if nbytes else 0)
         return cls(node=str(data["node"]), epoch=int(data["epoch"]),
                    save_id=str(data["save_id"]), arrays=arrays, packed=packed,
@@ -171,9 +177,30 @@ def _crcs(values: list[Any], count: int) -> tuple[int, ...]:
     return tuple(values)
 
 
+def _size(value: Any, what: str) -> int:
+    """``value`` if it is an int (not a bool) from 0 to :data:`MAX_BLOB_BYTES`."""
+    if type(value) is not int or not 0 <= value <= MAX_BLOB_BYTES:
+        raise ValueError(f"{what} must be an int from 0 to {MAX_BLOB_BYTES}, got {value!r:.40}")
+    return value
+
+
+def _shape(shape: Any, dtype: str, name: str) -> tuple[int, ...]:
+    """``shape`` as a tuple if numpy can hold such an array of ``dtype``: a list of sizes, at
+    most numpy's number of axes (unicode and byte strings are stored with one more), and at most
+    :data:`MAX_BLOB_BYTES` in all."""
+    extra = np.dtype(dtype).kind in "US" if isinstance(dtype, str) else 0
+    if not isinstance(shape, list) or len(shape) + extra > _MAX_NDIM:
+        raise ValueError(f"blob {name!r:.80}: bad shape {shape!r:.80}")
+    dims = tuple(_size(x, f"blob {name!r:.80}: an axis") for x in shape)
+    if itemsize(dtype) * math.prod(dims) > MAX_BLOB_BYTES:
+        raise ValueError(f"blob {name!r:.80}: shape {dims!r:.80} of {dtype} is more than "
+                         f"{MAX_BLOB_BYTES} bytes")
+    return dims
+
+
 def _array_info(name: str, entry: dict[str, Any]) -> BlobInfo:
-    shape = tuple(int(s) for s in entry["shape"])
-    rows = int(entry["chunk_rows"])
+    shape = _shape(entry["shape"], entry["dtype"], name)
+    rows = _size(entry["chunk_rows"], f"blob {name!r:.80}: chunk_rows")
     crcs = _crcs(entry["crc32c"], math.ceil(shape[0] / rows) if shape and rows > 0 else 0)
     info = BlobInfo(name, entry["dtype"], shape, entry["order"], path=entry["path"],
                     chunk_rows=rows, crcs=crcs)

@@ -14,7 +14,8 @@ Example:
     ...     mgr.all_steps(), mgr.restore(3)["trainer_0"]["w"].tolist()
     ([2, 3], [3, 3, 3])
 
-Imports: errors, naming, location, commit, checkpoint, catalog, policy, background, preemption.
+Imports: errors, naming, location, commit, checkpoint, catalog, policy, background, preemption,
+strictjson.
 """
 
 from __future__ import annotations
@@ -32,12 +33,15 @@ import numpy as np
 
 from caffe2ckpt.background import BackgroundSaves
 from caffe2ckpt.catalog import Step, delete_step, scan
+from caffe2ckpt import strictjson
 from caffe2ckpt.checkpoint import CheckpointStore, SaveInfo, claim_generation
 from caffe2ckpt.commit import CommitRecord, new_save_id
 from caffe2ckpt.errors import (
+    CheckpointCorruptedError,
     CheckpointError,
     CheckpointNotFoundError,
     InvalidLocationError,
+    JobDefinitionError,
 )
 from caffe2ckpt.location import Location
 from caffe2ckpt.naming import ROOT_METADATA, check_epoch, check_node_name
@@ -315,20 +319,33 @@ class StepCheckpointManager:
         return self._step(step).metrics or None
 
     def _write_root_metadata(self, custom: dict[str, Any]) -> None:
-        data = json.dumps(custom, sort_keys=True, default=str).encode()
+        try:  # stored as strict JSON (no NaN), of a size readers accept
+            data = strictjson.check_size(json.dumps(custom, sort_keys=True, default=str,
+                                                    allow_nan=False).encode(), "root metadata")
+        except ValueError as exc:
+            raise JobDefinitionError(f"cannot store root metadata {custom!r:.200}: {exc}") from exc
         try:
             self._store.location.create_exclusive(self._store.location.path(ROOT_METADATA), data)
         except FileExistsError:
-            if self._read_root_metadata() != json.loads(data):
+            try:
+                stored = self._read_root_metadata()
+            except CheckpointCorruptedError:
+                stored = None
+            if stored != json.loads(data):
                 logger.warning("%s already has other root metadata; keeping it",
                                self._store.location.display(ROOT_METADATA))
 
     def _read_root_metadata(self) -> dict[str, Any]:
+        location = self._store.location
         try:
-            return json.loads(self._store.location.read_bytes(
-                self._store.location.path(ROOT_METADATA)))
+            return strictjson.loads(location.read_bytes(location.path(ROOT_METADATA),
+                                                        limit=strictjson.MAX_BYTES))
         except CheckpointNotFoundError:
             return {}
+        except ValueError as exc:
+            raise CheckpointCorruptedError(
+                f"root metadata {location.display(ROOT_METADATA)!r} is unreadable: {exc}",
+                blob=ROOT_METADATA) from exc
 
     # -- deleting, waiting, closing --------------------------------------------------------------
 

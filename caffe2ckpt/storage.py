@@ -20,7 +20,8 @@ Zarr itself writes the array metadata (one template per dtype); the chunks are w
 here directly, because Zarr's pipeline copies every chunk once more on the way out (to append the
 checksum) and twice on the way in. Reads go straight into the destination array and verify
 every checksum and file size; any mismatch raises :class:`CheckpointCorruptedError` naming node,
-epoch and blob.
+epoch and blob. Before a large read every chunk file's size is checked against the manifest, so
+a manifest claiming more bytes than are stored is corruption, not a ``MemoryError``.
 
 Numeric arrays are stored little-endian (big-endian ones are byte-swapped and swapped back);
 unicode (``U``) and byte-string (``S``) arrays are stored as their code units (uint32 / uint8)
@@ -35,14 +36,15 @@ import json
 import math
 import posixpath
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Any
+from typing import Any, NamedTuple
 
 import google_crc32c
 import numpy as np
 import zarr
 from zarr.codecs import Crc32cCodec
 
-from caffe2ckpt.errors import CheckpointCorruptedError, CheckpointNotFoundError
+from caffe2ckpt import strictjson
+from caffe2ckpt.errors import CheckpointCorruptedError, CheckpointNotFoundError, InvalidBlobError
 from caffe2ckpt.localio import DIRECT_ALIGN, aligned_empty
 from caffe2ckpt.location import Location
 from caffe2ckpt.manifest import PACKED_ARRAY, BlobInfo, Manifest
@@ -53,6 +55,9 @@ __all__ = ["ATTRS_KEY", "DEFAULT_PACK_THRESHOLD", "parse_manifest", "read_node",
 ATTRS_KEY = "caffe2ckpt"
 DEFAULT_PACK_THRESHOLD = 64 * 1024
 CHUNK_BYTES = 16 * 1024 * 1024
+# A read of more than this checks every chunk file's size before allocating its destination;
+# smaller allocations are harmless, and each file's size is checked as it is read anyway.
+_PRECHECK_BYTES = 64 * 1024 * 1024
 _ALIGN = 64
 _CRC = 4
 
@@ -270,7 +275,12 @@ def write_node(
                         packed_crcs=tuple(crcs.get(PACKED_ARRAY, ())))
     group = {"attributes": {ATTRS_KEY: manifest.to_dict()}, "zarr_format": 3,
              "node_type": "group"}
-    writer.finish(json.dumps(group, separators=(",", ":")).encode())
+    try:
+        data = strictjson.check_size(json.dumps(group, separators=(",", ":")).encode(),
+                                     f"the manifest of node {node!r} epoch {epoch}")
+    except ValueError as exc:  # readers would refuse it: never write what cannot be read
+        raise InvalidBlobError(f"{exc} (too many blobs, or too long names)") from exc
+    writer.finish(data)
     return manifest, writer.digests
 
 
@@ -285,13 +295,13 @@ def _pack(infos: list[BlobInfo], arrays: list[np.ndarray], nbytes: int) -> np.nd
 
 
 def parse_manifest(raw: bytes, where: str, *, node: str, epoch: int) -> Manifest:
-    """Parse a group's ``zarr.json`` into its manifest.
+    """Parse a group's ``zarr.json`` into its manifest (strictly: :mod:`caffe2ckpt.strictjson`).
 
     Raises:
         CheckpointCorruptedError: it is not a valid caffe2ckpt manifest.
     """
     try:
-        return Manifest.from_dict(json.loads(raw)["attributes"][ATTRS_KEY])
+        return Manifest.from_dict(strictjson.loads(raw)["attributes"][ATTRS_KEY])
     except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
         raise CheckpointCorruptedError(
             f"checkpoint {where!r} (node {node!r}, epoch {epoch}): group metadata is "
@@ -316,24 +326,24 @@ def read_node(
     blobs = manifest.blobs
     wanted = [blobs[n] for n in (blobs if names is None else names) if n in blobs]
     where = f"checkpoint {location.display(path)!r} (node {manifest.node!r}, epoch {manifest.epoch})"
-    # (blob, chunk path, destination, bytes of padding after it, crc)
-    reads: list[tuple[str, str, np.ndarray, int, int]] = []
+    with_packed = manifest.packed_nbytes and any(info.path is None for info in wanted)
+    spans = _spans(manifest, path, [info for info in wanted if info.path is not None],
+                   bool(with_packed))
+    if sum(span.file_bytes for span in spans) >= _PRECHECK_BYTES:
+        _wait_all([_pool().submit(_check_size, location, manifest, where, span)
+                   for span in spans])
     arrays: dict[str, np.ndarray] = {}
+    flats: dict[str, np.ndarray] = {}  # destination bytes by array path
     for info in wanted:
         if info.path is not None:
             dtype, shape = _stored_spec(info)
             arrays[info.name] = data = aligned_empty(shape, dtype)
-            flat = data.reshape(shape[0], -1).view(np.uint8)
-            chunks = _chunks(shape, info.chunk_rows, flat.shape[1], manifest.padded_edges)
-            for (key, rows, padding), crc in zip(chunks, info.crcs):
-                reads.append((info.name, f"{path}/{info.path}/{key}", flat[rows], padding, crc))
-    packed = aligned_empty((manifest.packed_nbytes,), np.dtype(np.uint8))
-    if manifest.packed_nbytes and any(info.path is None for info in wanted):
-        chunks = _chunks((manifest.packed_nbytes,), manifest.packed_chunk, 1,
-                         manifest.padded_edges)
-        for (key, rows, padding), crc in zip(chunks, manifest.packed_crcs):
-            reads.append((PACKED_ARRAY, f"{path}/{PACKED_ARRAY}/{key}", packed[rows], padding,
-                          crc))
+            flats[info.path] = data.reshape(shape[0], -1).view(np.uint8)
+    flats[PACKED_ARRAY] = packed = aligned_empty(
+        (manifest.packed_nbytes if with_packed else 0,), np.dtype(np.uint8))
+    # (blob, chunk path, destination, bytes of padding after it, crc)
+    reads = [(span.blob, span.chunk, flats[span.array][span.rows], span.padding, span.crc)
+             for span in spans]
     owners = manifest.metadata_files()
     reads.sort(key=lambda read: -read[2].nbytes)  # largest first: the disk is busy from the start
     _wait_all([*(_pool().submit(_read_chunk, location, manifest, where, *read) for read in reads),
@@ -350,6 +360,59 @@ def read_node(
     return out
 
 
+class _Span(NamedTuple):
+    """One chunk file to read: whose it is, where, which rows of the destination, and what the
+    file must hold (the rows' bytes, then ``padding`` bytes, then the CRC32C)."""
+
+    blob: str  # the blob's name, or PACKED_ARRAY
+    array: str  # its array's path in the group (unique, unlike names: a blob may be "_packed")
+    chunk: str
+    rows: slice
+    padding: int
+    crc: int
+    row_bytes: int
+
+    @property
+    def file_bytes(self) -> int:
+        return (self.rows.stop - self.rows.start) * self.row_bytes + self.padding + _CRC
+
+
+def _spans(manifest: Manifest, path: str, infos: list[BlobInfo], packed: bool) -> list[_Span]:
+    """The chunk files holding blobs ``infos`` (and the packed array, if ``packed``)."""
+    spans = []
+    for info in infos:
+        dtype, shape = _stored_spec(info)
+        row_bytes = dtype.itemsize * math.prod(shape[1:])
+        chunks = _chunks(shape, info.chunk_rows, row_bytes, manifest.padded_edges)
+        spans += [_Span(info.name, info.path, f"{path}/{info.path}/{key}", rows, padding, crc,
+                        row_bytes)
+                  for (key, rows, padding), crc in zip(chunks, info.crcs)]
+    if packed:
+        chunks = _chunks((manifest.packed_nbytes,), manifest.packed_chunk, 1,
+                         manifest.padded_edges)
+        spans += [_Span(PACKED_ARRAY, PACKED_ARRAY, f"{path}/{PACKED_ARRAY}/{key}", rows,
+                        padding, crc, 1)
+                  for (key, rows, padding), crc in zip(chunks, manifest.packed_crcs)]
+    return spans
+
+
+def _check_size(location: Location, manifest: Manifest, where: str, span: _Span) -> None:
+    """Before a large allocation: the chunk file is as large as the manifest claims (else a
+    crafted manifest claiming petabytes would raise MemoryError instead of corruption)."""
+    try:
+        size = location.size(span.chunk)
+        if size is None or size == span.file_bytes:  # None: the filesystem does not say
+            return
+        why = f"the chunk is damaged ({size} bytes where {span.file_bytes} were expected)"
+    except CheckpointNotFoundError:
+        why = "the chunk is missing"
+    except ValueError as exc:  # not a regular file, or reached through a symlink
+        why = f"the chunk is damaged ({exc})"
+    raise CheckpointCorruptedError(
+        f"{where}: blob {span.blob!r}, chunk {location.display(span.chunk)!r}: {why}",
+        node=manifest.node, epoch=manifest.epoch, blob=span.blob)
+
+
 @functools.lru_cache(maxsize=256)
 def _dtype(dtype: str) -> np.dtype:
     return np.dtype(dtype)
@@ -358,8 +421,8 @@ def _dtype(dtype: str) -> np.dtype:
 def _check_metadata(location: Location, manifest: Manifest, where: str, file: str, blob: str,
                     digest: str) -> None:
     try:
-        raw = location.read_bytes(file)
-    except CheckpointNotFoundError:
+        raw = location.read_bytes(file, limit=strictjson.MAX_BYTES)
+    except (CheckpointNotFoundError, ValueError):  # gone, too large, or not a regular file
         raw = b""
     if hashlib.sha256(raw).hexdigest() != digest:
         raise CheckpointCorruptedError(

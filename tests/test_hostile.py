@@ -15,6 +15,8 @@ import hashlib
 import json
 import os
 import pickle
+import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -24,6 +26,7 @@ import pytest
 
 from caffe2ckpt import (
     CheckpointCorruptedError,
+    CheckpointError,
     CheckpointManager,
     InvalidBlobError,
     InvalidLocationError,
@@ -33,11 +36,15 @@ from caffe2ckpt import (
     LocalSession,
     MultiNodeCheckpointManager,
     Node,
+    StepCheckpointManager,
     Task,
     epoch_limiter,
 )
+from caffe2ckpt import strictjson
 from caffe2ckpt.checkpoint import CheckpointStore
+from caffe2ckpt.cli import main as cli_main
 from caffe2ckpt.commit import delete_record, list_records, read_record, write_record
+from caffe2ckpt.example import build_job
 from caffe2ckpt.location import Location
 from caffe2ckpt.metadata import ZarrMetadataHandler
 from tests.s3server import prefix_kind
@@ -426,10 +433,11 @@ class Evil:
         return (_pwned, ("unpickled",))
 
 
-def recommit(prefix: str, node: str, epoch: int, edit) -> None:
+def recommit(prefix: str, node: str, epoch: int, edit, **record_changes) -> None:
     """Rewrite ``node``'s group metadata at ``epoch`` with ``edit(dict)`` and commit it again with
     a valid record (as an attacker with write access to the prefix could), so that only the
-    loader's own checks stand between the crafted bytes and the caller."""
+    loader's own checks stand between the crafted bytes and the caller. ``record_changes``:
+    fields of the new record to change as well."""
     location = Location(prefix)
     fs, root = location.fs, location.root
     path = f"{root}/{node}.{epoch}/zarr.json"
@@ -441,7 +449,8 @@ def recommit(prefix: str, node: str, epoch: int, edit) -> None:
     record = read_record(location, ref)
     delete_record(location, ref)
     write_record(location, dataclasses.replace(
-        record, metadata={**record.metadata, "zarr.json": hashlib.sha256(raw).hexdigest()}))
+        record, metadata={**record.metadata, "zarr.json": hashlib.sha256(raw).hexdigest()},
+        **record_changes))
 
 
 @pytest.fixture
@@ -517,3 +526,194 @@ def test_pickles_anywhere_in_a_checkpoint_are_never_unpickled(prefix, no_unpickl
     with pytest.raises(CheckpointCorruptedError, match=ref.filename):
         CheckpointStore(location).load_node("m", 1)
     assert CheckpointStore(location).latest_epoch(["n", "m"]) is None
+
+
+# -- hostile stored files: each uncommits only itself --------------------------------------------
+
+NODES = ["trainer_0", "trainer_1"]
+
+
+def trained(prefix: str, epochs: int = 2, **kw) -> JobRunner:
+    """The example's 2-node job run for ``epochs`` epochs (committed: 0 .. epochs)."""
+    runner = JobRunner(build_job(epochs), MultiNodeCheckpointManager(
+        prefix, metadata_handler=ZarrMetadataHandler(), **kw))
+    runner.train(LocalSession())
+    return runner
+
+
+def record_path(prefix: str, node: str, epoch: int) -> str:
+    location = Location(prefix)
+    (ref,) = [r for r in list_records(location) if (r.node, r.epoch) == (node, epoch)]
+    return location.path("_commits", ref.filename)
+
+
+def cli(capsys, *argv: str) -> tuple[int, dict]:
+    """Run the CLI with --json; its exit code and its stdout, which must be one JSON document."""
+    capsys.readouterr()
+    code = cli_main([*argv, "--json"])
+    out = capsys.readouterr().out
+    return code, json.loads(out)
+
+
+def hostile_record(good: bytes, kind: str) -> bytes:
+    """A copy of record ``good`` damaged in the way ``kind`` names."""
+    record = json.loads(good)
+    field, value = {"deep": ("writer", "[" * 100_000 + "]" * 100_000),
+                    "infinity": ("nbytes", "Infinity"), "nan": ("created", "NaN"),
+                    "400-digit": ("seconds", "9" * 400), "1e999": ("created", "1e999"),
+                    "huge": ("writer", "{}")}[kind]
+    record[field] = "@@"
+    text = json.dumps(record).replace('"@@"', value).encode()
+    return text + b" " * (strictjson.MAX_BYTES + 1) if kind == "huge" else text
+
+
+@pytest.mark.parametrize("kind", ["deep", "infinity", "nan", "400-digit", "1e999", "huge"])
+def test_a_hostile_commit_record_uncommits_only_its_own_epoch(prefix, capsys, kind):
+    """Deeply nested, NaN, Infinity, a 400-digit number, a float overflow, a huge file: the record
+    is corrupt for its own node and epoch; listings, the CLI, StepCheckpointManager and an
+    automatic resume all go on with the epochs before it."""
+    trained(prefix)
+    location = Location(prefix)
+    path = record_path(prefix, "trainer_0", 2)
+    location.fs.pipe_file(path, hostile_record(location.fs.cat_file(path), kind))
+    (ref,) = [r for r in list_records(location) if (r.node, r.epoch) == ("trainer_0", 2)]
+    with pytest.raises(CheckpointCorruptedError) as info:
+        read_record(location, ref)
+    assert (info.value.node, info.value.epoch) == ("trainer_0", 2)
+    assert ref.filename in str(info.value), str(info.value)
+    assert CheckpointStore(location).latest_epoch(NODES) == 1
+    with StepCheckpointManager(prefix, handle_preemption=False) as mgr:
+        assert mgr.all_steps() == [0, 1] and mgr.latest_step() == 1
+    code, doc = cli(capsys, "ls", prefix)
+    assert doc["committed_epochs"] == [0, 1], doc
+    assert [(e["epoch"], e["state"]) for e in doc["epochs"] if e["epoch"] == 2] == [
+        (2, "damaged record")], doc
+    code, doc = cli(capsys, "verify", prefix)
+    assert code == 1 and [r["record"] for r in doc["unreadable_records"]] == [ref.filename], doc
+    for argv in (["show", prefix, "--epoch", "2"], ["diff", prefix, "1", "2"]):
+        code, doc = cli(capsys, *argv)
+        assert code == 3 and ref.filename in doc["error"], doc
+    code, doc = cli(capsys, "gc", prefix, "--keep-last", "1")
+    assert code == 0, doc
+    runner = JobRunner(build_job(3), MultiNodeCheckpointManager(
+        prefix, metadata_handler=ZarrMetadataHandler()))
+    assert runner.train(LocalSession()) == 3 and runner.resumed_from == 1
+
+
+HUGE_CLAIMS = {  # edits of a group manifest that claim far more memory than is stored
+    "array": lambda m: m["arrays"]["w"].update(shape=[10**15], chunk_rows=10**15),
+    "packed": lambda m: m["packed"].update(nbytes=10**15, chunk=10**15),
+    "axes-overflow": lambda m: m["arrays"]["w"].update(shape=[2**40, 2**40],
+                                                        chunk_rows=2**40),
+}
+
+
+@pytest.mark.parametrize("record_too", [False, True], ids=["manifest", "manifest+record"])
+@pytest.mark.parametrize("claim", list(HUGE_CLAIMS))
+def test_a_manifest_claiming_huge_blobs_is_corrupt_not_a_memory_error(prefix, claim,
+                                                                      record_too):
+    """A manifest (recommitted with a valid record, whose nbytes may be forged to match) that
+    claims petabytes, axes whose product overflows, or a bool for a size: corrupt for that node
+    and epoch, found before anything is allocated; a resume falls back to the epoch before."""
+    with Job(name="huge") as job:
+        with Node("n"):
+            with job.init_group:
+                Task(lambda ws: ws.update({"w": np.zeros(1 << 14), "step": np.int64(0)}),
+                     name="init")
+            Task(lambda ws: ws.update({"w": ws["w"] + 1, "step": ws["step"] + 1}), name="train")
+        epoch_limiter(job, 2)
+    JobRunner(job, MultiNodeCheckpointManager(prefix, metadata_handler=ZarrMetadataHandler())
+              ).train(LocalSession())
+    claimed: dict = {}
+
+    def edit(group):
+        HUGE_CLAIMS[claim](group["attributes"]["caffe2ckpt"])
+        manifest = group["attributes"]["caffe2ckpt"]
+        claimed["nbytes"] = sum(8 * int(np.prod(a["shape"], dtype=object))
+                                for a in manifest["arrays"].values()) + 8  # w, and step
+    recommit(prefix, "n", 2, edit)
+    if record_too:
+        (ref,) = [r for r in list_records(Location(prefix)) if (r.node, r.epoch) == ("n", 2)]
+        record = read_record(Location(prefix), ref)
+        delete_record(Location(prefix), ref)
+        nbytes = min(claimed["nbytes"], 2**63 - 1)
+        write_record(Location(prefix), dataclasses.replace(record, nbytes=nbytes))
+    with pytest.raises(CheckpointCorruptedError) as info:
+        CheckpointStore(Location(prefix)).load_node("n", 2)
+    assert (info.value.node, info.value.epoch) == ("n", 2), str(info.value)
+    assert info.value.blob in ("w", "zarr.json", "_packed"), str(info.value)
+    runner = JobRunner(one_node_job("n", 3), MultiNodeCheckpointManager(
+        prefix, metadata_handler=ZarrMetadataHandler()))
+    assert runner.train(LocalSession()) == 3 and runner.resumed_from == 1
+
+
+def without_hanging(call, *fifos: Path, seconds: float = 10.0):
+    """``call()`` in a thread: what it returned or raised. If it is still blocked after
+    ``seconds`` (on a FIFO), the FIFOs are opened for writing to release it and the test fails."""
+    result: dict = {}
+
+    def run():
+        try:
+            result["value"] = call()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            result["error"] = exc
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        for fifo in filter(os.path.exists, fifos):
+            os.close(os.open(fifo, os.O_RDWR | os.O_NONBLOCK))  # a blocked open() returns
+        thread.join(seconds)
+        pytest.fail(f"blocked for more than {seconds} s (on a FIFO?)")
+    return result.get("error", result.get("value"))
+
+
+SECRET_SIZE = 123_457  # the size of a file outside the prefix: must never be reported
+
+
+@pytest.mark.parametrize("where, kind", [
+    *((where, kind) for where in ("chunk", "zarr.json", "record")
+      for kind in ("fifo", "symlink-to-fifo", "symlink-to-copy")),
+    ("chunk", "symlink-to-secret"),  # its size was reported: "123457 bytes where ... expected"
+    ("array-dir", "symlink-to-copy"),
+])
+def test_fifos_and_symlinks_in_a_checkpoint_are_corrupt_never_a_hang(tmp_path, capsys, where,
+                                                                     kind):
+    """Files of a checkpoint are read only if they are regular files reached without a
+    symlink below the prefix: a FIFO (or a symlink to one) would block the read forever, and a
+    symlink may lead out of the prefix (even to a bit-exact copy). Each is corruption of its own
+    node and epoch: no hang, nothing about the target in the message, resume falls back."""
+    prefix = str(tmp_path / "ckpt")
+    trained(prefix)
+    group = Path(prefix) / "trainer_0.2"
+    target = {"chunk": group / "data%2Fx" / "c.0.0", "zarr.json": group / "zarr.json",
+              "array-dir": group / "data%2Fx",
+              "record": Path(record_path(prefix, "trainer_0", 2))}[where]
+    outside = tmp_path / "outside"
+    fifos = [target, outside] if "fifo" in kind else []
+    if kind == "symlink-to-copy":
+        (shutil.copytree if target.is_dir() else shutil.copyfile)(target, outside)
+    elif kind == "symlink-to-secret":
+        outside.write_bytes(b"s" * SECRET_SIZE)
+    (shutil.rmtree if target.is_dir() else os.unlink)(target)
+    if kind == "fifo":
+        os.mkfifo(target)
+    else:
+        if kind == "symlink-to-fifo":
+            os.mkfifo(outside)
+        os.symlink(outside, target)
+    store = CheckpointStore(Location(prefix))
+    error = without_hanging(lambda: store.load_node("trainer_0", 2), *fifos)
+    assert isinstance(error, CheckpointCorruptedError), repr(error)
+    assert (error.node, error.epoch) == ("trainer_0", 2), str(error)
+    assert str(SECRET_SIZE) not in str(error) and str(outside) not in str(error), str(error)
+    assert without_hanging(lambda: store.latest_epoch(NODES), *fifos) == (
+        2 if where in ("chunk", "array-dir") else 1)  # chunks are read by a load, not a listing
+    for command in ("ls", "verify"):
+        code, doc = without_hanging(lambda: cli(capsys, command, prefix), *fifos)
+        assert code == (1 if command == "verify" else 0), doc
+        assert str(SECRET_SIZE) not in json.dumps(doc), doc
+    runner = JobRunner(build_job(3), MultiNodeCheckpointManager(
+        prefix, metadata_handler=ZarrMetadataHandler()))
+    assert without_hanging(lambda: runner.train(LocalSession()), *fifos) == 3
+    assert runner.resumed_from == 1

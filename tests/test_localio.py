@@ -126,7 +126,11 @@ def test_a_device_that_refuses_direct_reads_is_remembered_and_read_buffered(disk
     write(path, data)
     evict(path)
     misaligned = localio.aligned_empty((len(data) + 1,), np.dtype(np.uint8))[1:]
-    assert localio._read_direct(str(path), memoryview(misaligned), os.stat(path)) == 0
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert localio._read_direct(fd, memoryview(misaligned), os.stat(path)) == 0
+    finally:
+        os.close(fd)
     assert localio._no_direct_devices == {os.stat(path).st_dev}
     out = localio.aligned_empty((len(data),), np.dtype(np.uint8))
     assert localio.read_into(str(path), memoryview(out), len(TRAILER)) == TRAILER
