@@ -13,10 +13,16 @@ the builtin a caller would naturally catch, so ``except FileNotFoundError`` keep
     ├── JobDefinitionError (ValueError)               a Job / Task / runner set up wrongly
     └── JobPreemptedError                             a signal stopped the job between epochs
 
+:func:`writing` is the one place where a failure of a save's third-party or OS call becomes a
+:class:`CheckpointWriteError` naming what was being written.
+
 This module imports nothing from the rest of the package.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 __all__ = [
     "CheckpointCorruptedError",
@@ -64,6 +70,19 @@ class CheckpointCorruptedError(CheckpointError, ValueError):
 
 class CheckpointWriteError(CheckpointError, OSError):
     """A save or commit failed; nothing already committed was changed."""
+
+
+@contextmanager
+def writing(what: str) -> Iterator[None]:
+    """Raise any failure inside as a :class:`CheckpointWriteError` saying ``what`` failed (e.g.
+    ``"saving node 'n' epoch 3 to 's3://b/run/n.3'"``); caffe2ckpt's own errors pass as they are.
+    """
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        raise CheckpointWriteError(f"{what} failed: {exc}") from exc
 
 
 class CheckpointFencedError(CheckpointWriteError):
