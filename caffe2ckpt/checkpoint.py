@@ -85,7 +85,9 @@ class SaveInfo:
 
 def _claim_number(name: str) -> int | None:
     digits = name.removeprefix("claim-").removesuffix(".json")
-    if name.startswith("claim-") and name.endswith(".json") and digits.isdigit():
+    # isascii: str.isdigit() also accepts digits such as "²" that int() refuses
+    if (name.startswith("claim-") and name.endswith(".json") and digits.isascii()
+            and digits.isdigit()):
         return int(digits)
     return None
 
@@ -217,25 +219,28 @@ class CheckpointStore:
         directory = self.location.path(CLAIMS_DIR)
         data = json.dumps(writer or {}, default=str).encode()
         while True:
-            number = max((_claim_number(n) for n in self._claims()), default=0) + 1
+            number = max(map(_claim_number, self._claims()), default=0) + 1
             name = f"claim-{number:012d}.json"
             try:
                 self.location.create_exclusive(f"{directory}/{name}", data)
                 break
             except FileExistsError:  # another run claimed that number first: take the next
                 continue
-        for old in sorted(self._claims())[:-keep]:
+        for old in self._claims()[:-keep]:
             self.location.remove(f"{directory}/{old}")
         return name
 
     def _claims(self) -> list[str]:
+        """The claim files, oldest first: ordered by number (past 12 digits the names grow,
+        and ``claim-1000000000000`` sorts before ``claim-999999999999`` as a string)."""
         names = self.location.list_names(self.location.path(CLAIMS_DIR))
-        return [n for n in names if _claim_number(n) is not None]
+        return sorted((n for n in names if _claim_number(n) is not None), key=_claim_number)
 
     def check_claim(self, claim: str) -> None:
         """Raise :class:`CheckpointFencedError` if a newer claim than ``claim`` exists."""
-        newest = max(self._claims(), default=claim)
-        if newest > claim:
+        claims = self._claims()
+        newest = claims[-1] if claims else None
+        if newest is not None and _claim_number(newest) > (_claim_number(claim) or 0):
             try:
                 who = strictjson.loads(self.location.read_bytes(
                     self.location.path(CLAIMS_DIR, newest), limit=strictjson.MAX_BYTES))

@@ -13,10 +13,16 @@ the builtin a caller would naturally catch, so ``except FileNotFoundError`` keep
     ├── JobDefinitionError (ValueError)               a Job / Task / runner set up wrongly
     └── JobPreemptedError                             a signal stopped the job between epochs
 
+:func:`writing` is the one place where a failure of a save's third-party or OS call becomes a
+:class:`CheckpointWriteError` naming what was being written.
+
 This module imports nothing from the rest of the package.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 __all__ = [
     "CheckpointCorruptedError",
@@ -72,6 +78,20 @@ class CheckpointWriteError(CheckpointError, OSError):
     def __init__(self, *args: object, epoch: int | None = None) -> None:
         super().__init__(*args)
         self.epoch = epoch
+
+
+@contextmanager
+def writing(what: str, epoch: int | None = None) -> Iterator[None]:
+    """Raise any failure inside as a :class:`CheckpointWriteError` saying ``what`` failed (e.g.
+    ``"saving node 'n' epoch 3 to 's3://b/run/n.3'"``, with its ``epoch``); caffe2ckpt's own
+    errors pass as they are.
+    """
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        raise CheckpointWriteError(f"{what} failed: {exc}", epoch=epoch) from exc
 
 
 class CheckpointFencedError(CheckpointWriteError):

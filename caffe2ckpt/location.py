@@ -31,9 +31,11 @@ This is the only module that turns URLs into filesystems. It does not import zar
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import posixpath
 import shutil
+import stat
 import uuid
 from typing import Any
 
@@ -48,6 +50,8 @@ from caffe2ckpt.errors import (
 )
 
 __all__ = ["Location"]
+
+logger = logging.getLogger(__name__)
 
 
 class Location:
@@ -326,29 +330,51 @@ class Location:
             localio.fsync_dir(path)
 
     def remove(self, path: str) -> None:
-        """Delete file or tree ``path``; a missing path is not an error (any other is)."""
+        """Delete file or tree ``path``, exactly; a missing path is not an error (any other is).
+
+        Never through fsspec's ``rm``: it expands glob characters, so removing node ``w[12]``'s
+        group would also remove ``w1``'s and ``w2``'s. The exact tree is listed (``find`` does
+        not glob) and its keys are deleted one by one. A symbolic link is deleted itself, never
+        followed: on local disks also one on the way from the prefix to ``path`` (e.g. a
+        symlinked ``_staging``), so nothing outside the prefix is ever deleted.
+        """
         if self.is_local:
-            if os.path.isdir(path) and not os.path.islink(path):
-                _rmtree_local(path)
-            else:
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    return
-            localio.fsync_dir(posixpath.dirname(path))
+            _remove_local(self.root, path)
             return
         try:
             # not fs.isdir(): it answers False on any error, which would hide an I/O failure
-            kind = self._guard(self.fs.info, path).get("type")
+            info = self._guard(self.fs.info, path)
         except FileNotFoundError:
             return
-        try:
-            if kind == "directory":
-                self._guard(self.fs.rm, path, recursive=True)
-            else:
+        if info.get("type") != "directory" or info.get("islink"):
+            self._remove_keys([path], [])
+            return
+        entries = self._guard(self.fs.find, path, withdirs=True, detail=True)
+        links = [p for p, i in entries.items() if i.get("islink") and p != path]
+        files, dirs = [], []
+        for p, i in entries.items():
+            if any(p.startswith(f"{link}/") for link in links):
+                continue  # beneath a link (a wrapped local filesystem): not ours to delete
+            is_dir = i.get("type") == "directory" and not i.get("islink")
+            (dirs if is_dir else files).append(p)
+        self._remove_keys(files, dirs if path in dirs else [*dirs, path])
+
+    def _remove_keys(self, files: list[str], dirs: list[str]) -> None:
+        """Delete exactly ``files``, then the directories ``dirs`` if the filesystem still has
+        them (object stores have none once their keys are gone; ``memory://`` keeps those made
+        by ``makedirs``)."""
+        for path in files:
+            try:
                 self._guard(self.fs.rm_file, path)
-        except FileNotFoundError:
+            except FileNotFoundError:
+                pass
+        if not dirs or not self._guard(self.fs.exists, min(dirs, key=len)):
             return
+        for path in sorted(dirs, key=lambda p: -p.count("/")):  # deepest first
+            try:
+                self._guard(self.fs.rmdir, path)
+            except FileNotFoundError:
+                pass
 
     def move(self, src: str, dst: str) -> None:
         """Move tree ``src`` to ``dst``, which must not exist. Atomic only on local disks;
@@ -376,11 +402,41 @@ class Location:
             raise FileNotFoundError(f"cannot move {src} to {dst}: it holds no files")
         for path in paths:
             self.create_exclusive(dst + path[len(root):], self._guard(self.fs.cat_file, path))
-        self._guard(self.fs.rm, root, recursive=True)
+        self.remove(root)  # not fs.rm: it would expand glob characters in the node name
 
 
-def _rmtree_local(path: str) -> None:
+def _remove_local(root: str, path: str) -> None:
+    """Delete ``path`` on a local disk without following a symbolic link: if ``path`` or a
+    directory between ``root`` and it is a link, that link is deleted instead (what it points
+    to, possibly outside the prefix, is left alone)."""
+    link = _first_link(root, path)
+    if link is not None:
+        logger.warning("%s is a symbolic link: deleting the link itself, not what it points to "
+                       "(%s), instead of %s", link, os.path.realpath(link), path)
+        path = link
     try:
-        shutil.rmtree(path)
+        is_dir = stat.S_ISDIR(os.lstat(path).st_mode)
+        if is_dir:
+            shutil.rmtree(path)  # removes links inside it, never follows them
+        else:
+            os.unlink(path)
     except FileNotFoundError:
         return
+    localio.fsync_dir(posixpath.dirname(path))
+
+
+def _first_link(root: str, path: str) -> str | None:
+    """The first symbolic link on the way from ``root`` (not included: a prefix may well be a
+    link) down to ``path`` (included), or None."""
+    rel = path[len(root):] if path.startswith(f"{root.rstrip('/')}/") else None
+    if rel is None:  # not under the prefix: only the path itself is ours to check
+        return path if os.path.islink(path) else None
+    current = root.rstrip("/")
+    for part in rel.strip("/").split("/"):
+        current = f"{current}/{part}"
+        try:
+            if stat.S_ISLNK(os.lstat(current).st_mode):
+                return current
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+    return None

@@ -5,7 +5,8 @@ task per node) that the caller runs with ``session.run(...)``; the other methods
 :class:`CheckpointManager` is the one-node case of :class:`MultiNodeCheckpointManager`'s
 machinery: the same code with one node whose files carry ``node_name``.
 
-Imports: errors, job, naming, location, checkpoint, metadata, session. Not zarr, not prefect.
+Imports: errors, job, naming, location, checkpoint, metadata, session, background. Not zarr, not
+prefect.
 """
 
 from __future__ import annotations
@@ -18,21 +19,21 @@ from typing import Any
 
 import numpy as np
 
-from caffe2ckpt.background import BackgroundSaves
+from caffe2ckpt.background import BackgroundSaves, ClosedOnExit
 from caffe2ckpt.checkpoint import CheckpointStore, SaveInfo, claim_generation
-from caffe2ckpt.commit import CommitRecord
+from caffe2ckpt.commit import CommitRecord, new_save_id
 from caffe2ckpt.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CheckpointWriteError,
     InvalidLocationError,
     JobDefinitionError,
+    writing,
 )
 from caffe2ckpt.job import Node, Task, TaskGroup
 from caffe2ckpt.location import Location
-from caffe2ckpt.commit import new_save_id
 from caffe2ckpt.metadata import MetadataHandler, ZarrMetadataHandler
-from caffe2ckpt.naming import check_epoch, check_node_name, db_name
+from caffe2ckpt.naming import check_epoch, check_node_name, db_name, get_ckpt_filename
 from caffe2ckpt.session import Session
 from caffe2ckpt.storage import DEFAULT_PACK_THRESHOLD
 from caffe2ckpt.workspace import Workspace, WorkspaceType
@@ -45,7 +46,7 @@ DB_EXISTS = "caffe2ckpt/db_exists"
 _DB_TYPES = ("zarr",)
 
 
-class _BaseManager:
+class _BaseManager(ClosedOnExit):
     """Everything both managers share; ``_files`` maps workspace node -> node name in files."""
 
     def __init__(
@@ -274,8 +275,7 @@ class _BaseManager:
                 if self._background is None:
                     self.last_records[node] = self._save_node(node, file_node, epoch, blobs, info)
                     return
-                snapshot = self._background.snapshot(node, blobs)
-                self._background.submit(epoch, node, lambda: self._save_node(
+                self._background.submit(epoch, node, blobs, lambda snapshot: self._save_node(
                     node, file_node, epoch, snapshot, info))
             return save
 
@@ -283,16 +283,10 @@ class _BaseManager:
 
     def _save_node(self, node: str, file_node: str, epoch: int, blobs: dict[str, np.ndarray],
                    info: SaveInfo) -> CommitRecord:
-        try:
+        with writing(f"saving node {file_node!r} epoch {epoch} to "
+                     f"{self._location.display(get_ckpt_filename(file_node, epoch))!r}", epoch):
             return self._timed(node, file_node, epoch, lambda: self._store.save_node(
                 file_node, epoch, blobs, info))
-        except CheckpointError:
-            raise
-        except Exception as exc:
-            raise CheckpointWriteError(
-                f"saving node {file_node!r} epoch {epoch} to "
-                f"{self._location.display(f'{file_node}.{epoch}')!r} failed: {exc}", epoch=epoch,
-            ) from exc
 
     @property
     def pending_epoch(self) -> int | None:
@@ -310,6 +304,13 @@ class _BaseManager:
         _, records = self._background.wait()
         self.last_records = dict(records)
         return self.last_records
+
+    def close(self) -> None:
+        """Wait for a background save (raising its failure) and release its buffers. The
+        manager stays usable; a closed one holds no thread either way."""
+        if self._background is not None:
+            self.wait_until_finished()
+            self._background.close()
 
     def write_checkpoint_metadata(self, epoch: int) -> None:
         if self._metadata_handler is not None:

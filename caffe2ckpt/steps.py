@@ -31,20 +31,20 @@ from typing import Any
 
 import numpy as np
 
-from caffe2ckpt.background import BackgroundSaves
+from caffe2ckpt.background import BackgroundSaves, ClosedOnExit
 from caffe2ckpt.catalog import Step, delete_step, scan
 from caffe2ckpt import strictjson
 from caffe2ckpt.checkpoint import CheckpointStore, SaveInfo, claim_generation
 from caffe2ckpt.commit import CommitRecord, new_save_id
 from caffe2ckpt.errors import (
     CheckpointCorruptedError,
-    CheckpointError,
     CheckpointNotFoundError,
     InvalidLocationError,
     JobDefinitionError,
+    writing,
 )
 from caffe2ckpt.location import Location
-from caffe2ckpt.naming import ROOT_METADATA, check_epoch, check_node_name
+from caffe2ckpt.naming import ROOT_METADATA, check_epoch, check_node_name, get_ckpt_filename
 from caffe2ckpt.policy import StepManagerOptions, retained_epochs, should_save
 from caffe2ckpt.preemption import PreemptionWatch
 from caffe2ckpt.storage import DEFAULT_PACK_THRESHOLD
@@ -86,7 +86,7 @@ class RootMetadata:
     custom: dict[str, Any] = field(default_factory=dict)
 
 
-class StepCheckpointManager:
+class StepCheckpointManager(ClosedOnExit):
     """Save, list, restore and retire steps under ``directory`` (any fsspec URL or local path).
 
     Args:
@@ -212,22 +212,27 @@ class StepCheckpointManager:
                 below = [e for e in self._steps if e < step]
                 self._parent = ((max(below), self._steps[max(below)].generation) if below
                                 else None)
-            self._claim = self._store.claim(_writer())
+            with writing(f"claiming {self.directory!r} to save step {step}", step):
+                self._claim = self._store.claim(_writer())
         info = SaveInfo(save_id=new_save_id(claim_generation(self._claim)), nodes=sorted(blobs),
                         metrics=values, writer=_writer(), claim=self._claim, parent=self._parent)
         self._owned.update(blobs)
         self._last_save_time = time.monotonic()
         if self._background is None:
-            records = {node: self._store.save_node(node, step, b, info)
-                       for node, b in blobs.items()}
+            records = {node: self._save_node(step, node, b, info) for node, b in blobs.items()}
             self._committed(step, records)
             return True
         for node, b in blobs.items():
-            snapshot = self._background.snapshot(node, b)
-            self._background.submit(step, node, lambda n=node, s=snapshot: self._store.save_node(
-                n, step, s, info))
+            self._background.submit(step, node, b, lambda snapshot, n=node: self._save_node(
+                step, n, snapshot, info))
         self._pending = (step, values)
         return True
+
+    def _save_node(self, step: int, node: str, blobs: dict[str, np.ndarray],
+                   info: SaveInfo) -> CommitRecord:
+        where = self._store.location.display(get_ckpt_filename(node, step))
+        with writing(f"saving step {step} of node {node!r} to {where!r}", step):
+            return self._store.save_node(node, step, blobs, info)
 
     def _check_items(self, step: int, items: Items) -> dict[str, dict[str, np.ndarray]]:
         if not isinstance(items, Mapping) or not items:
@@ -393,17 +398,6 @@ class StepCheckpointManager:
             if self._watch is not None:
                 self._watch.__exit__(None, None, None)
                 self._watch = None
-
-    def __enter__(self) -> StepCheckpointManager:
-        return self
-
-    def __exit__(self, exc_type: Any, *exc: object) -> None:
-        try:
-            self.close()
-        except CheckpointError:
-            if exc_type is None:
-                raise
-            logger.exception("a background save failed while another error was propagating")
 
     def __repr__(self) -> str:
         return f"StepCheckpointManager({self.directory!r}, steps={self.all_steps()})"

@@ -52,13 +52,27 @@ def check_blob_name(name: object) -> str:
 def as_blob(name: str, value: Any) -> np.ndarray:
     """Convert ``value`` to the numpy array stored under blob ``name``.
 
-    Scalars (Python or numpy) become 0-d arrays; arrays are kept as they are (no copy).
+    Scalars (Python or numpy) become 0-d arrays; arrays are kept as they are (no copy); a
+    ``np.memmap`` becomes a plain array over the same memory (only its data is state).
 
     Raises:
-        InvalidBlobError: the value is not a numpy array or scalar of a supported dtype.
+        InvalidBlobError: the value is not a numpy array or scalar of a supported dtype, or is
+            an ndarray subclass whose state is more than its data: a masked array would lose its
+            mask, a ``np.matrix`` would come back as an array (``*`` changing meaning).
     """
-    if isinstance(value, np.ndarray):
+    if type(value) is np.ndarray:
         arr = value
+    elif isinstance(value, np.memmap):
+        arr = value.view(np.ndarray)
+    elif isinstance(value, np.ndarray):
+        hint = ("store its data (value.filled(...) or value.data) and its mask "
+                "(np.ma.getmaskarray(value)) as two blobs" if isinstance(value, np.ma.MaskedArray)
+                else "store np.asarray(value) if its data is all that matters")
+        raise InvalidBlobError(
+            f"blob {name!r}: cannot checkpoint a {type(value).__module__}."
+            f"{type(value).__qualname__}: a restore would give back a plain numpy array, losing "
+            f"what the subclass adds; {hint}"
+        )
     elif isinstance(value, (bool, int, float, complex, np.generic)):
         arr = np.asarray(value)
     else:

@@ -2,21 +2,29 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
 from caffe2ckpt import (
+    CheckpointManager,
     CheckpointWriteError,
     Job,
     JobRunner,
     LocalSession,
     MultiNodeCheckpointManager,
     Node,
+    StepCheckpointManager,
+    StepManagerOptions,
     Task,
     epoch_limiter,
 )
+from caffe2ckpt.background import BackgroundSaves
 from caffe2ckpt.example import build_job
 from caffe2ckpt.metadata import ZarrMetadataHandler
+
+from faultfs import FaultyFileSystem
 
 BIG = 1 << 22  # float64 elements: 32 MiB, so the background write takes a while
 
@@ -108,3 +116,109 @@ def test_explicit_wait_raises_then_clears(tmp_path):
     with pytest.raises(CheckpointWriteError, match="epoch 2"):
         cm.wait_until_finished()
     assert cm.pending_epoch is None and cm.wait_until_finished() == {}
+
+
+# -- a snapshot buffer belongs to one save until its write is waited for ------------------------
+
+class GatedFileSystem(FaultyFileSystem):
+    """Writes wait until :attr:`gate` opens: a background save is still reading its snapshot."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.gate = threading.Event()
+
+    def pipe_file(self, path, value, mode="overwrite", **kwargs):
+        assert self.gate.wait(timeout=60)
+        return super().pipe_file(path, value, mode, **kwargs)
+
+
+def test_two_save_runnables_built_before_running_never_share_buffers(memory_fs):
+    session = LocalSession()
+    ws = session.workspace("n")
+    ws["big"] = np.zeros(BIG)
+    ws["small"] = np.zeros(7, np.int64)
+    fs = GatedFileSystem(memory_fs)
+    cm = MultiNodeCheckpointManager("/gated", filesystem=fs, async_save=True)
+    session.run(cm.init(["n"]))
+    s1, s2 = cm.save(1), cm.save(2)
+    session.run(s1)  # epoch 1 is now written from the snapshot buffers (held at the gate)
+    ws["big"][:] = 2.0
+    ws["small"][:] = 2
+    with pytest.raises(CheckpointWriteError, match=r"epoch 1 .*saving epoch 2"):
+        session.run(s2)  # refused before it touches the buffers epoch 1 is written from
+    fs.gate.set()
+    assert cm.wait_until_finished()["n"].epoch == 1
+    data = cm.store.load_node("n", 1)
+    assert not data["big"].any() and not data["small"].any()
+    session.run(s2)  # once epoch 1 is done, the same runnable saves epoch 2
+    cm.close()
+    assert np.array_equal(cm.store.load_node("n", 2)["big"], np.full(BIG, 2.0))
+
+
+def test_step_manager_async_saves_never_share_buffers(prefix):
+    opts = StepManagerOptions(enable_async_checkpointing=True)
+    with StepCheckpointManager(prefix, options=opts, handle_preemption=False) as mgr:
+        big = np.zeros(BIG)
+        for step in range(3):
+            big[:] = step
+            mgr.save(step, {"n": {"big": big}})
+    with StepCheckpointManager(prefix, handle_preemption=False) as mgr:
+        for step in range(3):
+            assert np.array_equal(mgr.restore(step)["n"]["big"], np.full(BIG, float(step)))
+
+
+def save_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("caffe2ckpt-save")]
+
+
+def test_async_managers_leave_no_idle_threads(tmp_path):
+    managers = []  # kept alive and never closed: still no thread may be left behind
+    for i in range(12):
+        session = LocalSession()
+        session.workspace("n")["x"] = np.arange(3)
+        cm = MultiNodeCheckpointManager(str(tmp_path / f"m{i}"), async_save=True)
+        session.run(cm.init(["n"]))
+        session.run(cm.save(1))
+        cm.wait_until_finished()
+        managers.append(cm)
+    for thread in save_threads():
+        thread.join(timeout=10)  # a save's thread may still be returning from its last call
+    assert save_threads() == []
+    with MultiNodeCheckpointManager(str(tmp_path / "ctx"), async_save=True) as cm:
+        session = LocalSession()
+        session.workspace("n")["x"] = np.arange(3)
+        session.run(cm.init(["n"]))
+        session.run(cm.save(4))
+    assert cm.pending_epoch is None and cm.store.latest_epoch(["n"]) == 4  # exit waited
+
+
+@pytest.mark.parametrize("manager", ["multi", "single"])
+def test_close_raises_a_background_failure(tmp_path, manager):
+    session = LocalSession()
+    session.workspace("n")["x"] = np.arange(3)
+    if manager == "multi":
+        cm = MultiNodeCheckpointManager(unwritable(tmp_path), async_save=True)
+        session.run(cm.init(["n"]))
+    else:
+        cm = CheckpointManager(unwritable(tmp_path), "n", async_save=True)
+        session.run(cm.init())
+    session.run(cm.save(3))
+    with pytest.raises(CheckpointWriteError, match="epoch 3 failed on node 'n'"):
+        cm.close()
+    cm.close()  # raised once, never dropped, never twice
+    session.run(cm.save(4))
+    with pytest.raises(CheckpointWriteError, match="epoch 4"):
+        with cm:
+            pass
+
+
+def test_background_saves_close_raises_instead_of_dropping():
+    saves = BackgroundSaves()
+
+    def fail(copies):
+        raise OSError(28, "No space left on device")
+
+    saves.submit(5, "n", {"x": np.arange(3)}, fail)
+    with pytest.raises(CheckpointWriteError, match="epoch 5 failed on node 'n'.*No space"):
+        saves.close()
+    assert saves.pending_epoch is None

@@ -83,3 +83,23 @@ def test_nodes_given_as_a_string_are_rejected(prefix):
     from caffe2ckpt import JobDefinitionError
     with pytest.raises(JobDefinitionError, match="list of node names"):
         MultiNodeCheckpointManager(prefix).init("ab")
+
+
+def test_claims_past_twelve_digits_are_ordered_by_number(prefix):
+    session, cm = saver(prefix)
+    loc = cm.store.location
+    loc.create_exclusive(loc.path("_claims", "claim-999999999999.json"), b"{}")  # planted
+    loc.create_exclusive(loc.path("_claims", "claim-².json"), b"{}")  # not a claim number
+    first = cm.claim({"run": "first"})
+    assert first == "claim-1000000000000.json"  # sorts *before* 999999999999 as a string
+    session.run(cm.save(1, claim=first))  # the newest claim is not fenced
+    assert cm.store.latest_epoch(["n"]) == 1
+    second = cm.claim({"run": "second"})
+    assert second == "claim-1000000000001.json"
+    with pytest.raises(CheckpointFencedError, match="claim-1000000000001"):
+        session.run(cm.save(2, claim=first))
+    for _ in range(9):  # pruning keeps the newest claims by number
+        last = cm.store.claim(keep=2)
+    names = loc.list_names(loc.path("_claims"))
+    assert sorted(n for n in names if n != "claim-².json") == [
+        "claim-1000000000009.json", "claim-1000000000010.json"] and last.endswith("10.json")

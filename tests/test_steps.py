@@ -4,6 +4,8 @@ local directory."""
 
 from __future__ import annotations
 
+import errno
+import gc
 import math
 import signal
 
@@ -272,3 +274,54 @@ def test_preemption_flag_is_set_by_sigterm_and_restored_on_close(prefix):
     assert mgr.reached_preemption(0) and mgr.should_save(1)
     mgr.close()
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+@pytest.mark.parametrize("order", ["creation", "reverse"])
+def test_sigterm_handler_comes_back_whatever_the_closing_order(prefix, order):
+    before = signal.getsignal(signal.SIGTERM)
+    first, second = StepCheckpointManager(prefix), StepCheckpointManager(prefix)
+    for mgr in (first, second) if order == "creation" else (second, first):
+        mgr.close()
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_sigterm_handler_comes_back_when_an_unclosed_manager_is_collected(prefix):
+    before = signal.getsignal(signal.SIGTERM)
+    mgr = StepCheckpointManager(prefix)
+    mgr.save(0, {"n": {"w": np.zeros(2)}})
+    del mgr
+    gc.collect()
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_preemption_reaches_every_open_manager_during_a_save_loop(prefix):
+    before = signal.getsignal(signal.SIGTERM)
+    with StepCheckpointManager(f"{prefix}-other") as other:
+        with StepCheckpointManager(prefix) as mgr:
+            other.close()  # closed first: must not take mgr's handler away
+            for step in range(5):
+                mgr.save(step, {"n": {"w": np.full(2, step)}})
+                if step == 2:
+                    signal.raise_signal(signal.SIGTERM)  # only sets the flag
+                if mgr.reached_preemption(step):
+                    break
+            assert step == 2 and mgr.all_steps() == [0, 1, 2]
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+@pytest.mark.parametrize("where", ["under a file", "disk full"])
+def test_a_synchronous_save_failure_names_step_and_node(tmp_path, memory_fs, where):
+    if where == "under a file":
+        (tmp_path / "a_file").write_text("not a directory")
+        mgr = StepCheckpointManager(str(tmp_path / "a_file" / "ckpt"), handle_preemption=False)
+        match = r"step 1.*a_file/ckpt"
+    else:
+        fs = FaultyFileSystem(memory_fs)
+        mgr = StepCheckpointManager("/full", filesystem=fs, handle_preemption=False)
+        mgr.save(0, {"trainer_0": {"w": np.zeros(2)}})
+        fs.arm("write", 1, errno.ENOSPC, sticky=True)
+        match = r"saving step 1 of node 'trainer_0' to '/full/trainer_0.1' failed"
+    with pytest.raises(CheckpointWriteError, match=match) as info:
+        mgr.save(1, {"trainer_0": {"w": np.ones(2)}})
+    assert isinstance(info.value.__cause__, OSError)
+    mgr.close()

@@ -60,3 +60,19 @@ def test_long_names_are_hashed_and_distinct():
     a, b = "x" * 200 + "a", "x" * 200 + "b"
     assert len(blob_path(a)) <= 120 and blob_path(a) != blob_path(b)
     assert "~" in blob_path(a) and "/" not in blob_path("/" * 300)
+
+
+@pytest.mark.parametrize("value", [np.ma.masked_array([1.0, 2.0], mask=[False, True]),
+                                   np.array([[1, 2]]).view(np.matrix)])
+def test_ndarray_subclasses_that_a_restore_would_change_are_refused(value):
+    with pytest.raises(InvalidBlobError, match=rf"'bad/blob'.*{type(value).__name__}"):
+        Workspace()["bad/blob"] = value
+
+
+def test_a_memmap_is_stored_as_its_data(tmp_path):
+    mapped = np.memmap(tmp_path / "m", dtype=np.float32, mode="w+", shape=(3,))
+    mapped[:] = [1, 2, 3]
+    ws = Workspace()
+    ws["m"] = mapped
+    assert type(ws["m"]) is np.ndarray and ws["m"].tolist() == [1, 2, 3]
+    del mapped, ws
