@@ -161,6 +161,7 @@ def test_a_symlinked_staging_directory_is_never_deleted_through(tmp_path, outsid
     with StepCheckpointManager(str(prefix), handle_preemption=False) as mgr:
         mgr.save(1, {"n": {"w": np.zeros(3)}})
         expected = tree_of(outside)
+        os.rmdir(prefix / "_staging")  # (left empty by the first save, which staged there)
         os.symlink(outside, prefix / "_staging")
         mgr.save(1, {"n": {"w": np.ones(3)}}, force=True)  # a re-save goes through _staging
         assert tree_of(outside) == expected
