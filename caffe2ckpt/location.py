@@ -1,10 +1,20 @@
 """Where checkpoints live: a URL turned into an fsspec filesystem, plus the few file operations
 the commit protocol needs (exclusive create, durable writes, listing, moves, deletes).
 
-Local disks get real durability (fsync of files, then of their directories) and atomic
-``os.link``/``os.rename``; every other fsspec filesystem (``memory://``, ``s3://``, ``gs://``,
-wrappers) goes through its own API, where an exclusive create is ``open(path, "xb")`` (an
-``If-None-Match`` PUT on S3) and nothing relies on a rename being atomic.
+Local disks get real durability and atomic ``os.link``/``os.rename``; every other fsspec
+filesystem (``memory://``, ``s3://``, ``gs://``, wrappers) goes through its own API, where an
+exclusive create is ``open(path, "xb")`` (an ``If-None-Match`` PUT on S3) and nothing relies on
+a rename being atomic.
+
+Durability on local disks: every file is flushed on the descriptor it was written through, never
+by a filesystem-wide ``syncfs()`` (which reports no write-back error before Linux 5.8, and after
+that only once per filesystem, to whoever asks first). :meth:`Location.write_file` either
+``fdatasync``'s the file before returning, or hands its open descriptor to a
+:class:`~caffe2ckpt.localio.SyncBatch` (:meth:`Location.sync_batch`) that
+:meth:`Location.make_durable` flushes together with the directories the save created entries
+in, so a write-back error of any file reaches the save that wrote it; the save writes its
+commit record only after that (``localio``'s module docstring has the full rule). The record
+itself is an fsync'ed temp file, hard-linked to its name, then its directory is fsync'ed.
 
 Prefixes: a local path may contain ``.`` and ``..`` segments; they are resolved the way the
 operating system resolves them (``os.path.realpath``) before anything is written, so nothing
@@ -37,6 +47,7 @@ import posixpath
 import shutil
 import stat
 import uuid
+from concurrent.futures import Executor
 from typing import Any
 
 import fsspec
@@ -234,11 +245,27 @@ class Location:
 
     # -- writes --------------------------------------------------------------------------------
 
-    def makedirs(self, path: str) -> None:
-        if self.is_local:
-            os.makedirs(path, exist_ok=True)
-        else:
+    def makedirs(self, path: str) -> list[str]:
+        """Create directory ``path`` and its missing parents; return those this call created,
+        outermost first, on local disks (their parents need an fsync for them to last), else
+        []."""
+        if not self.is_local:
             self._guard(self.fs.makedirs, path, exist_ok=True)
+            return []
+        missing, parent = [], path
+        while parent and not os.path.exists(parent):
+            missing.append(parent)
+            parent = os.path.dirname(parent)
+        created = []
+        for directory in reversed(missing):  # fails as os.makedirs does (ENOTDIR, EACCES, ...)
+            try:
+                os.mkdir(directory)
+                created.append(directory)
+            except FileExistsError:  # created meanwhile by someone else
+                pass
+        if not os.path.isdir(path):
+            raise FileExistsError(errno.EEXIST, "exists and is not a directory", path)
+        return created
 
     def create_exclusive(self, path: str, data: bytes) -> None:
         """Write ``data`` to a new file ``path`` in one step, durably.
@@ -266,10 +293,14 @@ class Location:
             os.unlink(tmp)
         localio.fsync_dir(directory)
 
-    def write_file(self, path: str, buffers: list[Any], *, durable: bool = True) -> None:
+    def write_file(self, path: str, buffers: list[Any], *,
+                   batch: localio.SyncBatch | None = None) -> None:
         """Write the concatenation of ``buffers`` to ``path`` (parents must exist locally).
-        On local disks: with ``durable``, fsync it before returning; without, start writing it
-        out (Linux) and leave the wait to :meth:`make_durable`."""
+
+        On local disks the file is made durable on the descriptor it was written through:
+        ``fdatasync``'ed before returning, or with ``batch`` handed over open (its write-out
+        started) for :meth:`make_durable` to flush. Elsewhere ``batch`` is ignored.
+        """
         if not self.is_local:
             data = buffers[0] if len(buffers) == 1 else b"".join(memoryview(b) for b in buffers)
             self._guard(self.fs.pipe_file, path,
@@ -281,10 +312,14 @@ class Location:
                 view = memoryview(buf).cast("B")
                 while view:
                     view = view[os.write(fd, view):]
-            if durable:
-                os.fsync(fd)
-            else:  # the disk starts now, make_durable waits
-                localio.start_writeback(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        if batch is not None:
+            batch.add_file(path, fd)  # the batch owns the descriptor now
+            return
+        try:
+            localio.fdatasync(fd)
         finally:
             os.close(fd)
 
@@ -311,23 +346,24 @@ class Location:
         except FileNotFoundError as exc:
             raise CheckpointNotFoundError(f"{path} does not exist") from exc
 
-    @property
-    def fsync_each_file(self) -> bool:
-        """Whether written files must be fsync'ed one by one (else :meth:`make_durable` flushes
-        the whole filesystem with one ``syncfs``)."""
-        return self.is_local and not localio.HAVE_SYNCFS
+    def sync_batch(self) -> localio.SyncBatch | None:
+        """A batch for :meth:`write_file` and :meth:`make_durable` on local disks; None
+        elsewhere (nothing to flush there)."""
+        return localio.SyncBatch() if self.is_local else None
 
-    def make_durable(self, dirs: list[str]) -> None:
-        """Make everything written under ``dirs`` durable (local disks): one ``syncfs()`` of the
-        filesystem where Linux offers it (files and directory entries alike), else an fsync of
-        each directory, deepest first (the files were fsync'ed as they were written)."""
-        if not self.is_local or not dirs:
+    def make_durable(self, batch: localio.SyncBatch | None, dirs: list[str],
+                     executor: Executor | None = None) -> None:
+        """Make the files written into ``batch`` durable (``fdatasync`` each on its own
+        descriptor, then close it) and the entries of directories ``dirs`` (``fsync`` each),
+        concurrently on ``executor`` when given. No-op without a batch (not a local disk).
+
+        Raises:
+            OSError: a flush failed: some of the data may not be on the disk.
+        """
+        if batch is None:
             return
-        if localio.HAVE_SYNCFS:
-            localio.syncfs(dirs[0])
-            return
-        for path in sorted(set(dirs), key=lambda p: -p.count("/")):
-            localio.fsync_dir(path)
+        batch.add_dirs(dirs)
+        batch.sync(executor)
 
     def remove(self, path: str) -> None:
         """Delete file or tree ``path``, exactly; a missing path is not an error (any other is).

@@ -171,7 +171,9 @@ def _chunk_rows(shape: tuple[int, ...], itemsize: int) -> int:
 
 class _Writer:
     """The files of one group: array metadata and chunks first (concurrently), then the group's
-    ``zarr.json``, whose manifest records every chunk's CRC32C."""
+    ``zarr.json``, whose manifest records every chunk's CRC32C; then all of them are flushed to
+    the disk together (:meth:`Location.make_durable`), each on the descriptor it was written
+    through, so a write-back error of any of them fails this save."""
 
     def __init__(self, location: Location, root: str) -> None:
         self.location = location
@@ -180,6 +182,9 @@ class _Writer:
         self.chunks: list[tuple[str, str, np.ndarray, int]] = []  # (array, path, data, padding)
         self.dirs: list[str] = [root]
         self.digests: dict[str, str] = {}
+        self.batch = location.sync_batch()
+        # directories whose entries this save creates: the group's parent, the group, its arrays
+        self.sync_dirs: list[str] = [posixpath.dirname(root), root]
 
     def metadata(self, rel: str, data: bytes) -> None:
         self.digests[rel] = hashlib.sha256(data).hexdigest()
@@ -197,11 +202,12 @@ class _Writer:
         """Write every array; return the CRC32C of each chunk, by array path."""
         if self.location.is_local:
             for directory in self.dirs:
-                self.location.makedirs(directory)
-        durable = self.location.fsync_each_file
-        futures = [_pool().submit(self.location.write_file, path, [data], durable=durable)
+                created = self.location.makedirs(directory)
+                self.sync_dirs += [posixpath.dirname(d) for d in created]
+            self.sync_dirs += self.dirs[1:]
+        futures = [_pool().submit(self.location.write_file, path, [data], batch=self.batch)
                    for path, data in self.metadata_files]
-        chunk_futures = [(rel, _pool().submit(self._write_chunk, path, data, padding, durable))
+        chunk_futures = [(rel, _pool().submit(self._write_chunk, path, data, padding))
                          for rel, path, data, padding in self.chunks]
         _wait_all([*futures, *(f for _, f in chunk_futures)])
         crcs: dict[str, list[int]] = {}
@@ -209,7 +215,7 @@ class _Writer:
             crcs.setdefault(rel, []).append(future.result())
         return crcs
 
-    def _write_chunk(self, path: str, data: np.ndarray, padding: int, durable: bool) -> int:
+    def _write_chunk(self, path: str, data: np.ndarray, padding: int) -> int:
         chunk = np.ascontiguousarray(data).reshape(-1)
         crc = google_crc32c.value(chunk)
         buffers: list[Any] = [chunk]
@@ -217,15 +223,20 @@ class _Writer:
             buffers.append(bytes(padding))
             crc = google_crc32c.extend(crc, buffers[-1])
         buffers.append(crc.to_bytes(_CRC, "little"))
-        self.location.write_file(path, buffers, durable=durable)
+        self.location.write_file(path, buffers, batch=self.batch)
         return crc
 
     def finish(self, group: bytes) -> None:
         """Write the group's ``zarr.json`` last, then make the whole group durable."""
         self.metadata("zarr.json", group)
         path, data = self.metadata_files[-1]
-        self.location.write_file(path, [data], durable=self.location.fsync_each_file)
-        self.location.make_durable([self.root, *self.dirs[1:], posixpath.dirname(self.root)])
+        self.location.write_file(path, [data], batch=self.batch)
+        self.location.make_durable(self.batch, self.sync_dirs, _pool())
+
+    def abandon(self) -> None:
+        """Close the files still open for their flush (the save failed)."""
+        if self.batch is not None:
+            self.batch.close()
 
 
 def write_node(
@@ -268,19 +279,24 @@ def write_node(
     packed_chunk = _chunk_rows((offset,), 1) if offset else 0
     if offset:
         writer.array(PACKED_ARRAY, _pack(packed, pieces, offset), packed_chunk)
-    crcs = writer.write_arrays()
-    arrays = {name: info._replace(crcs=tuple(crcs[info.path])) for name, info in arrays.items()}
-    manifest = Manifest(node=node, epoch=epoch, save_id=save_id, arrays=arrays, packed=packed,
-                        packed_nbytes=offset, packed_chunk=packed_chunk,
-                        packed_crcs=tuple(crcs.get(PACKED_ARRAY, ())))
-    group = {"attributes": {ATTRS_KEY: manifest.to_dict()}, "zarr_format": 3,
-             "node_type": "group"}
     try:
-        data = strictjson.check_size(json.dumps(group, separators=(",", ":")).encode(),
-                                     f"the manifest of node {node!r} epoch {epoch}")
-    except ValueError as exc:  # readers would refuse it: never write what cannot be read
-        raise InvalidBlobError(f"{exc} (too many blobs, or too long names)") from exc
-    writer.finish(data)
+        crcs = writer.write_arrays()
+        arrays = {name: info._replace(crcs=tuple(crcs[info.path]))
+                  for name, info in arrays.items()}
+        manifest = Manifest(node=node, epoch=epoch, save_id=save_id, arrays=arrays,
+                            packed=packed, packed_nbytes=offset, packed_chunk=packed_chunk,
+                            packed_crcs=tuple(crcs.get(PACKED_ARRAY, ())))
+        group = {"attributes": {ATTRS_KEY: manifest.to_dict()}, "zarr_format": 3,
+                 "node_type": "group"}
+        try:
+            data = strictjson.check_size(json.dumps(group, separators=(",", ":")).encode(),
+                                         f"the manifest of node {node!r} epoch {epoch}")
+        except ValueError as exc:  # readers would refuse it: never write what cannot be read
+            raise InvalidBlobError(f"{exc} (too many blobs, or too long names)") from exc
+        writer.finish(data)
+    except BaseException:
+        writer.abandon()  # no descriptor outlives a failed save
+        raise
     return manifest, writer.digests
 
 
