@@ -218,7 +218,7 @@ class CheckpointStore:
         """
         directory = self.location.path(CLAIMS_DIR)
         data = json.dumps(writer or {}, default=str).encode()
-        while True:
+        for _ in range(100):  # bounded: a name that exists but is never listed must not spin
             number = max(map(_claim_number, self._claims()), default=0) + 1
             name = f"claim-{number:012d}.json"
             try:
@@ -226,6 +226,10 @@ class CheckpointStore:
                 break
             except FileExistsError:  # another run claimed that number first: take the next
                 continue
+        else:
+            raise CheckpointWriteError(
+                f"cannot claim checkpoint prefix {self.location.display()!r}: claim {name} "
+                "exists but is not listed in its directory")
         for old in self._claims()[:-keep]:
             self.location.remove(f"{directory}/{old}")
         return name

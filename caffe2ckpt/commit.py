@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -178,7 +179,8 @@ def _bool(value: Any) -> bool:
 
 def _metric(value: Any) -> float:
     """A metric: a finite number, or one of the strings ``to_dict`` writes for the others."""
-    if type(value) in (int, float, bool) or value in ("nan", "inf", "-inf"):
+    if (type(value) in (float, bool) or value in ("nan", "inf", "-inf")
+            or (type(value) is int and abs(value) <= sys.float_info.max)):  # float() overflows
         return float(value)
     raise ValueError(f"a metric must be a number, 'nan', 'inf' or '-inf', got {value!r:.40}")
 

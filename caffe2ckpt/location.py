@@ -264,7 +264,8 @@ class Location:
             except FileExistsError:  # created meanwhile by someone else
                 pass
         if not os.path.isdir(path):
-            raise FileExistsError(errno.EEXIST, "exists and is not a directory", path)
+            # not FileExistsError: callers retry an exclusive create on that
+            raise NotADirectoryError(errno.ENOTDIR, "exists and is not a directory", path)
         return created
 
     def create_exclusive(self, path: str, data: bytes) -> None:

@@ -34,6 +34,7 @@ import functools
 import hashlib
 import json
 import math
+import os
 import posixpath
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, NamedTuple
@@ -55,9 +56,15 @@ __all__ = ["ATTRS_KEY", "DEFAULT_PACK_THRESHOLD", "parse_manifest", "read_node",
 ATTRS_KEY = "caffe2ckpt"
 DEFAULT_PACK_THRESHOLD = 64 * 1024
 CHUNK_BYTES = 16 * 1024 * 1024
-# A read of more than this checks every chunk file's size before allocating its destination;
-# smaller allocations are harmless, and each file's size is checked as it is read anyway.
-_PRECHECK_BYTES = 64 * 1024 * 1024
+# A read claiming more than this (a quarter of the machine's memory) checks every chunk file's
+# size before allocating its destination, so a crafted manifest claiming petabytes is corruption,
+# not a MemoryError. Smaller destinations are only reserved address space until read, and each
+# file's size is checked as it is read anyway; checking them first as well cost W2 (256 MiB in
+# 177 files) about 30% of its restore time.
+try:
+    _PRECHECK_BYTES = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+except (ValueError, OSError, AttributeError):  # not a POSIX system that says
+    _PRECHECK_BYTES = 1 << 30
 _ALIGN = 64
 _CRC = 4
 
