@@ -175,7 +175,9 @@ class Location:
                 with open(localio.open_regular(path, self.root), "rb") as f:
                     size = os.fstat(f.fileno()).st_size
                     too_large = limit is not None and size > limit
-                    data = b"" if too_large else f.read(-1 if limit is None else limit + 1)
+                    # read what fstat says, plus one byte: a file growing meanwhile is caught
+                    # (a limit + 1 request would allocate limit bytes for every small file)
+                    data = b"" if too_large else f.read(size + 1)
             elif limit is None:
                 return self._guard(self.fs.cat_file, path)
             else:
