@@ -123,16 +123,15 @@ class BackgroundSaves:
         for node, future in futures.items():
             try:
                 results[node] = future.result()
-            except Exception as exc:  # noqa: BLE001 - reported below, with its epoch
-                errors.append((node, exc))
+            except BaseException as exc:  # noqa: BLE001 - reported below, with its epoch
+                errors.append((node, exc))  # (even SystemExit in a save: the slot is freed)
         with self._lock:
             self._epoch, self._futures = None, {}
         if errors:
             node, exc = errors[0]
-            error = CheckpointWriteError(
-                f"background save of epoch {epoch} failed on node {node!r}: {exc}")
-            error.epoch = epoch
-            raise error from exc
+            raise CheckpointWriteError(
+                f"background save of epoch {epoch} failed on node {node!r}: {exc}",
+                epoch=epoch) from exc
         return epoch, results
 
     def close(self) -> None:

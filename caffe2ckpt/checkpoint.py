@@ -62,7 +62,13 @@ from caffe2ckpt.naming import (
     get_ckpt_filename,
 )
 from caffe2ckpt.manifest import Manifest
-from caffe2ckpt.storage import DEFAULT_PACK_THRESHOLD, parse_manifest, read_node, write_node
+from caffe2ckpt.storage import (
+    ATTRS_KEY,
+    DEFAULT_PACK_THRESHOLD,
+    parse_manifest,
+    read_node,
+    write_node,
+)
 
 __all__ = ["CheckpointStore", "SaveInfo"]
 
@@ -86,8 +92,10 @@ class SaveInfo:
 def _claim_number(name: str) -> int | None:
     digits = name.removeprefix("claim-").removesuffix(".json")
     # isascii: str.isdigit() also accepts digits such as "²" that int() refuses
+    # at most 18 digits: a save id carries the number as a generation (commit.save_generation);
+    # a planted claim of more digits is not a claim at all
     if (name.startswith("claim-") and name.endswith(".json") and digits.isascii()
-            and digits.isdigit()):
+            and digits.isdigit() and len(digits.lstrip("0")) <= 18):
         return int(digits)
     return None
 
@@ -136,11 +144,14 @@ class CheckpointStore:
         except BaseException:
             self._discard(staged)
             raise
+        generation = save_generation(info.save_id)
         try:
             for ref in self._records_of(node, epoch):  # the old copy stops counting first
+                self._refuse_newer(ref.save_id, generation, node, epoch, info)
                 delete_record(self.location, ref)
-            self._install(staged, target, node, epoch)
+            self._install(staged, target, node, epoch, generation, info)
         except Exception:
+            self._discard(staged)
             if info.claim is not None:  # a newer run took over meanwhile: that is the cause
                 self.check_claim(info.claim)
             raise
@@ -168,6 +179,7 @@ class CheckpointStore:
                 raise
         stored = hashlib.sha256(self._group_json(node, epoch)).hexdigest()
         if stored != digests["zarr.json"]:  # the record must vouch for what is stored
+            delete_record(self.location, record.ref)
             raise CheckpointWriteError(
                 f"checkpoint {self._where(node, epoch)!r} (node {node!r}, epoch {epoch}) does not "
                 f"hold the group of save {info.save_id!r} that was just committed", epoch=epoch)
@@ -178,7 +190,8 @@ class CheckpointStore:
     def _records_of(self, node: str, epoch: int) -> list[RecordRef]:
         return [r for r in list_records(self.location) if r.epoch == epoch and r.node == node]
 
-    def _install(self, staged: str, target: str, node: str, epoch: int) -> None:
+    def _install(self, staged: str, target: str, node: str, epoch: int, generation: int,
+                 info: SaveInfo) -> None:
         """Move the staged group to ``target``, which no record names any more."""
         if self.location.exists(target):
             others = self._records_of(node, epoch)
@@ -187,8 +200,30 @@ class CheckpointStore:
                     f"checkpoint {self._where(node, epoch)!r} (node {node!r}, epoch {epoch}) was "
                     f"committed by save {others[0].save_id!r} while this save was written; "
                     "leaving it in place", epoch=epoch)
+            self._refuse_newer(self._stored_save_id(node, epoch), generation, node, epoch, info)
             self.location.remove(target)  # uncommitted: a leftover, or the copy just retired
         self.location.move(staged, target)
+
+    def _refuse_newer(self, save_id: str | None, generation: int, node: str, epoch: int,
+                      info: SaveInfo) -> None:
+        """Never retire or remove what a newer run saved: this run is fenced, whether or not
+        its claim check has seen the newer claim yet (a stalled run wakes up late)."""
+        if save_id is not None and save_generation(save_id) > generation:
+            raise CheckpointFencedError(
+                f"checkpoint {self._where(node, epoch)!r} (node {node!r}, epoch {epoch}) holds "
+                f"save {save_id!r} of a newer run; this run ({info.claim}) must not replace it",
+                epoch=epoch)
+
+    def _stored_save_id(self, node: str, epoch: int) -> str | None:
+        """The save id in the manifest of the group stored at ``(node, epoch)`` (None if it
+        has no readable one: an interrupted save's leftover)."""
+        try:
+            raw = self.location.read_bytes(f"{self.group_path(node, epoch)}/zarr.json",
+                                           limit=strictjson.MAX_BYTES)
+            save_id = strictjson.loads(raw)["attributes"][ATTRS_KEY]["save_id"]
+        except (CheckpointNotFoundError, ValueError, KeyError, TypeError):
+            return None
+        return save_id if isinstance(save_id, str) else None
 
     def _discard(self, staged: str) -> None:
         """Remove this save's own staged group after a failure (best effort: ``gc`` too)."""
@@ -219,7 +254,13 @@ class CheckpointStore:
         directory = self.location.path(CLAIMS_DIR)
         data = json.dumps(writer or {}, default=str).encode()
         for _ in range(100):  # bounded: a name that exists but is never listed must not spin
-            number = max(map(_claim_number, self._claims()), default=0) + 1
+            claims = self._claims()
+            number = max(map(_claim_number, claims), default=0) + 1
+            if number >= 10**18:  # a crafted claim: every later run would be fenced by it
+                raise CheckpointWriteError(
+                    f"cannot claim checkpoint prefix {self.location.display()!r}: claim "
+                    f"{self.location.display(CLAIMS_DIR, claims[-1])!r} has the highest number "
+                    "a claim may have; remove it if no run of yours wrote it")
             name = f"claim-{number:012d}.json"
             try:
                 self.location.create_exclusive(f"{directory}/{name}", data)
@@ -230,8 +271,12 @@ class CheckpointStore:
             raise CheckpointWriteError(
                 f"cannot claim checkpoint prefix {self.location.display()!r}: claim {name} "
                 "exists but is not listed in its directory")
-        for old in self._claims()[:-keep]:
-            self.location.remove(f"{directory}/{old}")
+        try:  # the claim is made: pruning old ones is housekeeping, never a reason to fail
+            for old in self._claims()[:-keep]:
+                self.location.remove(f"{directory}/{old}")
+        except OSError as exc:
+            logger.warning("could not remove old claims under %s: %s",
+                           self.location.display(CLAIMS_DIR), exc)
         return name
 
     def _claims(self) -> list[str]:

@@ -51,6 +51,8 @@ _SAVE_ID = re.compile(r"g([0-9]{1,18})-[0-9a-f]{8,64}")
 
 def new_save_id(generation: int) -> str:
     """A fresh save id for a save of run ``generation`` (its claim number; 0 if it has none)."""
+    if not 0 <= generation < 10**18:
+        raise ValueError(f"generation {generation} does not fit a save id")
     return f"g{generation}-{uuid.uuid4().hex}"
 
 
@@ -84,7 +86,8 @@ class RecordRef:
         stem = filename[: -len(_SUFFIX)]
         epoch, sep, rest = stem.partition(".")
         node, sep2, save_id = rest.rpartition(".")
-        if not (sep and sep2 and len(epoch) == 12 and epoch.isdigit() and node and save_id):
+        if not (sep and sep2 and len(epoch) == 12 and epoch.isascii() and epoch.isdigit()
+                and node and save_id):  # isascii: isdigit() also takes "²", which int() refuses
             return None
         return cls(epoch=int(epoch), node=node, save_id=save_id)
 

@@ -118,30 +118,44 @@ class History:
             gens.setdefault(save_generation(key[1]), []).append(key)
         return gens
 
-    def _parent(self, keys: list[tuple[int, str]]) -> tuple[int, int] | None:
-        """Where the run that wrote ``keys`` started (any readable record of it says)."""
+    def _parent(self, keys: list[tuple[int, str]]) -> tuple[bool, tuple[int, int] | None]:
+        """Whether a readable record of the run that wrote ``keys`` says where it started, and
+        where: (epoch, generation), or None for a fresh start."""
         for key in keys:
             for ref in self._saves[key].values():
                 record = self._record(ref)
                 if not isinstance(record, str):
-                    return record.parent
-        return None
+                    return True, record.parent
+        return False, None
 
     def lineage(self) -> Iterator[Save]:
-        """The committed saves of the current lineage, newest first (lazily read)."""
+        """The committed saves of the current lineage, newest first (lazily read).
+
+        A run on the chain of which no readable record is left (retention or a person deleted
+        its saves, or its records are damaged) cannot say where it started; the walk then goes
+        on with the newest older run that has a save at or below the epoch the chain came down
+        to, so a gap never turns the older history into superseded saves.
+        """
         gens = self._by_generation()
-        head = next((g for g in sorted(gens, reverse=True)
-                     if any(self.committed(*k) is not None for k in gens[g])), None)
-        generation, limit = head, None
-        while generation is not None and generation in gens:
-            keys = gens[generation]
+        generation = next((g for g in sorted(gens, reverse=True)
+                           if any(self.committed(*k) is not None for k in gens[g])), None)
+        limit: int | None = None
+        while generation is not None:
+            keys = gens.get(generation, [])
             for key in keys:
                 if (limit is None or key[0] <= limit) and (save := self.committed(*key)):
                     yield save
-            parent = self._parent(keys)
-            if parent is None or parent[1] >= generation:  # a fresh start (or a bad record)
+            known, parent = self._parent(keys)
+            if known and parent is None:  # a fresh start: nothing older belongs to it
                 return
-            limit, generation = parent
+            if known and parent is not None and parent[1] < generation:
+                limit, generation = parent
+                continue
+            if known:  # a parent that is not older (a crafted record): stop here
+                return
+            generation = max((g for g in gens if g < generation
+                              and any(limit is None or k[0] <= limit for k in gens[g])),
+                             default=None)
 
     def superseded(self, lineage: Collection[Save]) -> list[Save]:
         """Committed saves outside ``lineage`` (all of :meth:`lineage`), newest epoch first."""

@@ -43,6 +43,7 @@ __all__ = ["CheckpointManager", "MultiNodeCheckpointManager", "UploadTaskGroupBu
 logger = logging.getLogger(__name__)
 
 DB_EXISTS = "caffe2ckpt/db_exists"
+_UNSET = object()
 _DB_TYPES = ("zarr",)
 
 
@@ -80,7 +81,7 @@ class _BaseManager(ClosedOnExit):
         self._param_nodes: list[str] = []
         self._background = BackgroundSaves() if async_save else None
         self._claim: str | None = None  # this manager's run: its claim and where it started
-        self._parent: tuple[int, int] | None = None
+        self._parent: Any = _UNSET  # (epoch, generation) or None once claim() said
         self.last_records: dict[str, CommitRecord] = {}
 
     # -- properties ------------------------------------------------------------------------------
@@ -248,11 +249,12 @@ class _BaseManager(ClosedOnExit):
         epoch = check_epoch(epoch)
         self.wait_until_finished()
         if claim is None:
-            if self._claim is None:
-                try:
-                    self.claim(writer, parent=self._store.parent_before(epoch, self.file_nodes()))
-                except OSError as exc:  # an unreachable prefix: the save itself reports it
-                    logger.warning("cannot claim checkpoint prefix %r: %s", self.url, exc)
+            if self._claim is None:  # a save never goes without a claim: unfenced, and of no
+                # generation, its epochs would rank below every claimed run's
+                parent = (self._parent if self._parent is not _UNSET
+                          else self._store.parent_before(epoch, self.file_nodes()))
+                with writing(f"claiming {self.url!r} to save epoch {epoch}", epoch):
+                    self.claim(writer, parent=parent)
             claim = self._claim
         parent = (self._parent if claim == self._claim
                   else self._store.parent_before(epoch, self.file_nodes()))
@@ -369,8 +371,8 @@ class _BaseManager(ClosedOnExit):
         fenced off) for the saves that follow. ``parent`` is the committed save the run
         resumed from, as (epoch, generation), or None for a fresh start, which supersedes every
         earlier run's epochs (see :mod:`caffe2ckpt.lineage`)."""
+        self._parent = parent  # kept even if claiming fails: the first save claims again
         self._claim = self._store.claim(writer)
-        self._parent = parent
         return self._claim
 
     def epoch_records(self, epoch: int) -> dict[str, CommitRecord] | None:

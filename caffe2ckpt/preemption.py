@@ -66,7 +66,7 @@ class PreemptionWatch:
     """Context manager: while active, ``signals`` (default SIGTERM) set :attr:`requested`."""
 
     def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM,)) -> None:
-        self.signals = signals
+        self.signals = tuple(dict.fromkeys(signals))  # each once: one handler per signal
         self.received: int | None = None
         self._finalizer: weakref.finalize | None = None
 

@@ -297,8 +297,10 @@ class StepCheckpointManager(ClosedOnExit):
                     f"step {step} of node {node!r} under {self._store.location.display()!r} has "
                     f"no blobs {missing}")
         self._protected = {info.epoch}
-        if self._claim is None:  # saves from now on continue from this step
-            self._parent = (info.epoch, info.generation)
+        if self._claim is None or info.epoch < max(self._steps):
+            # saves from now on continue from this step; going back below the newest step
+            # starts a new run (a new claim and generation) that supersedes the later ones
+            self._claim, self._parent = None, (info.epoch, info.generation)
         return out
 
     def item_metadata(self, step: int) -> dict[str, dict[str, BlobMetadata]]:

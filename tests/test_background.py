@@ -112,9 +112,8 @@ def test_explicit_wait_raises_then_clears(tmp_path):
     session.workspace("n")["x"] = np.arange(3)
     cm = MultiNodeCheckpointManager(unwritable(tmp_path), async_save=True)
     session.run(cm.init(["n"]))
-    session.run(cm.save(2))
-    with pytest.raises(CheckpointWriteError, match="epoch 2"):
-        cm.wait_until_finished()
+    with pytest.raises(CheckpointWriteError, match="epoch 2"):  # it cannot even claim there
+        session.run(cm.save(2))
     assert cm.pending_epoch is None and cm.wait_until_finished() == {}
 
 
@@ -192,15 +191,23 @@ def test_async_managers_leave_no_idle_threads(tmp_path):
     assert cm.pending_epoch is None and cm.store.latest_epoch(["n"]) == 4  # exit waited
 
 
+def unstageable(tmp_path) -> str:
+    """A prefix a run can claim, but where no group can be written (``_staging`` is a file)."""
+    prefix = tmp_path / "ckpt"
+    prefix.mkdir()
+    (prefix / "_staging").write_text("not a directory")
+    return str(prefix)
+
+
 @pytest.mark.parametrize("manager", ["multi", "single"])
 def test_close_raises_a_background_failure(tmp_path, manager):
     session = LocalSession()
     session.workspace("n")["x"] = np.arange(3)
     if manager == "multi":
-        cm = MultiNodeCheckpointManager(unwritable(tmp_path), async_save=True)
+        cm = MultiNodeCheckpointManager(unstageable(tmp_path), async_save=True)
         session.run(cm.init(["n"]))
     else:
-        cm = CheckpointManager(unwritable(tmp_path), "n", async_save=True)
+        cm = CheckpointManager(unstageable(tmp_path), "n", async_save=True)
         session.run(cm.init())
     session.run(cm.save(3))
     with pytest.raises(CheckpointWriteError, match="epoch 3 failed on node 'n'"):

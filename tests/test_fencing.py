@@ -103,3 +103,42 @@ def test_claims_past_twelve_digits_are_ordered_by_number(prefix):
     names = loc.list_names(loc.path("_claims"))
     assert sorted(n for n in names if n != "claim-².json") == [
         "claim-1000000000009.json", "claim-1000000000010.json"] and last.endswith("10.json")
+
+
+def test_a_stalled_fenced_save_never_retires_a_newer_runs_commit(prefix, monkeypatch):
+    """Run A passes its last claim check, stalls; run B claims, saves and commits the same
+    epoch; A wakes up: it must not retire B's record or remove B's group (found by review)."""
+    from caffe2ckpt.checkpoint import CheckpointStore, SaveInfo, claim_generation
+    from caffe2ckpt.commit import new_save_id
+    from caffe2ckpt.location import Location
+    a, b = CheckpointStore(Location(prefix)), CheckpointStore(Location(prefix))
+    claim_a = a.claim()
+
+    def info(claim):
+        return SaveInfo(save_id=new_save_id(claim_generation(claim)), nodes=["n"], claim=claim)
+    original, checks = CheckpointStore.check_claim, []
+
+    def stall_after_the_last_check(self, claim):
+        original(self, claim)
+        if self is a:
+            checks.append(claim)
+            if len(checks) == 2:  # A's check before moving into place: B runs meanwhile
+                b.save_node("n", 2, {"w": np.full(4, 222.0)}, info(b.claim()))
+    monkeypatch.setattr(CheckpointStore, "check_claim", stall_after_the_last_check)
+    with pytest.raises(CheckpointFencedError):
+        a.save_node("n", 2, {"w": np.full(4, 111.0)}, info(claim_a))
+    monkeypatch.undo()
+    assert b.load_node("n", 2)["w"].tolist() == [222.0] * 4
+
+
+def test_a_save_that_cannot_claim_fails_instead_of_saving_unfenced(prefix):
+    """Saving without a claim would commit epochs of no generation, which the lineage ranks
+    below every claimed run's: a save must claim or fail (found by review)."""
+    from caffe2ckpt import CheckpointWriteError
+    session, cm = saver(prefix)
+    fs, root = fsspec.core.url_to_fs(prefix)
+    fs.makedirs(f"{root}/_claims", exist_ok=True)
+    fs.pipe_file(f"{root}/_claims/claim-999999999999999999.json", b"{}")  # the highest number
+    with pytest.raises(CheckpointWriteError, match="highest number a claim may have"):
+        session.run(cm.save(1))
+    assert cm.store.epochs_with_records(["n"]) == []

@@ -174,3 +174,39 @@ def test_an_unreadable_record_uncommits_only_its_save_and_a_bad_parent_ends_the_
     assert _lineage(records) == [(2, 2), (1, 1), (0, 1)]
     loop = _records((0, 5, None), (1, 6, (0, 9)))  # a parent that is not older: stop there
     assert _lineage(loop) == [(1, 6)]
+
+
+# -- found by review: gaps in the chain, a run going back within itself ---------------------
+
+
+def test_a_run_whose_saves_retention_deleted_does_not_cut_the_history(prefix):
+    """keep_period keeps 0 and 5 while max_to_keep deletes the runs in between: the walk must
+    go on past those runs, so 0 and 5 stay in the lineage (kept, and fallback points)."""
+    options = StepManagerOptions(max_to_keep=1, keep_period=5)
+    for steps in (range(6), [6, 7], [8, 9], [10]):
+        with StepCheckpointManager(prefix, options=options, handle_preemption=False) as mgr:
+            for step in steps:
+                mgr.save(step, {"n": {"w": np.full(2, step)}}, force=True)
+    found = scan(mgr._store)
+    assert found.epochs() == [0, 5, 10] and not found.superseded
+
+
+def test_restoring_an_earlier_step_in_the_same_manager_supersedes_the_later_ones(prefix):
+    with StepCheckpointManager(prefix, handle_preemption=False) as mgr:
+        for step in range(7):
+            mgr.save(step, {"n": {"w": np.full(2, step)}})
+        mgr.restore(3)  # the loss diverged after 3: go back
+        mgr.save(4, {"n": {"w": np.full(2, 40)}}, force=True)
+        assert mgr.all_steps() == [0, 1, 2, 3, 4] and mgr.latest_step() == 4
+    with StepCheckpointManager(prefix, handle_preemption=False) as mgr:
+        assert mgr.restore()["n"]["w"].tolist() == [40, 40]
+
+
+def test_a_record_name_with_a_non_ascii_digit_is_not_a_record(prefix):
+    with StepCheckpointManager(prefix, handle_preemption=False) as mgr:
+        mgr.save(1, {"n": {"w": np.ones(2)}})
+    fs, root = fsspec.core.url_to_fs(prefix)
+    fs.pipe_file(f"{root}/_commits/00000000000\u00b2.n.g1-abcdefgh.json", b"{}")
+    assert MultiNodeCheckpointManager(prefix).store.latest_epoch(["n"]) == 1
+    with StepCheckpointManager(prefix, handle_preemption=False) as mgr:
+        assert mgr.all_steps() == [1]
