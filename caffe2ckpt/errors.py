@@ -11,7 +11,11 @@ the builtin a caller would naturally catch, so ``except FileNotFoundError`` keep
     ├── InvalidBlobError (ValueError)                 a workspace value or blob name we cannot store
     ├── InvalidLocationError (ValueError)             a bad node name, prefix, URL or epoch
     ├── JobDefinitionError (ValueError)               a Job / Task / runner set up wrongly
-    └── JobPreemptedError                             a signal stopped the job between epochs
+    ├── JobPreemptedError                             a signal stopped the job between epochs
+    └── NodeLostError (RuntimeError)                  a node's worker died, or it could not be placed
+
+Errors pickle with their attributes (``node``, ``epoch``...), so they keep them when raised on a
+remote node and re-raised here.
 
 :func:`writing` is the one place where a failure of a save's third-party or OS call becomes a
 :class:`CheckpointWriteError` naming what was being written.
@@ -34,11 +38,22 @@ __all__ = [
     "InvalidLocationError",
     "JobDefinitionError",
     "JobPreemptedError",
+    "NodeLostError",
 ]
 
 
 class CheckpointError(Exception):
     """Base class of every error raised by caffe2ckpt."""
+
+    def __reduce__(self) -> tuple:
+        return _rebuild, (type(self), self.args, dict(self.__dict__))
+
+
+def _rebuild(cls: type[CheckpointError], args: tuple, state: dict) -> CheckpointError:
+    exc = cls.__new__(cls, *args)
+    exc.args = args
+    exc.__dict__.update(state)
+    return exc
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
@@ -124,3 +139,15 @@ class JobPreemptedError(CheckpointError):
         self.epoch = epoch
         self.committed = committed
         self.signal = signal
+
+
+class NodeLostError(CheckpointError, RuntimeError):
+    """A node's workspace is gone with its worker, or the node could not be placed on one.
+
+    Attributes:
+        node: the node.
+    """
+
+    def __init__(self, message: str, *, node: str | None = None) -> None:
+        super().__init__(message)
+        self.node = node

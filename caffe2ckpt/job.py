@@ -136,6 +136,10 @@ class Task:
             epoch group, else none (run it directly with ``session.run(task)``).
         node: defaults to the active ``with Node(...)``.
         workspace_type: defaults to the group's type, else PRIVATE.
+        on_result: called with what ``fn`` returned, in the process that runs the group, once
+            every node of the group has finished (a session delivers it, see
+            :func:`caffe2ckpt.session.run_group`). On a remote session the value travels back
+            from the node's worker, so keep it small.
     """
 
     def __init__(
@@ -147,6 +151,7 @@ class Task:
         group: TaskGroup | None = None,
         node: str | Node | None = None,
         workspace_type: WorkspaceType | None = None,
+        on_result: Callable[[Any], None] | None = None,
     ) -> None:
         if fn is not None and not callable(fn):
             raise JobDefinitionError(f"Task fn must be callable, got {fn!r}")
@@ -155,6 +160,7 @@ class Task:
         self.name = name or getattr(fn, "__name__", None) or f"task_{next(_task_ids)}"
         self._outputs = [TaskOutput(self, check_blob_name(o)) for o in outputs]
         self.workspace_type = workspace_type
+        self.on_result = on_result
         self.last_session: Session | None = None
         group = group if group is not None else TaskGroup.current()
         if group is None and _job_stack.get():

@@ -2,10 +2,13 @@
 
 As in Caffe2, ``init``, ``save`` and ``load`` return a runnable (a :class:`TaskGroup` with one
 task per node) that the caller runs with ``session.run(...)``; the other methods act directly.
+The tasks are functions of :mod:`caffe2ckpt.nodeops` bound to their arguments: they run wherever
+the session runs the node (a thread here, a Dask actor elsewhere) and return blob lists,
+records and timings, which the manager records once the group ran (``Task.on_result``).
 :class:`CheckpointManager` is the one-node case of :class:`MultiNodeCheckpointManager`'s
 machinery: the same code with one node whose files carry ``node_name``.
 
-Imports: errors, job, naming, location, checkpoint, metadata, session, background. Not zarr, not
+Imports: errors, job, naming, location, checkpoint, metadata, session, nodeops. Not zarr, not
 prefect.
 """
 
@@ -13,36 +16,31 @@ from __future__ import annotations
 
 import abc
 import logging
-import time
-from collections.abc import Iterator, Sequence
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
 
-from caffe2ckpt.background import BackgroundSaves, ClosedOnExit
+from caffe2ckpt import nodeops
+from caffe2ckpt.background import ClosedOnExit
 from caffe2ckpt.checkpoint import CheckpointStore, SaveInfo, claim_generation
 from caffe2ckpt.commit import CommitRecord, new_save_id
-from caffe2ckpt.errors import (
-    CheckpointError,
-    CheckpointNotFoundError,
-    CheckpointWriteError,
-    InvalidLocationError,
-    JobDefinitionError,
-    writing,
-)
+from caffe2ckpt.errors import InvalidLocationError, JobDefinitionError, writing
 from caffe2ckpt.job import Node, Task, TaskGroup
 from caffe2ckpt.location import Location
 from caffe2ckpt.metadata import MetadataHandler, ZarrMetadataHandler
-from caffe2ckpt.naming import check_epoch, check_node_name, db_name, get_ckpt_filename
+from caffe2ckpt.naming import check_epoch, check_node_name, db_name
+from caffe2ckpt.nodeops import DB_EXISTS, Timed
 from caffe2ckpt.session import Session
 from caffe2ckpt.storage import DEFAULT_PACK_THRESHOLD
-from caffe2ckpt.workspace import Workspace, WorkspaceType
+from caffe2ckpt.workspace import WorkspaceType
 
 __all__ = ["CheckpointManager", "MultiNodeCheckpointManager", "UploadTaskGroupBuilder"]
 
 logger = logging.getLogger(__name__)
 
-DB_EXISTS = "caffe2ckpt/db_exists"
 _UNSET = object()
 _DB_TYPES = ("zarr",)
 
@@ -79,7 +77,9 @@ class _BaseManager(ClosedOnExit):
         self._path_type: str | None = None
         self._stats: dict[str, int] = {}
         self._param_nodes: list[str] = []
-        self._background = BackgroundSaves() if async_save else None
+        # async_save: this manager's background saves in each process running its nodes
+        self._background = f"manager-{uuid.uuid4().hex}" if async_save else None
+        self._pending: tuple[int, TaskGroup] | None = None  # (epoch, its save group) in flight
         self._claim: str | None = None  # this manager's run: its claim and where it started
         self._parent: Any = _UNSET  # (epoch, generation) or None once claim() said
         self.last_records: dict[str, CommitRecord] = {}
@@ -129,19 +129,22 @@ class _BaseManager(ClosedOnExit):
         self._files = files
         return True
 
-    def _group(self, name: str, make_fn: Any) -> TaskGroup:
-        """A GLOBAL group with one task per node: ``make_fn(node, file_node)`` gives its fn."""
+    def _group(self, name: str, make_fn: Callable[[str, str], Any],
+               collect: Callable[[str, str, Any], None] | None = None) -> TaskGroup:
+        """A GLOBAL group with one task per node: ``make_fn(node, file_node)`` gives its fn;
+        ``collect(node, file_node, result)`` records what it returned."""
         group = TaskGroup(WorkspaceType.GLOBAL, name=name)
         for node, file_node in self._require_files().items():
+            on_result = None if collect is None else partial(collect, node, file_node)
             with Node(node):
-                Task(make_fn(node, file_node), name=name, group=group)
+                Task(make_fn(node, file_node), name=name, group=group, on_result=on_result)
         return group
 
-    def _timed(self, node: str, file_node: str, epoch: int, fn: Any) -> Any:
-        start = time.perf_counter_ns()
-        result = fn()
-        self._stats[db_name(epoch, file_node, self._db_prefix)] = time.perf_counter_ns() - start
-        return result
+    def _record_time(self, epoch: int) -> Callable[[str, str, Timed | None], None]:
+        def collect(node: str, file_node: str, result: Timed | None) -> None:
+            if result is not None:
+                self._stats[db_name(epoch, file_node, self._db_prefix)] = result.ns
+        return collect
 
     # -- Caffe2 API ------------------------------------------------------------------------------
 
@@ -150,17 +153,15 @@ class _BaseManager(ClosedOnExit):
         if not self._bind_nodes(files) and retrieve_from_epoch is None:
             return TaskGroup(WorkspaceType.GLOBAL, name="checkpoint_init")  # reuse: keep lists
         store = self._source(path_prefix, path_type)
+        epoch = None if retrieve_from_epoch is None else check_epoch(retrieve_from_epoch)
 
         def make(node: str, file_node: str) -> Any:
-            if retrieve_from_epoch is None:
-                return lambda ws: self._blob_names.__setitem__(node, list(ws))
-            epoch = check_epoch(retrieve_from_epoch)
+            if epoch is None:
+                return nodeops.blob_names
+            return partial(nodeops.manifest_names, store, file_node, epoch)
 
-            def from_checkpoint(ws: Workspace) -> None:
-                self._blob_names[node] = list(store.manifest(file_node, epoch).blobs)
-            return from_checkpoint
-
-        return self._group("checkpoint_init", make)
+        return self._group("checkpoint_init", make,
+                           lambda node, _, names: self._blob_names.__setitem__(node, names))
 
     def _source(self, path_prefix: str | None, path_type: str | None) -> CheckpointStore:
         if path_type not in (None, *_DB_TYPES):
@@ -186,31 +187,16 @@ class _BaseManager(ClosedOnExit):
         """A runnable that restores every node's checkpointed blobs from ``epoch``."""
         epoch = check_epoch(epoch)
         store = self._source(path_prefix, path_type)
-
-        def make(node: str, file_node: str) -> Any:
-            def load(ws: Workspace) -> None:
-                data = self._timed(node, file_node, epoch, lambda: store.load_node(
-                    file_node, epoch, self._names(node)))
-                missing = [n for n in self._names(node) if n not in data]
-                if missing:
-                    raise CheckpointNotFoundError(
-                        f"checkpoint of node {file_node!r} at epoch {epoch} lacks blobs {missing}"
-                    )
-                ws.restore(data)
-            return load
-
-        return self._group("checkpoint_load", make)
+        return self._group("checkpoint_load", lambda node, file_node: partial(
+            nodeops.load, store, file_node, epoch, self._names(node), True),
+            self._record_time(epoch))
 
     def load_blobs_from_checkpoint(self, blob_names: Sequence[str], epoch: int) -> TaskGroup:
         """A runnable that loads only ``blob_names`` (those present) from ``epoch``."""
         epoch = check_epoch(epoch)
         names = list(blob_names)
-
-        def make(node: str, file_node: str) -> Any:
-            return lambda ws: ws.restore(self._timed(
-                node, file_node, epoch, lambda: self._store.load_node(file_node, epoch, names)))
-
-        return self._group("checkpoint_partial_load", make)
+        return self._group("checkpoint_partial_load", lambda _, file_node: partial(
+            nodeops.load, self._store, file_node, epoch, names, False), self._record_time(epoch))
 
     def check_db_exists(self, epoch: int) -> TaskGroup:
         """A runnable whose per-node output ``caffe2ckpt/db_exists`` says whether that node's
@@ -218,17 +204,12 @@ class _BaseManager(ClosedOnExit):
         epoch = check_epoch(epoch)
         group = TaskGroup(WorkspaceType.GLOBAL, name="check_db_exists")
         for node, file_node in self._require_files().items():
-            def exists(ws: Workspace, file_node: str = file_node) -> None:
-                ws[DB_EXISTS] = self._committed(file_node, epoch)
-            Task(exists, name="check_db_exists", group=group, node=node, outputs=[DB_EXISTS])
+            Task(partial(nodeops.db_exists, self._store, file_node, epoch),
+                 name="check_db_exists", group=group, node=node, outputs=[DB_EXISTS])
         return group
 
     def _committed(self, file_node: str, epoch: int) -> bool:
-        try:
-            self._store.node_record(file_node, epoch)
-        except CheckpointError:
-            return False
-        return True
+        return nodeops.committed(self._store, file_node, epoch)
 
     def save(self, epoch: int, *, stop: bool = False, stop_conditions: Sequence[str] = (),
              metrics: dict[str, float] | None = None, writer: dict[str, Any] | None = None,
@@ -262,57 +243,63 @@ class _BaseManager(ClosedOnExit):
                         stop=bool(stop), stop_conditions=tuple(stop_conditions), metrics=metrics,
                         writer=writer, claim=claim, parent=parent)
         self.last_records = {}
+        timed = self._record_time(epoch)
 
-        def make(node: str, file_node: str) -> Any:
-            def save(ws: Workspace) -> None:
-                names = self._names(node)
-                try:
-                    blobs = {n: ws[n] for n in names}
-                except KeyError:
-                    missing = [n for n in names if n not in ws]
-                    raise CheckpointWriteError(
-                        f"cannot save node {node!r} epoch {epoch}: checkpointed blobs {missing} "
-                        "are no longer in its workspace"
-                    ) from None
-                if self._background is None:
-                    self.last_records[node] = self._save_node(node, file_node, epoch, blobs, info)
-                    return
-                self._background.submit(epoch, node, blobs, lambda snapshot: self._save_node(
-                    node, file_node, epoch, snapshot, info))
-            return save
+        def collect(node: str, file_node: str, result: Timed | None) -> None:
+            if result is None:  # left in the background
+                self._pending = (epoch, group)
+                return
+            self.last_records[node] = result.value
+            timed(node, file_node, result)
 
-        return self._group("checkpoint_save", make)
-
-    def _save_node(self, node: str, file_node: str, epoch: int, blobs: dict[str, np.ndarray],
-                   info: SaveInfo) -> CommitRecord:
-        with writing(f"saving node {file_node!r} epoch {epoch} to "
-                     f"{self._location.display(get_ckpt_filename(file_node, epoch))!r}", epoch):
-            return self._timed(node, file_node, epoch, lambda: self._store.save_node(
-                file_node, epoch, blobs, info))
+        group = self._group("checkpoint_save", lambda node, file_node: partial(
+            nodeops.save, self._store, node, file_node, epoch, self._names(node), info,
+            self._background), collect)
+        return group
 
     @property
     def pending_epoch(self) -> int | None:
         """The epoch an ``async_save`` manager is still writing in the background, if any."""
-        return self._background.pending_epoch if self._background is not None else None
+        return None if self._pending is None else self._pending[0]
 
     def wait_until_finished(self) -> dict[str, CommitRecord]:
-        """Wait for a background save (if any) and return its records by node.
+        """Wait for a background save (if any) and return its records by node. The wait runs
+        where the save ran: here, or as a ``checkpoint_wait`` group on the session that ran it.
 
         Raises:
             CheckpointWriteError: the background save failed (``.epoch`` names the epoch).
         """
-        if self._background is None or self._background.pending_epoch is None:
+        if self._pending is None:
             return {}
-        _, records = self._background.wait()
-        self.last_records = dict(records)
-        return self.last_records
+        epoch, save_group = self._pending
+        self._pending = None
+        session = save_group.tasks[0].last_session if save_group.tasks else None
+        timed = self._record_time(epoch)
+        records: dict[str, CommitRecord] = {}
+
+        def collect(node: str, file_node: str, result: tuple[int | None, Timed | None]) -> None:
+            if result[1] is not None:
+                records[node] = result[1].value
+                timed(node, file_node, result[1])
+
+        if getattr(session, "remote", False):
+            session.run(self._group("checkpoint_wait", lambda node, _: partial(
+                nodeops.wait_saves, self._background, node), collect))
+        else:
+            _, results = nodeops.saves_for(self._background).wait()
+            for node, file_node in self._require_files().items():
+                collect(node, file_node, (epoch, results.get(node)))
+        self.last_records = records
+        return records
 
     def close(self) -> None:
         """Wait for a background save (raising its failure) and release its buffers. The
         manager stays usable; a closed one holds no thread either way."""
         if self._background is not None:
-            self.wait_until_finished()
-            self._background.close()
+            try:
+                self.wait_until_finished()
+            finally:
+                nodeops.release_saves(self._background)
 
     def write_checkpoint_metadata(self, epoch: int) -> None:
         if self._metadata_handler is not None:

@@ -3,7 +3,11 @@
 :class:`Session` is the protocol the runner and the checkpoint managers need; :class:`LocalSession`
 runs everything in this process, one thread per node of a group. :func:`run_node_tasks` is the
 one place that implements Caffe2's per-node semantics (PRIVATE child workspace, output
-promotion), so other sessions (e.g. the Prefect one) reuse it instead of re-implementing it.
+promotion), and :func:`run_group` the one place that runs a group's nodes and hands each task's
+return value to its ``on_result``, so other sessions (Prefect, Dask) reuse them.
+
+A node's share of a group travels as *steps*: ``(fn, outputs)`` pairs (:func:`node_steps`),
+never the :class:`Task` objects, which also hold their group and session.
 
 Imports: errors, workspace, job. Never prefect.
 """
@@ -13,7 +17,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -22,8 +26,11 @@ from caffe2ckpt.errors import JobDefinitionError
 from caffe2ckpt.job import Task, TaskGroup
 from caffe2ckpt.workspace import Workspace, WorkspaceType
 
-__all__ = ["LocalSession", "RunEvent", "Session", "as_group", "notify", "run_node_tasks",
-           "wait_all"]
+__all__ = ["LocalSession", "RunEvent", "Session", "Step", "as_group", "deliver", "node_steps",
+           "notify", "run_group", "run_node_tasks", "wait_all"]
+
+Step = tuple[Callable[[Workspace], Any] | None, tuple[str, ...]]
+"""One task as a node runs it: its function and its declared outputs."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,22 +95,56 @@ def as_group(runnable: TaskGroup | Task) -> TaskGroup:
     raise JobDefinitionError(f"cannot run {runnable!r}: expected a TaskGroup or a Task")
 
 
-def run_node_tasks(tasks: list[Task], ws: Workspace, workspace_type: WorkspaceType) -> None:
-    """Run one node's tasks of a group, in order, with Caffe2's workspace semantics.
+def node_steps(tasks: Sequence[Task]) -> list[Step]:
+    """The steps a node runs for ``tasks`` (picklable whenever the task functions are)."""
+    return [(t.fn, tuple(t.output_names())) for t in tasks]
+
+
+def run_node_tasks(steps: Sequence[Step], ws: Workspace,
+                   workspace_type: WorkspaceType) -> list[Any]:
+    """Run one node's steps of a group, in order, with Caffe2's workspace semantics, and return
+    what each step's function returned.
 
     GLOBAL: tasks see and change ``ws`` directly. PRIVATE: the node's tasks share one child
     workspace for this group run; existing blobs are written through to ``ws``, declared outputs
     are promoted to ``ws`` at the end, and every other new blob is dropped.
     """
     target = ws if workspace_type is WorkspaceType.GLOBAL else Workspace(parent=ws)
-    for task in tasks:
-        if task.fn is not None:
-            task.fn(target)
+    results = [fn(target) if fn is not None else None for fn, _ in steps]
     if target is not ws:
-        for task in tasks:
-            for name in task.output_names():
+        for _, outputs in steps:
+            for name in outputs:
                 if name in target.local_names():
                     ws[name] = target[name]
+    return results
+
+
+def deliver(by_node: Mapping[str, Sequence[Task]], results: Mapping[str, Sequence[Any]]) -> None:
+    """Hand each finished node's step results to its tasks' ``on_result``."""
+    for node, values in results.items():
+        for task, value in zip(by_node[node], values, strict=True):
+            if task.on_result is not None:
+                task.on_result(value)
+
+
+RunNode = Callable[[str, list[Step], WorkspaceType], list[Any]]
+
+
+def run_group(group: TaskGroup, run_node: RunNode) -> None:
+    """Run every node's share of ``group`` concurrently (one thread per node) as
+    ``run_node(node, steps, workspace_type)``; once all have ended, deliver the results of the
+    nodes that finished (:func:`deliver`), then raise the first failure."""
+    by_node = group.tasks_by_node()
+    wtype = group.workspace_type or WorkspaceType.PRIVATE
+    results: dict[str, list[Any]] = {}
+
+    def call(node: str, tasks: list[Task]) -> None:
+        results[node] = run_node(node, node_steps(tasks), wtype)
+
+    try:
+        wait_all([lambda n=node, ts=tasks: call(n, ts) for node, ts in by_node.items()])
+    finally:
+        deliver(by_node, {n: results[n] for n in by_node if n in results})
 
 
 def wait_all(calls: list[Callable[[], None]], *, max_workers: int | None = None) -> None:
@@ -155,19 +196,14 @@ class LocalSession:
     def notify(self, event: RunEvent) -> None:
         self.epoch = event.epoch
 
+    def run_node(self, node: str, steps: list[Step], workspace_type: WorkspaceType) -> list[Any]:
+        """Run one node's steps against its workspace here (see :func:`run_node_tasks`)."""
+        return run_node_tasks(steps, self.workspace(node), workspace_type)
+
     def run(self, runnable: TaskGroup | Task) -> None:
         group = as_group(runnable)
-        by_node = group.tasks_by_node()
-        if not by_node:
-            return
-        wtype = group.workspace_type or WorkspaceType.PRIVATE
         try:
-            wait_all(
-                [
-                    lambda n=node, ts=tasks: run_node_tasks(ts, self.workspace(n), wtype)
-                    for node, tasks in by_node.items()
-                ]
-            )
+            run_group(group, self.run_node)
         finally:
             for task in group.tasks:
                 task.last_session = self

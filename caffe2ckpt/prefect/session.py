@@ -2,9 +2,15 @@
 
 Inside a flow, ``session.run(group)`` submits one task run per node of the group (named like
 ``epoch_group[trainer_1] e7``) to the flow's task runner, waits for all of them, and then raises
-the first failure. Workspaces are handed over in memory (``quote``d, ``NO_CACHE``, no result
-persistence): the checkpoint store is the only cache. Outside a flow it behaves like a
-:class:`~caffe2ckpt.session.LocalSession`.
+the first failure. The task run calls its node session's ``run_node``: by default a
+:class:`~caffe2ckpt.session.LocalSession`, whose workspaces live in the flow process, or a
+:class:`~caffe2ckpt.dask.DaskSession`, whose workspaces live on Dask workers. Only the steps go in
+and their small results come back (``quote``d, ``NO_CACHE``, no result persistence): the
+checkpoint store is the only cache. Outside a flow it runs groups on the node session directly.
+
+The task runs execute in threads of the flow process (workspaces are shared in memory with the
+default node session), so the flow must use Prefect's default ``ThreadPoolTaskRunner``; any
+other task runner is refused up front. To spread nodes over machines, use a ``DaskSession``.
 """
 
 from __future__ import annotations
@@ -22,11 +28,13 @@ from prefect.cache_policies import NO_CACHE
 from prefect.context import FlowRunContext
 from prefect.futures import wait
 from prefect.runtime import deployment, flow_run
+from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.utilities.annotations import quote
 
+from caffe2ckpt.errors import JobDefinitionError
 from caffe2ckpt.job import Task, TaskGroup
 from caffe2ckpt.prefect.artifacts import CheckpointArtifacts
-from caffe2ckpt.session import LocalSession, RunEvent, as_group, run_node_tasks
+from caffe2ckpt.session import LocalSession, RunEvent, RunNode, Step, as_group, deliver, node_steps
 from caffe2ckpt.workspace import Workspace, WorkspaceType
 
 __all__ = ["PrefectSession", "in_flow_run"]
@@ -40,8 +48,9 @@ def in_flow_run() -> bool:
 
 
 @task(cache_policy=NO_CACHE, persist_result=False, task_run_name="{label}")
-def _run_node(label: str, tasks: list[Task], ws: Workspace, workspace_type: WorkspaceType) -> None:
-    run_node_tasks(tasks, ws, workspace_type)
+def _run_node(label: str, run_node: RunNode, node: str, steps: list[Step],
+              workspace_type: WorkspaceType) -> list[Any]:
+    return run_node(node, steps, workspace_type)
 
 
 @lru_cache(maxsize=1024)
@@ -55,7 +64,10 @@ class PrefectSession:
     """Runs task groups as Prefect task runs and reports checkpoints as flow run artifacts.
 
     Args:
-        workspaces: existing node workspaces (others are created empty on first use).
+        workspaces: existing node workspaces (others are created empty on first use), for the
+            default node session.
+        nodes: the session whose nodes run the tasks: a ``LocalSession`` (default) or a
+            ``DaskSession``.
         artifacts: keep the checkpoint table, progress and summary artifacts up to date.
         artifacts_interval: upload the checkpoint table and progress at most this often
             (seconds), in the background; longer when uploads get slow (ten times the last
@@ -69,9 +81,11 @@ class PrefectSession:
         ...     return JobRunner(build_job(), cm).train(PrefectSession())
     """
 
-    def __init__(self, workspaces: Mapping[str, Workspace] | None = None, *,
+    def __init__(self, workspaces: Mapping[str, Workspace] | None = None, *, nodes: Any = None,
                  artifacts: bool = True, artifacts_interval: float = 2.0) -> None:
-        self._local = LocalSession(workspaces)
+        if nodes is not None and workspaces is not None:
+            raise JobDefinitionError("give PrefectSession either workspaces or a node session")
+        self._local = nodes if nodes is not None else LocalSession(workspaces)
         self._artifacts = CheckpointArtifacts(min_interval=artifacts_interval) if artifacts else None
         self.epoch: int | None = None
 
@@ -87,6 +101,7 @@ class PrefectSession:
         if not in_flow_run():
             return {**self._local.writer_info(), "session": "prefect"}
         return {
+            **self._local.writer_info(),
             "session": "prefect",
             "flow_run_id": flow_run.id,
             "flow_run_name": flow_run.name,
@@ -114,26 +129,39 @@ class PrefectSession:
         if not in_flow_run():
             self._local.run(group)
             return
+        _check_task_runner()
         by_node = group.tasks_by_node()
         wtype = group.workspace_type or WorkspaceType.PRIVATE
         suffix = f" e{self.epoch}" if self.epoch is not None else ""
         node_task = _node_task(group.name)
-        futures = [
-            node_task.submit(
-                f"{group.name}[{node}]{suffix}", quote(tasks), quote(self.workspace(node)), wtype
-            )
+        futures = {
+            node: node_task.submit(f"{group.name}[{node}]{suffix}", quote(self._local.run_node),
+                                   node, quote(node_steps(tasks)), wtype)
             for node, tasks in by_node.items()
-        ]
+        }
         try:
-            wait(futures)
-            for future in futures:
-                # The first failure, after every node has finished. A completed run's result is
-                # None: skip fetching it (State.result goes through Prefect's event loop thread).
+            wait(list(futures.values()))
+            # A completed run's value is in memory (no persistence); State.result goes through
+            # Prefect's event loop thread, so read failed states only through future.result().
+            deliver(by_node, {n: f.state.result() for n, f in futures.items()
+                              if f.state.is_completed()})
+            for future in futures.values():
                 if not future.state.is_completed():
-                    future.result()
+                    future.result()  # the first failure, after every node has finished
         except BaseException:
             self._flush_artifacts()  # the job may end here, without a "finished" event
             raise
         finally:
             for t in group.tasks:
                 t.last_session = self
+
+
+def _check_task_runner() -> None:
+    runner = FlowRunContext.get().task_runner
+    if not isinstance(runner, ThreadPoolTaskRunner):
+        raise JobDefinitionError(
+            f"PrefectSession needs the flow's task runner to be Prefect's ThreadPoolTaskRunner "
+            f"(node task runs share the node session with the flow process), not "
+            f"{type(runner).__name__}; to run nodes on other machines keep the default task "
+            "runner and pass PrefectSession(nodes=DaskSession(...))"
+        )

@@ -1,0 +1,235 @@
+"""DaskSession: every node's workspace lives in a Dask actor on one worker, for the whole run.
+
+A group run sends each node's steps (its task functions, pickled with cloudpickle) to the node's
+actor and waits for all of them; only the steps go out and their small results (blob names,
+commit records, timings) come back. The checkpoint managers' tasks save and load the node's Zarr
+group from the worker, so a node's arrays never travel through the scheduler, the client or
+Prefect. Inside a Prefect flow, wrap it: ``PrefectSession(nodes=DaskSession(client))`` keeps one
+Prefect task run per node and group.
+
+Nodes are placed on the cluster's workers when first used: with ``placement={node: address}``
+where given, else on the worker holding the fewest of this session's nodes (ties: address
+order). A worker that dies takes its nodes' workspaces with it: the group run fails naming the
+node (:class:`~caffe2ckpt.errors.NodeLostError`), and the job resumes from its newest committed
+epoch in a new session (a Prefect retry makes one).
+
+Install with the ``[dask]`` extra. Imports: errors, session, nodeops, workspace, distributed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+from distributed import Client
+
+from caffe2ckpt.errors import JobDefinitionError, NodeLostError
+from caffe2ckpt.job import Task, TaskGroup
+from caffe2ckpt.nodeops import worker_info
+from caffe2ckpt.session import RunEvent, Step, as_group, run_group, run_node_tasks
+from caffe2ckpt.workspace import Workspace, WorkspaceType
+
+__all__ = ["DaskSession", "NodeActor", "RemoteWorkspace"]
+
+
+class NodeActor:
+    """One node's workspace, held by a Dask actor on the worker the node was placed on."""
+
+    def __init__(self, node: str) -> None:
+        self.node = node
+        self.ws = Workspace()
+
+    def run(self, steps: list[Step], workspace_type: WorkspaceType) -> list[Any]:
+        return run_node_tasks(steps, self.ws, workspace_type)
+
+    def names(self) -> list[str]:
+        return list(self.ws)
+
+    def get(self, name: str) -> np.ndarray:
+        return self.ws[name]
+
+    def set(self, name: str, value: Any) -> None:
+        self.ws[name] = value
+
+    def delete(self, name: str) -> None:
+        del self.ws[name]
+
+    def where(self) -> dict[str, Any]:
+        return worker_info()
+
+
+class RemoteWorkspace(Mapping[str, np.ndarray]):
+    """A node's workspace seen from the client: every access is a call to the node's actor
+    (for inspection, stop conditions and partial loads; never the hot path)."""
+
+    def __init__(self, session: DaskSession, node: str) -> None:
+        self._session, self._node = session, node
+
+    def _call(self, method: str, *args: Any) -> Any:
+        return self._session._call(self._node, method, *args)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._call("get", name)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        self._call("set", name, value)
+
+    def __delitem__(self, name: str) -> None:
+        self._call("delete", name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._call("names"))
+
+    def __len__(self) -> int:
+        return len(self._call("names"))
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._call("names")
+
+    def __repr__(self) -> str:
+        return f"RemoteWorkspace(node={self._node!r}, worker={self._session.worker_of(self._node)!r})"
+
+
+class DaskSession:
+    """Runs each node's tasks in a Dask actor that holds the node's workspace.
+
+    Args:
+        client: a ``distributed.Client``, or a scheduler address to connect to (that client is
+            closed by :meth:`close`).
+        placement: ``{node: worker address}`` for nodes that must run on a given worker.
+        place_timeout: seconds to wait for a node's actor to start on its worker.
+
+    Example:
+        >>> from distributed import LocalCluster
+        >>> with LocalCluster(n_workers=2, processes=True) as cluster, \\
+        ...         DaskSession(cluster.get_client()) as session:  # doctest: +SKIP
+        ...     JobRunner(build_job(), MultiNodeCheckpointManager("s3://b/run")).train(session)
+    """
+
+    remote = True  # managers run their background-save waits as groups on this session
+
+    def __init__(self, client: Client | str, *, placement: Mapping[str, str] | None = None,
+                 place_timeout: float = 60.0) -> None:
+        self._own_client = not isinstance(client, Client)
+        self._client = Client(client) if self._own_client else client
+        self._placement = dict(placement or {})
+        self._place_timeout = place_timeout
+        self._actors: dict[str, Any] = {}
+        self._futures: dict[str, Any] = {}
+        self._workers: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self.epoch: int | None = None
+
+    # -- placement -------------------------------------------------------------------------------
+
+    def worker_of(self, node: str) -> str | None:
+        """The worker address holding ``node``, once placed."""
+        return self._workers.get(node)
+
+    def _choose_worker(self, node: str) -> str:
+        workers = sorted(self._client.scheduler_info(n_workers=-1)["workers"])
+        scheduler = self._client.scheduler.address
+        if not workers:
+            raise NodeLostError(f"cannot place node {node!r}: the Dask cluster at {scheduler} "
+                                "has no workers", node=node)
+        if node in self._placement:
+            wanted = self._placement[node]
+            if wanted not in workers:
+                raise NodeLostError(f"cannot place node {node!r} on worker {wanted!r}: the Dask "
+                                    f"cluster at {scheduler} has workers {workers}", node=node)
+            return wanted
+        load = {w: 0 for w in workers}
+        for w in self._workers.values():
+            if w in load:
+                load[w] += 1
+        return min(workers, key=lambda w: (load[w], w))
+
+    def _actor(self, node: str) -> Any:
+        with self._lock:
+            if node in self._actors:
+                return self._actors[node]
+            worker = self._choose_worker(node)
+            future = self._client.submit(NodeActor, node, actor=True, workers=[worker],
+                                         allow_other_workers=False, pure=False)
+            try:
+                actor = future.result(timeout=self._place_timeout)
+            except Exception as exc:
+                future.cancel()
+                raise NodeLostError(f"could not start node {node!r} on Dask worker {worker} "
+                                    f"within {self._place_timeout:.0f} s: {exc}",
+                                    node=node) from exc
+            self._actors[node], self._futures[node], self._workers[node] = actor, future, worker
+            return actor
+
+    def _call(self, node: str, method: str, *args: Any) -> Any:
+        actor = self._actor(node)
+        try:
+            return getattr(actor, method)(*args).result()
+        except Exception as exc:
+            if _is_lost(exc):
+                raise NodeLostError(
+                    f"node {node!r} was lost with its Dask worker {self._workers.get(node)} "
+                    f"({type(exc).__name__}: {exc}); its workspace is gone: resume the job from "
+                    "its newest committed epoch in a new session", node=node) from exc
+            raise
+
+    # -- the Session protocol ----------------------------------------------------------------------
+
+    def run_node(self, node: str, steps: list[Step], workspace_type: WorkspaceType) -> list[Any]:
+        """Run one node's steps in its actor; return what they returned."""
+        return self._call(node, "run", steps, workspace_type)
+
+    def run(self, runnable: TaskGroup | Task) -> None:
+        group = as_group(runnable)
+        try:
+            run_group(group, self.run_node)
+        finally:
+            for task in group.tasks:
+                task.last_session = self
+
+    def workspace(self, node: str) -> RemoteWorkspace:
+        self._actor(str(node))
+        return RemoteWorkspace(self, str(node))
+
+    @property
+    def workspaces(self) -> dict[str, RemoteWorkspace]:
+        return {node: RemoteWorkspace(self, node) for node in self._actors}
+
+    def writer_info(self) -> dict[str, Any]:
+        return {**worker_info(), "session": "dask", "scheduler": self._client.scheduler.address}
+
+    def notify(self, event: RunEvent) -> None:
+        self.epoch = event.epoch
+
+    def close(self) -> None:
+        """Drop every node's actor (and its workspace); close the client if this session
+        made it."""
+        with self._lock:
+            futures = list(self._futures.values())
+            self._actors.clear()
+            self._futures.clear()
+            self._workers.clear()
+        try:
+            if futures:
+                self._client.cancel(futures)
+        finally:
+            if self._own_client:
+                self._client.close()
+
+    def __enter__(self) -> DaskSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _is_lost(exc: BaseException) -> bool:
+    """Whether ``exc`` says the actor's worker went away (rather than a task failing)."""
+    from distributed.comm.core import CommClosedError
+
+    if isinstance(exc, (CommClosedError, OSError, TimeoutError)):
+        return True
+    return type(exc).__name__ in {"KilledWorker", "FutureCancelledError", "CancelledError"} or (
+        "worker" in str(exc).lower() and "lost" in str(exc).lower())

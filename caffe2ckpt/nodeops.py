@@ -1,0 +1,150 @@
+"""What the checkpoint managers' tasks do on a node, wherever that node runs.
+
+Each function takes its inputs as arguments and the node's workspace last (the managers bind the
+rest with :func:`functools.partial`), changes nothing but that workspace and the store, and
+returns a small result (blob names, a commit record, a duration) that the session hands back to
+the manager (``Task.on_result``). So the same task runs in the flow process's threads or in a
+Dask actor on another machine, and a node's arrays never leave the process that holds them.
+
+Background saves (``async_save``) live in the process that runs the node: :func:`saves_for`
+keeps one :class:`BackgroundSaves` per manager there.
+
+Imports: errors, naming, checkpoint, commit, background, workspace. Not zarr, not prefect.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from caffe2ckpt.background import BackgroundSaves
+from caffe2ckpt.checkpoint import CheckpointStore, SaveInfo
+from caffe2ckpt.errors import CheckpointError, CheckpointNotFoundError, CheckpointWriteError, writing
+from caffe2ckpt.naming import get_ckpt_filename
+from caffe2ckpt.workspace import Workspace
+
+__all__ = ["DB_EXISTS", "Timed", "blob_names", "committed", "db_exists", "load", "manifest_names",
+           "release_saves", "save", "saves_for", "wait_saves", "worker_info"]
+
+DB_EXISTS = "caffe2ckpt/db_exists"
+
+_saves: dict[str, BackgroundSaves] = {}
+_saves_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class Timed:
+    """A node operation's result and how long it took (nanoseconds)."""
+
+    value: Any
+    ns: int
+
+
+def _timed(fn: Any) -> Timed:
+    start = time.perf_counter_ns()
+    value = fn()
+    return Timed(value, time.perf_counter_ns() - start)
+
+
+def saves_for(key: str) -> BackgroundSaves:
+    """This process's background saves of the manager ``key`` (made on first use)."""
+    with _saves_lock:
+        return _saves.setdefault(key, BackgroundSaves())
+
+
+def release_saves(key: str) -> None:
+    """Wait for and forget this process's background saves of manager ``key``, if any.
+
+    Raises:
+        CheckpointWriteError: a save not waited for yet failed.
+    """
+    with _saves_lock:
+        saves = _saves.pop(key, None)
+    if saves is not None:
+        saves.close()
+
+
+def worker_info() -> dict[str, Any]:
+    """Which process holds the node and writes its data."""
+    return {"host": socket.gethostname(), "pid": os.getpid()}
+
+
+def blob_names(ws: Workspace) -> list[str]:
+    """The blobs in the node's workspace now (a fresh start's checkpointed names)."""
+    return list(ws)
+
+
+def manifest_names(store: CheckpointStore, file_node: str, epoch: int,
+                   ws: Workspace) -> list[str]:
+    """The blobs in the node's checkpoint of ``epoch`` (a resume's checkpointed names)."""
+    return list(store.manifest(file_node, epoch).blobs)
+
+
+def save(store: CheckpointStore, node: str, file_node: str, epoch: int, names: Sequence[str],
+         info: SaveInfo, background: str | None, ws: Workspace) -> Timed | None:
+    """Save and commit ``names`` of the node's workspace as ``epoch``; the commit record names
+    this process as the worker. With a ``background`` key, only snapshot them here and write
+    in the background (:func:`wait_saves` collects the record); returns None then."""
+    try:
+        blobs = {n: ws[n] for n in names}
+    except KeyError:
+        missing = [n for n in names if n not in ws]
+        raise CheckpointWriteError(
+            f"cannot save node {node!r} epoch {epoch}: checkpointed blobs {missing} are no "
+            "longer in its workspace") from None
+    info = replace(info, writer={**(info.writer or {}), "worker": worker_info()})
+    where = store.location.display(get_ckpt_filename(file_node, epoch))
+
+    def write(snapshot: dict[str, Any]) -> Timed:
+        with writing(f"saving node {file_node!r} epoch {epoch} to {where!r}", epoch):
+            return _timed(lambda: store.save_node(file_node, epoch, snapshot, info))
+
+    if background is None:
+        return write(blobs)
+    saves_for(background).submit(epoch, node, blobs, write)
+    return None
+
+
+def wait_saves(background: str, node: str, ws: Workspace) -> tuple[int | None, Timed | None]:
+    """Wait for this process's background saves of the manager; return (epoch, the node's
+    timed record, if it had a save in flight).
+
+    Raises:
+        CheckpointWriteError: a background save failed (``.epoch`` names the epoch).
+    """
+    epoch, results = saves_for(background).wait()
+    return epoch, results.get(node)
+
+
+def load(store: CheckpointStore, file_node: str, epoch: int, names: Sequence[str],
+         require_all: bool, ws: Workspace) -> Timed:
+    """Restore ``names`` (with ``require_all``, every one of them; else those present) from the
+    node's checkpoint of ``epoch`` into its workspace."""
+    data = _timed(lambda: store.load_node(file_node, epoch, list(names)))
+    missing = [n for n in names if n not in data.value] if require_all else []
+    if missing:
+        raise CheckpointNotFoundError(
+            f"checkpoint of node {file_node!r} at epoch {epoch} lacks blobs {missing}")
+    ws.restore(data.value)
+    return Timed(None, data.ns)
+
+
+def committed(store: CheckpointStore, file_node: str, epoch: int) -> bool:
+    """Whether the node's checkpoint of ``epoch`` has a readable commit record."""
+    try:
+        store.node_record(file_node, epoch)
+    except CheckpointError:
+        return False
+    return True
+
+
+def db_exists(store: CheckpointStore, file_node: str, epoch: int, ws: Workspace) -> None:
+    """Set the node's ``caffe2ckpt/db_exists`` blob to whether its checkpoint of ``epoch`` is
+    committed."""
+    ws[DB_EXISTS] = committed(store, file_node, epoch)
+

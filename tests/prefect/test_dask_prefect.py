@@ -1,0 +1,130 @@
+"""DaskSession inside real Prefect flows on a 2-worker process LocalCluster: one Prefect task run
+per node and group, and a worker SIGKILLed mid-epoch or mid-save failing the attempt naming the
+node, after which Prefect's retry places fresh actors and resumes bit-exact."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from uuid import UUID
+
+import pytest
+from prefect import flow
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+from prefect.runtime import flow_run
+
+from caffe2ckpt import JobRunner, LocalSession, MultiNodeCheckpointManager
+from caffe2ckpt.checkpoint import CheckpointStore
+from caffe2ckpt.example import build_job
+from caffe2ckpt.location import Location
+from caffe2ckpt.prefect import PrefectSession
+from tests.jobs import fetch, make_job
+from tests.prefect.conftest import poll
+
+distributed = pytest.importorskip("distributed")
+from caffe2ckpt.dask import DaskSession  # noqa: E402
+
+pytestmark = pytest.mark.slow
+NODES = ["trainer_0", "trainer_1"]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=2, processes=True,
+                                  dashboard_address=None, silence_logs=40) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def dask_client(cluster):
+    with distributed.Client(cluster) as client:
+        client.wait_for_workers(2, timeout=60)
+        yield client
+
+
+def test_task_runs_per_node_and_group_with_actors(tmp_path, dask_client, client):
+    job, totals = make_job(node_ids=(0, 1))
+
+    @flow(name="dask-pipeline")
+    def pipeline() -> tuple[int, str, list[int]]:
+        with DaskSession(dask_client) as nodes:
+            final = JobRunner(job, MultiNodeCheckpointManager(str(tmp_path / "ckpt"))).train(
+                PrefectSession(nodes=nodes))
+            return final, flow_run.id, [fetch(nodes, f"trainer_{i}", t)
+                                        for i, t in enumerate(totals)]
+
+    final, run_id, values = pipeline()
+    assert final == 4 and values == [145, 145]
+    expected = sorted(
+        [f"{g}[{n}] e0" for g in ("init_group", "checkpoint_init") for n in NODES]
+        + [f"checkpoint_save[{n}] e{e}" for e in range(5) for n in NODES]
+        + [f"epoch_group[{n}] e{e}" for e in range(1, 5) for n in NODES])
+    runs = poll(lambda: client.read_task_runs(flow_run_filter=FlowRunFilter(
+        id=FlowRunFilterId(any_=[UUID(run_id)]))), lambda r: len(r) >= len(expected))
+    assert sorted(r.name for r in runs) == expected
+
+
+def kill_at(epoch: int, node: str):
+    """An extra epoch task: SIGKILLs the worker holding ``node`` when it reaches ``epoch``."""
+    def maybe_die(ws) -> None:
+        if int(ws["epoch"]) == epoch:
+            os.kill(os.getpid(), signal.SIGKILL)
+    return maybe_die
+
+
+def die_while_installing(marker: str) -> None:
+    """Run on every worker: the first save of trainer_1's epoch 3 (while the marker file
+    exists) SIGKILLs its worker after the data is staged, before it is moved into place."""
+    from caffe2ckpt.checkpoint import CheckpointStore
+
+    install = CheckpointStore._install
+
+    def dying(self, staged, target, node, epoch, *args, **kwargs):
+        if node == "trainer_1" and epoch == 3 and os.path.exists(marker):
+            os.unlink(marker)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return install(self, staged, target, node, epoch, *args, **kwargs)
+
+    CheckpointStore._install = dying
+
+
+@pytest.mark.parametrize("where", ["mid-epoch", "mid-save"])
+def test_a_killed_worker_fails_the_attempt_and_the_retry_resumes(tmp_path, dask_client, where):
+    url = str(tmp_path / "ckpt")
+    marker = tmp_path / "kill-once"
+    if where == "mid-save":
+        marker.touch()
+        dask_client.run(die_while_installing, str(marker))
+    attempts: list[tuple[int, float, str]] = []
+
+    @flow(name="dask-retrying", retries=1, retry_delay_seconds=0)
+    def retrying() -> list[dict]:
+        job = build_job(5)
+        if where == "mid-epoch" and flow_run.run_count == 1:
+            from caffe2ckpt import Node, Task
+            with Node("trainer_1"):
+                Task(kill_at(3, "trainer_1"), name="die", group=job.epoch_group)
+        started = time.monotonic()
+        try:
+            with DaskSession(dask_client) as nodes:
+                JobRunner(job, MultiNodeCheckpointManager(url)).train(PrefectSession(nodes=nodes))
+                return [{k: v.tobytes() for k, v in nodes.workspace(n).items()} for n in NODES]
+        except Exception as exc:
+            attempts.append((flow_run.run_count, time.monotonic() - started, repr(exc)))
+            raise
+
+    final = retrying()
+    assert len(attempts) == 1, attempts
+    _, seconds, error = attempts[0]
+    assert "NodeLostError" in error and "trainer_1" in error, error
+    assert seconds < 30, attempts
+    assert not marker.exists()  # the mid-save kill happened
+
+    reference = LocalSession()
+    JobRunner(build_job(5), MultiNodeCheckpointManager(str(tmp_path / "ref"))).train(reference)
+    assert final == [{k: v.tobytes() for k, v in reference.workspace(n).items()} for n in NODES]
+    store = CheckpointStore(Location(url))
+    assert store.latest_epoch(NODES) == 5
+    assert Path(url).exists()

@@ -1,0 +1,116 @@
+"""DaskSession on a real 2-worker process LocalCluster: each node's workspace in an actor on one
+worker, saves and loads from the worker, the Caffe2 contract without and inside a Prefect flow,
+and what crosses between the client and the workers."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import cloudpickle
+import numpy as np
+import pytest
+
+from caffe2ckpt import JobRunner, LocalSession, MultiNodeCheckpointManager
+from caffe2ckpt.checkpoint import CheckpointStore
+from caffe2ckpt.errors import NodeLostError
+from caffe2ckpt.example import build_job
+from caffe2ckpt.location import Location
+from tests.jobs import EXPECTED_TOTALS, fetch, make_job
+
+distributed = pytest.importorskip("distributed")
+from caffe2ckpt.dask import DaskSession  # noqa: E402
+
+pytestmark = pytest.mark.slow
+NODES = ["trainer_0", "trainer_1"]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=2, processes=True,
+                                  dashboard_address=None, silence_logs=40) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def dask_client(cluster):
+    with distributed.Client(cluster) as client:
+        yield client
+
+
+def test_caffe2_contract_on_two_workers(tmp_path, dask_client):
+    url = str(tmp_path / "ckpt")
+    job, totals = make_job(node_ids=(0, 1))
+    with DaskSession(dask_client) as session:
+        assert JobRunner(job, MultiNodeCheckpointManager(url)).train(session) == 4
+        assert [fetch(session, f"trainer_{i}", t) for i, t in enumerate(totals)] == [145, 145]
+        workers = {session.worker_of(n) for n in NODES}
+        assert len(workers) == 2  # one node per worker
+    for epoch in (1, 2, 3, 4):
+        with DaskSession(dask_client) as session:
+            runner = JobRunner(job, MultiNodeCheckpointManager(url), resume_from_epoch=epoch)
+            assert runner.train(session) == 4 and runner.resumed_from == epoch
+            assert fetch(session, "trainer_1", totals[1]) == 145
+
+
+def test_multi_node_partial_load_on_workers(tmp_path, dask_client):
+    url = str(tmp_path / "ckpt")
+    with DaskSession(dask_client) as session:
+        for node_id in range(3):
+            job, _ = make_job(node_ids=(node_id,))
+            JobRunner(job, MultiNodeCheckpointManager(url)).train(session)
+    job, _ = make_job(node_ids=(0, 1, 2))
+    with DaskSession(dask_client) as session:
+        runner = JobRunner(job, MultiNodeCheckpointManager(url))
+        for epoch in (1, 2, 3, 4):
+            assert runner.load_blobs_from_checkpoints(
+                ["trainer_1/total", "trainer_2/total"], epoch, session) is True
+            assert fetch(session, "trainer_2", "trainer_2/total") == EXPECTED_TOTALS[epoch - 1]
+            assert "trainer_0/total" not in session.workspace("trainer_0")
+        assert runner.load_blobs_from_checkpoints(["trainer_1/total"], 5, session) is False
+
+
+class Recording(DaskSession):
+    """Measures what each group run sends to a node and gets back (pickled sizes)."""
+
+    def __init__(self, client) -> None:
+        super().__init__(client)
+        self.sent: list[int] = []
+        self.received: list[int] = []
+
+    def run_node(self, node, steps, workspace_type):
+        self.sent.append(len(cloudpickle.dumps(steps)))
+        results = super().run_node(node, steps, workspace_type)
+        self.received.append(len(pickle.dumps(results)))
+        return results
+
+
+def test_arrays_stay_on_the_workers_and_records_name_them(tmp_path, dask_client):
+    url = str(tmp_path / "ckpt")
+    job = build_job(3)  # ~180 KB per node
+    with Recording(dask_client) as session:
+        cm = MultiNodeCheckpointManager(url)
+        assert JobRunner(job, cm).train(session) == 3
+        where = {n: session._call(n, "where") for n in NODES}
+        data = session.workspace("trainer_0")["data/x"]
+        weights = session.workspace("trainer_0")["model/w"]
+    assert data.nbytes == 4096 * 8 * 4
+    assert max(session.sent) < 16_000 and max(session.received) < 8_000, (
+        max(session.sent), max(session.received))
+    store = CheckpointStore(Location(url))
+    for node in NODES:
+        record = store.node_record(node, 3)
+        assert record.writer["worker"] == where[node] and where[node]["pid"] != os.getpid()
+        assert record.writer["session"] == "dask"
+
+    reference = LocalSession()
+    JobRunner(build_job(3), MultiNodeCheckpointManager(str(tmp_path / "ref"))).train(reference)
+    assert np.array_equal(reference.workspace("trainer_0")["model/w"], weights)
+    assert np.array_equal(reference.workspace("trainer_0")["data/x"], data)
+
+
+def test_a_node_that_cannot_be_placed_is_a_clear_error(dask_client):
+    with DaskSession(dask_client, placement={"trainer_0": "tcp://127.0.0.1:1"}) as session:
+        with pytest.raises(NodeLostError, match=r"trainer_0.*tcp://127\.0\.0\.1:1") as info:
+            session.workspace("trainer_0")
+    assert info.value.node == "trainer_0"
