@@ -16,7 +16,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["S3Server", "prefix_kind", "start"]
+import pytest
+
+__all__ = ["NOT_ON_S3", "S3Server", "prefix_kind", "start", "storage_cases"]
 
 CREDENTIALS = {"key": "testing", "secret": "testing"}
 
@@ -89,3 +91,19 @@ def prefix_kind(prefix: str) -> str:
         if prefix.startswith(f"{kind}://"):
             return kind
     return "local"
+
+
+# Which cases of a test in the S3 modules (tests/conftest.py) also run on the S3 server. Checks of
+# pure logic (parsing, dtype encoding, refusals before any write) gain nothing from S3 beyond
+# the cases that exercise its I/O, and each S3 request costs ~10 ms against moto.
+NOT_ON_S3 = pytest.mark.parametrize("prefix", ["memory", "local"], indirect=True)
+
+
+def storage_cases(argnames: str, values: list[Any], *, s3: list[Any]) -> pytest.MarkDecorator:
+    """Parametrize ``prefix`` and ``argnames`` together: every value on memory and local, the
+    values in ``s3`` also on the S3 server (marked slow)."""
+    def row(kind: str, value: Any) -> tuple:
+        return (kind, *value) if "," in argnames else (kind, value)
+    cases = [row(kind, v) for v in values for kind in ("memory", "local")]
+    cases += [pytest.param(*row("s3", v), marks=pytest.mark.slow) for v in s3]
+    return pytest.mark.parametrize(f"prefix,{argnames}", cases, indirect=["prefix"])

@@ -26,6 +26,7 @@ from caffe2ckpt.example import build_job
 from caffe2ckpt.location import Location
 from caffe2ckpt.metadata import ZarrMetadataHandler
 from caffe2ckpt.naming import blob_path
+from tests.s3server import NOT_ON_S3
 
 NODES = ["n0", "n1"]
 BIG = "big/w"  # 96 KiB: its own zarr array
@@ -190,6 +191,7 @@ def test_damaged_chunk_raises_naming_node_epoch_blob(ckpt, array, how):
 
 
 @pytest.mark.parametrize("array", [BIG, "_packed"])
+@NOT_ON_S3
 def test_any_single_bit_flip_in_a_chunk_is_detected(ckpt, array):
     path = ckpt.chunk("n1", 2, blob_path(array) if array == BIG else array)
     original = ckpt.fs.cat_file(path)
@@ -210,6 +212,7 @@ def test_any_single_bit_flip_in_a_chunk_is_detected(ckpt, array):
 
 @pytest.mark.parametrize(("array", "how"), [(BIG, "delete"), (BIG, "garbage"), (BIG, "truncate"),
                                              ("_packed", "delete"), ("_packed", "empty")])
+@NOT_ON_S3
 def test_damaged_array_metadata_raises_naming_node_and_epoch(ckpt, array, how):
     stored = blob_path(array) if array == BIG else array
     mutate(ckpt.fs, ckpt.path("n1", 2, stored, "zarr.json"), how)
@@ -221,6 +224,7 @@ def test_damaged_array_metadata_raises_naming_node_and_epoch(ckpt, array, how):
 
 
 @pytest.mark.parametrize("how", ["garbage", "truncate", "empty", "not-a-manifest"])
+@NOT_ON_S3
 def test_damaged_group_metadata_raises_and_epoch_falls_back(ckpt, how, caplog):
     path = ckpt.path("n1", 2, "zarr.json")
     if how == "not-a-manifest":  # a valid zarr group without caffe2ckpt attributes
@@ -257,6 +261,7 @@ METADATA_FLIPS = {
 
 
 @pytest.mark.parametrize("case", sorted(METADATA_FLIPS))
+@NOT_ON_S3
 def test_single_bit_flip_in_metadata_never_yields_wrong_data(ckpt, case):
     relative, pattern, occurrence, bit = METADATA_FLIPS[case]
     path = ckpt.path("n1", 2, relative)

@@ -47,7 +47,7 @@ from caffe2ckpt.commit import delete_record, list_records, read_record, write_re
 from caffe2ckpt.example import build_job
 from caffe2ckpt.location import Location
 from caffe2ckpt.metadata import ZarrMetadataHandler
-from tests.s3server import prefix_kind
+from tests.s3server import NOT_ON_S3, prefix_kind, storage_cases
 
 # -- helpers ---------------------------------------------------------------------------------------
 
@@ -394,6 +394,7 @@ def test_huge_and_hostile_blob_names_round_trip_inside_the_prefix(prefix, world,
     np.array([1, "a", None], dtype=object), np.zeros(2, dtype=[("a", "<i4"), ("b", "<f8")]),
     np.zeros(3, dtype="V4"), np.array(["2024-01-01"], dtype="datetime64[D]"), [1, 2], "text",
 ], ids=["object", "structured", "void", "datetime", "list", "str"])
+@NOT_ON_S3
 def test_unstorable_values_are_refused_in_tasks_and_restore(prefix, world, value):
     """Through a task of a running job (after epoch 0 was committed) and through
     ``Workspace.restore``: InvalidBlobError naming the blob; nothing of the epoch is written."""
@@ -474,6 +475,7 @@ def no_unpickling(monkeypatch):
 
 @pytest.mark.parametrize("dtype", ["|O", "|V8", "<M8[D]", "[('a', '<i4')]", "object"])
 @pytest.mark.parametrize("where", ["array", "packed"])
+@NOT_ON_S3
 def test_a_crafted_manifest_claiming_object_dtype_is_refused_not_unpickled(
         prefix, no_unpickling, where, dtype):
     session = seeded_session(["n"])
@@ -567,7 +569,8 @@ def hostile_record(good: bytes, kind: str) -> bytes:
     return text + b" " * (strictjson.MAX_BYTES + 1) if kind == "huge" else text
 
 
-@pytest.mark.parametrize("kind", ["deep", "infinity", "nan", "400-digit", "1e999", "huge"])
+@storage_cases("kind", ["deep", "infinity", "nan", "400-digit", "1e999", "huge"],
+               s3=["deep", "huge"])
 def test_a_hostile_commit_record_uncommits_only_its_own_epoch(prefix, capsys, kind):
     """Deeply nested, NaN, Infinity, a 400-digit number, a float overflow, a huge file: the record
     is corrupt for its own node and epoch; listings, the CLI, StepCheckpointManager and an
@@ -609,7 +612,7 @@ HUGE_CLAIMS = {  # edits of a group manifest that claim far more memory than is 
 
 
 @pytest.mark.parametrize("record_too", [False, True], ids=["manifest", "manifest+record"])
-@pytest.mark.parametrize("claim", list(HUGE_CLAIMS))
+@storage_cases("claim", list(HUGE_CLAIMS), s3=["array"])
 def test_a_manifest_claiming_huge_blobs_is_corrupt_not_a_memory_error(prefix, claim,
                                                                       record_too):
     """A manifest (recommitted with a valid record, whose nbytes may be forged to match) that

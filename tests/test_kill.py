@@ -137,6 +137,16 @@ def last_event(events: Path, pid: int) -> str:
     return mine[-1] if mine else "(nothing)"
 
 
+def wait_for_event(events: Path, proc: subprocess.Popen, event: str,
+                   timeout: float = 60.0) -> None:
+    """Poll the event file until ``proc`` logged ``event`` (or exited, or ``timeout`` passed)."""
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        if events.exists() and f"{proc.pid} {event}\n" in events.read_text():
+            return
+        time.sleep(0.002)
+
+
 def load_npz(path: Path) -> dict[str, np.ndarray]:
     with np.load(path) as data:
         return {k: data[k] for k in data.files}
@@ -173,7 +183,11 @@ def test_sigkill_at_random_instants_loses_nothing(tmp_path, mode, kills):
         runs += 1
         with open(log, "a") as stderr:
             proc = start(script, prefix, out, events, stderr)
-            time.sleep(rng.uniform(0.01, 0.25))
+            if rng.random() < 0.5:  # any instant of the run's first ~quarter second
+                time.sleep(rng.uniform(0.01, 0.25))
+            else:  # an instant inside a save, however slow resuming is on a loaded machine
+                wait_for_event(events, proc, "save-start")
+                time.sleep(rng.uniform(0.0, 0.03))
             killed = proc.poll() is None
             if killed:
                 os.kill(proc.pid, signal.SIGKILL)

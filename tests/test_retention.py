@@ -29,6 +29,7 @@ from caffe2ckpt.metadata import ZarrMetadataHandler
 from caffe2ckpt.policy import retained_epochs, should_save
 
 from faultfs import FaultyFileSystem
+from test_faults import clone
 
 NAN = float("nan")
 # loss after epochs 1..10 (epoch 0 has no metrics): NaN counts as worst
@@ -195,6 +196,16 @@ def _populate(fs, root: str) -> CheckpointStore:
     return CheckpointStore(Location(root, filesystem=fs))
 
 
+def _copies(fs, root: str):
+    """``copy(path)``: a byte-exact copy at ``path`` of one populated prefix (saved once)."""
+    template = _populate(fs, f"{root}-template").location.root
+
+    def copy(path: str) -> CheckpointStore:
+        clone(fs.inner, template, path)
+        return CheckpointStore(Location(path, filesystem=fs))
+    return copy
+
+
 def _check_all_committed_load(store: CheckpointStore) -> list[int]:
     steps = scan(store, NODES).steps
     for e in steps:
@@ -215,12 +226,13 @@ def _count_ops(fs, kind: str, action) -> int:
 def test_a_fault_at_every_operation_of_a_deletion_loses_nothing_kept(faulty, kind):
     fs, root = faulty
     opts = StepManagerOptions(max_to_keep=1)
-    probe = _populate(fs, f"{root}-probe")
+    copy = _copies(fs, root)
+    probe = copy(f"{root}-probe")
     total = _count_ops(fs, kind, lambda: apply_retention(probe, opts, NODES))
     assert total > 0
     print(f"deletion: {total} {kind} operations, each faulted in turn")
     for n in range(1, total + 1):
-        store = _populate(fs, f"{root}-{kind}{n}")
+        store = copy(f"{root}-{kind}{n}")
         fs.arm(kind, n)
         try:
             apply_retention(store, opts, NODES)
@@ -241,9 +253,10 @@ def test_a_fault_at_every_operation_of_a_deletion_loses_nothing_kept(faulty, kin
 @pytest.mark.parametrize("kind", ["delete", "list", "read"])
 def test_a_fault_at_every_operation_of_a_cleanup_loses_nothing(faulty, kind):
     fs, root = faulty
+    copy = _copies(fs, root)
 
     def broken_store(path: str) -> CheckpointStore:
-        store = _populate(fs, path)
+        store = copy(path)
         loc = store.location
         loc.fs.pipe_file(loc.path("trainer_0.9", "zarr.json"), b"{}")  # uncommitted data
         loc.fs.pipe_file(loc.path("_staging", "trainer_1.2.abc", "zarr.json"), b"{}")

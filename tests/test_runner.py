@@ -21,6 +21,7 @@ from caffe2ckpt import (
 from caffe2ckpt.commit import list_records, read_record
 from caffe2ckpt.example import InjectedFailure, build_job
 from caffe2ckpt.metadata import ZarrMetadataHandler
+from tests.s3server import storage_cases
 
 NODES = ["trainer_0", "trainer_1"]
 
@@ -42,7 +43,7 @@ def reference(tmp_path_factory, num_epochs: int) -> dict:
     return workspaces(session)
 
 
-@pytest.mark.parametrize("fail_at", [1, 3, 5])
+@storage_cases("fail_at", [1, 3, 5], s3=[3])
 def test_auto_resume_after_failure_is_bit_identical(prefix, fail_at, tmp_path_factory):
     with pytest.raises(InjectedFailure):
         run(prefix, 5, fail_at_epoch=fail_at)

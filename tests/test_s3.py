@@ -122,11 +122,12 @@ def test_exclusive_creation_has_exactly_one_winner_on_s3(s3):
 # the kinds whose ops really reach S3 differently from memory/local: writes (PUTs, conditional
 # PUTs) and deletes (DELETEs, the copy-based move of a re-save). Listing, stat and ENOSPC faults
 # are raised by the wrapper before any request, so the memory/local matrix covers them. A case
-# costs ~150 requests (~2 s); the full matrix on S3 would take ~4 minutes.
+# costs ~150 requests (~4 s); the full matrix on S3 would take ~6 minutes. The memory and local
+# matrices (tests/test_faults.py) fault every operation.
 S3_FAULTS = [
-    pytest.param(faults.FRESH, faults.Fault("write"), 7, id="fresh-write-EIO"),
-    pytest.param(faults.RESAVE, faults.Fault("write"), 13, id="resave-write-EIO"),
-    pytest.param(faults.RESAVE, faults.Fault("delete"), 5, id="resave-delete-EIO"),
+    pytest.param(faults.FRESH, faults.Fault("write"), 12, id="fresh-write-EIO"),
+    pytest.param(faults.RESAVE, faults.Fault("write"), 18, id="resave-write-EIO"),
+    pytest.param(faults.RESAVE, faults.Fault("delete"), 10, id="resave-delete-EIO"),
 ]
 
 

@@ -29,6 +29,7 @@ from caffe2ckpt import storage
 from caffe2ckpt.location import Location
 from caffe2ckpt.manifest import Manifest
 from caffe2ckpt.naming import blob_path
+from tests.s3server import NOT_ON_S3
 
 LARGE = 64 * 1024  # the default pack threshold: blobs this big are their own zarr array
 NODE = "trainer_0"
@@ -208,6 +209,7 @@ def check_layouts(loaded, blobs):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@NOT_ON_S3  # test_all_dtypes_together_through_store runs them all on S3
 def test_dtypes_round_trip_bit_exact(prefix, dtype):
     blobs = dtype_blobs(dtype)
     view = blobs["large/view"]

@@ -30,6 +30,10 @@ from tests.jobs import EXPECTED_TOTALS, Counter, fetch, make_job
 from tests.prefect.conftest import poll
 
 
+# The Prefect layer does not depend on the filesystem (tests/test_*.py cover memory, local, S3).
+ON_LOCAL_DISK = pytest.mark.parametrize("prefix", ["local"], indirect=True)
+
+
 def task_run_names(client, flow_run_id: str, expected: int) -> list[str]:
     runs = poll(lambda: client.read_task_runs(flow_run_filter=FlowRunFilter(
         id=FlowRunFilterId(any_=[UUID(flow_run_id)]))), lambda r: len(r) >= expected)
@@ -41,6 +45,7 @@ def snapshot(session, nodes) -> dict:
             for n in nodes}
 
 
+@ON_LOCAL_DISK
 def test_caffe2_job_through_prefect_with_named_task_runs(prefix, client):
     counter = Counter()
     job, (total,) = make_job(counter=counter)
@@ -66,6 +71,7 @@ def test_caffe2_job_through_prefect_with_named_task_runs(prefix, client):
     assert counter.init_calls == 1
 
 
+@ON_LOCAL_DISK
 def test_multi_node_partial_load_through_prefect(prefix):
     for node_id in range(3):
         job, _ = make_job(node_ids=(node_id,))
@@ -206,6 +212,7 @@ def read_table(client, run_id: str, key: str) -> list[dict]:
     return json.loads(found[0].data)
 
 
+@ON_LOCAL_DISK
 def test_checkpoint_table_artifact_shows_the_metrics_of_each_save(prefix, client):
     @flow(name="with-metrics")
     def with_metrics() -> str:
