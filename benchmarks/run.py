@@ -1,5 +1,6 @@
 """Every benchmark in one run: checkpoint save/restore (W1, W2, W3) against raw files and peers,
-async-save blocking time, latest-epoch lookup, and Prefect's per-epoch overhead.
+async-save blocking time, latest-epoch lookup, Prefect's per-epoch overhead, and DaskSession's
+save throughput and per-epoch overhead (when distributed is installed).
 
     python benchmarks/run.py [--dir DIR] [--smoke]
 
@@ -10,6 +11,7 @@ runs tiny versions of the storage benchmarks in seconds (CI uses it) and skips P
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +33,8 @@ def main() -> int:
     ]
     if not args.smoke:
         runs.append(["bench_prefect.py"])
+    if importlib.util.find_spec("distributed") is not None:
+        runs.append(["bench_dask.py", *where, *smoke])
     for run in runs:
         print(f"\n$ python benchmarks/{' '.join(run)}", flush=True)
         result = subprocess.run([sys.executable, str(HERE / run[0]), *run[1:]])

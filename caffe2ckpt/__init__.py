@@ -14,6 +14,7 @@ from caffe2ckpt.errors import (
     InvalidLocationError,
     JobDefinitionError,
     JobPreemptedError,
+    NodeLostError,
 )
 from caffe2ckpt.job import Job, Node, Task, TaskGroup, TaskOutput, epoch_limiter
 from caffe2ckpt.manager import CheckpointManager, MultiNodeCheckpointManager, UploadTaskGroupBuilder
@@ -40,6 +41,7 @@ __all__ = [
     "LocalSession",
     "MultiNodeCheckpointManager",
     "Node",
+    "NodeLostError",
     "Session",
     "StepCheckpointManager",
     "StepManagerOptions",

@@ -18,7 +18,9 @@ Install with the ``[dask]`` extra. Imports: errors, session, nodeops, workspace,
 
 from __future__ import annotations
 
+import pickle
 import threading
+import traceback
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -41,8 +43,13 @@ class NodeActor:
         self.node = node
         self.ws = Workspace()
 
-    def run(self, steps: list[Step], workspace_type: WorkspaceType) -> list[Any]:
-        return run_node_tasks(steps, self.ws, workspace_type)
+    def run(self, steps: list[Step], workspace_type: WorkspaceType) -> tuple[bool, Any]:
+        """(True, the steps' results), or (False, the exception a step raised), so that the
+        client tells a failing task from a lost worker."""
+        try:
+            return True, run_node_tasks(steps, self.ws, workspace_type)
+        except Exception as exc:  # noqa: BLE001 - handed to the client, which raises it
+            return False, _portable(exc, self.node)
 
     def names(self) -> list[str]:
         return list(self.ws)
@@ -164,22 +171,28 @@ class DaskSession:
             return actor
 
     def _call(self, node: str, method: str, *args: Any) -> Any:
+        """Call the node's actor. A failure of the call itself (not of what it ran: ``run``
+        returns those) means the actor is gone: :class:`NodeLostError`. Errors of other
+        methods (a missing blob) reach the actor's caller as they are."""
         actor = self._actor(node)
         try:
             return getattr(actor, method)(*args).result()
-        except Exception as exc:
-            if _is_lost(exc):
-                raise NodeLostError(
-                    f"node {node!r} was lost with its Dask worker {self._workers.get(node)} "
-                    f"({type(exc).__name__}: {exc}); its workspace is gone: resume the job from "
-                    "its newest committed epoch in a new session", node=node) from exc
+        except (KeyError, ValueError, TypeError):
             raise
+        except Exception as exc:
+            raise NodeLostError(
+                f"node {node!r} was lost with its Dask worker {self._workers.get(node)} "
+                f"({type(exc).__name__}: {exc}); its workspace is gone: resume the job from "
+                "its newest committed epoch in a new session", node=node) from exc
 
     # -- the Session protocol ----------------------------------------------------------------------
 
     def run_node(self, node: str, steps: list[Step], workspace_type: WorkspaceType) -> list[Any]:
         """Run one node's steps in its actor; return what they returned."""
-        return self._call(node, "run", steps, workspace_type)
+        finished, value = self._call(node, "run", steps, workspace_type)
+        if not finished:
+            raise value
+        return value
 
     def run(self, runnable: TaskGroup | Task) -> None:
         group = as_group(runnable)
@@ -225,11 +238,15 @@ class DaskSession:
         self.close()
 
 
-def _is_lost(exc: BaseException) -> bool:
-    """Whether ``exc`` says the actor's worker went away (rather than a task failing)."""
-    from distributed.comm.core import CommClosedError
-
-    if isinstance(exc, (CommClosedError, OSError, TimeoutError)):
-        return True
-    return type(exc).__name__ in {"KilledWorker", "FutureCancelledError", "CancelledError"} or (
-        "worker" in str(exc).lower() and "lost" in str(exc).lower())
+def _portable(exc: Exception, node: str) -> Exception:
+    """``exc`` with the remote traceback as a note, or a RuntimeError saying what it was if it
+    cannot be pickled back to the client."""
+    where = worker_info()
+    exc.add_note(f"raised on node {node!r} (Dask worker on {where['host']}, pid {where['pid']}):\n"
+                 + "".join(traceback.format_exception(exc)).rstrip())
+    try:
+        pickle.dumps(exc)
+    except Exception:  # noqa: BLE001 - any pickling failure
+        return RuntimeError(f"node {node!r} raised {type(exc).__name__}: {exc}\n"
+                            + "\n".join(getattr(exc, "__notes__", [])))
+    return exc

@@ -142,7 +142,7 @@ def run_group(group: TaskGroup, run_node: RunNode) -> None:
         results[node] = run_node(node, node_steps(tasks), wtype)
 
     try:
-        wait_all([lambda n=node, ts=tasks: call(n, ts) for node, ts in by_node.items()])
+        wait_all([lambda n=node, ts=tasks: call(n, ts) for node, tasks in by_node.items()])
     finally:
         deliver(by_node, {n: results[n] for n in by_node if n in results})
 

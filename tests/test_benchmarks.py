@@ -16,5 +16,6 @@ def test_benchmarks_smoke(tmp_path):
     out = subprocess.run([sys.executable, str(BENCHMARKS / "run.py"), "--smoke", "--dir",
                           str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    for expected in ("| caffe2ckpt |", "| raw |", "W3", "blocking", "latest-epoch lookup"):
+    for expected in ("| caffe2ckpt |", "| raw |", "W3", "blocking", "latest-epoch lookup",
+                     "| DaskSession (actors) |", "workers x one process"):
         assert expected in out.stdout, expected

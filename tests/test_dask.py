@@ -114,3 +114,28 @@ def test_a_node_that_cannot_be_placed_is_a_clear_error(dask_client):
         with pytest.raises(NodeLostError, match=r"trainer_0.*tcp://127\.0\.0\.1:1") as info:
             session.workspace("trainer_0")
     assert info.value.node == "trainer_0"
+
+
+def test_async_saves_run_and_are_waited_for_in_the_actors(tmp_path, dask_client):
+    url = str(tmp_path / "ckpt")
+    with DaskSession(dask_client) as session:
+        cm = MultiNodeCheckpointManager(url, async_save=True)
+        assert JobRunner(build_job(4), cm).train(session) == 4
+        assert cm.pending_epoch is None and sorted(cm.last_records) == NODES
+        where = {n: session._call(n, "where") for n in NODES}
+        final = {n: dict(session.workspace(n).items()) for n in NODES}
+    store = CheckpointStore(Location(url))
+    assert store.latest_epoch(NODES) == 4
+    for node in NODES:
+        assert store.node_record(node, 4).writer["worker"] == where[node]
+        loaded = store.load_node(node, 4)
+        assert all(np.array_equal(loaded[k], final[node][k]) for k in loaded)
+
+
+def test_a_failing_task_is_raised_as_itself_with_the_remote_traceback(tmp_path, dask_client):
+    with DaskSession(dask_client) as session:
+        job = build_job(3, fail_at_epoch=2)
+        with pytest.raises(Exception, match="injected failure on trainer_") as info:
+            JobRunner(job, MultiNodeCheckpointManager(str(tmp_path / "ckpt"))).train(session)
+    assert type(info.value).__name__ == "InjectedFailure"
+    assert any("Dask worker" in note and "sgd" in note for note in info.value.__notes__)

@@ -93,6 +93,11 @@ class PrefectSession:
         return self._local.workspace(node)
 
     @property
+    def remote(self) -> bool:
+        """Whether the nodes live in other processes (see ``DaskSession.remote``)."""
+        return bool(getattr(self._local, "remote", False))
+
+    @property
     def workspaces(self) -> dict[str, Workspace]:
         return self._local.workspaces
 

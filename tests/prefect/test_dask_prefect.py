@@ -66,6 +66,25 @@ def test_task_runs_per_node_and_group_with_actors(tmp_path, dask_client, client)
     assert sorted(r.name for r in runs) == expected
 
 
+def test_async_saves_wait_in_the_actors_as_task_runs(tmp_path, dask_client, client):
+    url = str(tmp_path / "ckpt")
+
+    @flow(name="dask-async")
+    def pipeline() -> tuple[int, str]:
+        with DaskSession(dask_client) as nodes:
+            cm = MultiNodeCheckpointManager(url, async_save=True)
+            return JobRunner(build_job(3), cm).train(PrefectSession(nodes=nodes)), flow_run.id
+
+    final, run_id = pipeline()
+    assert final == 3
+    assert CheckpointStore(Location(url)).latest_epoch(NODES) == 3
+    runs = poll(lambda: client.read_task_runs(flow_run_filter=FlowRunFilter(
+        id=FlowRunFilterId(any_=[UUID(run_id)]))),
+        lambda r: sum(x.name.startswith("checkpoint_wait[") for x in r) >= 8)
+    waits = sorted(r.name for r in runs if r.name.startswith("checkpoint_wait["))
+    assert len(waits) == 8, waits  # epochs 0..3, two nodes: each save waited for in its actor
+
+
 def kill_at(epoch: int, node: str):
     """An extra epoch task: SIGKILLs the worker holding ``node`` when it reaches ``epoch``."""
     def maybe_die(ws) -> None:
@@ -128,3 +147,18 @@ def test_a_killed_worker_fails_the_attempt_and_the_retry_resumes(tmp_path, dask_
     store = CheckpointStore(Location(url))
     assert store.latest_epoch(NODES) == 5
     assert Path(url).exists()
+
+
+def test_a_process_pool_task_runner_is_refused_up_front(tmp_path):
+    from prefect.task_runners import ProcessPoolTaskRunner
+
+    from caffe2ckpt.errors import JobDefinitionError
+
+    @flow(name="process-pool", task_runner=ProcessPoolTaskRunner(max_workers=2))
+    def pooled() -> int:
+        return JobRunner(build_job(2), MultiNodeCheckpointManager(str(tmp_path / "ckpt"))).train(
+            PrefectSession())
+
+    with pytest.raises(JobDefinitionError, match="ProcessPoolTaskRunner.*DaskSession"):
+        pooled()
+    assert not (tmp_path / "ckpt").exists()  # refused before anything ran or was written
