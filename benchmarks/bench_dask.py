@@ -84,7 +84,7 @@ def throughput(args) -> None:
     for n in args.nodes:
         nodes = [f"trainer_{i}" for i in range(n)]
         with LocalCluster(n_workers=n, threads_per_worker=2, processes=True,
-                          dashboard_address=None, silence_logs=40) as cluster, \
+                          dashboard_address=":0", silence_logs=40) as cluster, \
                 Client(cluster) as client:
             local, remote = [], []
             for _ in range(args.rounds):
@@ -131,7 +131,7 @@ def overhead(args) -> None:
     results: dict[str, list[float]] = {k: [] for k in ("threads", "actors", "prefect threads",
                                                         "prefect actors")}
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                      dashboard_address=None, silence_logs=40) as cluster, \
+                      dashboard_address=":0", silence_logs=40) as cluster, \
             Client(cluster) as client:
         for _ in range(args.repeats):
             results["threads"].append(epoch_ms(LocalSession(), args.epochs))

@@ -18,22 +18,25 @@ Install with the ``[dask]`` extra. Imports: errors, session, nodeops, workspace,
 
 from __future__ import annotations
 
-import pickle
+import logging
 import threading
 import traceback
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import cloudpickle
 import numpy as np
 from distributed import Client
 
 from caffe2ckpt.errors import JobDefinitionError, NodeLostError
 from caffe2ckpt.job import Task, TaskGroup
 from caffe2ckpt.nodeops import worker_info
-from caffe2ckpt.session import RunEvent, Step, as_group, run_group, run_node_tasks
+from caffe2ckpt.session import RunEvent, Step, run_node_tasks, run_on
 from caffe2ckpt.workspace import Workspace, WorkspaceType
 
 __all__ = ["DaskSession", "NodeActor", "RemoteWorkspace"]
+
+logger = logging.getLogger(__name__)
 
 
 class NodeActor:
@@ -43,13 +46,15 @@ class NodeActor:
         self.node = node
         self.ws = Workspace()
 
-    def run(self, steps: list[Step], workspace_type: WorkspaceType) -> tuple[bool, Any]:
-        """(True, the steps' results), or (False, the exception a step raised), so that the
-        client tells a failing task from a lost worker."""
+    def run(self, steps: list[Step], workspace_type: WorkspaceType) -> bytes:
+        """The pickled (True, the steps' results) or (False, the exception a step raised), so
+        the client tells a failing task from a lost worker, and what cannot travel back fails
+        here, clearly, instead of in Dask's transport."""
         try:
-            return True, run_node_tasks(steps, self.ws, workspace_type)
-        except Exception as exc:  # noqa: BLE001 - handed to the client, which raises it
-            return False, _portable(exc, self.node)
+            outcome = True, run_node_tasks(steps, self.ws, workspace_type)
+        except BaseException as exc:  # noqa: BLE001 - handed to the client, which raises it
+            outcome = False, exc
+        return _pack(outcome, self.node)
 
     def names(self) -> list[str]:
         return list(self.ws)
@@ -127,7 +132,7 @@ class DaskSession:
         self._futures: dict[str, Any] = {}
         self._workers: dict[str, str] = {}
         self._lock = threading.Lock()
-        self.epoch: int | None = None
+        self.closed = False
 
     # -- placement -------------------------------------------------------------------------------
 
@@ -155,9 +160,16 @@ class DaskSession:
 
     def _actor(self, node: str) -> Any:
         with self._lock:
+            if self.closed:
+                raise JobDefinitionError(f"this DaskSession is closed: node {node!r} and its "
+                                         "workspace are gone; use a new session")
             if node in self._actors:
                 return self._actors[node]
             worker = self._choose_worker(node)
+            if worker in self._workers.values():
+                logger.warning("node %r shares Dask worker %s with node(s) %s: their tasks run "
+                               "one after another there (add workers for parallel nodes)", node,
+                               worker, [n for n, w in self._workers.items() if w == worker])
             future = self._client.submit(NodeActor, node, actor=True, workers=[worker],
                                          allow_other_workers=False, pure=False)
             try:
@@ -177,8 +189,11 @@ class DaskSession:
         actor = self._actor(node)
         try:
             return getattr(actor, method)(*args).result()
-        except (KeyError, ValueError, TypeError):
-            raise
+        except KeyError:
+            if method in ("get", "delete"):  # the blob is not in the workspace
+                raise
+            raise NodeLostError(f"node {node!r}'s actor is gone from Dask worker "
+                                f"{self._workers.get(node)}", node=node) from None
         except Exception as exc:
             raise NodeLostError(
                 f"node {node!r} was lost with its Dask worker {self._workers.get(node)} "
@@ -189,18 +204,13 @@ class DaskSession:
 
     def run_node(self, node: str, steps: list[Step], workspace_type: WorkspaceType) -> list[Any]:
         """Run one node's steps in its actor; return what they returned."""
-        finished, value = self._call(node, "run", steps, workspace_type)
+        finished, value = cloudpickle.loads(self._call(node, "run", steps, workspace_type))
         if not finished:
             raise value
         return value
 
     def run(self, runnable: TaskGroup | Task) -> None:
-        group = as_group(runnable)
-        try:
-            run_group(group, self.run_node)
-        finally:
-            for task in group.tasks:
-                task.last_session = self
+        run_on(self, runnable, self.run_node)
 
     def workspace(self, node: str) -> RemoteWorkspace:
         self._actor(str(node))
@@ -214,12 +224,13 @@ class DaskSession:
         return {**worker_info(), "session": "dask", "scheduler": self._client.scheduler.address}
 
     def notify(self, event: RunEvent) -> None:
-        self.epoch = event.epoch
+        pass
 
     def close(self) -> None:
         """Drop every node's actor (and its workspace); close the client if this session
         made it."""
         with self._lock:
+            self.closed = True
             futures = list(self._futures.values())
             self._actors.clear()
             self._futures.clear()
@@ -238,15 +249,21 @@ class DaskSession:
         self.close()
 
 
-def _portable(exc: Exception, node: str) -> Exception:
-    """``exc`` with the remote traceback as a note, or a RuntimeError saying what it was if it
-    cannot be pickled back to the client."""
+def _pack(outcome: tuple[bool, Any], node: str) -> bytes:
+    """Pickle a node's outcome (with cloudpickle, like Dask); a failure carries the remote
+    traceback as a note. Anything that would not come back intact becomes a RuntimeError
+    saying what it was."""
+    finished, value = outcome
     where = worker_info()
-    exc.add_note(f"raised on node {node!r} (Dask worker on {where['host']}, pid {where['pid']}):\n"
-                 + "".join(traceback.format_exception(exc)).rstrip())
+    if not finished:
+        value.add_note(f"raised on node {node!r} (Dask worker on {where['host']}, pid "
+                       f"{where['pid']}):\n" + "".join(traceback.format_exception(value)).rstrip())
     try:
-        pickle.dumps(exc)
-    except Exception:  # noqa: BLE001 - any pickling failure
-        return RuntimeError(f"node {node!r} raised {type(exc).__name__}: {exc}\n"
-                            + "\n".join(getattr(exc, "__notes__", [])))
-    return exc
+        data = cloudpickle.dumps(outcome)
+        cloudpickle.loads(data)  # e.g. an exception whose __init__ wants other arguments
+        return data
+    except Exception as exc:  # noqa: BLE001 - any pickling failure
+        what = (f"raised {type(value).__name__}: {value}" if not finished else
+                f"returned a value that cannot be sent back ({type(exc).__name__}: {exc})")
+        notes = "\n".join(getattr(value, "__notes__", [])) if not finished else ""
+        return cloudpickle.dumps((False, RuntimeError(f"node {node!r} {what}\n{notes}")))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import abc
 import logging
 import uuid
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import Any
@@ -27,7 +28,7 @@ from caffe2ckpt import nodeops
 from caffe2ckpt.background import ClosedOnExit
 from caffe2ckpt.checkpoint import CheckpointStore, SaveInfo, claim_generation
 from caffe2ckpt.commit import CommitRecord, new_save_id
-from caffe2ckpt.errors import InvalidLocationError, JobDefinitionError, writing
+from caffe2ckpt.errors import CheckpointWriteError, InvalidLocationError, JobDefinitionError, writing
 from caffe2ckpt.job import Node, Task, TaskGroup
 from caffe2ckpt.location import Location
 from caffe2ckpt.metadata import MetadataHandler, ZarrMetadataHandler
@@ -79,7 +80,10 @@ class _BaseManager(ClosedOnExit):
         self._param_nodes: list[str] = []
         # async_save: this manager's background saves in each process running its nodes
         self._background = f"manager-{uuid.uuid4().hex}" if async_save else None
-        self._pending: tuple[int, TaskGroup] | None = None  # (epoch, its save group) in flight
+        if self._background is not None:  # a manager never closed leaves no buffers behind here
+            weakref.finalize(self, nodeops.forget_saves, self._background)
+        self._pending: tuple[int, set[str]] | None = None  # epoch in flight and its nodes
+        self._save_group: TaskGroup | None = None  # the last one run: its session holds saves
         self._claim: str | None = None  # this manager's run: its claim and where it started
         self._parent: Any = _UNSET  # (epoch, generation) or None once claim() said
         self.last_records: dict[str, CommitRecord] = {}
@@ -144,6 +148,15 @@ class _BaseManager(ClosedOnExit):
         def collect(node: str, file_node: str, result: Timed | None) -> None:
             if result is not None:
                 self._stats[db_name(epoch, file_node, self._db_prefix)] = result.ns
+        return collect
+
+    def _record_save(self, epoch: int) -> Callable[[str, str, Timed | None], None]:
+        timed = self._record_time(epoch)
+
+        def collect(node: str, file_node: str, result: Timed | None) -> None:
+            if result is not None:
+                self.last_records[node] = result.value
+                timed(node, file_node, result)
         return collect
 
     # -- Caffe2 API ------------------------------------------------------------------------------
@@ -243,19 +256,26 @@ class _BaseManager(ClosedOnExit):
                         stop=bool(stop), stop_conditions=tuple(stop_conditions), metrics=metrics,
                         writer=writer, claim=claim, parent=parent)
         self.last_records = {}
-        timed = self._record_time(epoch)
+        record = self._record_save(epoch)
 
         def collect(node: str, file_node: str, result: Timed | None) -> None:
-            if result is None:  # left in the background
-                self._pending = (epoch, group)
-                return
-            self.last_records[node] = result.value
-            timed(node, file_node, result)
+            self._save_group = group
+            if result is None and self._background is not None:  # left in the background
+                if self._pending is None:
+                    self._pending = (epoch, set())
+                self._pending[1].add(node)
+            record(node, file_node, result)
 
         group = self._group("checkpoint_save", lambda node, file_node: partial(
             nodeops.save, self._store, node, file_node, epoch, self._names(node), info,
             self._background), collect)
         return group
+
+    def _saves_session(self) -> Any:
+        """The session whose nodes hold this manager's background saves, if it is remote."""
+        group = self._save_group
+        session = group.tasks[0].last_session if group is not None and group.tasks else None
+        return session if getattr(session, "remote", False) else None
 
     @property
     def pending_epoch(self) -> int | None:
@@ -271,35 +291,39 @@ class _BaseManager(ClosedOnExit):
         """
         if self._pending is None:
             return {}
-        epoch, save_group = self._pending
+        epoch, nodes = self._pending
         self._pending = None
-        session = save_group.tasks[0].last_session if save_group.tasks else None
-        timed = self._record_time(epoch)
-        records: dict[str, CommitRecord] = {}
-
-        def collect(node: str, file_node: str, result: tuple[int | None, Timed | None]) -> None:
-            if result[1] is not None:
-                records[node] = result[1].value
-                timed(node, file_node, result[1])
-
-        if getattr(session, "remote", False):
+        self.last_records = {}
+        record, session = self._record_save(epoch), self._saves_session()
+        if session is not None:
             session.run(self._group("checkpoint_wait", lambda node, _: partial(
-                nodeops.wait_saves, self._background, node), collect))
+                nodeops.wait_saves, self._background, node, epoch if node in nodes else None),
+                record))
         else:
-            _, results = nodeops.saves_for(self._background).wait()
+            errors = []
             for node, file_node in self._require_files().items():
-                collect(node, file_node, (epoch, results.get(node)))
-        self.last_records = records
-        return records
+                try:  # every node is waited for before the first failure is raised
+                    record(node, file_node, nodeops.wait_saves(
+                        self._background, node, epoch if node in nodes else None, None))
+                except CheckpointWriteError as exc:
+                    errors.append(exc)
+            if errors:
+                raise errors[0]
+        return dict(self.last_records)
 
     def close(self) -> None:
-        """Wait for a background save (raising its failure) and release its buffers. The
-        manager stays usable; a closed one holds no thread either way."""
-        if self._background is not None:
-            try:
-                self.wait_until_finished()
-            finally:
-                nodeops.release_saves(self._background)
+        """Wait for a background save (raising its failure) and release its buffers, also on
+        the nodes of a remote session. The manager stays usable."""
+        if self._background is None:
+            return
+        try:
+            self.wait_until_finished()
+        finally:
+            session = self._saves_session()
+            if session is not None and not getattr(session, "closed", False):
+                session.run(self._group("checkpoint_release", lambda node, _: partial(
+                    nodeops.release_saves, self._background, node)))
+            nodeops.release_saves(self._background)
 
     def write_checkpoint_metadata(self, epoch: int) -> None:
         if self._metadata_handler is not None:

@@ -28,12 +28,12 @@ from caffe2ckpt.errors import CheckpointError, CheckpointNotFoundError, Checkpoi
 from caffe2ckpt.naming import get_ckpt_filename
 from caffe2ckpt.workspace import Workspace
 
-__all__ = ["DB_EXISTS", "Timed", "blob_names", "committed", "db_exists", "load", "manifest_names",
-           "release_saves", "save", "saves_for", "wait_saves", "worker_info"]
+__all__ = ["DB_EXISTS", "Timed", "blob_names", "committed", "db_exists", "forget_saves", "load",
+           "manifest_names", "release_saves", "save", "saves_for", "wait_saves", "worker_info"]
 
 DB_EXISTS = "caffe2ckpt/db_exists"
 
-_saves: dict[str, BackgroundSaves] = {}
+_saves: dict[tuple[str, str], BackgroundSaves] = {}  # (manager key, node) -> its saves here
 _saves_lock = threading.Lock()
 
 
@@ -51,22 +51,37 @@ def _timed(fn: Any) -> Timed:
     return Timed(value, time.perf_counter_ns() - start)
 
 
-def saves_for(key: str) -> BackgroundSaves:
-    """This process's background saves of the manager ``key`` (made on first use)."""
+def saves_for(key: str, node: str) -> BackgroundSaves:
+    """This process's background saves of ``node`` for the manager ``key`` (made on first use)."""
     with _saves_lock:
-        return _saves.setdefault(key, BackgroundSaves())
+        return _saves.setdefault((key, node), BackgroundSaves())
 
 
-def release_saves(key: str) -> None:
-    """Wait for and forget this process's background saves of manager ``key``, if any.
+def release_saves(key: str, node: str | None = None, ws: Workspace | None = None) -> None:
+    """Wait for and forget this process's background saves of manager ``key`` (of one
+    ``node``, or of all), freeing their buffers.
 
     Raises:
-        CheckpointWriteError: a save not waited for yet failed.
+        CheckpointWriteError: a save not waited for yet failed (after all were released).
     """
     with _saves_lock:
-        saves = _saves.pop(key, None)
-    if saves is not None:
-        saves.close()
+        released = [_saves.pop(k) for k in list(_saves) if k[0] == key and node in (None, k[1])]
+    errors = []
+    for saves in released:
+        try:
+            saves.close()
+        except CheckpointWriteError as exc:
+            errors.append(exc)
+    if errors:
+        raise errors[0]
+
+
+def forget_saves(key: str) -> None:
+    """Drop this process's references to manager ``key``'s saves without waiting (for a manager
+    that was never closed: running writes keep their own buffers until they end)."""
+    with _saves_lock:
+        for k in [k for k in _saves if k[0] == key]:
+            del _saves[k]
 
 
 def worker_info() -> dict[str, Any]:
@@ -106,19 +121,31 @@ def save(store: CheckpointStore, node: str, file_node: str, epoch: int, names: S
 
     if background is None:
         return write(blobs)
-    saves_for(background).submit(epoch, node, blobs, write)
+    saves_for(background, node).submit(epoch, node, blobs, write)
     return None
 
 
-def wait_saves(background: str, node: str, ws: Workspace) -> tuple[int | None, Timed | None]:
-    """Wait for this process's background saves of the manager; return (epoch, the node's
-    timed record, if it had a save in flight).
+def wait_saves(background: str, node: str, epoch: int | None, ws: Workspace) -> Timed | None:
+    """Wait for this process's background save of ``node`` of ``epoch`` (None: the node had no
+    save in flight) and return its timed record.
 
     Raises:
-        CheckpointWriteError: a background save failed (``.epoch`` names the epoch).
+        CheckpointWriteError: the save failed, or this process does not know it (the process
+            that held the node was replaced: that save's outcome is unknown here).
     """
-    epoch, results = saves_for(background).wait()
-    return epoch, results.get(node)
+    if epoch is None:
+        return None
+    with _saves_lock:
+        saves = _saves.get((background, node))
+    if saves is None or saves.pending_epoch != epoch:
+        where = worker_info()
+        raise CheckpointWriteError(
+            f"node {node!r}'s background save of epoch {epoch} is unknown to the process now "
+            f"holding the node (pid {where['pid']} on {where['host']}): the process that ran "
+            "it is gone, so the epoch commits only if every node's record is there",
+            epoch=epoch)
+    _, results = saves.wait()
+    return results.get(node)
 
 
 def load(store: CheckpointStore, file_node: str, epoch: int, names: Sequence[str],

@@ -6,8 +6,10 @@ one place that implements Caffe2's per-node semantics (PRIVATE child workspace, 
 promotion), and :func:`run_group` the one place that runs a group's nodes and hands each task's
 return value to its ``on_result``, so other sessions (Prefect, Dask) reuse them.
 
-A node's share of a group travels as *steps*: ``(fn, outputs)`` pairs (:func:`node_steps`),
-never the :class:`Task` objects, which also hold their group and session.
+A node's share of a group travels as *steps*: ``(fn, outputs, keep)`` triples
+(:func:`node_steps`), never the :class:`Task` objects, which also hold their group and session;
+``keep`` says whether the task has an ``on_result`` (other return values are dropped where they
+are made, never sent back).
 
 Imports: errors, workspace, job. Never prefect.
 """
@@ -27,10 +29,10 @@ from caffe2ckpt.job import Task, TaskGroup
 from caffe2ckpt.workspace import Workspace, WorkspaceType
 
 __all__ = ["LocalSession", "RunEvent", "Session", "Step", "as_group", "deliver", "node_steps",
-           "notify", "run_group", "run_node_tasks", "wait_all"]
+           "notify", "run_group", "run_node_tasks", "run_on", "wait_all"]
 
-Step = tuple[Callable[[Workspace], Any] | None, tuple[str, ...]]
-"""One task as a node runs it: its function and its declared outputs."""
+Step = tuple[Callable[[Workspace], Any] | None, tuple[str, ...], bool]
+"""One task as a node runs it: its function, its declared outputs, whether to keep its result."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,7 +62,9 @@ class Session(Protocol):
     """What runs a job: ``run`` a TaskGroup or Task synchronously, hand out node workspaces."""
 
     def run(self, runnable: TaskGroup | Task) -> None:
-        """Run ``runnable`` to completion; raise the first task failure."""
+        """Run ``runnable`` to completion, hand each task's return value to its ``on_result``
+        (the checkpoint managers rely on it: use :func:`run_group` or :func:`deliver`), then
+        raise the first task failure."""
 
     def workspace(self, node: str) -> Workspace:
         """The workspace of ``node`` (created empty on first use)."""
@@ -97,7 +101,7 @@ def as_group(runnable: TaskGroup | Task) -> TaskGroup:
 
 def node_steps(tasks: Sequence[Task]) -> list[Step]:
     """The steps a node runs for ``tasks`` (picklable whenever the task functions are)."""
-    return [(t.fn, tuple(t.output_names())) for t in tasks]
+    return [(t.fn, tuple(t.output_names()), t.on_result is not None) for t in tasks]
 
 
 def run_node_tasks(steps: Sequence[Step], ws: Workspace,
@@ -110,9 +114,12 @@ def run_node_tasks(steps: Sequence[Step], ws: Workspace,
     are promoted to ``ws`` at the end, and every other new blob is dropped.
     """
     target = ws if workspace_type is WorkspaceType.GLOBAL else Workspace(parent=ws)
-    results = [fn(target) if fn is not None else None for fn, _ in steps]
+    results = []
+    for fn, _, keep in steps:
+        value = fn(target) if fn is not None else None
+        results.append(value if keep else None)
     if target is not ws:
-        for _, outputs in steps:
+        for _, outputs, _ in steps:
             for name in outputs:
                 if name in target.local_names():
                     ws[name] = target[name]
@@ -145,6 +152,17 @@ def run_group(group: TaskGroup, run_node: RunNode) -> None:
         wait_all([lambda n=node, ts=tasks: call(n, ts) for node, tasks in by_node.items()])
     finally:
         deliver(by_node, {n: results[n] for n in by_node if n in results})
+
+
+def run_on(session: Session, runnable: TaskGroup | Task, run_node: RunNode) -> None:
+    """:func:`run_group` for ``session``; its tasks then know the session ran them (for
+    :meth:`TaskOutput.fetch` and the managers' background saves)."""
+    group = as_group(runnable)
+    try:
+        run_group(group, run_node)
+    finally:
+        for task in group.tasks:
+            task.last_session = session
 
 
 def wait_all(calls: list[Callable[[], None]], *, max_workers: int | None = None) -> None:
@@ -201,9 +219,4 @@ class LocalSession:
         return run_node_tasks(steps, self.workspace(node), workspace_type)
 
     def run(self, runnable: TaskGroup | Task) -> None:
-        group = as_group(runnable)
-        try:
-            run_group(group, self.run_node)
-        finally:
-            for task in group.tasks:
-                task.last_session = self
+        run_on(self, runnable, self.run_node)

@@ -1,6 +1,7 @@
-"""DaskSession on a real 2-worker process LocalCluster: each node's workspace in an actor on one
-worker, saves and loads from the worker, the Caffe2 contract without and inside a Prefect flow,
-and what crosses between the client and the workers."""
+"""DaskSession without Prefect on a real 2-worker process LocalCluster: each node's workspace in
+an actor on one worker, saves and loads from the worker, the Caffe2 contract, what crosses
+between the client and the workers, async saves, and failures that must come back clearly (the
+Prefect flows are in tests/prefect/test_dask_prefect.py)."""
 
 from __future__ import annotations
 
@@ -13,13 +14,14 @@ import pytest
 
 from caffe2ckpt import JobRunner, LocalSession, MultiNodeCheckpointManager
 from caffe2ckpt.checkpoint import CheckpointStore
-from caffe2ckpt.errors import NodeLostError
+from caffe2ckpt.errors import JobDefinitionError, NodeLostError
 from caffe2ckpt.example import build_job
 from caffe2ckpt.location import Location
 from tests.jobs import EXPECTED_TOTALS, fetch, make_job
 
-distributed = pytest.importorskip("distributed")
+pytest.importorskip("distributed")
 from caffe2ckpt.dask import DaskSession  # noqa: E402
+from tests.daskcluster import client_of, local_cluster  # noqa: E402
 
 pytestmark = pytest.mark.slow
 NODES = ["trainer_0", "trainer_1"]
@@ -27,14 +29,13 @@ NODES = ["trainer_0", "trainer_1"]
 
 @pytest.fixture(scope="module")
 def cluster():
-    with distributed.LocalCluster(n_workers=2, threads_per_worker=2, processes=True,
-                                  dashboard_address=None, silence_logs=40) as cluster:
+    with local_cluster() as cluster:
         yield cluster
 
 
 @pytest.fixture
 def dask_client(cluster):
-    with distributed.Client(cluster) as client:
+    with client_of(cluster) as client:
         yield client
 
 
@@ -116,14 +117,27 @@ def test_a_node_that_cannot_be_placed_is_a_clear_error(dask_client):
     assert info.value.node == "trainer_0"
 
 
-def test_async_saves_run_and_are_waited_for_in_the_actors(tmp_path, dask_client):
+def saves_held(key: str) -> int:
+    from caffe2ckpt import nodeops
+
+    return sum(k[0] == key for k in nodeops._saves)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["a-worker-each", "one-worker"])
+def test_async_saves_run_and_are_waited_for_in_the_actors(tmp_path, dask_client, shared):
     url = str(tmp_path / "ckpt")
-    with DaskSession(dask_client) as session:
+    placement = dict.fromkeys(NODES, sorted(dask_client.scheduler_info()["workers"])[0])
+    with DaskSession(dask_client, placement=placement if shared else None) as session:
         cm = MultiNodeCheckpointManager(url, async_save=True)
-        assert JobRunner(build_job(4), cm).train(session) == 4
+        runner = JobRunner(build_job(4), cm, on_save_error="raise")
+        assert runner.train(session) == 4
+        assert runner.saved_epochs == [0, 1, 2, 3, 4] and runner.failed_saves == []
         assert cm.pending_epoch is None and sorted(cm.last_records) == NODES
         where = {n: session._call(n, "where") for n in NODES}
         final = {n: dict(session.workspace(n).items()) for n in NODES}
+        assert sum(dask_client.run(saves_held, cm._background).values()) == 2
+        cm.close()  # frees the snapshot buffers on the workers too
+        assert sum(dask_client.run(saves_held, cm._background).values()) == 0
     store = CheckpointStore(Location(url))
     assert store.latest_epoch(NODES) == 4
     for node in NODES:
@@ -139,3 +153,30 @@ def test_a_failing_task_is_raised_as_itself_with_the_remote_traceback(tmp_path, 
             JobRunner(job, MultiNodeCheckpointManager(str(tmp_path / "ckpt"))).train(session)
     assert type(info.value).__name__ == "InjectedFailure"
     assert any("Dask worker" in note and "sgd" in note for note in info.value.__notes__)
+
+
+class Unpicklable:
+    def __reduce__(self):
+        raise TypeError("not picklable")
+
+
+class NeedsTwoArguments(Exception):
+    def __init__(self, code, message):
+        super().__init__(f"{code}: {message}")
+
+
+def test_what_cannot_come_back_fails_clearly_instead_of_hanging(dask_client):
+    from caffe2ckpt import Task
+
+    def raise_odd(ws):
+        raise NeedsTwoArguments(7, "odd")
+
+    with DaskSession(dask_client) as session:
+        with pytest.raises(RuntimeError, match=r"trainer_0.*NeedsTwoArguments: 7: odd"):
+            session.run(Task(raise_odd, node="trainer_0"))
+        with pytest.raises(RuntimeError, match="trainer_0.*cannot be sent back"):
+            session.run(Task(lambda ws: Unpicklable(), node="trainer_0",
+                             on_result=lambda value: None))
+        session.run(Task(lambda ws: Unpicklable(), node="trainer_0"))  # dropped on the worker
+    with pytest.raises(JobDefinitionError, match="closed"):
+        session.workspace("trainer_0")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from pathlib import Path
 from uuid import UUID
 
 import pytest
@@ -20,11 +19,12 @@ from caffe2ckpt.checkpoint import CheckpointStore
 from caffe2ckpt.example import build_job
 from caffe2ckpt.location import Location
 from caffe2ckpt.prefect import PrefectSession
-from tests.jobs import fetch, make_job
+from tests.jobs import EXPECTED_TOTALS, fetch, make_job
 from tests.prefect.conftest import poll
 
-distributed = pytest.importorskip("distributed")
+pytest.importorskip("distributed")
 from caffe2ckpt.dask import DaskSession  # noqa: E402
+from tests.daskcluster import client_of, local_cluster  # noqa: E402
 
 pytestmark = pytest.mark.slow
 NODES = ["trainer_0", "trainer_1"]
@@ -32,15 +32,13 @@ NODES = ["trainer_0", "trainer_1"]
 
 @pytest.fixture(scope="module")
 def cluster():
-    with distributed.LocalCluster(n_workers=2, threads_per_worker=2, processes=True,
-                                  dashboard_address=None, silence_logs=40) as cluster:
+    with local_cluster() as cluster:
         yield cluster
 
 
 @pytest.fixture
 def dask_client(cluster):
-    with distributed.Client(cluster) as client:
-        client.wait_for_workers(2, timeout=60)
+    with client_of(cluster) as client:
         yield client
 
 
@@ -64,6 +62,48 @@ def test_task_runs_per_node_and_group_with_actors(tmp_path, dask_client, client)
     runs = poll(lambda: client.read_task_runs(flow_run_filter=FlowRunFilter(
         id=FlowRunFilterId(any_=[UUID(run_id)]))), lambda r: len(r) >= len(expected))
     assert sorted(r.name for r in runs) == expected
+
+
+def test_caffe2_contract_inside_flows_resume_from_each_epoch_and_partial_load(tmp_path,
+                                                                             dask_client):
+    url = str(tmp_path / "ckpt")
+    job, totals = make_job(node_ids=(0, 1))
+
+    @flow(name="dask-contract")
+    def contract(resume_from: int | None = None) -> tuple[int, int | None, list[int]]:
+        with DaskSession(dask_client) as nodes:
+            runner = JobRunner(job, MultiNodeCheckpointManager(url), resume_from_epoch=resume_from)
+            final = runner.train(PrefectSession(nodes=nodes))
+            return final, runner.resumed_from, [fetch(nodes, f"trainer_{i}", t)
+                                                for i, t in enumerate(totals)]
+
+    assert contract() == (4, None, [145, 145])
+    for epoch in (1, 2, 3, 4):
+        assert contract(epoch) == (4, epoch, [145, 145])
+
+    third = str(tmp_path / "three")
+    @flow(name="dask-one-node")
+    def one_node(node_id: int) -> int:
+        one, _ = make_job(node_ids=(node_id,))
+        with DaskSession(dask_client) as nodes:
+            return JobRunner(one, MultiNodeCheckpointManager(third)).train(
+                PrefectSession(nodes=nodes))
+
+    assert [one_node(i) for i in range(3)] == [4, 4, 4]
+    three, _ = make_job(node_ids=(0, 1, 2))
+
+    @flow(name="dask-partial-load")
+    def partial(epoch: int) -> tuple[bool, int | None, bool]:
+        with DaskSession(dask_client) as nodes:
+            loaded = JobRunner(three, MultiNodeCheckpointManager(third)).load_blobs_from_checkpoints(
+                ["trainer_1/total", "trainer_2/total"], epoch, PrefectSession(nodes=nodes))
+            ws = nodes.workspace("trainer_2")
+            return (loaded, int(ws["trainer_2/total"][0]) if loaded else None,
+                    "trainer_0/total" in nodes.workspace("trainer_0"))
+
+    for epoch in (1, 2, 3, 4):
+        assert partial(epoch) == (True, EXPECTED_TOTALS[epoch - 1], False)
+    assert partial(5) == (False, None, False)
 
 
 def test_async_saves_wait_in_the_actors_as_task_runs(tmp_path, dask_client, client):
@@ -146,7 +186,8 @@ def test_a_killed_worker_fails_the_attempt_and_the_retry_resumes(tmp_path, dask_
     assert final == [{k: v.tobytes() for k, v in reference.workspace(n).items()} for n in NODES]
     store = CheckpointStore(Location(url))
     assert store.latest_epoch(NODES) == 5
-    assert Path(url).exists()
+    if where == "mid-save":
+        dask_client.restart()  # no patched worker left for later tests
 
 
 def test_a_process_pool_task_runner_is_refused_up_front(tmp_path):
