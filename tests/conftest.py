@@ -83,3 +83,21 @@ def prefix(request, tmp_path, memory_fs) -> str:
         return f"s3://{request.getfixturevalue('s3_bucket')}/ckpt"
     return str(tmp_path / "ckpt")
 
+
+
+@pytest.fixture(scope="session")
+def dask_cluster():
+    """One Dask LocalCluster (2 worker processes, see tests/daskcluster.py) per test process."""
+    from tests.daskcluster import local_cluster
+
+    with local_cluster() as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def dask_client(dask_cluster):
+    """A client of the session's Dask cluster, with all its workers up."""
+    from tests.daskcluster import client_of
+
+    with client_of(dask_cluster) as client:
+        yield client

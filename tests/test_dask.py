@@ -21,22 +21,9 @@ from tests.jobs import EXPECTED_TOTALS, fetch, make_job
 
 pytest.importorskip("distributed")
 from caffe2ckpt.dask import DaskSession  # noqa: E402
-from tests.daskcluster import client_of, local_cluster  # noqa: E402
 
 pytestmark = pytest.mark.slow
 NODES = ["trainer_0", "trainer_1"]
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    with local_cluster() as cluster:
-        yield cluster
-
-
-@pytest.fixture
-def dask_client(cluster):
-    with client_of(cluster) as client:
-        yield client
 
 
 def test_caffe2_contract_on_two_workers(tmp_path, dask_client):

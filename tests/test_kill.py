@@ -31,7 +31,7 @@ pytestmark = pytest.mark.slow
 
 NODES = ["trainer_0", "trainer_1"]
 EPOCHS = 12
-KILLS = 20
+KILLS = 16
 SMALL = 200  # packed blobs per node, besides one 16 MB array and the step counter
 SEED = 20240611
 

@@ -24,22 +24,9 @@ from tests.prefect.conftest import poll
 
 pytest.importorskip("distributed")
 from caffe2ckpt.dask import DaskSession  # noqa: E402
-from tests.daskcluster import client_of, local_cluster  # noqa: E402
 
 pytestmark = pytest.mark.slow
 NODES = ["trainer_0", "trainer_1"]
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    with local_cluster() as cluster:
-        yield cluster
-
-
-@pytest.fixture
-def dask_client(cluster):
-    with client_of(cluster) as client:
-        yield client
 
 
 def test_task_runs_per_node_and_group_with_actors(tmp_path, dask_client, client):
@@ -66,44 +53,38 @@ def test_task_runs_per_node_and_group_with_actors(tmp_path, dask_client, client)
 
 def test_caffe2_contract_inside_flows_resume_from_each_epoch_and_partial_load(tmp_path,
                                                                              dask_client):
-    url = str(tmp_path / "ckpt")
-    job, totals = make_job(node_ids=(0, 1))
+    url, third = str(tmp_path / "ckpt"), str(tmp_path / "three")
+    job, _ = make_job(node_ids=(0, 1))
 
-    @flow(name="dask-contract")
-    def contract(resume_from: int | None = None) -> tuple[int, int | None, list[int]]:
+    def train(job, url: str, resume_from: int | None = None) -> tuple[int, int | None, list[int]]:
         with DaskSession(dask_client) as nodes:
             runner = JobRunner(job, MultiNodeCheckpointManager(url), resume_from_epoch=resume_from)
             final = runner.train(PrefectSession(nodes=nodes))
-            return final, runner.resumed_from, [fetch(nodes, f"trainer_{i}", t)
-                                                for i, t in enumerate(totals)]
+            return final, runner.resumed_from, [fetch(nodes, node, f"{node}/total")
+                                                for node in job.nodes_to_checkpoint()]
 
-    assert contract() == (4, None, [145, 145])
-    for epoch in (1, 2, 3, 4):
-        assert contract(epoch) == (4, epoch, [145, 145])
+    @flow(name="dask-contract")
+    def contract() -> list[tuple]:
+        return [train(job, url)] + [train(job, url, epoch) for epoch in (1, 2, 3, 4)]
 
-    third = str(tmp_path / "three")
-    @flow(name="dask-one-node")
-    def one_node(node_id: int) -> int:
-        one, _ = make_job(node_ids=(node_id,))
-        with DaskSession(dask_client) as nodes:
-            return JobRunner(one, MultiNodeCheckpointManager(third)).train(
-                PrefectSession(nodes=nodes))
-
-    assert [one_node(i) for i in range(3)] == [4, 4, 4]
-    three, _ = make_job(node_ids=(0, 1, 2))
+    assert contract() == [(4, None, [145, 145])] + [(4, e, [145, 145]) for e in (1, 2, 3, 4)]
 
     @flow(name="dask-partial-load")
-    def partial(epoch: int) -> tuple[bool, int | None, bool]:
+    def partial() -> list[tuple]:
+        for node_id in range(3):  # three one-node jobs share a prefix
+            assert train(make_job(node_ids=(node_id,))[0], third)[0] == 4
+        three, _ = make_job(node_ids=(0, 1, 2))
+        out = []
         with DaskSession(dask_client) as nodes:
-            loaded = JobRunner(three, MultiNodeCheckpointManager(third)).load_blobs_from_checkpoints(
-                ["trainer_1/total", "trainer_2/total"], epoch, PrefectSession(nodes=nodes))
-            ws = nodes.workspace("trainer_2")
-            return (loaded, int(ws["trainer_2/total"][0]) if loaded else None,
-                    "trainer_0/total" in nodes.workspace("trainer_0"))
+            runner = JobRunner(three, MultiNodeCheckpointManager(third))
+            for epoch in (1, 2, 3, 4, 5):
+                loaded = runner.load_blobs_from_checkpoints(
+                    ["trainer_1/total", "trainer_2/total"], epoch, PrefectSession(nodes=nodes))
+                out.append((loaded, fetch(nodes, "trainer_2", "trainer_2/total") if loaded
+                            else None, "trainer_0/total" in nodes.workspace("trainer_0")))
+        return out
 
-    for epoch in (1, 2, 3, 4):
-        assert partial(epoch) == (True, EXPECTED_TOTALS[epoch - 1], False)
-    assert partial(5) == (False, None, False)
+    assert partial() == [(True, t, False) for t in EXPECTED_TOTALS] + [(False, None, False)]
 
 
 def test_async_saves_wait_in_the_actors_as_task_runs(tmp_path, dask_client, client):
@@ -146,7 +127,15 @@ def die_while_installing(marker: str) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         return install(self, staged, target, node, epoch, *args, **kwargs)
 
+    dying.original = install
     CheckpointStore._install = dying
+
+
+def undo_die_while_installing() -> None:
+    from caffe2ckpt.checkpoint import CheckpointStore
+
+    CheckpointStore._install = getattr(CheckpointStore._install, "original",
+                                       CheckpointStore._install)
 
 
 @pytest.mark.parametrize("where", ["mid-epoch", "mid-save"])
@@ -187,7 +176,7 @@ def test_a_killed_worker_fails_the_attempt_and_the_retry_resumes(tmp_path, dask_
     store = CheckpointStore(Location(url))
     assert store.latest_epoch(NODES) == 5
     if where == "mid-save":
-        dask_client.restart()  # no patched worker left for later tests
+        dask_client.run(undo_die_while_installing)  # the worker that was not killed
 
 
 def test_a_process_pool_task_runner_is_refused_up_front(tmp_path):
