@@ -85,9 +85,10 @@ def prefix(request, tmp_path, memory_fs) -> str:
 
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def dask_cluster():
-    """One Dask LocalCluster (2 worker processes, see tests/daskcluster.py) per test process."""
+    """A Dask LocalCluster (2 worker processes, see tests/daskcluster.py) for one test module's
+    tests in this process: idle Dask processes cost CPU, so none outlives its module."""
     from tests.daskcluster import local_cluster
 
     with local_cluster() as cluster:
