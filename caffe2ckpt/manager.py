@@ -8,16 +8,14 @@ records and timings, which the manager records once the group ran (``Task.on_res
 :class:`CheckpointManager` is the one-node case of :class:`MultiNodeCheckpointManager`'s
 machinery: the same code with one node whose files carry ``node_name``.
 
-Imports: errors, job, naming, location, checkpoint, metadata, session, nodeops. Not zarr, not
-prefect.
+Imports: errors, job, naming, location, checkpoint, metadata, session, nodeops, asyncsaves. Not
+zarr, not prefect.
 """
 
 from __future__ import annotations
 
 import abc
 import logging
-import uuid
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import Any
@@ -25,10 +23,11 @@ from typing import Any
 import numpy as np
 
 from caffe2ckpt import nodeops
+from caffe2ckpt.asyncsaves import AsyncSaving
 from caffe2ckpt.background import ClosedOnExit
 from caffe2ckpt.checkpoint import CheckpointStore, SaveInfo, claim_generation
 from caffe2ckpt.commit import CommitRecord, new_save_id
-from caffe2ckpt.errors import CheckpointWriteError, InvalidLocationError, JobDefinitionError, writing
+from caffe2ckpt.errors import InvalidLocationError, JobDefinitionError, writing
 from caffe2ckpt.job import Node, Task, TaskGroup
 from caffe2ckpt.location import Location
 from caffe2ckpt.metadata import MetadataHandler, ZarrMetadataHandler
@@ -46,7 +45,7 @@ _UNSET = object()
 _DB_TYPES = ("zarr",)
 
 
-class _BaseManager(ClosedOnExit):
+class _BaseManager(AsyncSaving, ClosedOnExit):
     """Everything both managers share; ``_files`` maps workspace node -> node name in files."""
 
     def __init__(
@@ -78,12 +77,7 @@ class _BaseManager(ClosedOnExit):
         self._path_type: str | None = None
         self._stats: dict[str, int] = {}
         self._param_nodes: list[str] = []
-        # async_save: this manager's background saves in each process running its nodes
-        self._background = f"manager-{uuid.uuid4().hex}" if async_save else None
-        if self._background is not None:  # a manager never closed leaves no buffers behind here
-            weakref.finalize(self, nodeops.forget_saves, self._background)
-        self._pending: tuple[int, set[str]] | None = None  # epoch in flight and its nodes
-        self._save_group: TaskGroup | None = None  # the last one run: its session holds saves
+        self._init_async(async_save)
         self._claim: str | None = None  # this manager's run: its claim and where it started
         self._parent: Any = _UNSET  # (epoch, generation) or None once claim() said
         self.last_records: dict[str, CommitRecord] = {}
@@ -260,70 +254,14 @@ class _BaseManager(ClosedOnExit):
 
         def collect(node: str, file_node: str, result: Timed | None) -> None:
             self._save_group = group
-            if result is None and self._background is not None:  # left in the background
-                if self._pending is None:
-                    self._pending = (epoch, set())
-                self._pending[1].add(node)
+            if result is None:
+                self._note_pending(epoch, node)
             record(node, file_node, result)
 
         group = self._group("checkpoint_save", lambda node, file_node: partial(
             nodeops.save, self._store, node, file_node, epoch, self._names(node), info,
             self._background), collect)
         return group
-
-    def _saves_session(self) -> Any:
-        """The session whose nodes hold this manager's background saves, if it is remote."""
-        group = self._save_group
-        session = group.tasks[0].last_session if group is not None and group.tasks else None
-        return session if getattr(session, "remote", False) else None
-
-    @property
-    def pending_epoch(self) -> int | None:
-        """The epoch an ``async_save`` manager is still writing in the background, if any."""
-        return None if self._pending is None else self._pending[0]
-
-    def wait_until_finished(self) -> dict[str, CommitRecord]:
-        """Wait for a background save (if any) and return its records by node. The wait runs
-        where the save ran: here, or as a ``checkpoint_wait`` group on the session that ran it.
-
-        Raises:
-            CheckpointWriteError: the background save failed (``.epoch`` names the epoch).
-        """
-        if self._pending is None:
-            return {}
-        epoch, nodes = self._pending
-        self._pending = None
-        self.last_records = {}
-        record, session = self._record_save(epoch), self._saves_session()
-        if session is not None:
-            session.run(self._group("checkpoint_wait", lambda node, _: partial(
-                nodeops.wait_saves, self._background, node, epoch if node in nodes else None),
-                record))
-        else:
-            errors = []
-            for node, file_node in self._require_files().items():
-                try:  # every node is waited for before the first failure is raised
-                    record(node, file_node, nodeops.wait_saves(
-                        self._background, node, epoch if node in nodes else None, None))
-                except CheckpointWriteError as exc:
-                    errors.append(exc)
-            if errors:
-                raise errors[0]
-        return dict(self.last_records)
-
-    def close(self) -> None:
-        """Wait for a background save (raising its failure) and release its buffers, also on
-        the nodes of a remote session. The manager stays usable."""
-        if self._background is None:
-            return
-        try:
-            self.wait_until_finished()
-        finally:
-            session = self._saves_session()
-            if session is not None and not getattr(session, "closed", False):
-                session.run(self._group("checkpoint_release", lambda node, _: partial(
-                    nodeops.release_saves, self._background, node)))
-            nodeops.release_saves(self._background)
 
     def write_checkpoint_metadata(self, epoch: int) -> None:
         if self._metadata_handler is not None:
