@@ -11,11 +11,12 @@ Save policy (a union: an epoch is saved when any rule says so):
 Retention (a union: an epoch is kept when any rule keeps it):
     ``max_to_keep`` (the newest N), ``keep_period`` (every K-th epoch), ``keep_best`` (the
     best N by ``best_fn`` over the epoch's metrics, ``best_mode`` min or max; NaN or a missing
-    metric counts as worst). ``keep_checkpoints_without_metrics`` keeps epochs without metrics
-    when best-N is on. The rules rank the current lineage only: an epoch a later run superseded
-    (it resumed from an earlier epoch) is never kept by a rule. The newest epoch of the lineage
-    and the protected epochs (e.g. the one a run resumed from) are always kept. No rule:
-    everything is kept.
+    metric counts as worst). As in Orbax, ``max_to_keep`` with ``best_fn`` and no ``keep_best``
+    means the best N instead (:attr:`StepManagerOptions.best_to_keep`).
+    ``keep_checkpoints_without_metrics`` keeps epochs without metrics when best-N is on. The
+    rules rank the current lineage only: an epoch a later run superseded (it resumed from an
+    earlier epoch) is never kept by a rule. The newest epoch of the lineage and the protected
+    epochs (e.g. the one a run resumed from) are always kept. No rule: everything is kept.
 
 Imports: errors. Nothing else.
 """
@@ -38,9 +39,11 @@ Metrics = Mapping[str, float]
 class StepManagerOptions:
     """Save policy and retention, with Orbax's option names where Orbax has them.
 
-    Note: in Orbax ``max_to_keep`` means "best N" when ``best_fn`` is set; here the two are
-    separate rules (``max_to_keep`` is always the newest N, ``keep_best`` the best N) and
-    retention keeps the union.
+    ``max_to_keep`` is the newest N, ``keep_best`` the best N by ``best_fn``, and retention
+    keeps the union. As in Orbax, ``max_to_keep`` alone with ``best_fn`` (no ``keep_best``)
+    keeps the best N by ``best_fn`` instead of the newest N; set ``keep_best`` as well to keep
+    the newest ``max_to_keep`` and the best ``keep_best``. Unlike Orbax, the newest step is
+    always kept too (a job resumes from it).
     """
 
     save_interval_steps: int | None = None
@@ -78,6 +81,21 @@ class StepManagerOptions:
     def has_save_rule(self) -> bool:
         return bool(self.save_interval_steps or self.save_on_steps
                     or self.save_interval_seconds is not None)
+
+    @property
+    def newest_to_keep(self) -> int | None:
+        """How many of the newest epochs retention keeps (``max_to_keep`` unless it is best-N)."""
+        return None if self._max_to_keep_is_best else self.max_to_keep
+
+    @property
+    def best_to_keep(self) -> int | None:
+        """How many of the best epochs retention keeps: ``keep_best``, or as in Orbax
+        ``max_to_keep`` when ``best_fn`` is set without ``keep_best``."""
+        return self.max_to_keep if self._max_to_keep_is_best else self.keep_best
+
+    @property
+    def _max_to_keep_is_best(self) -> bool:
+        return self.best_fn is not None and self.keep_best is None
 
     @property
     def has_retention(self) -> bool:
@@ -128,11 +146,11 @@ def retained_epochs(options: StepManagerOptions | None, metrics: Mapping[int, Me
     epochs = sorted(set(metrics) - set(superseded))
     if epochs:
         keep.add(epochs[-1])
-    if options.max_to_keep:
-        keep.update(epochs[-options.max_to_keep:])
+    if options.newest_to_keep:
+        keep.update(epochs[-options.newest_to_keep:])
     if options.keep_period:
         keep.update(e for e in epochs if e % options.keep_period == 0)
-    if options.keep_best:
+    if options.best_to_keep:
         scored = [(options.score(metrics[e]), e) for e in epochs]
         if options.keep_checkpoints_without_metrics:
             keep.update(e for s, e in scored if s is None and not metrics[e])
@@ -140,5 +158,5 @@ def retained_epochs(options: StepManagerOptions | None, metrics: Mapping[int, Me
         ranked = sorted(scored, key=lambda se: (se[0] is None,
                                                 sign * se[0] if se[0] is not None else 0.0,
                                                 -se[1]))
-        keep.update(e for _, e in ranked[: options.keep_best])
+        keep.update(e for _, e in ranked[: options.best_to_keep])
     return keep

@@ -84,6 +84,22 @@ def test_best_n_never_evicts_the_newest_even_when_it_is_the_worst():
                            {0: {}, 1: {"loss": 1.0}, 2: {"loss": 2.0}}) == {1, 2}
 
 
+def test_max_to_keep_with_best_fn_and_no_keep_best_is_best_n_as_in_orbax():
+    metrics = {e: ({"loss": LOSS[e]} if e in LOSS else {}) for e in EPOCHS}
+    orbax = StepManagerOptions(max_to_keep=2, best_fn="loss")
+    assert (orbax.newest_to_keep, orbax.best_to_keep) == (None, 2)
+    # the 2 lowest losses (4, 6), epoch 0 without metrics, and the newest (10)
+    assert retained_epochs(orbax, metrics) == {0, 4, 6, 10}
+    assert retained_epochs(StepManagerOptions(max_to_keep=2, best_fn="loss", best_mode="max",
+                                              keep_checkpoints_without_metrics=False),
+                           metrics) == {9, 10}
+    # with keep_best too, max_to_keep is the newest N again; without best_fn, always
+    both = StepManagerOptions(max_to_keep=2, keep_best=1, best_fn="loss")
+    assert (both.newest_to_keep, both.best_to_keep) == (2, 1)
+    assert retained_epochs(both, metrics) == {0, 4, 9, 10}
+    assert retained_epochs(StepManagerOptions(max_to_keep=2), metrics) == {9, 10}
+
+
 def test_save_policies():
     every3 = StepManagerOptions(save_interval_steps=3)
     assert [e for e in range(8) if should_save(every3, e)] == [0, 3, 6]
@@ -149,6 +165,19 @@ def test_step_manager_applies_the_same_retention(prefix, last, period, best):
             mgr.save(e, {n: {"w": np.full(4, float(e))} for n in NODES},
                      metrics={"loss": LOSS[e]} if e in LOSS else None)
     assert committed(prefix) == sorted(expected_kept(last, period, best))
+
+
+def test_orbax_style_best_n_is_what_the_step_manager_and_jobrunner_keep(prefix):
+    orbax = StepManagerOptions(max_to_keep=2, best_fn="loss")  # no keep_best: the best 2
+    with StepCheckpointManager(prefix, options=orbax, handle_preemption=False) as mgr:
+        for e in EPOCHS:
+            mgr.save(e, {n: {"w": np.full(4, float(e))} for n in NODES},
+                     metrics={"loss": LOSS[e]} if e in LOSS else None)
+        assert mgr.all_steps() == [0, 4, 6, 10] and mgr.best_step() == 4
+    runner_prefix = f"{prefix}-runner"
+    cm = MultiNodeCheckpointManager(runner_prefix, metadata_handler=ZarrMetadataHandler())
+    assert JobRunner(loss_job(10), cm, options=orbax).train(LocalSession()) == 10
+    assert committed(runner_prefix) == [0, 4, 6, 10]
 
 
 def test_the_epoch_a_run_resumed_from_is_never_deleted(prefix):
