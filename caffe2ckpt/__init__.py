@@ -4,6 +4,7 @@ and fsspec, orchestrated by Prefect through :mod:`caffe2ckpt.prefect`.
 ``import caffe2ckpt`` never imports prefect.
 """
 
+from caffe2ckpt.abstract import AbstractCheckpointManager
 from caffe2ckpt.errors import (
     CheckpointCorruptedError,
     CheckpointError,
@@ -26,6 +27,7 @@ from caffe2ckpt.steps import StepCheckpointManager
 from caffe2ckpt.workspace import Workspace, WorkspaceType
 
 __all__ = [
+    "AbstractCheckpointManager",
     "CheckpointCorruptedError",
     "CheckpointError",
     "CheckpointFencedError",

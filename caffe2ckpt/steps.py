@@ -14,8 +14,8 @@ Example:
     ...     mgr.all_steps(), mgr.restore(3)["trainer_0"]["w"].tolist()
     ([2, 3], [3, 3, 3])
 
-Imports: errors, naming, location, commit, checkpoint, catalog, policy, background, preemption,
-strictjson.
+Imports: abstract, errors, naming, location, commit, checkpoint, catalog, policy, background,
+preemption, strictjson.
 """
 
 from __future__ import annotations
@@ -27,10 +27,12 @@ import socket
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from caffe2ckpt.abstract import AbstractCheckpointManager
 from caffe2ckpt.background import BackgroundSaves, ClosedOnExit
 from caffe2ckpt.catalog import Step, delete_step, scan
 from caffe2ckpt import strictjson
@@ -81,12 +83,12 @@ class StepMetadata:
 class RootMetadata:
     """The prefix as a whole: its committed steps and the custom metadata given at creation."""
 
-    directory: str
+    directory: str  # the prefix as given
     steps: list[int]
     custom: dict[str, Any] = field(default_factory=dict)
 
 
-class StepCheckpointManager(ClosedOnExit):
+class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
     """Save, list, restore and retire steps under ``directory`` (any fsspec URL or local path).
 
     Args:
@@ -134,9 +136,12 @@ class StepCheckpointManager(ClosedOnExit):
     # -- listing ---------------------------------------------------------------------------------
 
     @property
-    def directory(self) -> str:
-        """The checkpoint prefix as given."""
-        return self._store.location.url
+    def directory(self) -> Path | str:
+        """The checkpoint prefix: a ``pathlib.Path`` (absolute) on the local filesystem, else
+        the URL as given (a ``str``, e.g. ``"s3://bucket/run"``; with ``filesystem=``, the path
+        on that filesystem), since ``pathlib`` cannot name a non-local location."""
+        location = self._store.location
+        return Path(location.root) if location.is_local else location.url
 
     def reload(self) -> None:
         """Re-read the commit records (the prefix may have changed outside this manager). Only
@@ -183,12 +188,13 @@ class StepCheckpointManager(ClosedOnExit):
         return self._watch is not None and self._watch.requested
 
     def should_save(self, step: int) -> bool:
-        """Whether the save policy wants ``step`` (always after a preemption signal; never a
-        step already committed)."""
+        """Whether the save policy wants ``step``. As in Orbax, never a step at or below
+        :meth:`latest_step` (not even after a preemption signal); otherwise always after one."""
+        latest = self.latest_step()
+        if latest is not None and check_epoch(step) <= latest:
+            return False
         if self.reached_preemption(step):
             return True
-        if check_epoch(step) in self._steps:
-            return False
         return should_save(self.options, step, last_save_time=self._last_save_time,
                            now=time.monotonic())
 
@@ -196,6 +202,13 @@ class StepCheckpointManager(ClosedOnExit):
              force: bool = False) -> bool:
         """Save ``items`` (``{node: {blob: array}}``) as ``step`` if :meth:`should_save` says so
         (or ``force``); return whether it saved. Retention runs after the commit.
+
+        As in Orbax, a step at or below :meth:`latest_step` is not saved (False) unless
+        ``force``. ``force=True`` saves whatever the policy says: a committed step is re-saved
+        (replaced). A forced step below the latest continues from the step this manager restored
+        (else from the newest step below it); if this manager has not saved yet, or restored a
+        step below the newest since, that is a new run and the later steps are superseded (no
+        longer listed; retention deletes them).
 
         With ``enable_async_checkpointing`` this returns once the arrays are copied; the write
         and commit finish in the background (see :meth:`wait_until_finished`).
@@ -212,7 +225,8 @@ class StepCheckpointManager(ClosedOnExit):
                 below = [e for e in self._steps if e < step]
                 self._parent = ((max(below), self._steps[max(below)].generation) if below
                                 else None)
-            with writing(f"claiming {self.directory!r} to save step {step}", step):
+            with writing(f"claiming {self._store.location.display()!r} to save step {step}",
+                         step):
                 self._claim = self._store.claim(_writer())
         info = SaveInfo(save_id=new_save_id(claim_generation(self._claim)), nodes=sorted(blobs),
                         metrics=values, writer=_writer(), claim=self._claim, parent=self._parent)
@@ -313,7 +327,7 @@ class StepCheckpointManager(ClosedOnExit):
     def metadata(self, step: int | None = None) -> StepMetadata | RootMetadata:
         """:class:`StepMetadata` of ``step``, or with no step the :class:`RootMetadata`."""
         if step is None:
-            return RootMetadata(directory=self.directory, steps=self.all_steps(),
+            return RootMetadata(directory=self._store.location.url, steps=self.all_steps(),
                                 custom=self._read_root_metadata())
         info = self._step(step)
         first = info.records[info.nodes[0]]
@@ -402,7 +416,7 @@ class StepCheckpointManager(ClosedOnExit):
                 self._watch = None
 
     def __repr__(self) -> str:
-        return f"StepCheckpointManager({self.directory!r}, steps={self.all_steps()})"
+        return f"StepCheckpointManager({self._store.location.url!r}, steps={self.all_steps()})"
 
 
 def _writer() -> dict[str, Any]:

@@ -12,7 +12,8 @@ PUBLIC = {
     "Workspace", "WorkspaceType", "Node", "Task", "TaskGroup", "TaskOutput", "Job",
     "epoch_limiter", "Session", "LocalSession", "CheckpointManager",
     "MultiNodeCheckpointManager", "UploadTaskGroupBuilder", "JobRunner", "db_name",
-    "get_ckpt_filename", "StepCheckpointManager", "StepManagerOptions", *errors.__all__,
+    "get_ckpt_filename", "StepCheckpointManager", "StepManagerOptions",
+    "AbstractCheckpointManager", *errors.__all__,
 }
 
 

@@ -8,6 +8,7 @@ import errno
 import gc
 import math
 import signal
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -59,7 +60,7 @@ def manager(prefix: str, **kwargs) -> StepCheckpointManager:
 
 def test_save_list_restore_metadata_round_trip(prefix):
     with manager(prefix, metadata={"model": "linear", "version": 2}) as mgr:
-        assert mgr.directory == prefix
+        assert mgr.directory == (prefix if "://" in prefix else Path(prefix))
         assert mgr.all_steps() == [] and mgr.latest_step() is None and mgr.best_step() is None
         for step in (0, 3, 7):
             assert mgr.save(step, items(step), metrics={"loss": 10.0 - step, "acc": step / 10})
@@ -110,6 +111,28 @@ def test_should_save_follows_the_policy_and_never_repeats_a_step(prefix):
         assert not mgr.should_save(3)  # committed already
         assert mgr.save(3, items(30), force=True)  # force re-saves it
         assert_same(mgr.restore(3), items(30))
+
+
+def test_steps_at_or_below_the_latest_are_not_saved_unless_forced_as_in_orbax(prefix):
+    with manager(prefix, options=StepManagerOptions(save_interval_steps=3)) as mgr:
+        for step in range(7):
+            mgr.save(step, items(step))
+        assert mgr.all_steps() == [0, 3, 6]
+        # Orbax's rule: nothing at or below the latest step, whatever the policy says
+        assert [s for s in range(13) if mgr.should_save(s)] == [9, 12]
+        assert not mgr.save(4, items(4)) and not mgr.save(6, items(60))  # False, as Orbax
+        assert mgr.all_steps(read=True) == [0, 3, 6] and mgr.latest_step() == 6
+        assert_same(mgr.restore(6), items(6))
+        assert mgr.save(4, items(4), force=True)  # force: added to this manager's run
+        assert mgr.all_steps(read=True) == [0, 3, 4, 6] and mgr.latest_step() == 6
+
+
+def test_after_preemption_should_save_is_still_false_at_or_below_the_latest(prefix):
+    with StepCheckpointManager(prefix) as mgr:
+        mgr.save(2, items(2))
+        signal.raise_signal(signal.SIGTERM)  # only sets the flag
+        assert mgr.reached_preemption(2)
+        assert [s for s in range(5) if mgr.should_save(s)] == [3, 4]
 
 
 def test_delete_removes_records_then_data_of_its_nodes(prefix):
