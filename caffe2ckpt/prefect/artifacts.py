@@ -5,8 +5,14 @@ looked up by key and flow run id and updated in place, and only created when the
 Keys are ``<job>-checkpoints``, ``<job>-progress`` and ``<job>-summary`` (lowercase letters,
 digits and dashes, as Prefect requires).
 
-The checkpoint table has a column per metric the commit records carry (``CommitRecord.metrics``),
-formatted to 4 significant digits (``NaN`` and ``inf`` as such).
+The checkpoint table (rows: :mod:`caffe2ckpt.prefect.table`) has a row per epoch committed under
+the prefix, by this flow run or any other: ``epoch``, ``status``, a column per metric the commit
+records carry (``CommitRecord.metrics``, 4 significant digits, ``NaN`` and ``inf`` as such),
+``nodes``, ``bytes`` (``12.3 MiB``), ``seconds``, ``MB/s``, ``written by`` (``this run, attempt
+2`` or another run's name, short id and attempt) and ``path`` (relative to the checkpoint root,
+which the table's description names). The summary says where the run started from and links
+every flow run that wrote epochs of the table to its page in the Prefect UI (table cells get no
+links: the default UI of Prefect 3.8 shows them as plain text).
 
 Uploads are throttled. Updating the table and the progress bar takes two API calls and sends
 the whole table, which grows with the epochs (~90 ms for 500 rows on a busy local server,
@@ -25,11 +31,10 @@ from __future__ import annotations
 import contextvars
 import json
 import logging
-import math
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable
 from typing import Any
 from uuid import UUID
 
@@ -46,17 +51,21 @@ from prefect.context import SyncClientContext
 from prefect.runtime import flow_run
 
 from caffe2ckpt.catalog import scan
-from caffe2ckpt.commit import CommitRecord
 from caffe2ckpt.naming import db_name
+from caffe2ckpt.prefect.table import (
+    checkpoint_row,
+    checkpoint_table,
+    epoch_ranges,
+    failed_row,
+    md_text,
+    writer_cell,
+)
 from caffe2ckpt.session import RunEvent
 
-__all__ = ["CheckpointArtifacts", "artifact_key", "checkpoint_row", "checkpoint_table",
-           "format_metric"]
+__all__ = ["CheckpointArtifacts", "artifact_key"]
 
 logger = logging.getLogger(__name__)
 
-COLUMNS = ["epoch", "status", "nodes", "bytes", "seconds", "MB/s", "attempt", "url"]
-METRICS_AFTER = "status"  # metric columns go right after this one
 _SUPERSEDED = "superseded (a later run went back to an earlier epoch)"
 _UPLOAD_SHARE = 0.1  # throttled uploads wait 1 / share x the last one's duration, at least
 
@@ -65,68 +74,6 @@ def artifact_key(job_name: str, what: str) -> str:
     """A valid Prefect artifact key for ``what`` of job ``job_name``."""
     slug = re.sub(r"[^a-z0-9]+", "-", job_name.lower()).strip("-") or "job"
     return f"{slug}-{what}"
-
-
-def format_metric(value: float) -> str:
-    """A metric value for the table: 4 significant digits, ``NaN``, ``inf``, ``-inf``."""
-    value = float(value)
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "inf" if value > 0 else "-inf"
-    return format(value, ".4g")
-
-
-def _epoch_metrics(records: Mapping[str, CommitRecord]) -> dict[str, str]:
-    """One text per metric name; nodes that disagree are listed as ``node: value``."""
-    by_name: dict[str, dict[str, str]] = {}
-    for node in sorted(records):
-        for name, value in (getattr(records[node], "metrics", None) or {}).items():
-            by_name.setdefault(str(name), {})[node] = format_metric(value)
-    return {name: (next(iter(texts.values())) if len(set(texts.values())) == 1
-                   else ", ".join(f"{node}: {text}" for node, text in texts.items()))
-            for name, texts in by_name.items()}
-
-
-def checkpoint_row(epoch: int, records: Mapping[str, CommitRecord], url: str) -> dict[str, Any]:
-    """The table row of a committed epoch (its metrics under ``"metrics"``)."""
-    nbytes = sum(r.nbytes for r in records.values())
-    seconds = max((r.seconds for r in records.values()), default=0.0)
-    attempt = next(iter(records.values())).writer.get("run_count", "") if records else ""
-    return {
-        "epoch": epoch,
-        "status": "committed",
-        "metrics": _epoch_metrics(records),
-        "nodes": ", ".join(sorted(records)),
-        "bytes": nbytes,
-        "seconds": round(seconds, 4),
-        "MB/s": round(nbytes / seconds / 1e6, 1) if seconds > 0 else None,
-        "attempt": attempt,
-        "url": url,
-    }
-
-
-def _failed_row(epoch: int, error: str | None) -> dict[str, Any]:
-    return {c: "" for c in COLUMNS} | {"epoch": epoch, "status": f"FAILED: {error}",
-                                       "metrics": {}}
-
-
-def checkpoint_table(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The table artifact's rows: ``COLUMNS`` with a column per metric name (in the order the
-    names first appear) after ``status``; every row has every column ("" when absent)."""
-    rows = list(rows)
-    names = list(dict.fromkeys(n for r in rows for n in r.get("metrics", {})))
-    columns = {n: (n if n not in COLUMNS else f"metric {n}") for n in names}
-    table = []
-    for row in rows:
-        out: dict[str, Any] = {}
-        metrics = row.get("metrics", {})
-        for column in COLUMNS:
-            out[column] = row.get(column, "")
-            if column == METRICS_AFTER:
-                out.update({columns[n]: metrics.get(n, "") for n in names})
-        table.append(out)
-    return table
 
 
 class CheckpointArtifacts:
@@ -171,8 +118,8 @@ class CheckpointArtifacts:
             self._table(event)
             self._progress(event)
         elif event.kind in ("saved", "save_failed"):
-            row = (checkpoint_row(event.epoch, event.records, self._url(cm, event.epoch))
-                   if event.kind == "saved" else _failed_row(event.epoch, event.error))
+            row = (checkpoint_row(event.epoch, event.records, flow_run.id)
+                   if event.kind == "saved" else failed_row(event.epoch, event.error))
             with self._lock:
                 self._rows[event.epoch] = row
                 if event.kind == "saved":  # this run went on from an earlier epoch: rows of
@@ -263,15 +210,11 @@ class CheckpointArtifacts:
     def _table_json(self) -> str:
         return json.dumps(checkpoint_table(self._rows[e] for e in sorted(self._rows)))
 
-    @staticmethod
-    def _url(cm: Any, epoch: int) -> str:
-        return db_name(epoch, "*", cm.url) if cm is not None else ""
-
     def _committed_rows(self, cm: Any) -> dict[int, dict[str, Any]]:
         """Rows for every epoch committed under the prefix for the job's nodes (records only,
         as :func:`caffe2ckpt.catalog.scan` defines them; superseded epochs say so)."""
         found = scan(cm.store, cm.file_nodes())
-        return {e: checkpoint_row(e, step.records, self._url(cm, e))
+        return {e: checkpoint_row(e, step.records, flow_run.id)
                 | ({"status": _SUPERSEDED} if e in found.superseded else {})
                 for e, step in sorted(found.steps.items())}
 
@@ -303,8 +246,10 @@ class CheckpointArtifacts:
             with self._lock:
                 self._pending.pop(key, None)
                 rows = checkpoint_table(self._rows[e] for e in sorted(self._rows))
+            cm = event.checkpoint_manager
+            where = f" in {md_text(cm.url)} (path: relative to it)" if cm is not None else ""
             self._update(key, json.dumps(rows), lambda: create_table_artifact(
-                rows, key=key, description=f"Checkpoints of job {event.job!r}"))
+                rows, key=key, description=f"Checkpoints of job {event.job!r}{where}"))
             self._last_upload = time.monotonic()
 
     @staticmethod
@@ -326,18 +271,31 @@ class CheckpointArtifacts:
                 return
             update_progress_artifact(artifact_id, value)
 
+    def _writers(self) -> list[str]:
+        """Markdown lines: which flow run (linked) and attempt wrote which epochs of the table."""
+        epochs: dict[str, list[int]] = {}
+        with self._lock:
+            for epoch, row in sorted(self._rows.items()):
+                if row.get("writer") is not None:  # None: a failed save
+                    epochs.setdefault(writer_cell(row["writer"], flow_run.id, link=True),
+                                      []).append(epoch)
+        return (["", "Written by (epochs in the checkpoints table):", ""]
+                + [f"- {who}: epochs {epoch_ranges(es)}" for who, es in epochs.items()]
+                if epochs else [])
+
     def _summary(self, event: RunEvent, *, final: bool) -> None:
         key = artifact_key(event.job, "summary")
         cm = event.checkpoint_manager
         lines = [f"# Job `{event.job}`", ""]
         if self._resumed is not None:
             epoch, writer = self._resumed
-            lines.append(f"- **Resumed** from epoch {epoch}, written by attempt "
-                         f"{writer.get('run_count', '?')} of flow run `{writer.get('flow_run_id', '?')}`"
-                         f" ({writer.get('session', '?')} session on {writer.get('host', '?')})")
+            lines.append(f"- **Resumed** from epoch {epoch}, written by "
+                         f"{writer_cell(writer, flow_run.id, link=True)}")
         else:
             lines.append("- **Fresh start** (no committed checkpoint to resume from)")
-        lines.append(f"- Attempt {flow_run.run_count} of flow run `{flow_run.id}`")
+        this_run = {"flow_run_id": flow_run.id, "flow_run_name": flow_run.name,
+                    "run_count": flow_run.run_count}
+        lines.append(f"- This run: {writer_cell(this_run, None, link=True)}")
         if final:
             with self._lock:
                 statuses = {e: r["status"] for e, r in sorted(self._rows.items())}
@@ -352,6 +310,7 @@ class CheckpointArtifacts:
                       " mode='r')",
                       "m = g.attrs['caffe2ckpt']",
                       "print(list(m['arrays']), m['packed']['names'])", "```"]
+        lines += self._writers()
         markdown = "\n".join(lines)
         self._update(key, markdown, lambda: create_markdown_artifact(
             markdown, key=key, description=f"Summary of job {event.job!r}"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from typing import Any
 from uuid import UUID
 
 import numpy as np
@@ -18,6 +19,7 @@ from prefect.client.schemas.filters import (
     LogFilterFlowRunId,
 )
 from prefect.runtime import flow_run
+from prefect.settings import PREFECT_UI_URL
 
 from caffe2ckpt import Job, JobRunner, LocalSession, MultiNodeCheckpointManager, Node, Task
 from caffe2ckpt.commit import CommitRecord
@@ -25,7 +27,14 @@ from caffe2ckpt.example import build_job
 from caffe2ckpt.job import epoch_limiter
 from caffe2ckpt.metadata import ZarrMetadataHandler
 from caffe2ckpt.prefect import AttemptLimitExceeded, PrefectSession, artifact_key, run_job
-from caffe2ckpt.prefect.artifacts import checkpoint_row, checkpoint_table, format_metric
+from caffe2ckpt.prefect.table import (
+    checkpoint_row,
+    checkpoint_table,
+    epoch_ranges,
+    format_metric,
+    run_link,
+    writer_cell,
+)
 from tests.jobs import EXPECTED_TOTALS, Counter, fetch, make_job
 from tests.prefect.conftest import poll
 
@@ -133,10 +142,47 @@ def test_retry_resumes_from_last_committed_epoch_bit_identical(tmp_path, client)
     rows = json.loads(by_key["regression-checkpoints"][0].data)
     assert [r["epoch"] for r in rows] == [0, 1, 2, 3, 4, 5]
     assert all(r["status"] == "committed" and r["nodes"] == "trainer_0, trainer_1" for r in rows)
-    assert [r["attempt"] for r in rows] == [1, 1, 1, 2, 2, 2]
+    # a retry is the same flow run: its first attempt's epochs are this run's too
+    assert [r["written by"] for r in rows] == ["this run, attempt 1"] * 3 + ["this run, attempt 2"] * 3
+    assert [r["path"] for r in rows] == [f"trainer_0.{e}, trainer_1.{e}" for e in range(6)]
     assert by_key["regression-progress"][0].data == 100.0
     summary = by_key["regression-summary"][0].data
-    assert "Resumed** from epoch 2" in summary and "Finished at epoch **5**" in summary
+    assert "Resumed** from epoch 2, written by this run, attempt 1\n" in summary
+    assert "Finished at epoch **5**" in summary
+    assert "- this run, attempt 1: epochs 0-2\n- this run, attempt 2: epochs 3-5" in summary
+
+
+@pytest.mark.parametrize(("name", "shown"), [
+    ("crimson-otter", "crimson-otter"),
+    ("evil|name](javascript:alert(1))", "evil\\|name\\](javascript:alert(1))"),
+])
+def test_a_resuming_flow_run_shows_which_run_wrote_each_epoch(tmp_path, client, name, shown):
+    url = str(tmp_path / "ckpt")
+
+    @flow(name="resumable")
+    def resumable(epochs: int) -> tuple[str, str]:
+        JobRunner(build_job(epochs), MultiNodeCheckpointManager(url)).train(PrefectSession())
+        return flow_run.id, flow_run.name
+
+    first, first_name = resumable.with_options(flow_run_name=name)(3)  # epochs 0-3
+    second, _ = resumable.with_options(flow_run_name="second-run")(5)  # resumes at 3: 4, 5
+    assert first_name == name
+
+    rows = read_table(client, first, "regression-checkpoints")
+    assert [r["written by"] for r in rows] == ["this run, attempt 1"] * 4
+    rows = read_table(client, second, "regression-checkpoints")
+    assert [r["epoch"] for r in rows] == [0, 1, 2, 3, 4, 5]
+    assert [r["written by"] for r in rows] == (
+        [f"{shown} ({first[:8]}), attempt 1"] * 4 + ["this run, attempt 1"] * 2)
+
+    summaries = client.read_artifacts(artifact_filter=ArtifactFilter(
+        flow_run_id=ArtifactFilterFlowRunId(any_=[UUID(second)])))
+    summary = next(a.data for a in summaries if a.key == "regression-summary")
+    link = f"[{shown} ({first[:8]})]({PREFECT_UI_URL.value()}/runs/flow-run/{first})"
+    assert f"- **Resumed** from epoch 3, written by {link}, attempt 1\n" in summary
+    assert (f"- This run: [second-run ({second[:8]})]({PREFECT_UI_URL.value()}/runs/flow-run/"
+            f"{second}), attempt 1\n") in summary
+    assert f"- {link}, attempt 1: epochs 0-3\n- this run, attempt 1: epochs 4-5" in summary
 
 
 def test_attempt_cap_fails_the_run_before_training(tmp_path):
@@ -154,34 +200,88 @@ def test_attempt_cap_fails_the_run_before_training(tmp_path):
 
 # -- metrics in the checkpoint table -------------------------------------------------------------
 
-def record(epoch: int, node: str, metrics: dict[str, float]) -> CommitRecord:
+def record(epoch: int, node: str, metrics: dict[str, float], *, nbytes: int = 1000,
+           writer: Any = None) -> CommitRecord:
     return CommitRecord(epoch=epoch, node=node, save_id="s", nodes=["trainer_0", "trainer_1"],
-                        nbytes=1000, blob_count=1, seconds=0.5, metrics=metrics,
-                        writer={"run_count": 1})
+                        nbytes=nbytes, blob_count=1, seconds=0.5, metrics=metrics,
+                        writer={"run_count": 1} if writer is None else writer)
 
 
 def test_checkpoint_table_has_a_compact_column_per_metric():
     nan = float("nan")
     both = {"loss": 0.123456789, "acc": nan, "epoch": 3.0}
     rows = [
-        checkpoint_row(0, {n: record(0, n, {}) for n in ("trainer_0", "trainer_1")}, "u0"),
-        checkpoint_row(1, {n: record(1, n, both) for n in ("trainer_0", "trainer_1")}, "u1"),
+        checkpoint_row(0, {n: record(0, n, {}) for n in ("trainer_0", "trainer_1")}),
+        checkpoint_row(1, {n: record(1, n, both) for n in ("trainer_0", "trainer_1")}),
         checkpoint_row(2, {"trainer_0": record(2, "trainer_0", {"loss": 12345678.0}),
-                           "trainer_1": record(2, "trainer_1", {"loss": -math.inf})}, "u2"),
+                           "trainer_1": record(2, "trainer_1", {"loss": -math.inf})}),
         {"epoch": 3, "status": "FAILED: OSError: disk full", "nodes": "", "bytes": "",
-         "seconds": "", "MB/s": "", "attempt": "", "url": "", "metrics": {}},
+         "seconds": "", "MB/s": "", "written by": "", "path": "", "metrics": {}},
     ]
     table = checkpoint_table(rows)
     # metric columns right after "status", in first-seen order; a name taken by a column is prefixed
     assert list(table[0]) == ["epoch", "status", "loss", "acc", "metric epoch", "nodes", "bytes",
-                              "seconds", "MB/s", "attempt", "url"]
+                              "seconds", "MB/s", "written by", "path"]
     assert all(list(row) == list(table[0]) for row in table)
     assert [(r["loss"], r["acc"], r["metric epoch"]) for r in table] == [
         ("", "", ""), ("0.1235", "NaN", "3"),
         ("trainer_0: 1.235e+07, trainer_1: -inf", "", ""), ("", "", "")]
     assert table[1]["epoch"] == 1 and table[1]["MB/s"] == 0.0 and table[3]["status"].startswith("FAILED")
+    assert table[2]["path"] == "trainer_0.2, trainer_1.2"
     json.loads(json.dumps(table), parse_constant=pytest.fail)  # strict JSON: NaN is a string
     assert [format_metric(v) for v in (1e-7, 2.0, math.inf, nan)] == ["1e-07", "2", "inf", "NaN"]
+
+
+@pytest.mark.parametrize(("nbytes", "text"), [
+    (0, "0 B"), (500, "1000 B"), (1024, "2.0 KiB"), (6_448_742, "12.3 MiB"),
+    (3 * 2**40, "6.0 TiB")])
+def test_checkpoint_table_bytes_are_human_readable(nbytes, text):
+    """Two nodes of ``nbytes`` each."""
+    row = checkpoint_row(7, {n: record(7, n, {}, nbytes=nbytes) for n in ("trainer_0", "trainer_1")})
+    assert checkpoint_table([row])[0]["bytes"] == text
+
+
+THIS_RUN = "5f1c7a9e-0000-4000-8000-00000000abcd"
+OTHER_RUN = "1a2b3c4d-1111-4111-8111-111111111111"
+
+
+@pytest.mark.parametrize(("writer", "cell"), [
+    ({"flow_run_id": THIS_RUN, "flow_run_name": "lively-panda", "run_count": 2},
+     "this run, attempt 2"),
+    ({"flow_run_id": THIS_RUN.upper(), "run_count": 1}, "this run, attempt 1"),
+    ({"flow_run_id": OTHER_RUN, "flow_run_name": "crimson-otter", "run_count": 1},
+     "crimson-otter (1a2b3c4d), attempt 1"),
+    ({"flow_run_id": OTHER_RUN, "run_count": 3}, "flow run 1a2b3c4d, attempt 3"),  # older record
+    ({"session": "local", "host": "box", "pid": 3}, "no flow run (local session on box)"),
+    ({}, "no flow run (unknown writer)"),
+    ("not a dict", "no flow run (unknown writer)"),
+    # hostile records: untrusted text, escaped for the UI that renders cells as markdown
+    ({"flow_run_id": OTHER_RUN, "flow_run_name": "evil|name](javascript:alert(1))",
+      "run_count": "1|2"},
+     "evil\\|name\\](javascript:alert(1)) (1a2b3c4d), attempt 1\\|2"),
+    ({"flow_run_id": OTHER_RUN, "flow_run_name": "<img src=x onerror=alert(1)>\n# big *x*"},
+     "\\<img src=x onerror=alert(1)\\> \\# big \\*x\\* (1a2b3c4d)"),
+    ({"flow_run_id": "](javascript:x)|", "flow_run_name": ["a", "b"], "run_count": {"n": 1}},
+     "\\['a', 'b'\\] (\\](javascrip…), attempt {'n': 1}"),
+    ({"flow_run_id": 7, "flow_run_name": "a\u202eb\x00c" + "x" * 100},
+     "a b c" + "x" * 54 + "… (7)"),
+])
+def test_written_by_names_the_run_that_wrote_the_epoch(writer, cell):
+    row = checkpoint_row(3, {"trainer_0": record(3, "trainer_0", {}, writer=writer)}, THIS_RUN)
+    assert checkpoint_table([row])[0]["written by"] == cell
+
+
+def test_only_valid_flow_run_ids_become_links():
+    ui = PREFECT_UI_URL.value()
+    assert ui and ui.startswith("http")  # the test harness's server
+    hostile = {"flow_run_id": OTHER_RUN, "flow_run_name": "x](javascript:alert(1))[y"}
+    assert run_link(hostile) == (f"[x\\](javascript:alert(1))\\[y (1a2b3c4d)]"
+                                 f"({ui}/runs/flow-run/{OTHER_RUN})")
+    assert run_link({"flow_run_id": "javascript:alert(1)"}) == "flow run javascript:…"
+    assert run_link({"flow_run_id": f"{OTHER_RUN})](javascript:x"}) == "flow run 1a2b3c4d-11…"
+    assert writer_cell({"flow_run_id": OTHER_RUN, "run_count": "2]"}, THIS_RUN, link=True) == (
+        f"[flow run 1a2b3c4d]({ui}/runs/flow-run/{OTHER_RUN}), attempt 2\\]")
+    assert epoch_ranges([7, 0, 1, 2, 3, 5, 8, 2]) == "0-3, 5, 7-8"
 
 
 def metrics_job(epochs: int) -> Job:
