@@ -1,7 +1,7 @@
 """The example job as a Prefect flow: ``python flows/regression.py [--epochs N ...]``.
 
-Without ``PREFECT_API_URL`` it runs on Prefect's temporary local server and checkpoints to
-``checkpoints/regression``. Run it again (or let Prefect retry it) and it resumes from the
+Without ``PREFECT_API_URL`` it runs on Prefect's temporary local server (stopped even when this
+process is killed) and checkpoints to ``checkpoints/regression``. Run it again (or let Prefect retry it) and it resumes from the
 newest committed epoch. ``prefect.yaml`` deploys it with a schedule. With ``--dask-scheduler``
 (or the flow parameter ``dask_scheduler``) each node lives on a worker of that Dask cluster
 (``pip install ".[dask]"``; see the README, "Running on a cluster").
@@ -24,6 +24,7 @@ from prefect.runtime import flow_run
 
 from caffe2ckpt import MultiNodeCheckpointManager
 from caffe2ckpt.example import build_job, positive_int
+from caffe2ckpt.prefect.localserver import temporary_server
 from caffe2ckpt.metadata import ZarrMetadataHandler
 
 
@@ -65,6 +66,7 @@ if __name__ == "__main__":
     parser.add_argument("--dask-scheduler", default=None, metavar="ADDRESS",
                         help="run the nodes on this Dask cluster, e.g. tcp://10.0.0.5:8786")
     args = parser.parse_args()
-    final = regression(args.checkpoint_url, args.epochs, args.nodes, args.fail_at_epoch,
-                       dask_scheduler=args.dask_scheduler)
+    with temporary_server():  # without PREFECT_API_URL: Prefect's, but it dies with us
+        final = regression(args.checkpoint_url, args.epochs, args.nodes, args.fail_at_epoch,
+                           dask_scheduler=args.dask_scheduler)
     print(f"final epoch: {final}")

@@ -39,6 +39,31 @@ def pytest_generate_tests(metafunc):
     metafunc.parametrize("prefix", kinds, indirect=True)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def no_process_outlives_the_session():
+    """Every server, worker and subprocess a test starts is stopped by the end of the session
+    (after every other fixture's teardown): leftovers are killed and reported as an error."""
+    yield
+    import psutil
+
+    leftovers = {}
+    for p in psutil.Process().children(recursive=True):
+        try:
+            leftovers[p] = " ".join(p.cmdline())[:200]
+        except psutil.Error:
+            continue
+    leftovers = {p: cmd for p, cmd in leftovers.items()
+                 if "multiprocessing.resource_tracker" not in cmd}  # lives until exit, by design
+    for p in leftovers:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(list(leftovers), timeout=10)
+    assert not leftovers, "processes left running by the tests (now killed): " + "; ".join(
+        f"{p.pid}: {cmd}" for p, cmd in leftovers.items())
+
+
 @pytest.fixture
 def memory_fs():
     """fsspec's process-global memory filesystem, emptied before and after the test."""

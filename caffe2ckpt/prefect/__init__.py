@@ -7,7 +7,9 @@
 
 caffe2ckpt's own log lines reach the flow run logs: importing this package adds ``caffe2ckpt``
 to ``PREFECT_LOGGING_EXTRA_LOGGERS`` when prefect has not been imported yet (import
-``caffe2ckpt.prefect`` before ``prefect`` in flow files, or set the variable yourself).
+``caffe2ckpt.prefect`` before ``prefect`` in flow files, or set the variable yourself). It also
+turns off the analytics of a temporary server started from this process, unless
+``PREFECT_SERVER_ANALYTICS_ENABLED`` is set.
 """
 
 import logging
@@ -18,6 +20,11 @@ if "caffe2ckpt" not in _extra:
     os.environ["PREFECT_LOGGING_EXTRA_LOGGERS"] = ",".join([*_extra, "caffe2ckpt"])
 # caffe2ckpt also runs outside flows (LocalSession): its log lines there are not flow run logs.
 os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
+# The temporary server this process may start inherits the environment: without this, its
+# analytics service logs an ERROR on every start offline ("Failed to send telemetry") and can
+# hold the new database's lock during a first run ("database is locked"). Set it to "true" to
+# keep Prefect's analytics.
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 from caffe2ckpt.prefect.artifacts import CheckpointArtifacts, artifact_key  # noqa: E402
 from caffe2ckpt.prefect.flow import (  # noqa: E402

@@ -23,6 +23,7 @@ from caffe2ckpt.errors import CheckpointError, JobPreemptedError
 from caffe2ckpt.job import Job
 from caffe2ckpt.manager import UploadTaskGroupBuilder, _BaseManager
 from caffe2ckpt.policy import StepManagerOptions
+from caffe2ckpt.prefect.orphans import claim_and_sweep
 from caffe2ckpt.prefect.session import PrefectSession
 from caffe2ckpt.runner import JobRunner
 
@@ -53,6 +54,10 @@ def run_job(
             ``run_count`` is higher; caps crash retries by automation and flow retries alike.
         options: save policy and retention (see :class:`JobRunner`).
 
+    A flow run without a deployment records its process (``<host>:<pid>``) and marks runs of the
+    same flow that were left *Running* by a process that no longer exists *Crashed* (see
+    :mod:`caffe2ckpt.prefect.orphans`).
+
     Preemption: SIGTERM during an epoch (a cancellation from the UI or the worker, or the
     machine going away) lets the epoch finish and commit; then the signal is handed back to
     Prefect, which ends the run *Cancelled* (a cancellation) or *Crashed* (anything else; the
@@ -70,6 +75,7 @@ def run_job(
             f"flow run {flow_run.id} is on attempt {attempt}, over max_attempts={max_attempts}; "
             f"its checkpoints stay at {checkpoint_manager.url!r}"
         )
+    _claim_and_sweep()
     runner = JobRunner(job, checkpoint_manager, resume_from_epoch=resume_from_epoch,
                        upload_task_group_builder=upload_task_group_builder,
                        on_save_error=on_save_error, options=options)  # type: ignore[arg-type]
@@ -80,6 +86,13 @@ def run_job(
         if _prefect_handles_sigterm():
             signal.raise_signal(signal.SIGTERM)  # Prefect's handler raises TerminationSignal
         raise
+
+
+def _claim_and_sweep() -> None:
+    try:
+        claim_and_sweep()
+    except Exception as exc:  # housekeeping: never a reason to stop the job
+        logger.warning("could not look for orphaned runs of flow %r: %s", flow_run.flow_name, exc)
 
 
 def _prefect_handles_sigterm() -> bool:

@@ -1,6 +1,7 @@
 """End to end, offline: a real `prefect server`, the repo's prefect.yaml deployed to a process
 work pool, a worker, a flow run killed with SIGKILL mid-run, the crash-retry automation putting
-the same flow run back, and assertions over the REST API and the checkpoint files."""
+the same flow run back, the deployment's schedule creating a run that completes, and assertions
+over the REST API and the checkpoint files."""
 
 from __future__ import annotations
 
@@ -11,17 +12,20 @@ import socket
 import subprocess
 import sys
 import time
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
+import yaml
 
 from caffe2ckpt import JobRunner, LocalSession, MultiNodeCheckpointManager
 from caffe2ckpt.checkpoint import CheckpointStore
 from caffe2ckpt.commit import list_records, read_record
 from caffe2ckpt.example import build_job
 from caffe2ckpt.location import Location
+from tests.procs import stop_tree
 
 pytestmark = pytest.mark.slow
 
@@ -65,11 +69,7 @@ def server(tmp_path):
         wait_for(lambda: _healthy(api), 120, "the Prefect server")
         yield api, env
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_tree(proc)
         log.close()
 
 
@@ -93,11 +93,36 @@ def post(api: str, path: str, body: dict) -> list:
     return response.json()
 
 
+def scheduled_soon(tmp_path: Path, checkpoint_url: Path, seconds: float) -> tuple[Path, datetime]:
+    """The repo's prefect.yaml with the nightly deployment's schedule moved to ``seconds`` from
+    now (one run: the next one is a day later) and its checkpoints in ``checkpoint_url``."""
+    config = yaml.safe_load((REPO / "prefect.yaml").read_text())
+    nightly = next(d for d in config["deployments"] if d["name"] == "nightly")
+    at = datetime.now(timezone.utc) + timedelta(seconds=seconds)
+    nightly["schedules"] = [{"interval": 86400, "anchor_date": at.isoformat(), "timezone": "UTC"}]
+    nightly["parameters"]["checkpoint_url"] = str(checkpoint_url)
+    path = tmp_path / "prefect.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path, at
+
+
+def scheduled_run(api: str) -> dict | None:
+    """The first run the scheduler created, once it completed (it must not fail or crash)."""
+    runs = post(api, "/flow_runs/filter", {"flow_runs": {"tags": {"all_": ["auto-scheduled"]}},
+                                           "sort": "EXPECTED_START_TIME_ASC", "limit": 1})
+    if not runs:
+        return None
+    (run,) = runs
+    assert run["state_type"] not in ("FAILED", "CRASHED", "CANCELLED"), run["state"]
+    return run if run["state_type"] == "COMPLETED" else None
+
+
 def test_deploy_kill_and_automatic_retry(server, tmp_path):
     api, env = server
     ckpt = tmp_path / "ckpt"
     prefect(env, "work-pool", "create", "caffe2ckpt", "--type", "process")
-    prefect(env, "--no-prompt", "deploy", "--all")
+    config, schedule_at = scheduled_soon(tmp_path, tmp_path / "scheduled", 25)
+    prefect(env, "--no-prompt", "deploy", "--all", "--prefect-file", str(config))
     out = subprocess.run([sys.executable, "-m", "caffe2ckpt.prefect", "retry-crashed",
                           "regression/nightly"], env=env, cwd=REPO, capture_output=True,
                          text=True, timeout=60)
@@ -125,10 +150,16 @@ def test_deploy_kill_and_automatic_retry(server, tmp_path):
             return run if run["state_type"] == "COMPLETED" else None
 
         run = wait_for(final_state, 240, "the retried flow run to complete")
+        scheduled = wait_for(lambda: scheduled_run(api), 240, "the scheduled run to complete")
     finally:
-        os.killpg(worker.pid, signal.SIGTERM)
-        worker.wait(timeout=30)
+        stop_tree(worker)
         worker_log.close()
+
+    # the schedule from prefect.yaml fired: a run the scheduler created, at the scheduled time
+    assert "auto-scheduled" in scheduled["tags"]
+    assert abs(datetime.fromisoformat(scheduled["expected_start_time"]) - schedule_at) < timedelta(seconds=1)
+    sched_store = CheckpointStore(Location(str(tmp_path / "scheduled")))
+    assert sched_store.latest_epoch(["trainer_0", "trainer_1"]) is not None
 
     assert run["run_count"] >= 2  # the same flow run, retried in a new process
     store = CheckpointStore(location)

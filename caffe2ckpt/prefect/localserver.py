@@ -1,0 +1,81 @@
+"""A temporary local Prefect server that cannot outlive the process that started it.
+
+Without ``PREFECT_API_URL``, Prefect starts a temporary server (a uvicorn subprocess) on first
+use and stops it at interpreter exit. A process killed with SIGKILL never reaches that exit, and
+the server runs on by itself. :func:`temporary_server` starts Prefect's own temporary server
+(the same one Prefect would start, so flows behave exactly as without it) and hands each server
+process it spawns to a small reaper (``caffe2ckpt/prefect/_reaper.py``, run as a script). The reaper reads
+process ids from a pipe whose only writer is this process: when the pipe closes without a
+``release`` line (this process ended, however it ended) it stops those processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+from prefect.server.api.server import SubprocessASGIServer
+from prefect.settings import PREFECT_API_URL
+
+__all__ = ["temporary_server"]
+
+
+class _GuardedServer(SubprocessASGIServer):
+    """Prefect's temporary server, each of whose processes is registered with the reaper.
+
+    It shares Prefect's instance registry, so once started it *is* the server Prefect's
+    clients use when no API URL is set.
+    """
+
+    reaper: IO[str] | None = None
+
+    def _run_uvicorn_command(self) -> subprocess.Popen[Any]:
+        proc = super()._run_uvicorn_command()
+        if self.reaper is not None:
+            self.reaper.write(f"{proc.pid}\n")
+            self.reaper.flush()
+        return proc
+
+
+def _drain_senders(timeout: float = 30.0) -> None:
+    """Send the logs and events still queued in this process while the server is up (at
+    interpreter exit, after the server stopped, each would wait out its connection retries)."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):
+        worker.drain_all(timeout=timeout, at_exit=False)
+
+
+@contextlib.contextmanager
+def temporary_server(timeout: int | None = None) -> Iterator[str | None]:
+    """Run the block on Prefect's temporary local server, stopped even if this process is killed.
+
+    Yields ``None`` and does nothing when ``PREFECT_API_URL`` is set (a real server), or when
+    Prefect's temporary server is already running in this process. Otherwise yields the server's
+    API URL; the server stops when the block ends, or when this process dies.
+    """
+    if PREFECT_API_URL.value() or None in SubprocessASGIServer._instances:
+        yield None
+        return
+    # run by path, isolated: it needs only the standard library, not caffe2ckpt or prefect
+    reaper = subprocess.Popen(
+        [sys.executable, "-I", "-S", str(Path(__file__).with_name("_reaper.py"))],
+        stdin=subprocess.PIPE, text=True)
+    assert reaper.stdin is not None
+    server = _GuardedServer()
+    server.reaper = reaper.stdin
+    try:
+        server.start(timeout=timeout)
+        yield server.api_url
+    finally:
+        _drain_senders()
+        server.stop()
+        with contextlib.suppress(BrokenPipeError):
+            reaper.stdin.write("release\n")
+            reaper.stdin.close()
+        reaper.wait(timeout=30)

@@ -1,0 +1,85 @@
+"""Flow runs whose process is gone: run without a deployment, killed, and left *Running*.
+
+A deployment's run has a worker (and the crash-retry automation) to notice that its process
+died. A flow called directly (``python flows/regression.py``) has nobody: killed with SIGKILL,
+it stays *Running* in the UI forever. So :func:`run_job` notes in each such run which process
+runs it (``infrastructure_pid`` = ``<host>:<pid>``, the field workers fill for theirs), and the
+next run of the same flow on the same host marks every *Running* run whose process no longer
+exists *Crashed*. Runs on other hosts are left alone (their processes cannot be checked from
+here); so is a run whose process id was reused by a live process (it stays *Running*).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import (
+    FlowFilter,
+    FlowFilterName,
+    FlowRunFilter,
+    FlowRunFilterDeploymentId,
+    FlowRunFilterId,
+    FlowRunFilterState,
+    FlowRunFilterStateType,
+)
+from prefect.client.schemas.objects import StateType
+from prefect.runtime import deployment, flow_run
+from prefect.states import Crashed
+
+__all__ = ["claim_and_sweep", "process_id"]
+
+logger = logging.getLogger(__name__)
+
+
+def process_id() -> str:
+    """``<host>:<pid>`` of this process."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def _gone(infrastructure_pid: str | None, host: str) -> bool:
+    """Whether ``infrastructure_pid`` names a process of this host that no longer exists."""
+    run_host, _, pid = (infrastructure_pid or "").rpartition(":")
+    if run_host != host or not pid.isdigit() or int(pid) <= 1:
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def claim_and_sweep() -> list[str]:
+    """Note this process on the current flow run; mark its flow's orphaned runs *Crashed*.
+
+    Only for a flow run without a deployment (a worker looks after deployments' runs). Returns
+    the names of the runs marked *Crashed*.
+    """
+    if flow_run.id is None or deployment.id is not None:
+        return []
+    me, host = process_id(), socket.gethostname()
+    crashed: list[str] = []
+    with get_client(sync_client=True) as client:
+        client.update_flow_run(flow_run.id, infrastructure_pid=me)
+        runs = client.read_flow_runs(
+            flow_filter=FlowFilter(name=FlowFilterName(any_=[flow_run.flow_name])),
+            flow_run_filter=FlowRunFilter(
+                id=FlowRunFilterId(not_any_=[flow_run.id]),
+                deployment_id=FlowRunFilterDeploymentId(is_null_=True),
+                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING]))),
+            limit=200,
+        )
+        for run in runs:
+            if not _gone(run.infrastructure_pid, host):
+                continue
+            message = (f"caffe2ckpt: the process that ran this flow run ({run.infrastructure_pid})"
+                       f" is gone; marked Crashed by flow run {flow_run.name} ({flow_run.id})")
+            client.set_flow_run_state(run.id, Crashed(message=message), force=True)
+            logger.warning("flow run %s (%s) was left Running by process %s, which is gone: "
+                           "marked it Crashed", run.name, run.id, run.infrastructure_pid)
+            crashed.append(run.name)
+    return crashed

@@ -1,0 +1,82 @@
+"""``kill -9`` of ``python flows/regression.py``: its temporary Prefect server goes with it, and
+the next run of the flow marks the killed run *Crashed* (it would show *Running* forever). That
+next run, a successful one, logs no error (no telemetry, database-lock or flush errors)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from caffe2ckpt.commit import list_records
+from caffe2ckpt.location import Location
+from tests.procs import stop_tree
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def start(tmp_path: Path, ckpt: Path, epochs: int, log: str) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env["PREFECT_HOME"] = str(tmp_path / "home")  # one home, as for a user's two runs
+    with open(tmp_path / log, "wb") as out:
+        return subprocess.Popen([sys.executable, str(REPO / "flows/regression.py"),
+                                 "--checkpoint-url", str(ckpt), "--epochs", str(epochs)],
+                                env=env, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def until(check, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if result := check():
+            return result
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def runs(tmp_path: Path) -> dict[str, tuple[str, str]]:
+    """flow run infrastructure_pid -> (state type, state message), from the server's database."""
+    with sqlite3.connect(tmp_path / "home" / "prefect.db") as db:
+        rows = db.execute("SELECT r.infrastructure_pid, r.state_type, s.message FROM flow_run r "
+                          "JOIN flow_run_state s ON s.id = r.state_id").fetchall()
+    return {pid: (state, message) for pid, state, message in rows}
+
+
+def test_kill_9_stops_the_temporary_server_and_the_next_run_marks_the_run_crashed(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    first = start(tmp_path, ckpt, 1000, "first.log")
+    try:
+        until(lambda: len(list_records(Location(str(ckpt)))) >= 2 * 2, 180, "epoch 1 committed")
+        servers = [p for p in psutil.Process(first.pid).children()
+                   if "uvicorn" in " ".join(p.cmdline())]
+        assert len(servers) == 1, [p.cmdline() for p in psutil.Process(first.pid).children()]
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait(timeout=10)
+        gone, alive = psutil.wait_procs(servers, timeout=30)
+        assert not alive, f"the temporary server {servers[0].pid} outlived its killed parent"
+    finally:
+        stop_tree(first)
+    killed = f"{socket.gethostname()}:{first.pid}"
+    assert runs(tmp_path)[killed][0] == "RUNNING"  # what the UI showed, forever
+
+    second = start(tmp_path, tmp_path / "other", 1, "second.log")
+    try:
+        assert second.wait(timeout=180) == 0, (tmp_path / "second.log").read_text()
+    finally:
+        stop_tree(second)
+    log = (tmp_path / "second.log").read_text()
+    state, message = runs(tmp_path)[killed]
+    assert state == "CRASHED" and killed in message, (state, message)
+    assert f"left Running by process {killed}, which is gone" in log
+    assert "ERROR" not in log and "Traceback" not in log and "Error" not in log, log
+    assert runs(tmp_path)[f"{socket.gethostname()}:{second.pid}"][0] == "COMPLETED"
