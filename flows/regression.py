@@ -17,14 +17,13 @@ import os
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
-from caffe2ckpt.prefect import PrefectSession, run_job  # before prefect: routes caffe2ckpt logs
+from caffe2ckpt.prefect import PrefectSession, run_job, temporary_server  # before prefect (logs)
 
 from prefect import flow
 from prefect.runtime import flow_run
 
 from caffe2ckpt import MultiNodeCheckpointManager
 from caffe2ckpt.example import build_job, positive_int
-from caffe2ckpt.prefect.localserver import temporary_server
 from caffe2ckpt.metadata import ZarrMetadataHandler
 
 

@@ -3,7 +3,8 @@
 - :class:`PrefectSession` runs each node's share of a task group as a Prefect task run;
 - :func:`run_job` is the one-liner for a flow body, with an attempt cap for crash retries;
 - :class:`CheckpointArtifacts` keeps the checkpoint table, progress and summary artifacts;
-- :func:`create_crash_retry_automation` re-schedules crashed runs of a deployment.
+- :func:`create_crash_retry_automation` re-schedules crashed runs of a deployment;
+- :func:`temporary_server` runs a block on Prefect's temporary server, stopped even on SIGKILL.
 
 caffe2ckpt's own log lines reach the flow run logs: importing this package adds ``caffe2ckpt``
 to ``PREFECT_LOGGING_EXTRA_LOGGERS`` when prefect has not been imported yet (import
@@ -32,6 +33,7 @@ from caffe2ckpt.prefect.flow import (  # noqa: E402
     create_crash_retry_automation,
     run_job,
 )
+from caffe2ckpt.prefect.localserver import temporary_server  # noqa: E402
 from caffe2ckpt.prefect.session import PrefectSession, in_flow_run  # noqa: E402
 
 # Prefect hands its handlers to extra loggers but not its level; without this, caffe2ckpt's
@@ -47,4 +49,5 @@ __all__ = [
     "create_crash_retry_automation",
     "in_flow_run",
     "run_job",
+    "temporary_server",
 ]
