@@ -16,6 +16,7 @@ from caffe2ckpt.errors import (
     JobDefinitionError,
     JobPreemptedError,
     NodeLostError,
+    StorageCredentialsError,
 )
 from caffe2ckpt.job import Job, Node, Task, TaskGroup, TaskOutput, epoch_limiter
 from caffe2ckpt.manager import CheckpointManager, MultiNodeCheckpointManager, UploadTaskGroupBuilder
@@ -47,6 +48,7 @@ __all__ = [
     "Session",
     "StepCheckpointManager",
     "StepManagerOptions",
+    "StorageCredentialsError",
     "Task",
     "TaskGroup",
     "TaskOutput",

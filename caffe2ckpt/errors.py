@@ -10,6 +10,7 @@ the builtin a caller would naturally catch, so ``except FileNotFoundError`` keep
     │   └── CheckpointFencedError                     a newer run took over the prefix
     ├── InvalidBlobError (ValueError)                 a workspace value or blob name we cannot store
     ├── InvalidLocationError (ValueError)             a bad node name, prefix, URL or epoch
+    │   └── StorageCredentialsError                   the prefix's filesystem found no credentials
     ├── JobDefinitionError (ValueError)               a Job / Task / runner set up wrongly
     ├── JobPreemptedError                             a signal stopped the job between epochs
     └── NodeLostError (RuntimeError)                  a node's worker died, or it could not be placed
@@ -39,6 +40,7 @@ __all__ = [
     "JobDefinitionError",
     "JobPreemptedError",
     "NodeLostError",
+    "StorageCredentialsError",
 ]
 
 
@@ -119,6 +121,12 @@ class InvalidBlobError(CheckpointError, ValueError):
 
 class InvalidLocationError(CheckpointError, ValueError):
     """A node name, checkpoint prefix, URL or epoch number is not acceptable."""
+
+
+class StorageCredentialsError(InvalidLocationError):
+    """The prefix's filesystem has no usable credentials: none were found (environment, config
+    files, instance metadata, storage options) or they could not be loaded. Credentials the
+    store rejects are its own ``PermissionError``."""
 
 
 class JobDefinitionError(CheckpointError, ValueError):

@@ -25,9 +25,10 @@ clients and other tools may resolve them, so the same URL could name two differe
 are refused with :class:`InvalidLocationError`.
 
 Errors: a filesystem failure that is not an ``OSError`` (e.g. botocore's ``NoCredentialsError``,
-which s3fs passes through untranslated) is re-raised naming the prefix: configuration problems
-(credentials, profile, region, parameters, storage options the filesystem does not take) as
-:class:`InvalidLocationError`, anything else (e.g. ``EndpointConnectionError`` after s3fs's
+which s3fs passes through untranslated) is re-raised naming the prefix: missing credentials as
+:class:`~caffe2ckpt.errors.StorageCredentialsError` (an :class:`InvalidLocationError`), other
+configuration problems (profile, region, parameters, storage options the filesystem does not
+take) as :class:`InvalidLocationError`, anything else (e.g. ``EndpointConnectionError`` after s3fs's
 retries) as an ``OSError`` (``EIO``), so callers see an I/O failure, not corruption.
 
 Reads: a local file is read only if it is a regular file reached without following a symlink
@@ -58,11 +59,20 @@ from caffe2ckpt.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     InvalidLocationError,
+    StorageCredentialsError,
 )
 
 __all__ = ["Location"]
 
 logger = logging.getLogger(__name__)
+
+
+def _is_credentials_error(exc: Exception) -> bool:
+    """Whether a filesystem client failed for want of credentials (botocore's
+    ``NoCredentialsError``, ``PartialCredentialsError``, ``TokenRetrievalError``, google-auth's
+    ``DefaultCredentialsError``...): these clients raise no ``OSError`` for it."""
+    name = type(exc).__name__
+    return "Credential" in name or "Token" in name
 
 
 class Location:
@@ -95,6 +105,8 @@ class Location:
             except CheckpointError:
                 raise
             except Exception as exc:  # unknown protocol, missing package, bad options
+                if _is_credentials_error(exc):
+                    raise self._translate(exc) from exc
                 raise InvalidLocationError(
                     f"cannot open checkpoint prefix {url!r}: {type(exc).__name__}: {exc}"
                 ) from exc
@@ -134,9 +146,13 @@ class Location:
 
     def _translate(self, exc: Exception) -> Exception:
         name = type(exc).__name__
+        if _is_credentials_error(exc):
+            return StorageCredentialsError(
+                f"cannot use checkpoint prefix {self.url!r}: no usable credentials: {name}: "
+                f"{exc} (give them in the environment, a config file or storage_options)")
         if isinstance(exc, TypeError) or any(  # a TypeError here comes from bad options
-                word in name for word in ("Credential", "Profile", "Region", "ParamValidation",
-                                          "Unsigned", "Token", "Config")):
+                word in name for word in ("Profile", "Region", "ParamValidation", "Unsigned",
+                                          "Config")):
             return InvalidLocationError(
                 f"cannot use checkpoint prefix {self.url!r}: {name}: {exc} (check the "
                 "credentials, region and storage_options of this filesystem)")

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import fsspec.config
 import numpy as np
 import pytest
 
@@ -624,6 +625,51 @@ def test_storage_options_reach_an_s3_server(s3_server, capsys):
     assert run_json(capsys, "ls", url, *opts)["committed_epochs"] == [2]
     code, _, err = run(capsys, "ls", f"s3://{bucket}/nothing", *opts)
     assert code == 3 and f"s3://{bucket}/nothing" in err
+
+
+@pytest.mark.slow
+def test_credentials_missing_or_rejected_exit_4_naming_the_url(s3_server, monkeypatch, tmp_path,
+                                                              capsys):
+    """No credentials anywhere (no AWS_* variables, empty config files, no instance metadata),
+    or a key the server does not know: the storage refused, exit 4 naming the URL; an option
+    s3fs does not take is still a wrong argument (exit 2)."""
+    bucket = s3_server.new_bucket()
+    url = f"s3://{bucket}/run"
+    with StepCheckpointManager(url, storage_options=s3_server.options(),
+                               handle_preemption=False) as mgr:
+        for epoch in range(2):
+            mgr.save(epoch, {n: blobs(n, epoch) for n in NODES})
+    before = s3_server.filesystem().find(bucket)
+    for key in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(key)
+    (tmp_path / "empty").write_text("")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "empty"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "empty"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # else botocore asks 169.254.169.254
+    monkeypatch.delitem(fsspec.config.conf, "s3", raising=False)
+    endpoint = {"endpoint_url": s3_server.endpoint, "skip_instance_cache": True}
+    for command in (["ls"], ["show"], ["verify"], ["gc", "--keep-last", "1", "--yes"],
+                    ["diff", "0", "1"]):
+        argv = [command[0], url, *command[1:], "--storage-options", json.dumps(endpoint)]
+        code, out, err = run(capsys, *argv)
+        assert (code, out) == (4, ""), err
+        assert err.startswith(f"caffe2ckpt {command[0]}: error: cannot use checkpoint prefix "
+                              f"{url!r}: no usable credentials: NoCredentialsError"), err
+        assert err.count("\n") == 1 and "Traceback" not in err
+        assert run_json(capsys, *argv, code=4)["exit_code"] == 4
+
+    from moto.core.authorization import enable_iam_authentication
+
+    wrong_key = json.dumps({**endpoint, "key": "AKIAWRONG", "secret": "wrong"})
+    with enable_iam_authentication():  # the server checks keys: it knows none
+        code, out, err = run(capsys, "verify", url, "--storage-options", wrong_key)
+    assert (code, out) == (4, "")
+    assert err.startswith(f"caffe2ckpt verify: error: {url}: ") and "Access Key Id" in err, err
+
+    bad_option = json.dumps({**s3_server.options(), "retries": 1, "skip_instance_cache": True})
+    code, _, err = run(capsys, "ls", url, "--storage-options", bad_option)
+    assert code == 2 and repr(url) in err and "retries" in err, err
+    assert s3_server.filesystem().find(bucket) == before  # gc --yes deleted nothing
 
 
 # -- the installed console script, python -m, and the progress bar ------------------------------

@@ -37,6 +37,7 @@ from caffe2ckpt import (
     MultiNodeCheckpointManager,
     Node,
     StepCheckpointManager,
+    StorageCredentialsError,
     Task,
     epoch_limiter,
 )
@@ -315,8 +316,8 @@ def test_a_prefix_that_is_a_file_fails_clearly_and_leaves_the_file_alone(tmp_pat
 @pytest.mark.slow
 def test_s3_without_credentials_fails_fast_naming_the_url(s3_server, monkeypatch, tmp_path):
     """No credentials anywhere (no env, no config files, no instance metadata): the first access
-    raises InvalidLocationError naming the URL, at once (botocore's NoCredentialsError is not
-    retried by s3fs), and nothing is written."""
+    raises StorageCredentialsError (an InvalidLocationError) naming the URL, at once (botocore's
+    NoCredentialsError is not retried by s3fs), and nothing is written."""
     for key in [k for k in os.environ if k.startswith("AWS_")]:
         monkeypatch.delenv(key)
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
@@ -329,7 +330,7 @@ def test_s3_without_credentials_fails_fast_naming_the_url(s3_server, monkeypatch
     for handler in (ZarrMetadataHandler(), None):
         start = time.monotonic()
         cm = MultiNodeCheckpointManager(url, storage_options=options, metadata_handler=handler)
-        with pytest.raises(InvalidLocationError) as info:
+        with pytest.raises(StorageCredentialsError) as info:
             JobRunner(one_node_job("n"), cm).train(LocalSession())
         assert time.monotonic() - start < 10
         assert repr(url) in str(info.value) and "NoCredentialsError" in str(info.value)

@@ -42,6 +42,7 @@ from caffe2ckpt.errors import (
     CheckpointNotFoundError,
     InvalidLocationError,
     JobDefinitionError,
+    StorageCredentialsError,
 )
 from caffe2ckpt.naming import check_epoch, check_node_name
 
@@ -67,7 +68,8 @@ exit codes:
   1  damage found: verify, show --verify or diff read a checksum or record that fails
   2  wrong arguments (usage error, bad --storage-options JSON, unknown metric)
   3  not found: nothing at PREFIX, or the epoch / node asked for is not committed there
-  4  the storage failed: permission denied, network error, or a gc deletion failed
+  4  the storage failed: no credentials found, permission denied (also credentials
+     the store rejects), network error, or a gc deletion failed
 """
 
 EPILOGS = {
@@ -288,6 +290,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(args, str(exc), exc.code)
     except CheckpointCorruptedError as exc:
         return _fail(args, str(exc), EXIT_DAMAGED)
+    except StorageCredentialsError as exc:  # the arguments may be right: the storage refused
+        return _fail(args, str(exc), EXIT_IO)
     except (InvalidLocationError, JobDefinitionError) as exc:
         return _fail(args, str(exc), EXIT_USAGE)
     except (CheckpointNotFoundError, FileNotFoundError) as exc:
