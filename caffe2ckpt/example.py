@@ -29,7 +29,7 @@ from caffe2ckpt.errors import JobDefinitionError, JobPreemptedError
 from caffe2ckpt.job import Job, Node, Task, epoch_limiter
 from caffe2ckpt.workspace import Workspace
 
-__all__ = ["EXIT_PREEMPTED", "build_job", "main"]
+__all__ = ["EXIT_PREEMPTED", "build_job", "main", "node_names"]
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by a preemption signal, rerun to resume
 
@@ -93,6 +93,11 @@ def _train_epoch(node: str, node_index: int, seed: int, batches: int,
     return sgd
 
 
+def node_names(num_nodes: int) -> list[str]:
+    """The example's nodes: ``trainer_0``, ``trainer_1``, ..."""
+    return [f"trainer_{i}" for i in range(num_nodes)]
+
+
 def build_job(
     num_epochs: int = 10,
     num_nodes: int = 2,
@@ -109,8 +114,7 @@ def build_job(
     if num_nodes < 1:
         raise JobDefinitionError(f"the example needs at least one node, got {num_nodes}")
     with Job(name="regression") as job:
-        for i in range(num_nodes):
-            node = f"trainer_{i}"
+        for i, node in enumerate(node_names(num_nodes)):
             with Node(node):
                 with job.init_group:
                     Task(_init_node(i, seed), name="init")
@@ -127,6 +131,14 @@ def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def epoch_number(text: str) -> int:
+    """An argparse type: an int >= 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
 
 

@@ -2,6 +2,7 @@
 
 - :class:`PrefectSession` runs each node's share of a task group as a Prefect task run;
 - :func:`run_job` is the one-liner for a flow body, with an attempt cap for crash retries;
+- :func:`plan_run` says where a flow run starts and where it stops (e.g. N more epochs per run);
 - :class:`CheckpointArtifacts` keeps the checkpoint table, progress and summary artifacts;
 - :func:`create_crash_retry_automation` re-schedules crashed runs of a deployment;
 - :func:`temporary_server` runs a block on Prefect's temporary server, stopped even on SIGKILL.
@@ -30,7 +31,9 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 from caffe2ckpt.prefect.artifacts import CheckpointArtifacts, artifact_key  # noqa: E402
 from caffe2ckpt.prefect.flow import (  # noqa: E402
     AttemptLimitExceeded,
+    RunPlan,
     create_crash_retry_automation,
+    plan_run,
     run_job,
 )
 from caffe2ckpt.prefect.localserver import temporary_server  # noqa: E402
@@ -45,9 +48,11 @@ __all__ = [
     "AttemptLimitExceeded",
     "CheckpointArtifacts",
     "PrefectSession",
+    "RunPlan",
     "artifact_key",
     "create_crash_retry_automation",
     "in_flow_run",
+    "plan_run",
     "run_job",
     "temporary_server",
 ]

@@ -1,4 +1,5 @@
-"""Flow helpers: the one-line flow body and the crash-retry automation with its attempt cap.
+"""Flow helpers: the one-line flow body, a plan for how far a run trains (:func:`plan_run`), and
+the crash-retry automation with its attempt cap.
 
 ``@flow(retries=N)`` re-runs the flow body after an exception in the same process; a process
 that is killed is marked *Crashed* and is not retried by ``retries``. For that, a deployment can
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import logging
 import signal
+from collections.abc import Sequence
+from typing import NamedTuple
 from uuid import UUID
 
 from prefect.automations import Automation
@@ -19,21 +22,99 @@ from prefect.events.actions import ChangeFlowRunState
 from prefect.events.schemas.automations import EventTrigger, Posture
 from prefect.runtime import flow_run
 
-from caffe2ckpt.errors import CheckpointError, JobPreemptedError
+from caffe2ckpt.errors import (
+    CheckpointError,
+    InvalidLocationError,
+    JobDefinitionError,
+    JobPreemptedError,
+)
 from caffe2ckpt.job import Job
 from caffe2ckpt.manager import UploadTaskGroupBuilder, _BaseManager
+from caffe2ckpt.naming import check_epoch
 from caffe2ckpt.policy import StepManagerOptions
 from caffe2ckpt.prefect.orphans import claim_and_sweep
 from caffe2ckpt.prefect.session import PrefectSession
 from caffe2ckpt.runner import JobRunner
 
-__all__ = ["AttemptLimitExceeded", "create_crash_retry_automation", "run_job"]
+__all__ = ["AttemptLimitExceeded", "RunPlan", "create_crash_retry_automation", "plan_run",
+           "run_job"]
 
 logger = logging.getLogger(__name__)
 
 
 class AttemptLimitExceeded(CheckpointError, RuntimeError):
     """The flow run has been attempted more often than ``max_attempts`` allows."""
+
+
+class RunPlan(NamedTuple):
+    """How far this flow run trains (see :func:`plan_run`)."""
+
+    start_epoch: int  #: the epoch the run starts (or, on a retry, started) from; 0: from scratch
+    num_epochs: int  #: the job's epoch limit, e.g. for ``epoch_limiter`` (a total, not a count)
+    resume_from_epoch: int | None  #: for :func:`run_job`; None: the newest committed epoch
+
+
+def plan_run(
+    checkpoint_manager: _BaseManager,
+    nodes: Sequence[str],
+    *,
+    epochs: int,
+    epochs_per_run: int | None = None,
+    resume_from_epoch: int | None = None,
+) -> RunPlan:
+    """Where this flow run starts and at which epoch its job stops, the same on every attempt.
+
+    A run starts from ``resume_from_epoch`` if given, else from the newest committed epoch of
+    ``nodes`` under the manager's prefix (0 if there is none), and trains up to epoch
+    ``epochs`` — or, with ``epochs_per_run``, ``epochs_per_run`` epochs past its start, but
+    never past ``epochs``. So a scheduled run with ``epochs_per_run`` trains that many more
+    epochs each time, until ``epochs`` is reached.
+
+    A retry (a later attempt of the same flow run, after an earlier one committed epochs) keeps
+    the start of the first attempt, so it stops at the same epoch, and resumes from the newest
+    epoch the run committed (``resume_from_epoch`` is then None) instead of going back to the
+    requested one. The run's own epochs are found by the flow run id in their commit records.
+
+    Raises:
+        JobDefinitionError: ``epochs`` or ``epochs_per_run`` is below 1.
+        InvalidLocationError: ``resume_from_epoch`` is not an epoch number.
+    """
+    for name, value in (("epochs", epochs), ("epochs_per_run", epochs_per_run)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 1):
+            raise JobDefinitionError(f"{name} must be an int >= 1, got {value!r}")
+    if resume_from_epoch is not None:
+        try:
+            check_epoch(resume_from_epoch)
+        except InvalidLocationError as exc:
+            raise InvalidLocationError(f"resume_from_epoch={resume_from_epoch!r}: {exc}") from exc
+    checkpoint_manager.set_params(nodes=list(nodes))
+    started = _started_from(checkpoint_manager)
+    if started is None:  # this flow run has committed nothing yet
+        start = (resume_from_epoch if resume_from_epoch is not None
+                 else checkpoint_manager.get_resume_from_epoch_id() or 0)
+    else:
+        start, resume_from_epoch = started, None
+    limit = epochs if epochs_per_run is None else min(epochs, start + epochs_per_run)
+    return RunPlan(start, limit, resume_from_epoch)
+
+
+def _started_from(checkpoint_manager: _BaseManager) -> int | None:
+    """The epoch the current flow run started from, if the newest epochs of the prefix's
+    lineage are its own (an earlier attempt committed them); else None."""
+    this_run = flow_run.id
+    if this_run is None:
+        return None
+    first = None
+    history = checkpoint_manager.store.history(checkpoint_manager.file_nodes())
+    for save in history.lineage():  # newest first: this run's saves, then where it started
+        writer = next(iter(save.records.values())).writer or {}
+        if writer.get("flow_run_id") != str(this_run):
+            break
+        first = save
+    if first is None:
+        return None
+    return first.parent[0] if first.parent is not None else 0
 
 
 def run_job(

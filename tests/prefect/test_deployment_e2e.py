@@ -132,8 +132,11 @@ def test_deploy_kill_and_automatic_retry(server, tmp_path):
                                "caffe2ckpt", "--type", "process"], env=env, cwd=REPO,
                               stdout=worker_log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
+        # epochs_per_run: nightly's 10 -> EPOCHS, so the retried run must still stop at
+        # EPOCHS, counted from where its first attempt started (not where the retry resumes)
         started = prefect(env, "deployment", "run", "regression/nightly", "--param",
-                          f"checkpoint_url={ckpt}", "--param", f"epochs={EPOCHS}")
+                          f"checkpoint_url={ckpt}", "--param", f"epochs={EPOCHS}",
+                          "--param", f"epochs_per_run={EPOCHS}")
         run_id = started.split("flow-run/")[1].split()[0].strip()
         location = Location(str(ckpt))
 
@@ -159,7 +162,8 @@ def test_deploy_kill_and_automatic_retry(server, tmp_path):
     assert "auto-scheduled" in scheduled["tags"]
     assert abs(datetime.fromisoformat(scheduled["expected_start_time"]) - schedule_at) < timedelta(seconds=1)
     sched_store = CheckpointStore(Location(str(tmp_path / "scheduled")))
-    assert sched_store.latest_epoch(["trainer_0", "trainer_1"]) is not None
+    # a first night from scratch: nightly's epochs_per_run (10) epochs, of its epochs (100)
+    assert sched_store.latest_epoch(["trainer_0", "trainer_1"]) == 10
 
     assert run["run_count"] >= 2  # the same flow run, retried in a new process
     store = CheckpointStore(location)
