@@ -26,7 +26,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def start(tmp_path: Path, ckpt: Path, epochs: int, log: str) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    # as a user's shell: no API URL, and no analytics switch (caffe2ckpt.prefect sets the default)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PREFECT_API_URL", "PREFECT_SERVER_ANALYTICS_ENABLED", "DO_NOT_TRACK")}
     env["PREFECT_HOME"] = str(tmp_path / "home")  # one home, as for a user's two runs
     with open(tmp_path / log, "wb") as out:
         return subprocess.Popen([sys.executable, str(REPO / "flows/regression.py"),

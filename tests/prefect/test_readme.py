@@ -74,3 +74,6 @@ def test_readme_python_block_runs_as_written(name, tmp_path):
     assert out.returncode == 0, f"README block {name!r} failed:\n{out.stdout}\n{out.stderr}"
     if expected is not None:
         assert expected in out.stdout.splitlines(), (name, out.stdout)
+    noise = [line for line in (out.stdout + out.stderr).splitlines()
+             if "ERROR" in line or "Traceback" in line]
+    assert not noise, f"README block {name!r} succeeded but printed errors: {noise}"
