@@ -20,6 +20,7 @@ Sessions are measured interleaved, so load changes hit all alike.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import statistics
@@ -134,7 +135,7 @@ def overhead(args) -> None:
 
     from caffe2ckpt import LocalSession
     from caffe2ckpt.dask import DaskSession
-    from caffe2ckpt.prefect import PrefectSession
+    from caffe2ckpt.prefect import PrefectSession, temporary_server
 
     @flow(name="bench-dask-epochs")
     def in_flow(client, dask: bool, epochs: int) -> float:
@@ -147,7 +148,8 @@ def overhead(args) -> None:
                                                         "prefect actors")}
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
                       dashboard_address=":0", silence_logs=40) as cluster, \
-            Client(cluster) as client:
+            Client(cluster) as client, \
+            (contextlib.nullcontext() if args.smoke else temporary_server()):
         for _ in range(args.repeats):
             results["threads"].append(epoch_ms(LocalSession(), args.epochs))
             with DaskSession(client) as session:
