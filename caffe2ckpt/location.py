@@ -112,6 +112,12 @@ class Location:
                 ) from exc
         # Only a plain local filesystem gets os-level fast paths; wrappers go through fsspec.
         self.is_local = type(self.fs) is LocalFileSystem
+        # Object stores have no directories: their makedirs only checks that the bucket exists
+        # (creating it if not), one request per call, before every exclusive create. Once per
+        # Location is enough (see makedirs).
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+        self._bucket_only_dirs = bool({"s3", "s3a", "gs", "gcs"} & set(protocols))
+        self._bucket_checked = False
         self.root = self._checked_root(str(root))
 
     def _checked_root(self, root: str) -> str:
@@ -268,7 +274,10 @@ class Location:
         outermost first, on local disks (their parents need an fsync for them to last), else
         []."""
         if not self.is_local:
+            if self._bucket_checked:  # an object store whose bucket this Location has seen
+                return []
             self._guard(self.fs.makedirs, path, exist_ok=True)
+            self._bucket_checked = self._bucket_only_dirs
             return []
         missing, parent = [], path
         while parent and not os.path.exists(parent):

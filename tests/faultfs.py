@@ -30,6 +30,7 @@ import io
 import os
 import threading
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from fsspec import AbstractFileSystem
@@ -46,6 +47,8 @@ class InjectedFault:
     errno: int
     sticky: bool  # also fail every later op of this kind
     torn: bool  # a failing write leaves the first half of its data behind
+    match: Callable[[str, str], bool] | None = None  # only ops it accepts count (and fail)
+    matched: int = 0  # ops accepted by ``match`` since arm()
 
 
 class FaultyFileSystem(AbstractFileSystem):
@@ -80,10 +83,12 @@ class FaultyFileSystem(AbstractFileSystem):
             self._fault = None
 
     def arm(self, kind: str, n: int, errno: int = errno_mod.EIO, *, sticky: bool = False,
-            torn: bool = False) -> None:
-        """Fail the ``n``-th op of ``kind`` from now on (and all later ones if ``sticky``)."""
+            torn: bool = False, match: Callable[[str, str], bool] | None = None) -> None:
+        """Fail the ``n``-th op of ``kind`` from now on (and all later ones if ``sticky``). With
+        ``match``, only the ops for which ``match(method, path)`` is true are counted towards
+        ``n`` (and fail): e.g. the first write under ``_staging/``, whichever thread does it."""
         with self._lock:
-            self._fault = InjectedFault(kind, n, errno, sticky, torn)
+            self._fault = InjectedFault(kind, n, errno, sticky, torn, match)
             self._base = self.counts[kind]
 
     def ops(self, kind: str) -> list[tuple[str, str]]:
@@ -100,7 +105,13 @@ class FaultyFileSystem(AbstractFileSystem):
             f = self._fault
             if f is None or f.kind != kind:
                 return
-            index = self.counts[kind] - self._base
+            if f.match is not None:
+                if not f.match(method, path):
+                    return
+                f.matched += 1
+                index = f.matched
+            else:
+                index = self.counts[kind] - self._base
             if not (index == f.n or (f.sticky and index > f.n)):
                 return
             self.failed.append((kind, method, path))

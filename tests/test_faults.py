@@ -19,7 +19,8 @@ from __future__ import annotations
 import errno
 import functools
 import os
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
@@ -181,9 +182,13 @@ class Fault:
     sticky: bool = False  # every later op of the kind fails too (a full disk)
     torn: bool = False  # a failing write leaves half its bytes behind
     every_n: bool = True  # False: only the first, middle and last op
+    # only ops for which match(method, path) is true count towards n (see FaultyFileSystem.arm)
+    match: Callable[[str, str], bool] | None = field(default=None, compare=False)
+    label: str = ""  # names the matched class of ops
 
     def __str__(self) -> str:
-        return f"{self.kind}-{errno.errorcode[self.err]}{'-torn' if self.torn else ''}"
+        return (f"{self.kind}-{errno.errorcode[self.err]}{'-torn' if self.torn else ''}"
+                f"{'-' + self.label if self.label else ''}")
 
 
 def run_case(inner, root: str, template: str, sc: Scenario, fault: Fault, n: int) -> str:
@@ -200,7 +205,7 @@ def _fault_and_recover(inner, path: str, sc: Scenario, fault: Fault, n: int) -> 
     fs = FaultyFileSystem(inner)
     cm = MultiNodeCheckpointManager(path, filesystem=fs, metadata_handler=ZarrMetadataHandler())
     job = make_job(SAVED, lambda: fs.arm(fault.kind, n, fault.err, sticky=fault.sticky,
-                                         torn=fault.torn))
+                                         torn=fault.torn, match=fault.match))
     runner = JobRunner(job, cm, resume_from_epoch=sc.resume, on_save_error="raise")
     error = None
     try:

@@ -54,6 +54,17 @@ from tests.s3server import NOT_ON_S3, prefix_kind, storage_cases
 
 
 @pytest.fixture
+def tmp_path(tmp_path):
+    """The test's temp dir, one level down in a fresh directory of its own: "the parent of the
+    test's temp dir" (the world listed below) then holds this test's files only. pytest's own
+    parent holds every earlier test's directory of the session (tens of thousands of entries by
+    the end of a run), and listing it cost seconds per call. The prefix fixture uses this too."""
+    path = tmp_path / "parent" / "test"
+    path.mkdir(parents=True)
+    return path
+
+
+@pytest.fixture
 def world(prefix, tmp_path, memory_fs):
     """A function listing everything this test could have written (see the module docstring)."""
     kind = prefix_kind(prefix)

@@ -39,8 +39,9 @@ def train(prefix: str, num_epochs: int, **kwargs) -> tuple[JobRunner, LocalSessi
 
 
 def go_back_to_2(prefix: str, **kwargs) -> None:
-    """Epochs 0..6 by a first run; a second run resumes from 2, commits 3 and dies in 4."""
-    train(prefix, 6)
+    """Epochs 0..5 by a first run; a second run resumes from 2, commits 3 and dies in 4: the
+    first run's 4 and 5 are superseded (higher epochs, but off the new lineage)."""
+    train(prefix, 5)
     with pytest.raises(InjectedFailure):
         train(prefix, 4, resume_from_epoch=2, fail_at_epoch=4, **kwargs)
 
@@ -55,9 +56,9 @@ def reference_4(tmp_path_factory) -> dict:
 def test_resume_after_going_back_follows_the_new_lineage(prefix, reference_4):
     go_back_to_2(prefix)
     cm = MultiNodeCheckpointManager(prefix)
-    assert cm.store.latest_epoch(NODES) == 3  # not the older run's 6
+    assert cm.store.latest_epoch(NODES) == 3  # not the older run's 5
     found = scan(cm.store, NODES)
-    assert sorted(found.superseded) == [4, 5, 6] and found.epochs() == list(range(7))
+    assert sorted(found.superseded) == [4, 5] and found.epochs() == list(range(6))
     assert found.steps[3].generation > found.steps[2].generation
     runner, session, final = train(prefix, 4)  # the automatic retry
     assert (runner.resumed_from, final) == (3, 4)
@@ -68,7 +69,7 @@ def test_retention_keeps_the_new_lineage_and_drops_the_superseded(prefix, refere
     go_back_to_2(prefix, options=StepManagerOptions(max_to_keep=1))
     cm = MultiNodeCheckpointManager(prefix)
     found = scan(cm.store, NODES)
-    # 3 (the newest of the lineage) and 2 (resumed from); the old 0, 1 and the superseded 4..6
+    # 3 (the newest of the lineage) and 2 (resumed from); the old 0, 1 and the superseded 4, 5
     # are gone
     assert found.epochs() == [2, 3] and not found.superseded
     runner, session, final = train(prefix, 4, options=StepManagerOptions(max_to_keep=1))
@@ -124,13 +125,13 @@ def test_cli_marks_superseded_epochs_and_gc_removes_them(prefix, capsys):
     doc = json.loads(capsys.readouterr().out)
     states = {row["epoch"]: row["state"] for row in doc["epochs"]}
     assert states == {0: "committed", 1: "committed", 2: "committed", 3: "committed",
-                      4: "superseded", 5: "superseded", 6: "superseded"}
-    assert doc["superseded_epochs"] == [4, 5, 6]
+                      4: "superseded", 5: "superseded"}
+    assert doc["superseded_epochs"] == [4, 5]
     assert cli_main(["show", prefix, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["epoch"] == 3  # the newest of the lineage
     assert cli_main(["gc", prefix, "--keep-last", "2", "--yes", "--json"]) == 0
     deleted = [d["epoch"] for d in json.loads(capsys.readouterr().out)["delete"]]
-    assert deleted == [0, 1, 4, 5, 6]
+    assert deleted == [0, 1, 4, 5]
 
 
 # -- the walk itself, on records made here ---------------------------------------------------

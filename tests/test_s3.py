@@ -6,8 +6,8 @@ modules (their ``prefix`` fixture includes ``s3``), this module shows that a sav
 issue no rename, move or server-side copy at all on S3 (only a re-save of a committed epoch moves
 its new group into place, by copying through the client), that commit records and claims are
 created exclusively (a conditional ``If-None-Match`` PUT; racing creators get exactly one winner),
-and it runs a deterministic subset of the save / re-save fault matrix of tests/test_faults.py
-against S3.
+and it runs the save / re-save fault matrix of tests/test_faults.py against S3 on one fault per
+class of S3 operation.
 """
 
 from __future__ import annotations
@@ -116,45 +116,101 @@ def test_exclusive_creation_has_exactly_one_winner_on_s3(s3):
         assert location.read_bytes(path) == f"writer {winners[0]}".encode()
 
 
-# -- the save / re-save fault matrix on S3 (a deterministic subset) -------------------------------
+# -- the save / re-save fault matrix on S3 (one fault per class of S3 operation) -----------------
 
-# (scenario, fault, step): every step-th failing op n = 1, 1+step, ... plus the last one. Only
-# the kinds whose ops really reach S3 differently from memory/local: writes (PUTs, conditional
-# PUTs) and deletes (DELETEs, the copy-based move of a re-save). Listing, stat and ENOSPC faults
-# are raised by the wrapper before any request, so the memory/local matrix covers them. A case
-# costs ~150 requests (~4 s); the full matrix on S3 would take ~6 minutes. The memory and local
-# matrices (tests/test_faults.py) fault every operation.
+# A case costs ~150-300 requests (~3-6 s): the full matrix on S3 would take minutes, and the memory
+# and local matrices (tests/test_faults.py) fault every operation. On S3 each case faults the
+# first operation of one class of S3 request the save makes (whichever node's thread makes it;
+# FaultyFileSystem.arm's ``match``), plus the very last write or delete of the save:
+#
+# - writes: a PUT under _staging/ (the save writes its group aside), an exclusive
+#   (If-None-Match) PUT copying it into place, the exclusive PUT of a commit record (the fresh
+#   save faults the last write, which is the second node's record: one node committed, the
+#   other not; the re-save faults the first record, after the replaced group is gone);
+# - deletes of a re-save: retiring the replaced save's commit record, a key of the replaced
+#   group, a staged copy after the move, and the last delete (the last staged copy).
+#
+# makedirs and listing, stat and ENOSPC faults are raised by the wrapper before any request
+# (makedirs sends none for a key prefix), exactly as on memory/local, where every one is faulted.
+
+
+def _staged(method: str, path: str) -> bool:
+    return "/_staging/" in path
+
+
+def _record(method: str, path: str) -> bool:
+    return "/_commits/" in path
+
+
+def _in_place(method: str, path: str) -> bool:
+    return not _staged(method, path) and not _record(method, path)
+
+
+LAST = None  # the last op of the kind in the save (n = the count of a fault-free save)
+WRITE_CLASSES = {
+    "staging-put": lambda m, p: m == "pipe_file" and _staged(m, p),
+    "copy-in-place": lambda m, p: m == "open(xb)" and _in_place(m, p),
+    "record": lambda m, p: m == "open(xb)" and _record(m, p),
+    "last": LAST,
+}
+FRESH_WRITES = ("staging-put", "copy-in-place", "last")
+RESAVE_WRITES = ("copy-in-place", "record")
+DELETE_CLASSES = {
+    "retire-record": lambda m, p: _record(m, p),
+    "replaced-group": lambda m, p: _in_place(m, p),
+    "staged-copy": lambda m, p: _staged(m, p),
+    "last": LAST,
+}
 S3_FAULTS = [
-    pytest.param(faults.FRESH, faults.Fault("write"), 12, id="fresh-write-EIO"),
-    pytest.param(faults.RESAVE, faults.Fault("write"), 18, id="resave-write-EIO"),
-    pytest.param(faults.RESAVE, faults.Fault("delete"), 10, id="resave-delete-EIO"),
+    pytest.param(faults.FRESH, "write", {k: WRITE_CLASSES[k] for k in FRESH_WRITES},
+                 id="fresh-write-EIO"),
+    pytest.param(faults.RESAVE, "write", {k: WRITE_CLASSES[k] for k in RESAVE_WRITES},
+                 id="resave-write-EIO"),
+    pytest.param(faults.RESAVE, "delete", DELETE_CLASSES, id="resave-delete-EIO"),
 ]
 
 
-@pytest.mark.parametrize(("sc", "fault", "step"), S3_FAULTS)
-def test_faults_of_a_save_on_s3(s3, sc, fault, step):
-    options, bucket = s3
-    inner = s3fs.S3FileSystem(**options)
-    root = f"{bucket}/faults"
-    template = f"{root}/template-{sc.name}"
-    faults.train(FaultyFileSystem(inner), template, sc.setup_epochs)
-    probe = f"{root}/probe-{sc.name}"
-    faults.clone(inner, template, probe)
-    counter = FaultyFileSystem(inner)
-    faults.train(counter, probe, faults.SAVED, resume=sc.resume, hook=counter.reset)
-    total = counter.counts[fault.kind]
-    assert total >= 1, counter.log
-    if step is None:
-        numbers = sorted({1, (total + 1) // 2, total})
-    else:
-        numbers = sorted({*range(1, total + 1, step), total})
+@pytest.fixture(scope="module")
+def fault_templates(s3_server):
+    """(inner s3fs, root, template(scenario)): each scenario's committed template (and the ops of
+    a fault-free save from it, counted once) in one bucket shared by the module's fault tests."""
+    inner = s3fs.S3FileSystem(**s3_server.options(), skip_instance_cache=True)
+    root = f"{s3_server.new_bucket()}/faults"
+    made: dict[str, tuple[str, FaultyFileSystem]] = {}
+
+    def template(sc: faults.Scenario) -> tuple[str, FaultyFileSystem]:
+        if sc.name not in made:
+            path = f"{root}/template-{sc.name}"
+            faults.train(FaultyFileSystem(inner), path, sc.setup_epochs)
+            probe = f"{root}/probe-{sc.name}"
+            faults.clone(inner, path, probe)
+            counter = FaultyFileSystem(inner)
+            faults.train(counter, probe, faults.SAVED, resume=sc.resume, hook=counter.reset)
+            made[sc.name] = path, counter
+        return made[sc.name]
+
+    return inner, root, template
+
+
+@pytest.mark.parametrize(("sc", "kind", "classes"), S3_FAULTS)
+def test_faults_of_a_save_on_s3(fault_templates, sc, kind, classes):
+    inner, root, template_of = fault_templates
+    template, counter = template_of(sc)
+    total = counter.counts[kind]
+    ops = counter.ops(kind)
+    for label, match in classes.items():  # every class really occurs in the save
+        assert match is LAST or any(match(m, p) for m, p in ops), (label, ops)
+    if kind == "write":  # the last write is a commit record
+        assert WRITE_CLASSES["record"](*ops[-1]), ops[-1]
     failures, outcomes = [], []
-    for n in numbers:
+    for label, match in classes.items():
+        fault = faults.Fault(kind, label=label, match=match)
+        n = total if match is LAST else 1
         try:
-            outcomes.append(f"n={n}: {faults.run_case(inner, root, template, sc, fault, n)}")
-        except Exception as exc:  # noqa: BLE001 - every n is reported, then the test fails
-            failures.append(f"n={n}/{total}: {type(exc).__name__}: {exc}")
-    print(f"{fault.kind} ops of the save on S3: {total}; tried n = {numbers}")
+            outcomes.append(f"{label}: {faults.run_case(inner, root, template, sc, fault, n)}")
+        except Exception as exc:  # noqa: BLE001 - every class is reported, then the test fails
+            failures.append(f"{label} (n={n}/{total}): {type(exc).__name__}: {exc}")
+    print(f"{kind} ops of the save on S3: {total}; faulted: {list(classes)}")
     print("\n".join(outcomes))
-    assert not failures, (f"{len(failures)} of {len(numbers)} faults broke the protocol on S3:\n"
+    assert not failures, (f"{len(failures)} of {len(classes)} faults broke the protocol on S3:\n"
                           + "\n".join(failures))

@@ -100,6 +100,17 @@ def random_bits(rng, dtype, shape):
     return raw.view(dtype).reshape(shape)
 
 
+@pytest.fixture
+def tmp_path(tmp_path):
+    """The test's temp dir, one level down in a fresh directory of its own, so that its parent
+    (listed by the name tests below to find every file a save wrote) holds this test's files only,
+    not every earlier test's directory of the session (seconds per listing late in a run). The
+    prefix fixture uses this too."""
+    path = tmp_path / "parent" / "test"
+    path.mkdir(parents=True)
+    return path
+
+
 def files_under(root: Path) -> set[str]:
     return {str(p) for p in root.rglob("*") if p.is_file()}
 
