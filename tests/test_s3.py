@@ -90,6 +90,27 @@ def _forbidden(name):
     return boom
 
 
+def test_the_bucket_is_checked_once_per_location_not_before_every_create(s3, monkeypatch):
+    """S3 has no directories: s3fs's makedirs of a key prefix only checks (HEAD) the bucket, and
+    creates it when missing. A Location does that once, not before each of the dozens of
+    exclusive creates of a save (files copied into place, records, claims)."""
+    options, bucket = s3
+    calls: list[str] = []
+    makedirs = s3fs.S3FileSystem.makedirs
+
+    def counted(self, path, exist_ok=False):
+        calls.append(path)
+        return makedirs(self, path, exist_ok=exist_ok)
+    monkeypatch.setattr(s3fs.S3FileSystem, "makedirs", counted)
+    url = f"s3://{bucket}/once"
+    assert JobRunner(build_job(1), manager(options, url)).train(LocalSession()) == 1
+    first = len(calls)  # two saves of two nodes: before, six per node and save
+    assert 1 <= first <= 3, calls  # at most once per Location the manager made
+    runner = JobRunner(build_job(4), manager(options, url))  # three more saves
+    assert runner.train(LocalSession()) == 4 and runner.resumed_from == 1
+    assert len(calls) - first <= 3, calls
+
+
 def test_exclusive_creation_has_exactly_one_winner_on_s3(s3):
     """Eight threads create the same record (and claim) at once, twenty times over: exactly one
     creation succeeds each time, the others get FileExistsError and change nothing."""
