@@ -24,8 +24,8 @@ segments, nor be empty: object stores keep such segments as literal key parts, w
 clients and other tools may resolve them, so the same URL could name two different places. They
 are refused with :class:`InvalidLocationError`.
 
-Errors: a filesystem failure that is not an ``OSError`` (e.g. botocore's ``NoCredentialsError``,
-which s3fs passes through untranslated) is re-raised naming the prefix: missing credentials as
+Errors (see :mod:`caffe2ckpt.fserrors`): a filesystem failure that is not an ``OSError`` (e.g.
+botocore's ``NoCredentialsError``, which s3fs passes through) is re-raised naming the prefix: missing credentials as
 :class:`~caffe2ckpt.errors.StorageCredentialsError` (an :class:`InvalidLocationError`), other
 configuration problems (profile, region, parameters, storage options the filesystem does not
 take) as :class:`InvalidLocationError`, anything else (e.g. ``EndpointConnectionError`` after s3fs's
@@ -55,24 +55,12 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from caffe2ckpt import localio
-from caffe2ckpt.errors import (
-    CheckpointError,
-    CheckpointNotFoundError,
-    InvalidLocationError,
-    StorageCredentialsError,
-)
+from caffe2ckpt.errors import CheckpointError, CheckpointNotFoundError, InvalidLocationError
+from caffe2ckpt.fserrors import is_credentials_error, translate
 
 __all__ = ["Location"]
 
 logger = logging.getLogger(__name__)
-
-
-def _is_credentials_error(exc: Exception) -> bool:
-    """Whether a filesystem client failed for want of credentials (botocore's
-    ``NoCredentialsError``, ``PartialCredentialsError``, ``TokenRetrievalError``, google-auth's
-    ``DefaultCredentialsError``...): these clients raise no ``OSError`` for it."""
-    name = type(exc).__name__
-    return "Credential" in name or "Token" in name
 
 
 class Location:
@@ -105,8 +93,8 @@ class Location:
             except CheckpointError:
                 raise
             except Exception as exc:  # unknown protocol, missing package, bad options
-                if _is_credentials_error(exc):
-                    raise self._translate(exc) from exc
+                if is_credentials_error(exc):
+                    raise translate(url, exc) from exc
                 raise InvalidLocationError(
                     f"cannot open checkpoint prefix {url!r}: {type(exc).__name__}: {exc}"
                 ) from exc
@@ -148,21 +136,7 @@ class Location:
         except (OSError, CheckpointError):
             raise
         except Exception as exc:
-            raise self._translate(exc) from exc
-
-    def _translate(self, exc: Exception) -> Exception:
-        name = type(exc).__name__
-        if _is_credentials_error(exc):
-            return StorageCredentialsError(
-                f"cannot use checkpoint prefix {self.url!r}: no usable credentials: {name}: "
-                f"{exc} (give them in the environment, a config file or storage_options)")
-        if isinstance(exc, TypeError) or any(  # a TypeError here comes from bad options
-                word in name for word in ("Profile", "Region", "ParamValidation", "Unsigned",
-                                          "Config")):
-            return InvalidLocationError(
-                f"cannot use checkpoint prefix {self.url!r}: {name}: {exc} (check the "
-                "credentials, region and storage_options of this filesystem)")
-        return OSError(errno.EIO, f"checkpoint prefix {self.url!r}: {name}: {exc}")
+            raise translate(self.url, exc) from exc
 
     def __repr__(self) -> str:
         return f"Location({self.url!r})"
