@@ -68,7 +68,7 @@ class AsyncSaving:
         if session is not None:
             session.run(self._group("checkpoint_wait", lambda node, _: partial(
                 nodeops.wait_saves, self._background, node, epoch if node in nodes else None),
-                record))
+                record, epoch=epoch))
         else:
             errors = []
             for node, file_node in self._require_files().items():

@@ -184,14 +184,17 @@ class TaskGroup(_Stacked):
     """Tasks that run together: all nodes concurrently, each node's tasks in creation order.
 
     Its workspace type is fixed by the constructor or by its first task (PRIVATE if neither
-    says); mixing types in one group is an error.
+    says); mixing types in one group is an error. ``epoch`` names the epoch a checkpoint
+    operation acts on (sessions label its runs with it; None: the epoch the job is in).
     """
 
     _stack = _group_stack
 
-    def __init__(self, workspace_type: WorkspaceType | None = None, *, name: str = "group") -> None:
+    def __init__(self, workspace_type: WorkspaceType | None = None, *, name: str = "group",
+                 epoch: int | None = None) -> None:
         self.workspace_type = workspace_type
         self.name = name
+        self.epoch = epoch
         self.tasks: list[Task] = []
 
     def add(self, task: Task) -> None:

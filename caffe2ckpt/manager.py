@@ -128,10 +128,12 @@ class _BaseManager(AsyncSaving, ClosedOnExit):
         return True
 
     def _group(self, name: str, make_fn: Callable[[str, str], Any],
-               collect: Callable[[str, str, Any], None] | None = None) -> TaskGroup:
-        """A GLOBAL group with one task per node: ``make_fn(node, file_node)`` gives its fn;
-        ``collect(node, file_node, result)`` records what it returned."""
-        group = TaskGroup(WorkspaceType.GLOBAL, name=name)
+               collect: Callable[[str, str, Any], None] | None = None, *,
+               epoch: int | None = None) -> TaskGroup:
+        """A GLOBAL group with one task per node, acting on ``epoch``: ``make_fn(node,
+        file_node)`` gives its fn; ``collect(node, file_node, result)`` records what it
+        returned."""
+        group = TaskGroup(WorkspaceType.GLOBAL, name=name, epoch=epoch)
         for node, file_node in self._require_files().items():
             on_result = None if collect is None else partial(collect, node, file_node)
             with Node(node):
@@ -196,20 +198,21 @@ class _BaseManager(AsyncSaving, ClosedOnExit):
         store = self._source(path_prefix, path_type)
         return self._group("checkpoint_load", lambda node, file_node: partial(
             nodeops.load, store, file_node, epoch, self._names(node), True),
-            self._record_time(epoch))
+            self._record_time(epoch), epoch=epoch)
 
     def load_blobs_from_checkpoint(self, blob_names: Sequence[str], epoch: int) -> TaskGroup:
         """A runnable that loads only ``blob_names`` (those present) from ``epoch``."""
         epoch = check_epoch(epoch)
         names = list(blob_names)
         return self._group("checkpoint_partial_load", lambda _, file_node: partial(
-            nodeops.load, self._store, file_node, epoch, names, False), self._record_time(epoch))
+            nodeops.load, self._store, file_node, epoch, names, False), self._record_time(epoch),
+            epoch=epoch)
 
     def check_db_exists(self, epoch: int) -> TaskGroup:
         """A runnable whose per-node output ``caffe2ckpt/db_exists`` says whether that node's
         checkpoint of ``epoch`` is committed."""
         epoch = check_epoch(epoch)
-        group = TaskGroup(WorkspaceType.GLOBAL, name="check_db_exists")
+        group = TaskGroup(WorkspaceType.GLOBAL, name="check_db_exists", epoch=epoch)
         for node, file_node in self._require_files().items():
             Task(partial(nodeops.db_exists, self._store, file_node, epoch),
                  name="check_db_exists", group=group, node=node, outputs=[DB_EXISTS])
@@ -260,7 +263,7 @@ class _BaseManager(AsyncSaving, ClosedOnExit):
 
         group = self._group("checkpoint_save", lambda node, file_node: partial(
             nodeops.save, self._store, node, file_node, epoch, self._names(node), info,
-            self._background), collect)
+            self._background), collect, epoch=epoch)
         return group
 
     def write_checkpoint_metadata(self, epoch: int) -> None:

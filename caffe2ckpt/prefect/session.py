@@ -137,7 +137,8 @@ class PrefectSession:
         _check_task_runner()
         by_node = group.tasks_by_node()
         wtype = group.workspace_type or WorkspaceType.PRIVATE
-        suffix = f" e{self.epoch}" if self.epoch is not None else ""
+        epoch = group.epoch if group.epoch is not None else self.epoch
+        suffix = f" e{epoch}" if epoch is not None else ""
         node_task = _node_task(group.name)
         futures = {
             node: node_task.submit(f"{group.name}[{node}]{suffix}", quote(self._local.run_node),

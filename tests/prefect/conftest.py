@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+from uuid import UUID
 
 import pytest
 
@@ -14,6 +15,7 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
 import caffe2ckpt.prefect  # noqa: E402,F401  (before prefect: routes caffe2ckpt logs)
 from prefect.client.orchestration import get_client  # noqa: E402
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId  # noqa: E402
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings  # noqa: E402
 from prefect.testing.utilities import prefect_test_harness  # noqa: E402
 
@@ -39,3 +41,14 @@ def poll(fetch, ready, timeout: float = 30.0):
         if ready(result) or time.monotonic() > deadline:
             return result
         time.sleep(0.25)
+
+
+def finished_task_runs(client, flow_run_id, expected: int) -> list:
+    """The flow run's task runs once at least ``expected`` exist and every one is final. Prefect
+    records a task run from its events: the Pending event carries the default name
+    (``<task>-<key>``), later events the ``task_run_name``; counting rows alone can read a task
+    run between the two."""
+    runs_filter = FlowRunFilter(id=FlowRunFilterId(any_=[UUID(str(flow_run_id))]))
+    return poll(lambda: client.read_task_runs(flow_run_filter=runs_filter),
+                lambda runs: len(runs) >= expected and all(r.state and r.state.is_final()
+                                                           for r in runs))

@@ -7,11 +7,9 @@ from __future__ import annotations
 import os
 import signal
 import time
-from uuid import UUID
 
 import pytest
 from prefect import flow
-from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from prefect.runtime import flow_run
 
 from caffe2ckpt import JobRunner, LocalSession, MultiNodeCheckpointManager
@@ -20,7 +18,7 @@ from caffe2ckpt.example import build_job
 from caffe2ckpt.location import Location
 from caffe2ckpt.prefect import PrefectSession
 from tests.jobs import EXPECTED_TOTALS, fetch, make_job
-from tests.prefect.conftest import poll
+from tests.prefect.conftest import finished_task_runs
 
 pytest.importorskip("distributed")
 from caffe2ckpt.dask import DaskSession  # noqa: E402
@@ -46,9 +44,7 @@ def test_task_runs_per_node_and_group_with_actors(tmp_path, dask_client, client)
         [f"{g}[{n}] e0" for g in ("init_group", "checkpoint_init") for n in NODES]
         + [f"checkpoint_save[{n}] e{e}" for e in range(5) for n in NODES]
         + [f"epoch_group[{n}] e{e}" for e in range(1, 5) for n in NODES])
-    runs = poll(lambda: client.read_task_runs(flow_run_filter=FlowRunFilter(
-        id=FlowRunFilterId(any_=[UUID(run_id)]))), lambda r: len(r) >= len(expected))
-    assert sorted(r.name for r in runs) == expected
+    assert sorted(r.name for r in finished_task_runs(client, run_id, len(expected))) == expected
 
 
 def test_caffe2_contract_inside_flows_resume_from_each_epoch_and_partial_load(tmp_path,
@@ -99,11 +95,11 @@ def test_async_saves_wait_in_the_actors_as_task_runs(tmp_path, dask_client, clie
     final, run_id = pipeline()
     assert final == 3
     assert CheckpointStore(Location(url)).latest_epoch(NODES) == 3
-    runs = poll(lambda: client.read_task_runs(flow_run_filter=FlowRunFilter(
-        id=FlowRunFilterId(any_=[UUID(run_id)]))),
-        lambda r: sum(x.name.startswith("checkpoint_wait[") for x in r) >= 8)
-    waits = sorted(r.name for r in runs if r.name.startswith("checkpoint_wait["))
-    assert len(waits) == 8, waits  # epochs 0..3, two nodes: each save waited for in its actor
+    runs = finished_task_runs(client, run_id, 26)  # 2 init + 2 checkpoint_init + 6 epochs + 8 + 8
+    # each save and each wait in its actor is its own task run, labelled with its epoch
+    for group in ("checkpoint_save", "checkpoint_wait"):
+        assert sorted(r.name for r in runs if r.name.startswith(group + "[")) == sorted(
+            f"{group}[{n}] e{e}" for e in range(4) for n in NODES)
 
 
 def kill_at(epoch: int, node: str):

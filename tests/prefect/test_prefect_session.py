@@ -44,9 +44,7 @@ ON_LOCAL_DISK = pytest.mark.parametrize("prefix", ["local"], indirect=True)
 
 
 def task_run_names(client, flow_run_id: str, expected: int) -> list[str]:
-    runs = poll(lambda: client.read_task_runs(flow_run_filter=FlowRunFilter(
-        id=FlowRunFilterId(any_=[UUID(flow_run_id)]))), lambda r: len(r) >= expected)
-    return sorted(r.name for r in runs)
+    return sorted(r.name for r in finished_task_runs(client, flow_run_id, expected))
 
 
 def snapshot(session, nodes) -> dict:
