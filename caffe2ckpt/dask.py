@@ -140,8 +140,16 @@ class DaskSession:
         """The worker address holding ``node``, once placed."""
         return self._workers.get(node)
 
+    def _running_workers(self) -> list[str]:
+        """The addresses of the workers the scheduler sees running, asked now. (Not
+        ``client.scheduler_info()``: it returns a cache that the client's periodic refresh
+        overwrites with a copy listing no workers, measured under load.)"""
+        info = self._client.sync(self._client.scheduler.identity, n_workers=-1)
+        return sorted(address for address, worker in info["workers"].items()
+                      if worker.get("status", "running") == "running")
+
     def _choose_worker(self, node: str) -> str:
-        workers = sorted(self._client.scheduler_info(n_workers=-1)["workers"])
+        workers = self._running_workers()
         scheduler = self._client.scheduler.address
         if not workers:
             raise NodeLostError(f"cannot place node {node!r}: the Dask cluster at {scheduler} "

@@ -113,7 +113,7 @@ def saves_held(key: str) -> int:
 @pytest.mark.parametrize("shared", [False, True], ids=["a-worker-each", "one-worker"])
 def test_async_saves_run_and_are_waited_for_in_the_actors(tmp_path, dask_client, shared):
     url = str(tmp_path / "ckpt")
-    placement = dict.fromkeys(NODES, sorted(dask_client.scheduler_info()["workers"])[0])
+    placement = dict.fromkeys(NODES, sorted(dask_client.nthreads())[0])
     with DaskSession(dask_client, placement=placement if shared else None) as session:
         cm = MultiNodeCheckpointManager(url, async_save=True)
         runner = JobRunner(build_job(4), cm, on_save_error="raise")

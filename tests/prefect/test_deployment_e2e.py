@@ -40,13 +40,20 @@ def free_port() -> int:
 
 
 def wait_for(check, timeout: float, what: str):
+    """``check()``'s first true result. A request to the server that times out or is refused
+    counts as "not yet": the SQLite-backed server stalls for seconds on a loaded machine."""
     deadline = time.monotonic() + timeout
+    last_error = None
     while time.monotonic() < deadline:
-        result = check()
+        try:
+            result = check()
+        except httpx.TransportError as exc:
+            result, last_error = None, exc
         if result:
             return result
         time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}"
+                         + (f" (last request error: {last_error!r})" if last_error else ""))
 
 
 @pytest.fixture
@@ -74,10 +81,7 @@ def server(tmp_path):
 
 
 def _healthy(api: str) -> bool:
-    try:
-        return httpx.get(f"{api}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
+    return httpx.get(f"{api}/health", timeout=2).status_code == 200
 
 
 def prefect(env, *args: str) -> str:
@@ -88,7 +92,7 @@ def prefect(env, *args: str) -> str:
 
 
 def post(api: str, path: str, body: dict) -> list:
-    response = httpx.post(f"{api}{path}", json=body, timeout=10)
+    response = httpx.post(f"{api}{path}", json=body, timeout=30)
     response.raise_for_status()
     return response.json()
 
@@ -154,7 +158,7 @@ def test_deploy_kill_and_automatic_retry(server, tmp_path):
         os.kill(victim, signal.SIGKILL)
 
         def final_state():
-            run = httpx.get(f"{api}/flow_runs/{run_id}", timeout=10).json()
+            run = httpx.get(f"{api}/flow_runs/{run_id}", timeout=30).json()
             return run if run["state_type"] == "COMPLETED" else None
 
         run = wait_for(final_state, 240, "the retried flow run to complete")

@@ -36,7 +36,7 @@ from caffe2ckpt.prefect.table import (
     writer_cell,
 )
 from tests.jobs import EXPECTED_TOTALS, Counter, fetch, make_job
-from tests.prefect.conftest import poll
+from tests.prefect.conftest import finished_task_runs, poll
 
 
 # The Prefect layer does not depend on the filesystem (tests/test_*.py cover memory, local, S3).
