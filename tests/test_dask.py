@@ -5,6 +5,7 @@ Prefect flows are in tests/prefect/test_dask_prefect.py)."""
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 
@@ -73,7 +74,7 @@ class Recording(DaskSession):
         return results
 
 
-def test_arrays_stay_on_the_workers_and_records_name_them(tmp_path, dask_client):
+def test_arrays_stay_on_the_workers_and_records_name_them(tmp_path, dask_client, capsys):
     url = str(tmp_path / "ckpt")
     job = build_job(3)  # ~180 KB per node
     with Recording(dask_client) as session:
@@ -90,6 +91,14 @@ def test_arrays_stay_on_the_workers_and_records_name_them(tmp_path, dask_client)
         record = store.node_record(node, 3)
         assert record.writer["worker"] == where[node] and where[node]["pid"] != os.getpid()
         assert record.writer["session"] == "dask"
+    # the command line names each node's worker beside the flow's process
+    from caffe2ckpt.cli import main
+    assert main(["--json", "ls", url]) == 0
+    row = json.loads(capsys.readouterr().out)["epochs"][-1]
+    assert row["node_workers"] == where
+    assert main(["ls", url]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert all(f"{n} {where[n]['host']}:{where[n]['pid']}" in last for n in NODES), last
 
     reference = LocalSession()
     JobRunner(build_job(3), MultiNodeCheckpointManager(str(tmp_path / "ref"))).train(reference)

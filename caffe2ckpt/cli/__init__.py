@@ -66,7 +66,8 @@ EXIT_CODES = """\
 exit codes:
   0  success (also: gc dry run, diff with differences)
   1  damage found: verify, show --verify or diff read a checksum or record that fails
-  2  wrong arguments (usage error, bad --storage-options JSON, unknown metric)
+  2  wrong arguments (usage error, bad --storage-options JSON, unknown metric, a URL
+     whose filesystem package is not installed)
   3  not found: nothing at PREFIX, or the epoch / node asked for is not committed there
   4  the storage failed: no credentials found, permission denied (also credentials
      the store rejects), network error, or a gc deletion failed

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +21,7 @@ from caffe2ckpt.catalog import Leftover, PrefixScan, Step, find_leftovers, scan
 from caffe2ckpt.checkpoint import CheckpointStore
 from caffe2ckpt.cli.diff import diff_node
 from caffe2ckpt.cli.render import Progress, epochs_text
-from caffe2ckpt.commit import list_records
+from caffe2ckpt.commit import CommitRecord, list_records
 from caffe2ckpt.errors import (
     CheckpointCorruptedError,
     CheckpointNotFoundError,
@@ -180,6 +181,13 @@ def known_nodes(location: Location) -> set[str]:
 # -- ls ----------------------------------------------------------------------------------------
 
 
+def node_workers(records: Sequence[CommitRecord]) -> dict[str, dict[str, Any]]:
+    """``{node: {host, pid}}`` of the process that wrote each node's data, where its record
+    names one (a Dask worker's, when the node lived there)."""
+    return {r.node: r.writer["worker"] for r in records
+            if isinstance(r.writer.get("worker"), dict)}
+
+
 def cmd_ls(ctx: Context, args: argparse.Namespace) -> tuple[Document, int]:
     store, found = open_prefix(ctx, args.prefix)
     location = store.location
@@ -193,8 +201,8 @@ def cmd_ls(ctx: Context, args: argparse.Namespace) -> tuple[Document, int]:
             "bytes": step.nbytes, "node_bytes": {r.node: r.nbytes for r in records},
             "blobs": sum(r.blob_count for r in records), "metrics": json_metrics(step.metrics),
             "created": step.created, "created_utc": utc(step.created),
-            "writer": records[0].writer, "stop": any(r.stop for r in records),
-            "save_ids": sorted({r.save_id for r in records}),
+            "writer": records[0].writer, "node_workers": node_workers(records),
+            "stop": any(r.stop for r in records), "save_ids": sorted({r.save_id for r in records}),
         })
     unreadable = {(ref.epoch, ref.save_id, ref.node): msg for ref, msg in found.unreadable}
     for epoch, save_id, have, missing, by_node in found.partial:
@@ -209,13 +217,14 @@ def cmd_ls(ctx: Context, args: argparse.Namespace) -> tuple[Document, int]:
             "blobs": sum(r.blob_count for r in records),
             "metrics": json_metrics(records[0].metrics) if records else {},
             "created": created, "created_utc": utc(created) if created else None,
-            "writer": records[0].writer if records else {}, "stop": any(r.stop for r in records),
-            "save_ids": [save_id], **({"error": "; ".join(damaged)} if damaged else {}),
+            "writer": records[0].writer if records else {}, "node_workers": node_workers(records),
+            "stop": any(r.stop for r in records), "save_ids": [save_id], **({"error": "; ".join(damaged)} if damaged else {}),
         })
     for (epoch, save_id, node), message in unreadable.items():
         rows.append({"epoch": epoch, "state": "damaged record", "nodes": [node],
                      "missing_nodes": [], "bytes": 0, "node_bytes": {}, "blobs": 0,
                      "metrics": {}, "created": None, "created_utc": None, "writer": {},
+                     "node_workers": {},
                      "stop": False, "save_ids": [save_id], "error": message})
     order = {"committed": 0, "superseded": 0, "partial": 1, "damaged record": 2}
     rows.sort(key=lambda r: (r["epoch"], order[r["state"]]))

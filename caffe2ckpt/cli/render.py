@@ -83,10 +83,18 @@ def epochs_text(epochs: Sequence[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs) or "none"
 
 
-def writer_text(writer: dict[str, Any]) -> str:
-    """Who wrote a checkpoint, short: ``"my-flow-run attempt 2 host:pid"``."""
+def writer_text(writer: dict[str, Any], node_workers: dict[str, dict[str, Any]] | None = None) -> str:
+    """Who wrote a checkpoint, short: ``"my-flow-run attempt 2 host:pid"``, followed by the
+    processes that wrote the nodes' data where those are others (Dask workers):
+    ``"... workers trainer_0 host:pid, trainer_1 host:pid"``."""
     if not writer:
         return "-"
+    me = (writer.get("host"), writer.get("pid"))
+    others = {n: w for n, w in sorted((node_workers or {}).items())
+              if (w.get("host"), w.get("pid")) != me}
+    if others:
+        return writer_text(writer) + " workers " + ", ".join(
+            f"{n} {w.get('host', '')}:{w.get('pid', '')}" for n, w in others.items())
     who = writer.get("flow_run_name") or writer.get("manager") or writer.get("session") or ""
     if "run_count" in writer:
         who += f" attempt {writer['run_count']}"
@@ -140,7 +148,8 @@ def render_ls(doc: dict[str, Any]) -> str:
         if e.get("error"):
             state += f": {e['error']}"
         rows.append([e["epoch"], ",".join(e["nodes"]), human_bytes(e["bytes"]),
-                     metrics_text(e["metrics"]), human_time(e["created"]), writer_text(e["writer"]),
+                     metrics_text(e["metrics"]), human_time(e["created"]),
+                     writer_text(e["writer"], e.get("node_workers")),
                      state])
     if rows:
         out += ["", table(["EPOCH", "NODES", "BYTES", "METRICS", "CREATED", "WRITER", "STATE"],
