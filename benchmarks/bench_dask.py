@@ -183,6 +183,7 @@ def main() -> int:
     if args.smoke:
         args.mib, args.nodes, args.repeats, args.pairs, args.epochs = 4, [2], 1, 1, 10
     args.dir = args.dir or tempfile.mkdtemp(prefix="bench-dask-")
+    os.makedirs(args.dir, exist_ok=True)
     from importlib.metadata import version
 
     print(f"# python {' '.join(sys.argv)}\n# {os.cpu_count()} CPUs, Python "
