@@ -13,7 +13,8 @@ order). A worker that dies takes its nodes' workspaces with it: the group run fa
 node (:class:`~caffe2ckpt.errors.NodeLostError`), and the job resumes from its newest committed
 epoch in a new session (a Prefect retry makes one).
 
-Install with the ``[dask]`` extra. Imports: errors, session, nodeops, workspace, distributed.
+Install with the ``[dask]`` extra. Imports: errors, iopool, job, nodeops, session, workspace,
+distributed.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import numpy as np
 from distributed import Client
 
 from caffe2ckpt.errors import JobDefinitionError, NodeLostError
+from caffe2ckpt.iopool import IO_THREADS, check_io_threads, set_io_threads
 from caffe2ckpt.job import Task, TaskGroup
 from caffe2ckpt.nodeops import worker_info
 from caffe2ckpt.session import RunEvent, Step, run_node_tasks, run_on
@@ -40,11 +42,13 @@ logger = logging.getLogger(__name__)
 
 
 class NodeActor:
-    """One node's workspace, held by a Dask actor on the worker the node was placed on."""
+    """One node's workspace, held by a Dask actor on the worker the node was placed on;
+    ``io_threads`` sets the worker process's chunk I/O threads."""
 
-    def __init__(self, node: str) -> None:
+    def __init__(self, node: str, io_threads: int) -> None:
         self.node = node
         self.ws = Workspace()
+        set_io_threads(io_threads)
 
     def run(self, steps: list[Step], workspace_type: WorkspaceType) -> bytes:
         """The pickled (True, the steps' results) or (False, the exception a step raised), so
@@ -112,6 +116,9 @@ class DaskSession:
             closed by :meth:`close`).
         placement: ``{node: worker address}`` for nodes that must run on a given worker.
         place_timeout: seconds to wait for a node's actor to start on its worker.
+        io_threads: chunk I/O threads of each worker process holding a node. Default: the
+            8 threads one process would use, shared by the cluster's workers on that worker's
+            host (at least 2 each), since they share its cores and disks.
 
     Example:
         >>> from distributed import LocalCluster
@@ -123,11 +130,12 @@ class DaskSession:
     remote = True  # managers run their background-save waits as groups on this session
 
     def __init__(self, client: Client | str, *, placement: Mapping[str, str] | None = None,
-                 place_timeout: float = 60.0) -> None:
+                 place_timeout: float = 60.0, io_threads: int | None = None) -> None:
         self._own_client = not isinstance(client, Client)
         self._client = Client(client) if self._own_client else client
         self._placement = dict(placement or {})
         self._place_timeout = place_timeout
+        self._io_threads = None if io_threads is None else check_io_threads(io_threads)
         self._actors: dict[str, Any] = {}
         self._futures: dict[str, Any] = {}
         self._workers: dict[str, str] = {}
@@ -140,16 +148,15 @@ class DaskSession:
         """The worker address holding ``node``, once placed."""
         return self._workers.get(node)
 
-    def _running_workers(self) -> list[str]:
-        """The addresses of the workers the scheduler sees running, asked now. (Not
+    def _running_workers(self) -> dict[str, str]:
+        """``{address: host}`` of the workers the scheduler sees running, asked now. (Not
         ``client.scheduler_info()``: it returns a cache that the client's periodic refresh
         overwrites with a copy listing no workers, measured under load.)"""
         info = self._client.sync(self._client.scheduler.identity, n_workers=-1)
-        return sorted(address for address, worker in info["workers"].items()
-                      if worker.get("status", "running") == "running")
+        return {address: worker.get("host", address) for address, worker in
+                sorted(info["workers"].items()) if worker.get("status", "running") == "running"}
 
-    def _choose_worker(self, node: str) -> str:
-        workers = self._running_workers()
+    def _choose_worker(self, node: str, workers: Mapping[str, str]) -> str:
         scheduler = self._client.scheduler.address
         if not workers:
             raise NodeLostError(f"cannot place node {node!r}: the Dask cluster at {scheduler} "
@@ -158,7 +165,7 @@ class DaskSession:
             wanted = self._placement[node]
             if wanted not in workers:
                 raise NodeLostError(f"cannot place node {node!r} on worker {wanted!r}: the Dask "
-                                    f"cluster at {scheduler} has workers {workers}", node=node)
+                                    f"cluster at {scheduler} has workers {list(workers)}", node=node)
             return wanted
         load = {w: 0 for w in workers}
         for w in self._workers.values():
@@ -173,12 +180,15 @@ class DaskSession:
                                          "workspace are gone; use a new session")
             if node in self._actors:
                 return self._actors[node]
-            worker = self._choose_worker(node)
+            running = self._running_workers()
+            worker = self._choose_worker(node, running)
+            io_threads = self._io_threads or max(2, IO_THREADS // sum(
+                host == running[worker] for host in running.values()))
             if worker in self._workers.values():
                 logger.warning("node %r shares Dask worker %s with node(s) %s: their tasks run "
                                "one after another there (add workers for parallel nodes)", node,
                                worker, [n for n, w in self._workers.items() if w == worker])
-            future = self._client.submit(NodeActor, node, actor=True, workers=[worker],
+            future = self._client.submit(NodeActor, node, io_threads, actor=True, workers=[worker],
                                          allow_other_workers=False, pure=False)
             try:
                 actor = future.result(timeout=self._place_timeout)

@@ -36,7 +36,7 @@ import json
 import math
 import os
 import posixpath
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from typing import Any, NamedTuple
 
 import google_crc32c
@@ -46,6 +46,7 @@ from zarr.codecs import Crc32cCodec
 
 from caffe2ckpt import strictjson
 from caffe2ckpt.errors import CheckpointCorruptedError, CheckpointNotFoundError, InvalidBlobError
+from caffe2ckpt.iopool import pool as _pool
 from caffe2ckpt.localio import DIRECT_ALIGN, aligned_empty
 from caffe2ckpt.location import Location
 from caffe2ckpt.manifest import PACKED_ARRAY, BlobInfo, Manifest
@@ -69,10 +70,6 @@ _ALIGN = 64
 _CRC = 4
 
 
-@functools.lru_cache(maxsize=1)
-def _pool() -> ThreadPoolExecutor:
-    """Threads for chunk I/O (the work is system calls and CRC32C, which release the GIL)."""
-    return ThreadPoolExecutor(max_workers=8, thread_name_prefix="caffe2ckpt-io")
 
 
 def _wait_all(futures: list[Future[Any]]) -> None:

@@ -106,6 +106,27 @@ def test_arrays_stay_on_the_workers_and_records_name_them(tmp_path, dask_client,
     assert np.array_equal(reference.workspace("trainer_0")["data/x"], data)
 
 
+def io_threads() -> int:
+    from caffe2ckpt import iopool
+    return iopool.pool()._max_workers
+
+
+def test_workers_on_one_host_share_the_io_threads_of_one_process(dask_client):
+    from caffe2ckpt.iopool import IO_THREADS
+
+    workers = sorted(dask_client.nthreads())  # the LocalCluster's 2 workers, on one host
+    with DaskSession(dask_client) as session:
+        for node in NODES:
+            session.workspace(node)
+        assert sorted(session.worker_of(n) for n in NODES) == workers
+        assert dask_client.run(io_threads) == dict.fromkeys(workers, IO_THREADS // 2)
+    with DaskSession(dask_client, io_threads=3) as session:
+        session.workspace("trainer_0")
+        assert dask_client.run(io_threads)[session.worker_of("trainer_0")] == 3
+    with pytest.raises(ValueError, match="I/O threads must be an int >= 1, got 0"):
+        DaskSession(dask_client, io_threads=0)
+
+
 def test_a_node_that_cannot_be_placed_is_a_clear_error(dask_client):
     with DaskSession(dask_client, placement={"trainer_0": "tcp://127.0.0.1:1"}) as session:
         with pytest.raises(NodeLostError, match=r"trainer_0.*tcp://127\.0\.0\.1:1") as info:
