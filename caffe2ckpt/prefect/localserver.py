@@ -12,16 +12,23 @@ process ids from a pipe whose only writer is this process: when the pipe closes 
 from __future__ import annotations
 
 import contextlib
+import logging
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
+import httpx
 from prefect.server.api.server import SubprocessASGIServer
 from prefect.settings import PREFECT_API_URL
 
 __all__ = ["temporary_server"]
+
+logger = logging.getLogger(__name__)
+
+_NOT_FINAL = ["SCHEDULED", "PENDING", "RUNNING", "PAUSED", "CANCELLING"]
 
 
 class _GuardedServer(SubprocessASGIServer):
@@ -51,6 +58,38 @@ def _drain_senders(timeout: float = 30.0) -> None:
         worker.drain_all(timeout=timeout, at_exit=False)
 
 
+def _wait_until_recorded(api_url: str, timeout: float = 30.0, still: float = 3.0) -> None:
+    """Wait for the server to record the task-run events it has received. Its task-run recorder
+    writes them one by one and lags behind a fast flow; stopping the server in the middle logs
+    an ERROR traceback per event cut off ("Error flushing 1 events") and leaves those task runs
+    unfinished in the UI. Done when no task run is left unfinished and their number is steady,
+    or when nothing changed for ``still`` seconds (a run interrupted with its task runs
+    unfinished), or after ``timeout`` seconds."""
+    def counts() -> tuple[int, int]:
+        total = client.post("/task_runs/count", json={})
+        pending = client.post("/task_runs/count", json={
+            "task_runs": {"state": {"type": {"any_": _NOT_FINAL}}}})
+        total.raise_for_status()
+        pending.raise_for_status()
+        return int(total.json()), int(pending.json())
+
+    start = time.monotonic()
+    with httpx.Client(base_url=api_url, timeout=10) as client:
+        try:
+            seen, since = counts(), time.monotonic()
+            while time.monotonic() - start < timeout:
+                time.sleep(0.5)
+                now = counts()
+                if now != seen:
+                    seen, since = now, time.monotonic()
+                elif now[1] == 0 or time.monotonic() - since >= still:
+                    return
+        except httpx.HTTPError as exc:  # the server is going anyway; say why we stopped early
+            logger.debug("could not ask the temporary server about its task runs: %r", exc)
+            return
+    logger.debug("the temporary server still records task runs after %.0f s", timeout)
+
+
 @contextlib.contextmanager
 def temporary_server(timeout: int | None = None) -> Iterator[str | None]:
     """Run the block on Prefect's temporary local server, stopped even if this process is killed.
@@ -74,6 +113,7 @@ def temporary_server(timeout: int | None = None) -> Iterator[str | None]:
         yield server.api_url
     finally:
         _drain_senders()
+        _wait_until_recorded(server.api_url)
         server.stop()
         with contextlib.suppress(BrokenPipeError):
             reaper.stdin.write("release\n")

@@ -1,6 +1,7 @@
 """``kill -9`` of ``python flows/regression.py``: its temporary Prefect server goes with it, and
 the next run of the flow marks the killed run *Crashed* (it would show *Running* forever). That
-next run, a successful one, logs no error (no telemetry, database-lock or flush errors)."""
+next run, a successful one of 100 epochs, logs no error (no telemetry, database-lock or flush
+errors) and leaves every one of its task runs recorded as finished."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from tests.procs import stop_tree
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
+SECOND_EPOCHS = 100
 
 
 def start(tmp_path: Path, ckpt: Path, epochs: int, log: str) -> subprocess.Popen:
@@ -54,6 +56,15 @@ def runs(tmp_path: Path) -> dict[str, tuple[str, str]]:
     return {pid: (state, message) for pid, state, message in rows}
 
 
+def task_run_states(tmp_path: Path, infrastructure_pid: str) -> dict[str, int]:
+    """{state type: number of task runs} of the flow run with that infrastructure_pid."""
+    with sqlite3.connect(tmp_path / "home" / "prefect.db") as db:
+        rows = db.execute("SELECT t.state_type, count(*) FROM task_run t JOIN flow_run r ON "
+                          "t.flow_run_id = r.id WHERE r.infrastructure_pid = ? GROUP BY "
+                          "t.state_type", (infrastructure_pid,)).fetchall()
+    return dict(rows)
+
+
 def test_kill_9_stops_the_temporary_server_and_the_next_run_marks_the_run_crashed(tmp_path):
     ckpt = tmp_path / "ckpt"
     first = start(tmp_path, ckpt, 1000, "first.log")
@@ -71,7 +82,8 @@ def test_kill_9_stops_the_temporary_server_and_the_next_run_marks_the_run_crashe
     killed = f"{socket.gethostname()}:{first.pid}"
     assert runs(tmp_path)[killed][0] == "RUNNING"  # what the UI showed, forever
 
-    second = start(tmp_path, tmp_path / "other", 1, "second.log")
+    # enough epochs that the server's task-run recorder lags behind the flow at its end
+    second = start(tmp_path, tmp_path / "other", SECOND_EPOCHS, "second.log")
     try:
         assert second.wait(timeout=180) == 0, (tmp_path / "second.log").read_text()
     finally:
@@ -82,3 +94,7 @@ def test_kill_9_stops_the_temporary_server_and_the_next_run_marks_the_run_crashe
     assert f"left Running by process {killed}, which is gone" in log
     assert "ERROR" not in log and "Traceback" not in log and "Error" not in log, log
     assert runs(tmp_path)[f"{socket.gethostname()}:{second.pid}"][0] == "COMPLETED"
+    # every task run of the second run was recorded, and recorded finished, before its
+    # temporary server stopped: init, checkpoint_init, each save and each epoch, per node
+    assert task_run_states(tmp_path, f"{socket.gethostname()}:{second.pid}") == {
+        "COMPLETED": 2 * (2 + (SECOND_EPOCHS + 1) + SECOND_EPOCHS)}
