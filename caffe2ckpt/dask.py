@@ -165,7 +165,8 @@ class DaskSession:
             wanted = self._placement[node]
             if wanted not in workers:
                 raise NodeLostError(f"cannot place node {node!r} on worker {wanted!r}: the Dask "
-                                    f"cluster at {scheduler} has workers {list(workers)}", node=node)
+                                    f"cluster at {scheduler} has workers {list(workers)}",
+                                    node=node)
             return wanted
         load = {w: 0 for w in workers}
         for w in self._workers.values():
@@ -188,8 +189,8 @@ class DaskSession:
                 logger.warning("node %r shares Dask worker %s with node(s) %s: their tasks run "
                                "one after another there (add workers for parallel nodes)", node,
                                worker, [n for n, w in self._workers.items() if w == worker])
-            future = self._client.submit(NodeActor, node, io_threads, actor=True, workers=[worker],
-                                         allow_other_workers=False, pure=False)
+            future = self._client.submit(NodeActor, node, io_threads, actor=True,
+                                         workers=[worker], allow_other_workers=False, pure=False)
             try:
                 actor = future.result(timeout=self._place_timeout)
             except Exception as exc:

@@ -3,9 +3,9 @@
 The work is system calls and CRC32C, which release the GIL, so threads overlap it. One process
 uses :data:`IO_THREADS`; processes that share a machine (Dask workers holding nodes) split that
 budget (:func:`set_io_threads`), since their threads share its cores and disks: on 2 cores and
-one disk, two worker processes saving 256 MiB each at once took about 7% longer with 8 threads
-each than with 2 each, while one process saved as fast with 4 threads as with 8 (measured with
-``benchmarks/bench_dask.py``).
+one disk, two worker processes saving 256 MiB each at once took about 5% longer with 8 threads
+each than with 4 (or 2) each, while one process saved as fast with 4 threads as with 8 (measured
+with ``benchmarks/bench_dask.py``; see the README, Performance).
 
 Imports: nothing from caffe2ckpt.
 """

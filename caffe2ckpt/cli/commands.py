@@ -218,7 +218,8 @@ def cmd_ls(ctx: Context, args: argparse.Namespace) -> tuple[Document, int]:
             "metrics": json_metrics(records[0].metrics) if records else {},
             "created": created, "created_utc": utc(created) if created else None,
             "writer": records[0].writer if records else {}, "node_workers": node_workers(records),
-            "stop": any(r.stop for r in records), "save_ids": [save_id], **({"error": "; ".join(damaged)} if damaged else {}),
+            "stop": any(r.stop for r in records), "save_ids": [save_id],
+            **({"error": "; ".join(damaged)} if damaged else {}),
         })
     for (epoch, save_id, node), message in unreadable.items():
         rows.append({"epoch": epoch, "state": "damaged record", "nodes": [node],

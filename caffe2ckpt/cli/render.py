@@ -83,18 +83,13 @@ def epochs_text(epochs: Sequence[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs) or "none"
 
 
-def writer_text(writer: dict[str, Any], node_workers: dict[str, dict[str, Any]] | None = None) -> str:
+def writer_text(writer: dict[str, Any],
+                node_workers: dict[str, dict[str, Any]] | None = None) -> str:
     """Who wrote a checkpoint, short: ``"my-flow-run attempt 2 host:pid"``, followed by the
     processes that wrote the nodes' data where those are others (Dask workers):
     ``"... workers trainer_0 host:pid, trainer_1 host:pid"``."""
     if not writer:
         return "-"
-    me = (writer.get("host"), writer.get("pid"))
-    others = {n: w for n, w in sorted((node_workers or {}).items())
-              if (w.get("host"), w.get("pid")) != me}
-    if others:
-        return writer_text(writer) + " workers " + ", ".join(
-            f"{n} {w.get('host', '')}:{w.get('pid', '')}" for n, w in others.items())
     who = writer.get("flow_run_name") or writer.get("manager") or writer.get("session") or ""
     if "run_count" in writer:
         who += f" attempt {writer['run_count']}"
@@ -102,7 +97,12 @@ def writer_text(writer: dict[str, Any], node_workers: dict[str, dict[str, Any]] 
     if "pid" in writer:
         where += f":{writer['pid']}"
     text = " ".join(p for p in (who.strip(), where) if p)
-    return text or ", ".join(f"{k}={v}" for k, v in sorted(writer.items()))[:40]
+    text = text or ", ".join(f"{k}={v}" for k, v in sorted(writer.items()))[:40]
+    me = (writer.get("host"), writer.get("pid"))
+    others = [f"{n} {w.get('host', '')}:{w.get('pid', '')}"
+              for n, w in sorted((node_workers or {}).items())
+              if (w.get("host"), w.get("pid")) != me]
+    return text + (" workers " + ", ".join(others) if others else "")
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequence[str] = ()) -> str:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import httpx
+from prefect.client.schemas.objects import TERMINAL_STATES, StateType
 from prefect.server.api.server import SubprocessASGIServer
 from prefect.settings import PREFECT_API_URL
 
@@ -28,7 +29,7 @@ __all__ = ["temporary_server"]
 
 logger = logging.getLogger(__name__)
 
-_NOT_FINAL = ["SCHEDULED", "PENDING", "RUNNING", "PAUSED", "CANCELLING"]
+_NOT_FINAL = sorted(t.value for t in StateType if t not in TERMINAL_STATES)
 
 
 class _GuardedServer(SubprocessASGIServer):
