@@ -139,6 +139,9 @@ class JobRunner:
             epoch, finished, parent = self._resume(session, cm, resume,
                                                    automatic=self.resume_from_epoch is None)
             self._start_run(session, cm, parent)
+            if finished:
+                logger.info("Job %r had finished at epoch %d (its stop condition held): no "
+                            "epoch to run", job.name, epoch)
         try:
             while not finished:
                 if preemption is not None and preemption.requested:
