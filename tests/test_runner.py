@@ -63,11 +63,13 @@ def test_auto_resume_after_failure_is_bit_identical(prefix, fail_at, tmp_path_fa
 def test_finished_job_runs_no_epoch_and_larger_limit_continues(prefix, tmp_path_factory,
                                                                 caplog):
     run(prefix, 3)
+    caplog.clear()  # only the second run's records count
     with caplog.at_level("INFO", logger="caffe2ckpt.runner"):
         runner, session, final = run(prefix, 3)
+    messages = [r.getMessage() for r in caplog.records]
     assert (final, runner.resumed_from) == (3, 3)
-    assert "had finished at epoch 3 (its stop condition held): no epoch to run" in caplog.text
-    assert "Running epoch" not in caplog.text
+    assert "Job 'regression' had finished at epoch 3 (its stop condition held): no epoch to run" in messages
+    assert not [m for m in messages if m.startswith("Running epoch")]
     assert sorted(e for e in {r.epoch for r in list_records(runner.checkpoint_manager.store.location)}) == [0, 1, 2, 3]
     runner, session, final = run(prefix, 5)
     assert (final, runner.resumed_from) == (5, 3)
