@@ -3,8 +3,8 @@ the commit protocol needs (exclusive create, durable writes, listing, moves, del
 
 Local disks get real durability and atomic ``os.link``/``os.rename``; every other fsspec
 filesystem (``memory://``, ``s3://``, ``gs://``, wrappers) goes through its own API, where an
-exclusive create is ``open(path, "xb")`` (an ``If-None-Match`` PUT on S3) and nothing relies on
-a rename being atomic.
+exclusive create is ``open(path, "xb")`` (an ``If-None-Match`` PUT on S3; on ``memory://`` a
+check and a whole-file write under one lock) and nothing relies on a rename being atomic.
 
 Durability on local disks: every file is flushed on the descriptor it was written through, never
 by a filesystem-wide ``syncfs()`` (which reports no write-back error before Linux 5.8, and after
@@ -47,12 +47,14 @@ import os
 import posixpath
 import shutil
 import stat
+import threading
 import uuid
 from concurrent.futures import Executor
 from typing import Any
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
+from fsspec.implementations.memory import MemoryFileSystem
 
 from caffe2ckpt import localio
 from caffe2ckpt.errors import CheckpointError, CheckpointNotFoundError, InvalidLocationError
@@ -61,6 +63,11 @@ from caffe2ckpt.fserrors import is_credentials_error, translate
 __all__ = ["Location"]
 
 logger = logging.getLogger(__name__)
+
+# memory:// is one store per process, and its own "xb" open checks for the file, then publishes
+# it empty, then fills it: two threads could both create one record. Exclusive creates there
+# hold this lock and publish the file whole.
+_MEMORY_CREATES = threading.Lock()
 
 
 class Location:
@@ -277,6 +284,12 @@ class Location:
         """
         directory = posixpath.dirname(path)
         self.makedirs(directory)
+        if isinstance(self.fs, MemoryFileSystem):
+            with _MEMORY_CREATES:
+                if self.fs.exists(path):
+                    raise FileExistsError(errno.EEXIST, "file exists", path)
+                self.fs.pipe_file(path, data)
+            return
         if not self.is_local:
             def create() -> None:
                 with self.fs.open(path, "xb") as f:

@@ -11,7 +11,9 @@ code under test that opens URLs itself (``zarr.open_group(url)``, ``fsspec.core.
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,6 +68,7 @@ def start() -> S3Server:
     # werkzeug logs every request at INFO; captured by pytest that costs time and memory
     logging.getLogger("werkzeug").setLevel(logging.WARNING)
     _cache_moto_module_list()
+    _make_conditional_writes_atomic()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
@@ -83,6 +86,34 @@ def _cache_moto_module_list() -> None:
     except Exception:  # noqa: BLE001 - another moto version: keep its own behaviour
         return
     backends.list_of_moto_modules = lambda: modules
+
+
+_CONDITIONAL_WRITES = threading.Lock()
+
+
+def _make_conditional_writes_atomic() -> None:
+    """Apply ``If-None-Match: *`` writes one at a time, as S3 does. moto checks that the key is
+    absent and then stores the object as two steps (moto 5.2.5, ``S3Response.put_object`` and
+    the multipart completion in ``_key_response_post``), so under load two threads' exclusive
+    creates of one key could both succeed: a fault of the test server that no real store has.
+    Writes without the header are left as they are."""
+    from moto.s3.responses import S3Response
+
+    def atomic(method):
+        if getattr(method, "atomic_if_none_match", False):
+            return method
+
+        @functools.wraps(method)
+        def wrapper(self, *args, **kwargs):
+            if self.headers.get("If-None-Match") is None:
+                return method(self, *args, **kwargs)
+            with _CONDITIONAL_WRITES:
+                return method(self, *args, **kwargs)
+        wrapper.atomic_if_none_match = True
+        return wrapper
+
+    S3Response.put_object = atomic(S3Response.put_object)
+    S3Response._key_response_post = atomic(S3Response._key_response_post)
 
 
 def prefix_kind(prefix: str) -> str:

@@ -12,10 +12,11 @@ class of S3 operation.
 
 from __future__ import annotations
 
-import threading
+import time
 
 import pytest
 import test_faults as faults
+from test_concurrency import race_exclusive_creates
 from faultfs import FaultyFileSystem
 
 from caffe2ckpt import JobRunner, LocalSession, MultiNodeCheckpointManager
@@ -111,30 +112,23 @@ def test_the_bucket_is_checked_once_per_location_not_before_every_create(s3, mon
     assert len(calls) - first <= 3, calls
 
 
-def test_exclusive_creation_has_exactly_one_winner_on_s3(s3):
+def test_exclusive_creation_has_exactly_one_winner_on_s3(s3, monkeypatch):
     """Eight threads create the same record (and claim) at once, twenty times over: exactly one
-    creation succeeds each time, the others get FileExistsError and change nothing."""
-    options, bucket = s3
-    location = Location(f"s3://{bucket}/race", options)
-    for trial in range(20):
-        path = location.path("_commits", f"{trial:012d}.n.s.json")
-        barrier, results = threading.Barrier(8), []
+    creation succeeds each time, the others get FileExistsError and change nothing. The server
+    answers each key lookup 10 ms late, so a create that is not one conditional write (or a
+    server that checks and then writes in two steps, as moto itself does) lets several threads
+    win: 20 of 20 trials had several winners before the server made such writes atomic."""
+    from moto.s3.models import S3Backend
 
-        def create(i, path=path, barrier=barrier, results=results):
-            barrier.wait()
-            try:
-                location.create_exclusive(path, f"writer {i}".encode())
-                results.append(i)
-            except FileExistsError:
-                results.append(None)
-        threads = [threading.Thread(target=create, args=(i,)) for i in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        winners = [r for r in results if r is not None]
-        assert len(results) == 8 and len(winners) == 1, results
-        assert location.read_bytes(path) == f"writer {winners[0]}".encode()
+    get_object = S3Backend.get_object
+
+    def slow_get_object(self, *args, **kwargs):
+        found = get_object(self, *args, **kwargs)
+        time.sleep(0.01)
+        return found
+    monkeypatch.setattr(S3Backend, "get_object", slow_get_object)
+    options, bucket = s3
+    race_exclusive_creates(Location(f"s3://{bucket}/race", options), 20)
 
 
 # -- the save / re-save fault matrix on S3 (one fault per class of S3 operation) -----------------
