@@ -18,7 +18,9 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -35,6 +37,21 @@ DB_EXISTS = "caffe2ckpt/db_exists"
 
 _saves: dict[tuple[str, str], BackgroundSaves] = {}  # (manager key, node) -> its saves here
 _saves_lock = threading.Lock()
+_forgotten: deque[str] = deque()  # keys of collected managers, dropped by the next registry user
+
+
+@contextmanager
+def _registry() -> Iterator[dict[tuple[str, str], BackgroundSaves]]:
+    """``_saves`` under its lock, without the entries of managers collected meanwhile."""
+    with _saves_lock:
+        while _forgotten:
+            _drop(_forgotten.popleft())
+        yield _saves
+
+
+def _drop(key: str) -> None:
+    for k in [k for k in _saves if k[0] == key]:
+        del _saves[k]
 
 
 @dataclass(frozen=True)
@@ -53,8 +70,8 @@ def _timed(fn: Any) -> Timed:
 
 def saves_for(key: str, node: str) -> BackgroundSaves:
     """This process's background saves of ``node`` for the manager ``key`` (made on first use)."""
-    with _saves_lock:
-        return _saves.setdefault((key, node), BackgroundSaves())
+    with _registry() as saves:
+        return saves.setdefault((key, node), BackgroundSaves())
 
 
 def release_saves(key: str, node: str | None = None, ws: Workspace | None = None) -> None:
@@ -64,8 +81,8 @@ def release_saves(key: str, node: str | None = None, ws: Workspace | None = None
     Raises:
         CheckpointWriteError: a save not waited for yet failed (after all were released).
     """
-    with _saves_lock:
-        released = [_saves.pop(k) for k in list(_saves) if k[0] == key and node in (None, k[1])]
+    with _registry() as saves:
+        released = [saves.pop(k) for k in list(saves) if k[0] == key and node in (None, k[1])]
     errors = []
     for saves in released:
         try:
@@ -78,10 +95,18 @@ def release_saves(key: str, node: str | None = None, ws: Workspace | None = None
 
 def forget_saves(key: str) -> None:
     """Drop this process's references to manager ``key``'s saves without waiting (for a manager
-    that was never closed: running writes keep their own buffers until they end)."""
-    with _saves_lock:
-        for k in [k for k in _saves if k[0] == key]:
-            del _saves[k]
+    that was never closed: running writes keep their own buffers until they end).
+
+    A finalizer calls this when the manager is collected, which can happen inside any
+    allocation, also in this thread while it holds the registry's lock: so it never waits for
+    the lock, and when the lock is taken it leaves the key to the next registry user."""
+    if _saves_lock.acquire(blocking=False):
+        try:
+            _drop(key)
+        finally:
+            _saves_lock.release()
+    else:
+        _forgotten.append(key)
 
 
 def worker_info() -> dict[str, Any]:
@@ -135,8 +160,8 @@ def wait_saves(background: str, node: str, epoch: int | None, ws: Workspace) -> 
     """
     if epoch is None:
         return None
-    with _saves_lock:
-        saves = _saves.get((background, node))
+    with _registry() as registry:
+        saves = registry.get((background, node))
     if saves is None or saves.pending_epoch != epoch:
         where = worker_info()
         raise CheckpointWriteError(

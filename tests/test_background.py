@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import uuid
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from caffe2ckpt import (
     Task,
     epoch_limiter,
 )
+from caffe2ckpt import nodeops
 from caffe2ckpt.background import BackgroundSaves
 from caffe2ckpt.example import build_job
 from caffe2ckpt.metadata import ZarrMetadataHandler
@@ -189,6 +191,28 @@ def test_async_managers_leave_no_idle_threads(tmp_path):
         session.run(cm.init(["n"]))
         session.run(cm.save(4))
     assert cm.pending_epoch is None and cm.store.latest_epoch(["n"]) == 4  # exit waited
+
+
+def test_a_manager_collected_while_its_thread_holds_the_registry_does_not_deadlock():
+    """A manager never closed is forgotten by a finalizer, which the garbage collector can run
+    inside any allocation: once it ran in ``release_saves`` while that thread held the
+    registry's lock, and the test suite hung (seen under load). Here the thread holding the
+    lock forgets a key itself; the key is dropped by the registry's next user."""
+    key, other = f"gone-{uuid.uuid4().hex}", f"live-{uuid.uuid4().hex}"
+    nodeops.saves_for(key, "n")
+
+    def finalizer_inside_locked_section():
+        with nodeops._saves_lock:
+            nodeops.forget_saves(key)
+    thread = threading.Thread(target=finalizer_inside_locked_section, daemon=True)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive(), "forget_saves waited for the lock its own thread holds"
+    assert (key, "n") in nodeops._saves  # left to the registry's next user
+    nodeops.saves_for(other, "n")
+    assert (key, "n") not in nodeops._saves and (other, "n") in nodeops._saves
+    nodeops.forget_saves(other)  # with the lock free: dropped at once
+    assert (other, "n") not in nodeops._saves
 
 
 def unstageable(tmp_path) -> str:
