@@ -70,8 +70,8 @@ def _timed(fn: Any) -> Timed:
 
 def saves_for(key: str, node: str) -> BackgroundSaves:
     """This process's background saves of ``node`` for the manager ``key`` (made on first use)."""
-    with _registry() as saves:
-        return saves.setdefault((key, node), BackgroundSaves())
+    with _registry() as registry:
+        return registry.setdefault((key, node), BackgroundSaves())
 
 
 def release_saves(key: str, node: str | None = None, ws: Workspace | None = None) -> None:
@@ -81,8 +81,8 @@ def release_saves(key: str, node: str | None = None, ws: Workspace | None = None
     Raises:
         CheckpointWriteError: a save not waited for yet failed (after all were released).
     """
-    with _registry() as saves:
-        released = [saves.pop(k) for k in list(saves) if k[0] == key and node in (None, k[1])]
+    with _registry() as registry:
+        released = [registry.pop(k) for k in list(registry) if k[0] == key and node in (None, k[1])]
     errors = []
     for saves in released:
         try:
