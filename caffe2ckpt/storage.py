@@ -70,8 +70,6 @@ _ALIGN = 64
 _CRC = 4
 
 
-
-
 def _wait_all(futures: list[Future[Any]]) -> None:
     """Wait for every future (no thread keeps writing after we return), then raise the first
     failure."""

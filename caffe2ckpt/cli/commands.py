@@ -225,8 +225,7 @@ def cmd_ls(ctx: Context, args: argparse.Namespace) -> tuple[Document, int]:
         rows.append({"epoch": epoch, "state": "damaged record", "nodes": [node],
                      "missing_nodes": [], "bytes": 0, "node_bytes": {}, "blobs": 0,
                      "metrics": {}, "created": None, "created_utc": None, "writer": {},
-                     "node_workers": {},
-                     "stop": False, "save_ids": [save_id], "error": message})
+                     "node_workers": {}, "stop": False, "save_ids": [save_id], "error": message})
     order = {"committed": 0, "superseded": 0, "partial": 1, "damaged record": 2}
     rows.sort(key=lambda r: (r["epoch"], order[r["state"]]))
     items = find_leftovers(store, min_age=0, found=found)
