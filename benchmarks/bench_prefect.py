@@ -56,7 +56,7 @@ def build_groups():
 def run_epochs(session, epochs: int, *, saves: bool = False) -> list[float]:
     """Seconds of each epoch of running the 3 groups on ``session`` (with ``saves``, followed by
     a "saved" event carrying two nodes' commit records, as JobRunner sends after a save)."""
-    from caffe2ckpt.commit import CommitRecord
+    from caffe2ckpt.store.records import CommitRecord
     from caffe2ckpt.session import RunEvent
 
     def event(kind: str, epoch: int, **info) -> RunEvent:

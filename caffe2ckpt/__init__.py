@@ -4,7 +4,6 @@ and fsspec, orchestrated by Prefect through :mod:`caffe2ckpt.prefect`.
 ``import caffe2ckpt`` never imports prefect.
 """
 
-from caffe2ckpt.abstract import AbstractCheckpointManager
 from caffe2ckpt.errors import (
     CheckpointCorruptedError,
     CheckpointError,
@@ -24,7 +23,7 @@ from caffe2ckpt.naming import db_name, get_ckpt_filename
 from caffe2ckpt.policy import StepManagerOptions
 from caffe2ckpt.runner import JobRunner
 from caffe2ckpt.session import LocalSession, Session
-from caffe2ckpt.steps import StepCheckpointManager
+from caffe2ckpt.steps import AbstractCheckpointManager, StepCheckpointManager
 from caffe2ckpt.workspace import Workspace, WorkspaceType
 
 __all__ = [

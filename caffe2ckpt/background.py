@@ -10,8 +10,6 @@ of ``train`` or when the caller waits — never dropped.
 
 Each save runs in a thread of its own that ends with it: nothing idles (or leaks) between
 epochs, whether or not the owner is closed.
-
-Imports: errors only (it runs whatever save function it is given).
 """
 
 from __future__ import annotations

@@ -3,8 +3,6 @@
 :class:`MetadataHandler` is Caffe2's implied protocol. :class:`ZarrMetadataHandler` answers from
 the commit records under the checkpoint prefix, so a retried or re-run job resumes from the
 newest epoch every one of its nodes committed.
-
-Imports: errors, location, checkpoint. Not zarr, not prefect.
 """
 
 from __future__ import annotations
@@ -12,13 +10,13 @@ from __future__ import annotations
 import logging
 from typing import Any, Protocol, runtime_checkable
 
-from caffe2ckpt.checkpoint import CheckpointStore
+from caffe2ckpt.store.protocol import CheckpointStore
 from caffe2ckpt.errors import (
     CheckpointCorruptedError,
     CheckpointNotFoundError,
     JobDefinitionError,
 )
-from caffe2ckpt.location import Location
+from caffe2ckpt.fs.location import Location
 from caffe2ckpt.naming import check_epoch
 
 __all__ = ["MetadataHandler", "ZarrMetadataHandler"]
@@ -52,7 +50,7 @@ class ZarrMetadataHandler:
     """Resume from the commit records of a caffe2ckpt prefix.
 
     ``last_epoch()`` is the newest usable epoch of the job's current lineage (see
-    :mod:`caffe2ckpt.lineage`: epochs of a run that a later resume from an earlier epoch
+    :mod:`caffe2ckpt.history.lineage`: epochs of a run that a later resume from an earlier epoch
     superseded never count; records of other nodes under the same prefix are ignored);
     ``last_epoch(user_epoch=k)`` returns k if it is committed for every node and raises
     otherwise.

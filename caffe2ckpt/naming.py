@@ -1,12 +1,12 @@
 """Pure naming functions: where a node's checkpoint lives and how names become path segments.
 
 Nothing here touches a filesystem. The on-disk names are a protocol: change them only with the
-format version in :mod:`caffe2ckpt.storage`.
+format version in :mod:`caffe2ckpt.store.zarrgroup`.
 
 Layout under a checkpoint prefix::
 
     <prefix>/<node>.<epoch>/            one Zarr v3 group per node and epoch (db_name)
-    <prefix>/_commits/<record>.json     commit records (see caffe2ckpt.commit)
+    <prefix>/_commits/<record>.json     commit records (see caffe2ckpt.store.records)
     <prefix>/_staging/...               re-saves being written aside (uncommitted)
     <prefix>/_claims/claim-<n>.json     which run currently owns the prefix (newest wins)
     <prefix>/_metadata.json             optional custom metadata of the prefix, written once

@@ -17,8 +17,6 @@ Retention (a union: an epoch is kept when any rule keeps it):
     rules rank the current lineage only: an epoch a later run superseded (it resumed from an
     earlier epoch) is never kept by a rule. The newest epoch of the lineage and the protected
     epochs (e.g. the one a run resumed from) are always kept. No rule: everything is kept.
-
-Imports: errors. Nothing else.
 """
 
 from __future__ import annotations
@@ -136,7 +134,7 @@ def retained_epochs(options: StepManagerOptions | None, metrics: Mapping[int, Me
     """Which of the committed epochs (the keys of ``metrics``) retention keeps.
 
     The rules rank only the current lineage; ``superseded`` epochs (committed by a run that a
-    later resume from an earlier epoch replaced, see :mod:`caffe2ckpt.lineage`) are never kept
+    later resume from an earlier epoch replaced, see :mod:`caffe2ckpt.history.lineage`) are never kept
     by a rule, and never count as the newest. The newest lineage epoch and every epoch in
     ``protect`` are always kept.
     """

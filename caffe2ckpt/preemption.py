@@ -10,8 +10,6 @@ watch starts and the original handler comes back when the last one ends, in what
 watches end — also when a watch is never exited and is garbage-collected. (Each watch saving
 and restoring "the previous handler" itself would leave a watch's handler installed for good
 when two watches end in creation order.)
-
-Imports: nothing from caffe2ckpt.
 """
 
 from __future__ import annotations

@@ -10,8 +10,6 @@ Run order (Caffe2's, with the deliberate differences listed in the README):
    decision), stop when any condition held; a resumed job whose checkpoint already met its stop
    condition runs no epoch;
 5. upload (with the final epoch), ``download_group``, ``exit_group``; return the final epoch.
-
-Imports: errors, job, manager, session. Not zarr, not prefect.
 """
 
 from __future__ import annotations
@@ -34,9 +32,9 @@ from caffe2ckpt.errors import (
     JobDefinitionError,
     JobPreemptedError,
 )
-from caffe2ckpt.catalog import apply_retention
+from caffe2ckpt.history.catalog import apply_retention
 from caffe2ckpt.job import Job
-from caffe2ckpt.manager import UploadTaskGroupBuilder, _BaseManager
+from caffe2ckpt.manager import UploadTaskGroupBuilder, BaseCheckpointManager
 from caffe2ckpt.naming import check_node_name
 from caffe2ckpt.policy import StepManagerOptions, should_save
 from caffe2ckpt.preemption import PreemptionWatch
@@ -76,7 +74,7 @@ class JobRunner:
     def __init__(
         self,
         job: Job,
-        checkpoint_manager: _BaseManager | None = None,
+        checkpoint_manager: BaseCheckpointManager | None = None,
         resume_from_epoch: int | None = None,
         upload_task_group_builder: UploadTaskGroupBuilder | None = None,
         *,
@@ -194,7 +192,7 @@ class JobRunner:
             epoch=epoch, committed=committed, signal=signal_name)
 
     @staticmethod
-    def _start_run(session: Session, cm: _BaseManager, parent: tuple[int, int] | None) -> None:
+    def _start_run(session: Session, cm: BaseCheckpointManager, parent: tuple[int, int] | None) -> None:
         """Start this run on the prefix (only once it is known to be valid: a refused run
         writes nothing); ``parent`` is the save it resumed from, None for a fresh start."""
         try:
@@ -207,7 +205,7 @@ class JobRunner:
                                  max_epochs=self.job.max_epochs,
                                  checkpoint_manager=self.checkpoint_manager, **info))
 
-    def _resume(self, session: Session, cm: _BaseManager, epoch: int, *,
+    def _resume(self, session: Session, cm: BaseCheckpointManager, epoch: int, *,
                 automatic: bool) -> tuple[int, bool, tuple[int, int]]:
         """Load the checkpoint to resume from; return (epoch loaded, whether the job is done,
         the loaded save as (epoch, generation)). An automatically chosen epoch that fails to
@@ -305,7 +303,7 @@ class JobRunner:
                     pass
             self._save_failed(epoch, session, exc)
 
-    def _finish_background(self, session: Session, cm: _BaseManager) -> None:
+    def _finish_background(self, session: Session, cm: BaseCheckpointManager) -> None:
         epoch = cm.pending_epoch
         if epoch is None:
             return
@@ -315,7 +313,7 @@ class JobRunner:
         except Exception as exc:
             self._save_failed(epoch, session, exc)
 
-    def _committed(self, epoch: int, session: Session, cm: _BaseManager) -> None:
+    def _committed(self, epoch: int, session: Session, cm: BaseCheckpointManager) -> None:
         if len(cm.last_records) != len(cm.file_nodes()):
             raise CheckpointWriteError(
                 f"checkpoint of epoch {epoch}: only nodes {sorted(cm.last_records)} committed")
@@ -326,7 +324,7 @@ class JobRunner:
         if self.options is not None and self.options.has_retention:
             self._retain(session, cm)
 
-    def _retain(self, session: Session, cm: _BaseManager) -> None:
+    def _retain(self, session: Session, cm: BaseCheckpointManager) -> None:
         """Apply retention; a failure only leaves unreferenced files (``caffe2ckpt gc``)."""
         protect = {self.resumed_from} if self.resumed_from is not None else set()
         try:

@@ -10,8 +10,6 @@ A node's share of a group travels as *steps*: ``(fn, outputs, keep)`` triples
 (:func:`node_steps`), never the :class:`Task` objects, which also hold their group and session;
 ``keep`` says whether the task has an ``on_result`` (other return values are dropped where they
 are made, never sent back).
-
-Imports: errors, workspace, job. Never prefect.
 """
 
 from __future__ import annotations

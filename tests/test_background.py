@@ -21,7 +21,7 @@ from caffe2ckpt import (
     Task,
     epoch_limiter,
 )
-from caffe2ckpt import nodeops
+from caffe2ckpt.manager import _nodeops as nodeops
 from caffe2ckpt.background import BackgroundSaves
 from caffe2ckpt.example import build_job
 from caffe2ckpt.metadata import ZarrMetadataHandler

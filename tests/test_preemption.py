@@ -19,9 +19,9 @@ from caffe2ckpt import (
     StepManagerOptions,
     Task,
 )
-from caffe2ckpt.catalog import scan
-from caffe2ckpt.checkpoint import CheckpointStore
-from caffe2ckpt.location import Location
+from caffe2ckpt.history.catalog import scan
+from caffe2ckpt.store.protocol import CheckpointStore
+from caffe2ckpt.fs.location import Location
 
 import preempt_job
 

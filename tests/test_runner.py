@@ -18,7 +18,7 @@ from caffe2ckpt import (
     Task,
     epoch_limiter,
 )
-from caffe2ckpt.commit import list_records, read_record
+from caffe2ckpt.store.records import list_records, read_record
 from caffe2ckpt.example import InjectedFailure, build_job
 from caffe2ckpt.metadata import ZarrMetadataHandler
 from tests.s3server import storage_cases

@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from caffe2ckpt.cli.commands import (
+from caffe2ckpt.cli._context import (
     EXIT_DAMAGED,
     EXIT_IO,
     EXIT_NOT_FOUND,
@@ -29,13 +29,13 @@ from caffe2ckpt.cli.commands import (
     CLIError,
     Context,
     Document,
-    cmd_diff,
-    cmd_ls,
-    cmd_show,
-    cmd_verify,
 )
+from caffe2ckpt.cli.diff import cmd_diff
 from caffe2ckpt.cli.gc import cmd_gc
+from caffe2ckpt.cli.ls import cmd_ls
 from caffe2ckpt.cli.render import Progress, render
+from caffe2ckpt.cli.show import cmd_show
+from caffe2ckpt.cli.verify import cmd_verify
 from caffe2ckpt.errors import (
     CheckpointCorruptedError,
     CheckpointError,

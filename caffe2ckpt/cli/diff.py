@@ -3,24 +3,33 @@
 Blobs are read (and their checksums verified) one array at a time, the packed small blobs of a
 node in one read, so memory stays at about two blobs. Equality is NaN-aware: NaN against NaN
 (in the same place) is the same, and so are 0.0 and -0.0.
-
-Imports: checkpoint, manifest, storage, cli.render.
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from caffe2ckpt.checkpoint import CheckpointStore
+from caffe2ckpt.cli._context import (
+    EXIT_NOT_FOUND,
+    EXIT_OK,
+    CLIError,
+    Context,
+    Document,
+    checked_manifest,
+    open_prefix,
+    require_step,
+)
 from caffe2ckpt.cli.render import Progress
-from caffe2ckpt.manifest import BlobInfo, Manifest
-from caffe2ckpt.storage import read_node
+from caffe2ckpt.store.manifest import BlobInfo, Manifest
+from caffe2ckpt.store.protocol import CheckpointStore
+from caffe2ckpt.store.zarrgroup import read_node
 
-__all__ = ["compare", "diff_node"]
+__all__ = ["cmd_diff", "compare", "diff_node"]
 
 
 class _Reader:
@@ -113,3 +122,32 @@ def diff_node(store: CheckpointStore, node: str, epochs: tuple[int, int],
             progress.advance(ia.nbytes + ib.nbytes, f"{node}: {name}")
         out.append(entry)
     return out
+
+
+def cmd_diff(ctx: Context, args: argparse.Namespace) -> tuple[Document, int]:
+    store, found = open_prefix(ctx, args.prefix)
+    a, b = args.epoch_a, args.epoch_b
+    step_a, step_b = require_step(store, found, a), require_step(store, found, b)
+    nodes = sorted(set(step_a.nodes) | set(step_b.nodes))
+    if args.node:
+        unknown = [n for n in args.node if n not in nodes]
+        if unknown:
+            raise CLIError(f"neither epoch {a} nor epoch {b} under {store.location.display()!r}"
+                           f" has node {', '.join(map(repr, unknown))}; their nodes: "
+                           f"{', '.join(nodes)}", EXIT_NOT_FOUND)
+        nodes = [n for n in nodes if n in args.node]
+    total = sum(s.records[n].nbytes for s in (step_a, step_b) for n in nodes if n in s.records)
+    ctx.progress.start(f"diff {a} {b}", total)
+    blobs: list[Document] = []
+    for node in nodes:
+        sides = [checked_manifest(store, node, e) if node in s.records else None
+                 for e, s in ((a, step_a), (b, step_b))]
+        blobs += diff_node(store, node, (a, b), sides, ctx.progress)
+    ctx.progress.close()
+    summary = {k: sum(x["status"] == k for x in blobs)
+               for k in ("changed", "added", "removed", "same")}
+    doc = {"prefix": store.location.display(), "epochs": [a, b], "nodes": nodes,
+           "nodes_added": sorted(set(step_b.nodes) - set(step_a.nodes) & set(nodes)),
+           "nodes_removed": sorted(set(step_a.nodes) - set(step_b.nodes) & set(nodes)),
+           "summary": summary, "blobs": blobs, "show_same": bool(args.all)}
+    return doc, EXIT_OK

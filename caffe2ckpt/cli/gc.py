@@ -3,14 +3,12 @@ keep; a dry run unless ``--yes``.
 
 Retention is :func:`caffe2ckpt.policy.retained_epochs` (the function the runner and
 ``StepCheckpointManager`` use), so the newest committed epoch is always kept and no option means
-no committed epoch is deleted. Removal is :func:`caffe2ckpt.catalog.delete_step` (records first,
-then data) and :func:`caffe2ckpt.catalog.remove_leftovers`, so an interrupted ``gc --yes`` leaves
+no committed epoch is deleted. Removal is :func:`caffe2ckpt.history.catalog.delete_step` (records first,
+then data) and :func:`caffe2ckpt.history.catalog.remove_leftovers`, so an interrupted ``gc --yes`` leaves
 only uncommitted leftovers. The library's safety rules hold (only a caffe2ckpt prefix is
 swept; a partial save with an unreadable record is left for a person to inspect, and listed
 here); on top of them, with ``--node`` an epoch saved together with nodes not given is never
 split (deleting some nodes' records of one save would uncommit the others' epoch).
-
-Imports: errors, naming, catalog, policy, cli.commands.
 """
 
 from __future__ import annotations
@@ -18,8 +16,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from caffe2ckpt.catalog import delete_step, find_leftovers, is_checkpoint_prefix, remove_leftovers
-from caffe2ckpt.cli.commands import (
+from caffe2ckpt.cli._context import (
     EXIT_DAMAGED,
     EXIT_IO,
     EXIT_NOT_FOUND,
@@ -34,6 +31,12 @@ from caffe2ckpt.cli.commands import (
     open_prefix,
 )
 from caffe2ckpt.errors import CheckpointError, JobDefinitionError
+from caffe2ckpt.history.catalog import (
+    delete_step,
+    find_leftovers,
+    is_checkpoint_prefix,
+    remove_leftovers,
+)
 from caffe2ckpt.naming import CLAIMS_DIR, COMMITS_DIR
 from caffe2ckpt.policy import StepManagerOptions, retained_epochs
 

@@ -1,7 +1,5 @@
 """Human output of the ``caffe2ckpt`` command: aligned tables built from the same JSON documents
 ``--json`` prints, byte and age formatting, and a one-line progress bar for terminals.
-
-Imports nothing from the rest of the package.
 """
 
 from __future__ import annotations
@@ -14,23 +12,12 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from caffe2ckpt.units import human_bytes
+
 __all__ = ["Progress", "render"]
 
 
 # -- formatting --------------------------------------------------------------------------------
-
-
-def human_bytes(n: int | None) -> str:
-    if n is None:
-        return "?"
-    if n < 1024:
-        return f"{n} B"
-    value = float(n)
-    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
-        value /= 1024
-        if value < 1024 or unit == "PiB":
-            return f"{value:.1f} {unit}"
-    raise AssertionError("unreachable")
 
 
 def human_age(seconds: float | None) -> str:

@@ -50,7 +50,7 @@ from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRun
 from prefect.context import SyncClientContext
 from prefect.runtime import flow_run
 
-from caffe2ckpt.catalog import scan
+from caffe2ckpt.history.catalog import scan
 from caffe2ckpt.naming import db_name
 from caffe2ckpt.prefect.table import (
     checkpoint_row,
@@ -212,7 +212,7 @@ class CheckpointArtifacts:
 
     def _committed_rows(self, cm: Any) -> dict[int, dict[str, Any]]:
         """Rows for every epoch committed under the prefix for the job's nodes (records only,
-        as :func:`caffe2ckpt.catalog.scan` defines them; superseded epochs say so)."""
+        as :func:`caffe2ckpt.history.catalog.scan` defines them; superseded epochs say so)."""
         found = scan(cm.store, cm.file_nodes())
         return {e: checkpoint_row(e, step.records, flow_run.id)
                 | ({"status": _SUPERSEDED} if e in found.superseded else {})

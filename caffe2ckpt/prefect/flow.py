@@ -29,7 +29,7 @@ from caffe2ckpt.errors import (
     JobPreemptedError,
 )
 from caffe2ckpt.job import Job
-from caffe2ckpt.manager import UploadTaskGroupBuilder, _BaseManager
+from caffe2ckpt.manager import UploadTaskGroupBuilder, BaseCheckpointManager
 from caffe2ckpt.naming import check_epoch
 from caffe2ckpt.policy import StepManagerOptions
 from caffe2ckpt.prefect.orphans import claim_and_sweep
@@ -55,7 +55,7 @@ class RunPlan(NamedTuple):
 
 
 def plan_run(
-    checkpoint_manager: _BaseManager,
+    checkpoint_manager: BaseCheckpointManager,
     nodes: Sequence[str],
     *,
     epochs: int,
@@ -99,7 +99,7 @@ def plan_run(
     return RunPlan(start, limit, resume_from_epoch)
 
 
-def _started_from(checkpoint_manager: _BaseManager) -> int | None:
+def _started_from(checkpoint_manager: BaseCheckpointManager) -> int | None:
     """The epoch the current flow run started from, if the newest epochs of the prefix's
     lineage are its own (an earlier attempt committed them); else None."""
     this_run = flow_run.id
@@ -119,7 +119,7 @@ def _started_from(checkpoint_manager: _BaseManager) -> int | None:
 
 def run_job(
     job: Job,
-    checkpoint_manager: _BaseManager,
+    checkpoint_manager: BaseCheckpointManager,
     *,
     max_attempts: int | None = None,
     resume_from_epoch: int | None = None,

@@ -28,8 +28,8 @@ from uuid import UUID
 
 from prefect.utilities.urls import url_for
 
-from caffe2ckpt.cli.render import human_bytes
-from caffe2ckpt.commit import CommitRecord
+from caffe2ckpt.units import human_bytes
+from caffe2ckpt.store.records import CommitRecord
 from caffe2ckpt.naming import get_ckpt_filename
 
 __all__ = ["COLUMNS", "checkpoint_row", "checkpoint_table", "epoch_ranges", "failed_row",

@@ -13,9 +13,9 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from caffe2ckpt import JobRunner, LocalSession, MultiNodeCheckpointManager
-from caffe2ckpt.checkpoint import CheckpointStore
+from caffe2ckpt.store.protocol import CheckpointStore
 from caffe2ckpt.example import build_job
-from caffe2ckpt.location import Location
+from caffe2ckpt.fs.location import Location
 from caffe2ckpt.prefect import PrefectSession
 from tests.jobs import EXPECTED_TOTALS, fetch, make_job
 from tests.prefect.conftest import finished_task_runs
@@ -113,7 +113,7 @@ def kill_at(epoch: int, node: str):
 def die_while_installing(marker: str) -> None:
     """Run on every worker: the first save of trainer_1's epoch 3 (while the marker file
     exists) SIGKILLs its worker after the data is staged, before it is moved into place."""
-    from caffe2ckpt.checkpoint import CheckpointStore
+    from caffe2ckpt.store.protocol import CheckpointStore
 
     install = CheckpointStore._install
 
@@ -128,7 +128,7 @@ def die_while_installing(marker: str) -> None:
 
 
 def undo_die_while_installing() -> None:
-    from caffe2ckpt.checkpoint import CheckpointStore
+    from caffe2ckpt.store.protocol import CheckpointStore
 
     CheckpointStore._install = getattr(CheckpointStore._install, "original",
                                        CheckpointStore._install)

@@ -21,10 +21,10 @@ import pytest
 import yaml
 
 from caffe2ckpt import JobRunner, LocalSession, MultiNodeCheckpointManager
-from caffe2ckpt.checkpoint import CheckpointStore
-from caffe2ckpt.commit import list_records, read_record
+from caffe2ckpt.store.protocol import CheckpointStore
+from caffe2ckpt.store.records import list_records, read_record
 from caffe2ckpt.example import build_job
-from caffe2ckpt.location import Location
+from caffe2ckpt.fs.location import Location
 from tests.procs import stop_tree
 
 pytestmark = pytest.mark.slow

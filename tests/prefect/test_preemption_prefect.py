@@ -16,9 +16,9 @@ from prefect.client.schemas.filters import FlowFilter, FlowFilterName
 from prefect.client.schemas.sorting import FlowRunSort
 from prefect.settings import PREFECT_API_URL
 
-from caffe2ckpt.catalog import scan
-from caffe2ckpt.checkpoint import CheckpointStore
-from caffe2ckpt.location import Location
+from caffe2ckpt.history.catalog import scan
+from caffe2ckpt.store.protocol import CheckpointStore
+from caffe2ckpt.fs.location import Location
 
 from conftest import poll
 from preempt_job import sigterm_in_epoch

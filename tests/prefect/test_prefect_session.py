@@ -22,7 +22,7 @@ from prefect.runtime import flow_run
 from prefect.settings import PREFECT_UI_URL
 
 from caffe2ckpt import Job, JobRunner, LocalSession, MultiNodeCheckpointManager, Node, Task
-from caffe2ckpt.commit import CommitRecord
+from caffe2ckpt.store.records import CommitRecord
 from caffe2ckpt.example import build_job
 from caffe2ckpt.job import epoch_limiter
 from caffe2ckpt.metadata import ZarrMetadataHandler

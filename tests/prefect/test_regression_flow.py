@@ -17,9 +17,9 @@ from prefect.runtime import flow_run
 from prefect.settings import PREFECT_API_URL
 
 from caffe2ckpt import JobRunner, LocalSession, MultiNodeCheckpointManager
-from caffe2ckpt.checkpoint import CheckpointStore
+from caffe2ckpt.store.protocol import CheckpointStore
 from caffe2ckpt.example import build_job, node_names
-from caffe2ckpt.location import Location
+from caffe2ckpt.fs.location import Location
 from caffe2ckpt.prefect import plan_run, run_job
 from flows.regression import regression
 

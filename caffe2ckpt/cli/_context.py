@@ -1,0 +1,203 @@
+"""What every ``caffe2ckpt`` command shares: exit codes, :class:`CLIError`, the :class:`Context`
+of a call, opening a prefix, and reading and checking node checkpoints for ``show`` and ``verify``."""
+
+from __future__ import annotations
+
+import datetime
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from caffe2ckpt.cli.render import Progress, epochs_text
+from caffe2ckpt.errors import (
+    CheckpointCorruptedError,
+    CheckpointNotFoundError,
+)
+from caffe2ckpt.fs.location import Location
+from caffe2ckpt.history.catalog import Leftover, PrefixScan, Step, scan
+from caffe2ckpt.store.manifest import Manifest
+from caffe2ckpt.store.protocol import CheckpointStore
+from caffe2ckpt.store.records import list_records
+from caffe2ckpt.store.zarrgroup import read_node
+
+EXIT_OK = 0
+EXIT_DAMAGED = 1  # verification found damage (verify, show --verify, diff of damaged data)
+EXIT_USAGE = 2  # wrong arguments (argparse's own code)
+EXIT_NOT_FOUND = 3  # no checkpoints at the prefix, or the epoch / node asked for is not there
+EXIT_IO = 4  # the storage could not be read or written (permissions, network, ...)
+
+Document = dict[str, Any]
+
+
+class CLIError(Exception):
+    """An expected failure: printed as one line on stderr, exits with ``code``."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class Context:
+    """What every command needs besides its own arguments."""
+
+    storage_options: dict[str, Any] | None = None
+    progress: Progress = field(default_factory=lambda: Progress(enabled=False))
+
+    def store(self, url: str) -> CheckpointStore:
+        try:
+            location = Location(url, self.storage_options)
+        except TypeError as exc:  # a filesystem rejecting an option
+            raise CLIError(f"cannot open checkpoint prefix {url!r} with --storage-options "
+                           f"{self.storage_options}: {exc}", EXIT_USAGE) from exc
+        return CheckpointStore(location)
+
+
+# -- shared helpers ----------------------------------------------------------------------------
+
+
+def json_number(value: float) -> float | str:
+    """A float JSON can hold: NaN and infinities become "nan", "inf", "-inf"."""
+    return value if math.isfinite(value) else repr(value)
+
+
+def json_metrics(metrics: dict[str, float]) -> dict[str, float | str]:
+    return {k: json_number(v) for k, v in sorted(metrics.items())}
+
+
+def utc(timestamp: float) -> str:
+    return datetime.datetime.fromtimestamp(timestamp, datetime.UTC).isoformat(
+        timespec="seconds").replace("+00:00", "Z")
+
+
+def open_prefix(ctx: Context, url: str) -> tuple[CheckpointStore, PrefixScan]:
+    """The store at ``url`` and a scan of its records; :class:`CLIError` if nothing is there."""
+    store = ctx.store(url)
+    location = store.location
+    if not location.list_names(location.root):
+        if not location.exists(location.root):
+            why = "it does not exist"
+        elif location.fs.isfile(location.root):
+            why = "it is a file, not a directory"
+        else:
+            why = "it is empty"
+        raise CLIError(f"no checkpoints at {location.display()!r}: {why}", EXIT_NOT_FOUND)
+    return store, scan(store)
+
+
+def require_step(store: CheckpointStore, found: PrefixScan, epoch: int) -> Step:
+    if epoch in found.steps:
+        return found.steps[epoch]
+    where = store.location.display()
+    bad = [ref for ref, _ in found.unreadable if ref.epoch == epoch]
+    partial = [p for p in found.partial if p[0] == epoch]
+    if bad:
+        why = ("its commit record(s) " + ", ".join(repr(r.filename) for r in bad)
+               + f" are unreadable (see `caffe2ckpt verify {store.location.url} --epoch {epoch}`)")
+    elif partial:
+        missing = sorted({n for p in partial for n in p[3]})
+        why = f"its save is partial: node(s) {', '.join(missing)} have no commit record"
+    else:
+        why = f"committed epochs: {epochs_text(found.epochs())}"
+    raise CLIError(f"epoch {epoch} is not committed under {where!r}; {why}", EXIT_NOT_FOUND)
+
+
+def require_nodes(store: CheckpointStore, step: Step, nodes: list[str] | None) -> list[str]:
+    if not nodes:
+        return step.nodes
+    unknown = [n for n in nodes if n not in step.records]
+    if unknown:
+        raise CLIError(f"epoch {step.epoch} under {store.location.display()!r} has no node "
+                       f"{', '.join(map(repr, unknown))}; its nodes: {', '.join(step.nodes)}",
+                       EXIT_NOT_FOUND)
+    return list(dict.fromkeys(nodes))
+
+
+def checked_manifest(store: CheckpointStore, node: str, epoch: int) -> Manifest:
+    """The manifest of a committed node checkpoint after the library checked its record, group
+    metadata digests and every array's metadata (``load_node`` with no blobs)."""
+    store.load_node(node, epoch, names=[])
+    return store.manifest(node, epoch)
+
+
+def read_units(manifest: Manifest) -> list[list[str]]:
+    """How blobs are read: each own array alone, every packed blob in one read."""
+    units = [[name] for name in manifest.arrays]
+    if manifest.packed:
+        units.append([b.name for b in manifest.packed])
+    return units
+
+
+def leftover_bytes(location: Location, item: Leftover) -> int | None:
+    total = 0
+    for rel in item.path.split(", "):
+        try:
+            total += int(location.fs.du(location.path(rel), total=True))
+        except (OSError, ValueError, TypeError):
+            return None
+    return total
+
+
+def leftover_doc(location: Location, item: Leftover) -> Document:
+    return {"kind": item.kind, "path": item.path, "url": location.display(item.path),
+            "age_seconds": None if math.isinf(item.age) else round(item.age, 3),
+            "bytes": leftover_bytes(location, item)}
+
+
+def known_nodes(location: Location) -> set[str]:
+    """Every node with a commit record or a group (``<node>.<epoch>``) under the prefix."""
+    nodes = {ref.node for ref in list_records(location)}
+    for name in location.list_names(location.root):
+        node, dot, epoch = name.rpartition(".")
+        if dot and node and epoch.isdigit():
+            nodes.add(node)
+    return nodes
+
+
+@dataclass
+class NodeCheck:
+    """The result of reading and verifying one node checkpoint."""
+
+    status: str  # "ok", "damaged" or "error" (could not be read: I/O)
+    blobs: dict[str, str] = field(default_factory=dict)  # name -> "ok" / "bad" / "error"
+    errors: list[Document] = field(default_factory=list)
+    manifest: Manifest | None = None
+
+
+def check_node(store: CheckpointStore, node: str, epoch: int, progress: Progress,
+               expected_bytes: int = 0) -> NodeCheck:
+    """Read every blob of ``node``'s checkpoint of ``epoch`` and check every checksum.
+
+    Unlike one ``load_node`` call this finds every damaged blob (not just the first), and holds
+    only one array (or the packed blobs) in memory at a time.
+    """
+    label = f"{node}.{epoch}"
+    try:
+        manifest = checked_manifest(store, node, epoch)
+    except CheckpointCorruptedError as exc:
+        progress.advance(expected_bytes, label)
+        return NodeCheck("damaged", errors=[{"blob": exc.blob, "error": str(exc)}])
+    except (CheckpointNotFoundError, OSError) as exc:
+        progress.advance(expected_bytes, label)
+        return NodeCheck("error", errors=[{"blob": None, "error": str(exc)}])
+    check = NodeCheck("ok", manifest=manifest)
+    path = store.group_path(node, epoch)
+    for names in read_units(manifest):
+        state, error = "ok", None
+        try:
+            read_node(store.location, path, manifest, names)
+        except CheckpointCorruptedError as exc:
+            state, error = "bad", {"blob": exc.blob, "error": str(exc)}
+        except OSError as exc:
+            state, error = "error", {"blob": names[0] if len(names) == 1 else None,
+                                     "error": str(exc)}
+        if error is not None:
+            if len(names) > 1:
+                error["packed_blobs"] = names
+            check.errors.append(error)
+            if check.status == "ok" or state == "bad":
+                check.status = "damaged" if state == "bad" else "error"
+        for name in names:
+            check.blobs[name] = state
+        progress.advance(sum(manifest.blobs[n].nbytes for n in names), label)
+    return check

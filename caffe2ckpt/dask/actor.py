@@ -1,0 +1,72 @@
+"""The worker side of :class:`~caffe2ckpt.dask.DaskSession`: :class:`NodeActor` holds one node's
+workspace in a Dask actor and runs the node's steps there; their outcome goes back pickled."""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any
+
+import cloudpickle
+import numpy as np
+
+from caffe2ckpt.fs.iopool import set_io_threads
+from caffe2ckpt.manager._nodeops import worker_info
+from caffe2ckpt.session import Step, run_node_tasks
+from caffe2ckpt.workspace import Workspace, WorkspaceType
+
+__all__ = ["NodeActor"]
+
+
+class NodeActor:
+    """One node's workspace, held by a Dask actor on the worker the node was placed on;
+    ``io_threads`` sets the worker process's chunk I/O threads."""
+
+    def __init__(self, node: str, io_threads: int) -> None:
+        self.node = node
+        self.ws = Workspace()
+        set_io_threads(io_threads)
+
+    def run(self, steps: list[Step], workspace_type: WorkspaceType) -> bytes:
+        """The pickled (True, the steps' results) or (False, the exception a step raised), so
+        the client tells a failing task from a lost worker, and what cannot travel back fails
+        here, clearly, instead of in Dask's transport."""
+        try:
+            outcome = True, run_node_tasks(steps, self.ws, workspace_type)
+        except BaseException as exc:  # noqa: BLE001 - handed to the client, which raises it
+            outcome = False, exc
+        return _pack(outcome, self.node)
+
+    def names(self) -> list[str]:
+        return list(self.ws)
+
+    def get(self, name: str) -> np.ndarray:
+        return self.ws[name]
+
+    def set(self, name: str, value: Any) -> None:
+        self.ws[name] = value
+
+    def delete(self, name: str) -> None:
+        del self.ws[name]
+
+    def where(self) -> dict[str, Any]:
+        return worker_info()
+
+
+def _pack(outcome: tuple[bool, Any], node: str) -> bytes:
+    """Pickle a node's outcome (with cloudpickle, like Dask); a failure carries the remote
+    traceback as a note. Anything that would not come back intact becomes a RuntimeError
+    saying what it was."""
+    finished, value = outcome
+    where = worker_info()
+    if not finished:
+        value.add_note(f"raised on node {node!r} (Dask worker on {where['host']}, pid "
+                       f"{where['pid']}):\n" + "".join(traceback.format_exception(value)).rstrip())
+    try:
+        data = cloudpickle.dumps(outcome)
+        cloudpickle.loads(data)  # e.g. an exception whose __init__ wants other arguments
+        return data
+    except Exception as exc:  # noqa: BLE001 - any pickling failure
+        what = (f"raised {type(value).__name__}: {value}" if not finished else
+                f"returned a value that cannot be sent back ({type(exc).__name__}: {exc})")
+        notes = "\n".join(getattr(value, "__notes__", [])) if not finished else ""
+        return cloudpickle.dumps((False, RuntimeError(f"node {node!r} {what}\n{notes}")))

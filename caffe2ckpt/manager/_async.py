@@ -1,0 +1,94 @@
+"""The async-save side of the checkpoint managers (``async_save=True``).
+
+A background save lives in the process that holds its node: the flow process with a
+``LocalSession``, a Dask worker with a ``DaskSession``. So waiting for it and freeing its snapshot
+buffers happen there too: here, or as ``checkpoint_wait`` / ``checkpoint_release`` groups run on
+the remote session that ran the save.
+"""
+
+from __future__ import annotations
+
+import uuid
+import weakref
+from functools import partial
+from typing import Any
+
+from caffe2ckpt.manager import _nodeops as nodeops
+from caffe2ckpt.store.records import CommitRecord
+from caffe2ckpt.errors import CheckpointWriteError
+
+__all__ = ["AsyncSaving"]
+
+
+class AsyncSaving:
+    """Mixed into the managers, which provide ``_group``, ``_require_files``, ``_record_save``
+    and ``last_records``, and call :meth:`_note_pending` for each node a save left in the
+    background and set ``_save_group`` to the save group that ran."""
+
+    def _init_async(self, async_save: bool) -> None:
+        # this manager's key for its background saves in each process running its nodes
+        self._background = f"manager-{uuid.uuid4().hex}" if async_save else None
+        if self._background is not None:  # a manager never closed leaves no buffers behind here
+            weakref.finalize(self, nodeops.forget_saves, self._background)
+        self._pending: tuple[int, set[str]] | None = None  # epoch in flight and its nodes
+        self._save_group: Any = None  # the last save group run: its session holds the saves
+
+    def _note_pending(self, epoch: int, node: str) -> None:
+        if self._background is not None:
+            if self._pending is None:
+                self._pending = (epoch, set())
+            self._pending[1].add(node)
+
+    def _saves_session(self) -> Any:
+        """The session whose nodes hold this manager's background saves, if it is remote."""
+        group = self._save_group
+        session = group.tasks[0].last_session if group is not None and group.tasks else None
+        return session if getattr(session, "remote", False) else None
+
+    @property
+    def pending_epoch(self) -> int | None:
+        """The epoch an ``async_save`` manager is still writing in the background, if any."""
+        return None if self._pending is None else self._pending[0]
+
+    def wait_until_finished(self) -> dict[str, CommitRecord]:
+        """Wait for a background save (if any) and return its records by node. The wait runs
+        where the save ran: here, or as a ``checkpoint_wait`` group on the session that ran it.
+
+        Raises:
+            CheckpointWriteError: the background save failed (``.epoch`` names the epoch).
+        """
+        if self._pending is None:
+            return {}
+        epoch, nodes = self._pending
+        self._pending = None
+        self.last_records = {}
+        record, session = self._record_save(epoch), self._saves_session()
+        if session is not None:
+            session.run(self._group("checkpoint_wait", lambda node, _: partial(
+                nodeops.wait_saves, self._background, node, epoch if node in nodes else None),
+                record, epoch=epoch))
+        else:
+            errors = []
+            for node, file_node in self._require_files().items():
+                try:  # every node is waited for before the first failure is raised
+                    record(node, file_node, nodeops.wait_saves(
+                        self._background, node, epoch if node in nodes else None, None))
+                except CheckpointWriteError as exc:
+                    errors.append(exc)
+            if errors:
+                raise errors[0]
+        return dict(self.last_records)
+
+    def close(self) -> None:
+        """Wait for a background save (raising its failure) and release its buffers, also on
+        the nodes of a remote session. The manager stays usable."""
+        if self._background is None:
+            return
+        try:
+            self.wait_until_finished()
+        finally:
+            session = self._saves_session()
+            if session is not None and not getattr(session, "closed", False):
+                session.run(self._group("checkpoint_release", lambda node, _: partial(
+                    nodeops.release_saves, self._background, node)))
+            nodeops.release_saves(self._background)

@@ -1,0 +1,200 @@
+"""What the checkpoint managers' tasks do on a node, wherever that node runs.
+
+Each function takes its inputs as arguments and the node's workspace last (the managers bind the
+rest with :func:`functools.partial`), changes nothing but that workspace and the store, and
+returns a small result (blob names, a commit record, a duration) that the session hands back to
+the manager (``Task.on_result``). So the same task runs in the flow process's threads or in a
+Dask actor on another machine, and a node's arrays never leave the process that holds them.
+
+Background saves (``async_save``) live in the process that runs the node: :func:`saves_for`
+keeps one :class:`BackgroundSaves` per manager there.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Any
+
+from caffe2ckpt.background import BackgroundSaves
+from caffe2ckpt.store.protocol import CheckpointStore, SaveInfo
+from caffe2ckpt.errors import CheckpointError, CheckpointNotFoundError, CheckpointWriteError, writing
+from caffe2ckpt.naming import get_ckpt_filename
+from caffe2ckpt.workspace import Workspace
+
+__all__ = ["DB_EXISTS", "Timed", "blob_names", "committed", "db_exists", "forget_saves", "load",
+           "manifest_names", "release_saves", "save", "saves_for", "wait_saves", "worker_info"]
+
+DB_EXISTS = "caffe2ckpt/db_exists"
+
+_saves: dict[tuple[str, str], BackgroundSaves] = {}  # (manager key, node) -> its saves here
+_saves_lock = threading.Lock()
+_forgotten: deque[str] = deque()  # keys of collected managers, dropped by the next registry user
+
+
+@contextmanager
+def _registry() -> Iterator[dict[tuple[str, str], BackgroundSaves]]:
+    """``_saves`` under its lock, without the entries of managers collected meanwhile."""
+    with _saves_lock:
+        while _forgotten:
+            _drop(_forgotten.popleft())
+        yield _saves
+
+
+def _drop(key: str) -> None:
+    for k in [k for k in _saves if k[0] == key]:
+        del _saves[k]
+
+
+@dataclass(frozen=True)
+class Timed:
+    """A node operation's result and how long it took (nanoseconds)."""
+
+    value: Any
+    ns: int
+
+
+def _timed(fn: Any) -> Timed:
+    start = time.perf_counter_ns()
+    value = fn()
+    return Timed(value, time.perf_counter_ns() - start)
+
+
+def saves_for(key: str, node: str) -> BackgroundSaves:
+    """This process's background saves of ``node`` for the manager ``key`` (made on first use)."""
+    with _registry() as registry:
+        return registry.setdefault((key, node), BackgroundSaves())
+
+
+def release_saves(key: str, node: str | None = None, ws: Workspace | None = None) -> None:
+    """Wait for and forget this process's background saves of manager ``key`` (of one
+    ``node``, or of all), freeing their buffers.
+
+    Raises:
+        CheckpointWriteError: a save not waited for yet failed (after all were released).
+    """
+    with _registry() as registry:
+        released = [registry.pop(k) for k in list(registry) if k[0] == key and node in (None, k[1])]
+    errors = []
+    for saves in released:
+        try:
+            saves.close()
+        except CheckpointWriteError as exc:
+            errors.append(exc)
+    if errors:
+        raise errors[0]
+
+
+def forget_saves(key: str) -> None:
+    """Drop this process's references to manager ``key``'s saves without waiting (for a manager
+    that was never closed: running writes keep their own buffers until they end).
+
+    A finalizer calls this when the manager is collected, which can happen inside any
+    allocation, also in this thread while it holds the registry's lock: so it never waits for
+    the lock, and when the lock is taken it leaves the key to the next registry user."""
+    if _saves_lock.acquire(blocking=False):
+        try:
+            _drop(key)
+        finally:
+            _saves_lock.release()
+    else:
+        _forgotten.append(key)
+
+
+def worker_info() -> dict[str, Any]:
+    """Which process holds the node and writes its data."""
+    return {"host": socket.gethostname(), "pid": os.getpid()}
+
+
+def blob_names(ws: Workspace) -> list[str]:
+    """The blobs in the node's workspace now (a fresh start's checkpointed names)."""
+    return list(ws)
+
+
+def manifest_names(store: CheckpointStore, file_node: str, epoch: int,
+                   ws: Workspace) -> list[str]:
+    """The blobs in the node's checkpoint of ``epoch`` (a resume's checkpointed names)."""
+    return list(store.manifest(file_node, epoch).blobs)
+
+
+def save(store: CheckpointStore, node: str, file_node: str, epoch: int, names: Sequence[str],
+         info: SaveInfo, background: str | None, ws: Workspace) -> Timed | None:
+    """Save and commit ``names`` of the node's workspace as ``epoch``; the commit record names
+    this process as the worker. With a ``background`` key, only snapshot them here and write
+    in the background (:func:`wait_saves` collects the record); returns None then."""
+    try:
+        blobs = {n: ws[n] for n in names}
+    except KeyError:
+        missing = [n for n in names if n not in ws]
+        raise CheckpointWriteError(
+            f"cannot save node {node!r} epoch {epoch}: checkpointed blobs {missing} are no "
+            "longer in its workspace") from None
+    info = replace(info, writer={**(info.writer or {}), "worker": worker_info()})
+    where = store.location.display(get_ckpt_filename(file_node, epoch))
+
+    def write(snapshot: dict[str, Any]) -> Timed:
+        with writing(f"saving node {file_node!r} epoch {epoch} to {where!r}", epoch):
+            return _timed(lambda: store.save_node(file_node, epoch, snapshot, info))
+
+    if background is None:
+        return write(blobs)
+    saves_for(background, node).submit(epoch, node, blobs, write)
+    return None
+
+
+def wait_saves(background: str, node: str, epoch: int | None, ws: Workspace) -> Timed | None:
+    """Wait for this process's background save of ``node`` of ``epoch`` (None: the node had no
+    save in flight) and return its timed record.
+
+    Raises:
+        CheckpointWriteError: the save failed, or this process does not know it (the process
+            that held the node was replaced: that save's outcome is unknown here).
+    """
+    if epoch is None:
+        return None
+    with _registry() as registry:
+        saves = registry.get((background, node))
+    if saves is None or saves.pending_epoch != epoch:
+        where = worker_info()
+        raise CheckpointWriteError(
+            f"node {node!r}'s background save of epoch {epoch} is unknown to the process now "
+            f"holding the node (pid {where['pid']} on {where['host']}): the process that ran "
+            "it is gone, so the epoch commits only if every node's record is there",
+            epoch=epoch)
+    _, results = saves.wait()
+    return results.get(node)
+
+
+def load(store: CheckpointStore, file_node: str, epoch: int, names: Sequence[str],
+         require_all: bool, ws: Workspace) -> Timed:
+    """Restore ``names`` (with ``require_all``, every one of them; else those present) from the
+    node's checkpoint of ``epoch`` into its workspace."""
+    data = _timed(lambda: store.load_node(file_node, epoch, list(names)))
+    missing = [n for n in names if n not in data.value] if require_all else []
+    if missing:
+        raise CheckpointNotFoundError(
+            f"checkpoint of node {file_node!r} at epoch {epoch} lacks blobs {missing}")
+    ws.restore(data.value)
+    return Timed(None, data.ns)
+
+
+def committed(store: CheckpointStore, file_node: str, epoch: int) -> bool:
+    """Whether the node's checkpoint of ``epoch`` has a readable commit record."""
+    try:
+        store.node_record(file_node, epoch)
+    except CheckpointError:
+        return False
+    return True
+
+
+def db_exists(store: CheckpointStore, file_node: str, epoch: int, ws: Workspace) -> None:
+    """Set the node's ``caffe2ckpt/db_exists`` blob to whether its checkpoint of ``epoch`` is
+    committed."""
+    ws[DB_EXISTS] = committed(store, file_node, epoch)
+

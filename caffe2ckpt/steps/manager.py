@@ -1,0 +1,421 @@
+"""An Orbax-style checkpoint manager (``AbstractCheckpointManager``'s interface) over the same
+prefix, node groups and commit records as :class:`~caffe2ckpt.JobRunner` (a step is an epoch).
+
+Checkpoints written by a job are steps here and steps saved here resume a job. Only committed
+steps (every node of the save has its record) are ever reported.
+
+Example:
+    >>> import numpy as np
+    >>> from caffe2ckpt import StepCheckpointManager, StepManagerOptions
+    >>> with StepCheckpointManager("memory://doc/steps",
+    ...                            options=StepManagerOptions(max_to_keep=2)) as mgr:
+    ...     for step in range(4):
+    ...         _ = mgr.save(step, {"trainer_0": {"w": np.full(3, step)}}, metrics={"loss": 1 / (step + 1)})
+    ...     mgr.all_steps(), mgr.restore(3)["trainer_0"]["w"].tolist()
+    ([2, 3], [3, 3, 3])
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from caffe2ckpt.steps.abstract import AbstractCheckpointManager
+from caffe2ckpt.background import BackgroundSaves, ClosedOnExit
+from caffe2ckpt.history.catalog import Step, delete_step, scan
+from caffe2ckpt.fs import strictjson
+from caffe2ckpt.store.protocol import CheckpointStore, SaveInfo, claim_generation
+from caffe2ckpt.store.records import CommitRecord, new_save_id
+from caffe2ckpt.errors import (
+    CheckpointCorruptedError,
+    CheckpointNotFoundError,
+    InvalidLocationError,
+    JobDefinitionError,
+    writing,
+)
+from caffe2ckpt.fs.location import Location
+from caffe2ckpt.naming import ROOT_METADATA, check_epoch, check_node_name, get_ckpt_filename
+from caffe2ckpt.policy import StepManagerOptions, retained_epochs, should_save
+from caffe2ckpt.preemption import PreemptionWatch
+from caffe2ckpt.store.zarrgroup import DEFAULT_PACK_THRESHOLD
+from caffe2ckpt.workspace import as_blob
+
+__all__ = ["BlobMetadata", "RootMetadata", "StepCheckpointManager", "StepMetadata"]
+
+logger = logging.getLogger(__name__)
+
+Items = Mapping[str, Mapping[str, Any]]  # {node: {blob name: array}}
+
+
+@dataclass(frozen=True)
+class BlobMetadata:
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class StepMetadata:
+    """What the commit records of a step say (no data is read)."""
+
+    step: int
+    nodes: list[str]
+    nbytes: int
+    metrics: dict[str, float]
+    created: float
+    writer: dict[str, Any]
+    stop: bool
+
+
+@dataclass(frozen=True)
+class RootMetadata:
+    """The prefix as a whole: its committed steps and the custom metadata given at creation."""
+
+    directory: str  # the prefix as given
+    steps: list[int]
+    custom: dict[str, Any] = field(default_factory=dict)
+
+
+class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
+    """Save, list, restore and retire steps under ``directory`` (any fsspec URL or local path).
+
+    Args:
+        directory: the checkpoint prefix (shared with ``JobRunner`` / the Caffe2 managers).
+        options: save policy and retention (:class:`StepManagerOptions`).
+        nodes: the nodes this manager owns: a step must have all of them, and retention and
+            :meth:`delete` touch only steps saved by exactly these nodes (or a subset). Default:
+            any node; retention then touches steps saved by the nodes this manager saved.
+        metadata: custom root metadata, stored once (never overwritten) in ``_metadata.json``.
+        storage_options, filesystem: how to reach ``directory`` (fsspec).
+        handle_preemption: watch SIGTERM (main thread only) until :meth:`close`; see
+            :meth:`reached_preemption`.
+    """
+
+    def __init__(
+        self,
+        directory: str,
+        *,
+        options: StepManagerOptions | None = None,
+        nodes: Sequence[str] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        storage_options: dict[str, Any] | None = None,
+        filesystem: Any = None,
+        pack_threshold: int = DEFAULT_PACK_THRESHOLD,
+        handle_preemption: bool = True,
+    ) -> None:
+        self.options = options or StepManagerOptions()
+        self._nodes = None if nodes is None else [check_node_name(n) for n in nodes]
+        self._store = CheckpointStore(Location(directory, storage_options, filesystem),
+                                      pack_threshold=pack_threshold)
+        self._owned: set[str] = set(self._nodes or ())
+        self._background = BackgroundSaves() if self.options.enable_async_checkpointing else None
+        self._pending: tuple[int, dict[str, float]] | None = None
+        self._claim: str | None = None
+        self._parent: tuple[int, int] | None = None  # the step this manager's run started from
+        self._last_save_time: float | None = None
+        self._protected: set[int] = set()
+        self._steps: dict[int, Step] = {}
+        self._superseded: dict[int, Step] = {}
+        if metadata is not None:
+            self._write_root_metadata(dict(metadata))
+        self.reload()
+        self._watch = PreemptionWatch().__enter__() if handle_preemption else None
+
+    # -- listing ---------------------------------------------------------------------------------
+
+    @property
+    def directory(self) -> Path | str:
+        """The checkpoint prefix: a ``pathlib.Path`` (absolute) on the local filesystem, else
+        the URL as given (a ``str``, e.g. ``"s3://bucket/run"``; with ``filesystem=``, the path
+        on that filesystem), since ``pathlib`` cannot name a non-local location."""
+        location = self._store.location
+        return Path(location.root) if location.is_local else location.url
+
+    def reload(self) -> None:
+        """Re-read the commit records (the prefix may have changed outside this manager). Only
+        the steps of the current lineage count: steps a later run superseded (it restored an
+        earlier step and saved from there) are not listed, restored or kept."""
+        found = scan(self._store, self._nodes)
+        self._steps = found.current()
+        self._superseded = {e: found.steps[e] for e in found.superseded}
+
+    def all_steps(self, read: bool = False) -> list[int]:
+        """Committed steps, oldest first (``read=True`` re-reads the prefix first)."""
+        if read:
+            self.reload()
+        return sorted(self._steps)
+
+    def latest_step(self) -> int | None:
+        return max(self._steps, default=None)
+
+    def best_step(self) -> int | None:
+        """The best step by ``options.best_fn`` (the latest without one; None if none scored)."""
+        if self.options.best_fn is None:
+            return self.latest_step()
+        scored = [(s, e) for e, step in self._steps.items()
+                  if (s := self.options.score(step.metrics)) is not None]
+        if not scored:
+            return None
+        pick = min if self.options.best_mode == "min" else max
+        return pick(scored, key=lambda se: (se[0], -se[1] if pick is min else se[1]))[1]
+
+    def _step(self, step: int) -> Step:
+        step = check_epoch(step)
+        if step not in self._steps:
+            self.reload()
+        if step not in self._steps:
+            raise CheckpointNotFoundError(
+                f"step {step} is not committed under {self._store.location.display()!r}; "
+                f"committed steps: {sorted(self._steps)}")
+        return self._steps[step]
+
+    # -- saving ----------------------------------------------------------------------------------
+
+    def reached_preemption(self, step: int) -> bool:
+        """Whether a preemption signal (SIGTERM) arrived: save ``step`` and stop."""
+        return self._watch is not None and self._watch.requested
+
+    def should_save(self, step: int) -> bool:
+        """Whether the save policy wants ``step``. As in Orbax, never a step at or below
+        :meth:`latest_step` (not even after a preemption signal); otherwise always after one."""
+        latest = self.latest_step()
+        if latest is not None and check_epoch(step) <= latest:
+            return False
+        if self.reached_preemption(step):
+            return True
+        return should_save(self.options, step, last_save_time=self._last_save_time,
+                           now=time.monotonic())
+
+    def save(self, step: int, items: Items, *, metrics: Mapping[str, float] | None = None,
+             force: bool = False) -> bool:
+        """Save ``items`` (``{node: {blob: array}}``) as ``step`` if :meth:`should_save` says so
+        (or ``force``); return whether it saved. Retention runs after the commit.
+
+        As in Orbax, a step at or below :meth:`latest_step` is not saved (False) unless
+        ``force``. ``force=True`` saves whatever the policy says: a committed step is re-saved
+        (replaced). A forced step below the latest continues from the step this manager restored
+        (else from the newest step below it); if this manager has not saved yet, or restored a
+        step below the newest since, that is a new run and the later steps are superseded (no
+        longer listed; retention deletes them).
+
+        With ``enable_async_checkpointing`` this returns once the arrays are copied; the write
+        and commit finish in the background (see :meth:`wait_until_finished`).
+        """
+        step = check_epoch(step)
+        blobs = self._check_items(step, items)
+        if not (force or self.should_save(step)):
+            return False
+        self.wait_until_finished()
+        values = {str(k): float(v) for k, v in (metrics or {}).items()}
+        if self._claim is None:  # this manager's run starts: from the step it restored, else
+            # it continues the lineage below this step
+            if self._parent is None:
+                below = [e for e in self._steps if e < step]
+                self._parent = ((max(below), self._steps[max(below)].generation) if below
+                                else None)
+            with writing(f"claiming {self._store.location.display()!r} to save step {step}",
+                         step):
+                self._claim = self._store.claim(_writer())
+        info = SaveInfo(save_id=new_save_id(claim_generation(self._claim)), nodes=sorted(blobs),
+                        metrics=values, writer=_writer(), claim=self._claim, parent=self._parent)
+        self._owned.update(blobs)
+        self._last_save_time = time.monotonic()
+        if self._background is None:
+            records = {node: self._save_node(step, node, b, info) for node, b in blobs.items()}
+            self._committed(step, records)
+            return True
+        for node, b in blobs.items():
+            self._background.submit(step, node, b, lambda snapshot, n=node: self._save_node(
+                step, n, snapshot, info))
+        self._pending = (step, values)
+        return True
+
+    def _save_node(self, step: int, node: str, blobs: dict[str, np.ndarray],
+                   info: SaveInfo) -> CommitRecord:
+        where = self._store.location.display(get_ckpt_filename(node, step))
+        with writing(f"saving step {step} of node {node!r} to {where!r}", step):
+            return self._store.save_node(node, step, blobs, info)
+
+    def _check_items(self, step: int, items: Items) -> dict[str, dict[str, np.ndarray]]:
+        if not isinstance(items, Mapping) or not items:
+            raise InvalidLocationError(f"save({step}): items must be a non-empty mapping "
+                                       f"{{node: {{blob: array}}}}, got {type(items).__name__}")
+        blobs = {}
+        for node, node_blobs in items.items():
+            check_node_name(node)
+            if not isinstance(node_blobs, Mapping):
+                raise InvalidLocationError(f"save({step}): node {node!r} must map blob names to "
+                                           f"arrays, got {type(node_blobs).__name__}")
+            blobs[node] = {name: as_blob(name, value) for name, value in node_blobs.items()}
+        if self._nodes is not None and set(blobs) != set(self._nodes):
+            raise InvalidLocationError(f"save({step}): this manager saves nodes {self._nodes}, "
+                                       f"got {sorted(blobs)}")
+        return blobs
+
+    def _committed(self, step: int, records: dict[str, CommitRecord]) -> None:
+        self._steps[step] = Step(step, dict(records))
+        if max(self._steps) > step:  # saved below the newest: the lineage changed, re-read it
+            self.reload()
+        self._apply_retention()
+
+    def _apply_retention(self) -> None:
+        known = {**self._superseded, **self._steps}
+        ours = {e: s for e, s in known.items() if s.save_nodes <= self._owned}
+        keep = retained_epochs(self.options, {e: s.metrics for e, s in ours.items()},
+                               protect=self._protected, superseded=set(self._superseded))
+        for epoch in sorted(set(ours) - keep):
+            self._delete(epoch)
+
+    def _delete(self, step: int) -> None:
+        known = self._steps.get(step) or self._superseded[step]
+        delete_step(self._store, step, known.nodes)
+        self._steps.pop(step, None)
+        self._superseded.pop(step, None)
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    def restore(self, step: int | None = None, *, nodes: Sequence[str] | None = None,
+                blobs: Sequence[str] | None = None) -> dict[str, dict[str, np.ndarray]]:
+        """Read and verify ``step`` (default: the latest): ``{node: {blob: array}}`` for all its
+        nodes or ``nodes``, all blobs or only ``blobs``. The step is then protected from
+        retention (a run resumed from it)."""
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise CheckpointNotFoundError(
+                    f"no committed step under {self._store.location.display()!r}")
+        info = self._step(step)
+        wanted = info.nodes if nodes is None else [str(n) for n in nodes]
+        unknown = sorted(set(wanted) - set(info.nodes))
+        if unknown:
+            raise CheckpointNotFoundError(f"step {step} under {self._store.location.display()!r}"
+                                          f" has no nodes {unknown}; it has {info.nodes}")
+        out = {}
+        for node in wanted:
+            out[node] = self._store.load_node(node, info.epoch, None if blobs is None else list(blobs))
+            missing = [b for b in blobs or () if b not in out[node]]
+            if missing:
+                raise CheckpointNotFoundError(
+                    f"step {step} of node {node!r} under {self._store.location.display()!r} has "
+                    f"no blobs {missing}")
+        self._protected = {info.epoch}
+        if self._claim is None or info.epoch < max(self._steps):
+            # saves from now on continue from this step; going back below the newest step
+            # starts a new run (a new claim and generation) that supersedes the later ones
+            self._claim, self._parent = None, (info.epoch, info.generation)
+        return out
+
+    def item_metadata(self, step: int) -> dict[str, dict[str, BlobMetadata]]:
+        """``{node: {blob: BlobMetadata(dtype, shape, nbytes)}}`` from the manifests only."""
+        info = self._step(step)
+        return {node: {name: BlobMetadata(b.dtype, tuple(b.shape), b.nbytes)
+                       for name, b in self._store.manifest(node, info.epoch).blobs.items()}
+                for node in info.nodes}
+
+    def metadata(self, step: int | None = None) -> StepMetadata | RootMetadata:
+        """:class:`StepMetadata` of ``step``, or with no step the :class:`RootMetadata`."""
+        if step is None:
+            return RootMetadata(directory=self._store.location.url, steps=self.all_steps(),
+                                custom=self._read_root_metadata())
+        info = self._step(step)
+        first = info.records[info.nodes[0]]
+        return StepMetadata(step=info.epoch, nodes=info.nodes, nbytes=info.nbytes,
+                            metrics=info.metrics, created=info.created, writer=dict(first.writer),
+                            stop=any(r.stop for r in info.records.values()))
+
+    def metrics(self, step: int) -> dict[str, float] | None:
+        """The metrics saved with ``step`` (None if it has none)."""
+        return self._step(step).metrics or None
+
+    def _write_root_metadata(self, custom: dict[str, Any]) -> None:
+        try:  # stored as strict JSON (no NaN), of a size readers accept
+            data = strictjson.check_size(json.dumps(custom, sort_keys=True, default=str,
+                                                    allow_nan=False).encode(), "root metadata")
+        except ValueError as exc:
+            raise JobDefinitionError(f"cannot store root metadata {custom!r:.200}: {exc}") from exc
+        try:
+            self._store.location.create_exclusive(self._store.location.path(ROOT_METADATA), data)
+        except FileExistsError:
+            try:
+                stored = self._read_root_metadata()
+            except CheckpointCorruptedError:
+                stored = None
+            if stored != json.loads(data):
+                logger.warning("%s already has other root metadata; keeping it",
+                               self._store.location.display(ROOT_METADATA))
+
+    def _read_root_metadata(self) -> dict[str, Any]:
+        location = self._store.location
+        try:
+            return strictjson.loads(location.read_bytes(location.path(ROOT_METADATA),
+                                                        limit=strictjson.MAX_BYTES))
+        except CheckpointNotFoundError:
+            return {}
+        except ValueError as exc:
+            raise CheckpointCorruptedError(
+                f"root metadata {location.display(ROOT_METADATA)!r} is unreadable: {exc}",
+                blob=ROOT_METADATA) from exc
+
+    # -- deleting, waiting, closing --------------------------------------------------------------
+
+    def delete(self, step: int) -> None:
+        """Remove ``step`` (records first, then data).
+
+        Raises:
+            InvalidLocationError: the step was saved together with nodes outside ``nodes``
+                (deleting part of it would un-commit the other nodes' step).
+        """
+        self.wait_until_finished()
+        others = sorted(self._step(step).save_nodes - set(self._nodes or self._steps[step].nodes))
+        if others:
+            raise InvalidLocationError(
+                f"step {step} under {self._store.location.display()!r} was saved together with "
+                f"nodes {others}, which this manager does not own; delete it with a manager "
+                "owning all of its nodes")
+        self._delete(step)
+
+    def wait_until_finished(self) -> None:
+        """Wait for a background save, commit it in the cache and apply retention.
+
+        Raises:
+            CheckpointWriteError: the background save failed (raised once, never dropped).
+        """
+        if self._background is None or self._pending is None:
+            return
+        step, _ = self._pending
+        self._pending = None
+        _, records = self._background.wait()
+        self._committed(step, records)
+
+    def check_for_errors(self) -> None:
+        """Raise the error of a background save that has already failed (does not block)."""
+        if self._background is not None and self._pending and self._background.done():
+            self.wait_until_finished()
+
+    def close(self) -> None:
+        """Wait for outstanding saves (raising their error), then release threads and signals."""
+        try:
+            self.wait_until_finished()
+        finally:
+            if self._background is not None:
+                self._background.close()
+            if self._watch is not None:
+                self._watch.__exit__(None, None, None)
+                self._watch = None
+
+    def __repr__(self) -> str:
+        return f"StepCheckpointManager({self._store.location.url!r}, steps={self.all_steps()})"
+
+
+def _writer() -> dict[str, Any]:
+    return {"manager": "StepCheckpointManager", "host": socket.gethostname(), "pid": os.getpid()}
+

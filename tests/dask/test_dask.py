@@ -1,0 +1,199 @@
+"""DaskSession without Prefect on a real 2-worker process LocalCluster: each node's workspace in
+an actor on one worker, saves and loads from the worker, the Caffe2 contract, what crosses
+between the client and the workers, async saves, and failures that must come back clearly (the
+Prefect flows are in tests/prefect/test_dask_prefect.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+
+import cloudpickle
+import numpy as np
+import pytest
+
+from caffe2ckpt import JobRunner, LocalSession, MultiNodeCheckpointManager
+from caffe2ckpt.store.protocol import CheckpointStore
+from caffe2ckpt.errors import JobDefinitionError, NodeLostError
+from caffe2ckpt.example import build_job
+from caffe2ckpt.fs.location import Location
+from tests.jobs import EXPECTED_TOTALS, fetch, make_job
+
+pytest.importorskip("distributed")
+from caffe2ckpt.dask import DaskSession  # noqa: E402
+
+pytestmark = pytest.mark.slow
+NODES = ["trainer_0", "trainer_1"]
+
+
+def test_caffe2_contract_on_two_workers(tmp_path, dask_client):
+    url = str(tmp_path / "ckpt")
+    job, totals = make_job(node_ids=(0, 1))
+    with DaskSession(dask_client) as session:
+        assert JobRunner(job, MultiNodeCheckpointManager(url)).train(session) == 4
+        assert [fetch(session, f"trainer_{i}", t) for i, t in enumerate(totals)] == [145, 145]
+        workers = {session.worker_of(n) for n in NODES}
+        assert len(workers) == 2  # one node per worker
+    for epoch in (1, 2, 3, 4):
+        with DaskSession(dask_client) as session:
+            runner = JobRunner(job, MultiNodeCheckpointManager(url), resume_from_epoch=epoch)
+            assert runner.train(session) == 4 and runner.resumed_from == epoch
+            assert fetch(session, "trainer_1", totals[1]) == 145
+
+
+def test_multi_node_partial_load_on_workers(tmp_path, dask_client):
+    url = str(tmp_path / "ckpt")
+    with DaskSession(dask_client) as session:
+        for node_id in range(3):
+            job, _ = make_job(node_ids=(node_id,))
+            JobRunner(job, MultiNodeCheckpointManager(url)).train(session)
+    job, _ = make_job(node_ids=(0, 1, 2))
+    with DaskSession(dask_client) as session:
+        runner = JobRunner(job, MultiNodeCheckpointManager(url))
+        for epoch in (1, 2, 3, 4):
+            assert runner.load_blobs_from_checkpoints(
+                ["trainer_1/total", "trainer_2/total"], epoch, session) is True
+            assert fetch(session, "trainer_2", "trainer_2/total") == EXPECTED_TOTALS[epoch - 1]
+            assert "trainer_0/total" not in session.workspace("trainer_0")
+        assert runner.load_blobs_from_checkpoints(["trainer_1/total"], 5, session) is False
+
+
+class Recording(DaskSession):
+    """Measures what each group run sends to a node and gets back (pickled sizes)."""
+
+    def __init__(self, client) -> None:
+        super().__init__(client)
+        self.sent: list[int] = []
+        self.received: list[int] = []
+
+    def run_node(self, node, steps, workspace_type):
+        self.sent.append(len(cloudpickle.dumps(steps)))
+        results = super().run_node(node, steps, workspace_type)
+        self.received.append(len(pickle.dumps(results)))
+        return results
+
+
+def test_arrays_stay_on_the_workers_and_records_name_them(tmp_path, dask_client, capsys):
+    url = str(tmp_path / "ckpt")
+    job = build_job(3)  # ~180 KB per node
+    with Recording(dask_client) as session:
+        cm = MultiNodeCheckpointManager(url)
+        assert JobRunner(job, cm).train(session) == 3
+        where = {n: session._call(n, "where") for n in NODES}
+        data = session.workspace("trainer_0")["data/x"]
+        weights = session.workspace("trainer_0")["model/w"]
+    assert data.nbytes == 4096 * 8 * 4
+    assert max(session.sent) < 16_000 and max(session.received) < 8_000, (
+        max(session.sent), max(session.received))
+    store = CheckpointStore(Location(url))
+    for node in NODES:
+        record = store.node_record(node, 3)
+        assert record.writer["worker"] == where[node] and where[node]["pid"] != os.getpid()
+        assert record.writer["session"] == "dask"
+    # the command line names each node's worker beside the flow's process
+    from caffe2ckpt.cli import main
+    assert main(["--json", "ls", url]) == 0
+    row = json.loads(capsys.readouterr().out)["epochs"][-1]
+    assert row["node_workers"] == where
+    assert main(["ls", url]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert all(f"{n} {where[n]['host']}:{where[n]['pid']}" in last for n in NODES), last
+
+    reference = LocalSession()
+    JobRunner(build_job(3), MultiNodeCheckpointManager(str(tmp_path / "ref"))).train(reference)
+    assert np.array_equal(reference.workspace("trainer_0")["model/w"], weights)
+    assert np.array_equal(reference.workspace("trainer_0")["data/x"], data)
+
+
+def io_threads() -> int:
+    from caffe2ckpt.fs import iopool
+    return iopool.pool()._max_workers
+
+
+def test_workers_on_one_host_share_the_io_threads_of_one_process(dask_client):
+    from caffe2ckpt.fs.iopool import IO_THREADS
+
+    workers = sorted(dask_client.nthreads())  # the LocalCluster's 2 workers, on one host
+    with DaskSession(dask_client) as session:
+        for node in NODES:
+            session.workspace(node)
+        assert sorted(session.worker_of(n) for n in NODES) == workers
+        assert dask_client.run(io_threads) == dict.fromkeys(workers, IO_THREADS // 2)
+    with DaskSession(dask_client, io_threads=3) as session:
+        session.workspace("trainer_0")
+        assert dask_client.run(io_threads)[session.worker_of("trainer_0")] == 3
+    with pytest.raises(ValueError, match="I/O threads must be an int >= 1, got 0"):
+        DaskSession(dask_client, io_threads=0)
+
+
+def test_a_node_that_cannot_be_placed_is_a_clear_error(dask_client):
+    with DaskSession(dask_client, placement={"trainer_0": "tcp://127.0.0.1:1"}) as session:
+        with pytest.raises(NodeLostError, match=r"trainer_0.*tcp://127\.0\.0\.1:1") as info:
+            session.workspace("trainer_0")
+    assert info.value.node == "trainer_0"
+
+
+def saves_held(key: str) -> int:
+    from caffe2ckpt.manager import _nodeops as nodeops
+
+    return sum(k[0] == key for k in nodeops._saves)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["a-worker-each", "one-worker"])
+def test_async_saves_run_and_are_waited_for_in_the_actors(tmp_path, dask_client, shared):
+    url = str(tmp_path / "ckpt")
+    placement = dict.fromkeys(NODES, sorted(dask_client.nthreads())[0])
+    with DaskSession(dask_client, placement=placement if shared else None) as session:
+        cm = MultiNodeCheckpointManager(url, async_save=True)
+        runner = JobRunner(build_job(4), cm, on_save_error="raise")
+        assert runner.train(session) == 4
+        assert runner.saved_epochs == [0, 1, 2, 3, 4] and runner.failed_saves == []
+        assert cm.pending_epoch is None and sorted(cm.last_records) == NODES
+        where = {n: session._call(n, "where") for n in NODES}
+        final = {n: dict(session.workspace(n).items()) for n in NODES}
+        assert sum(dask_client.run(saves_held, cm._background).values()) == 2
+        cm.close()  # frees the snapshot buffers on the workers too
+        assert sum(dask_client.run(saves_held, cm._background).values()) == 0
+    store = CheckpointStore(Location(url))
+    assert store.latest_epoch(NODES) == 4
+    for node in NODES:
+        assert store.node_record(node, 4).writer["worker"] == where[node]
+        loaded = store.load_node(node, 4)
+        assert all(np.array_equal(loaded[k], final[node][k]) for k in loaded)
+
+
+def test_a_failing_task_is_raised_as_itself_with_the_remote_traceback(tmp_path, dask_client):
+    with DaskSession(dask_client) as session:
+        job = build_job(3, fail_at_epoch=2)
+        with pytest.raises(Exception, match="injected failure on trainer_") as info:
+            JobRunner(job, MultiNodeCheckpointManager(str(tmp_path / "ckpt"))).train(session)
+    assert type(info.value).__name__ == "InjectedFailure"
+    assert any("Dask worker" in note and "sgd" in note for note in info.value.__notes__)
+
+
+class Unpicklable:
+    def __reduce__(self):
+        raise TypeError("not picklable")
+
+
+class NeedsTwoArguments(Exception):
+    def __init__(self, code, message):
+        super().__init__(f"{code}: {message}")
+
+
+def test_what_cannot_come_back_fails_clearly_instead_of_hanging(dask_client):
+    from caffe2ckpt import Task
+
+    def raise_odd(ws):
+        raise NeedsTwoArguments(7, "odd")
+
+    with DaskSession(dask_client) as session:
+        with pytest.raises(RuntimeError, match=r"trainer_0.*NeedsTwoArguments: 7: odd"):
+            session.run(Task(raise_odd, node="trainer_0"))
+        with pytest.raises(RuntimeError, match="trainer_0.*cannot be sent back"):
+            session.run(Task(lambda ws: Unpicklable(), node="trainer_0",
+                             on_result=lambda value: None))
+        session.run(Task(lambda ws: Unpicklable(), node="trainer_0"))  # dropped on the worker
+    with pytest.raises(JobDefinitionError, match="closed"):
+        session.workspace("trainer_0")

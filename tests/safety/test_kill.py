@@ -1,0 +1,234 @@
+"""SIGKILL at pseudo-random instants: a 2-node job checkpointing to a local prefix (with fsync)
+is killed again and again and restarted until it exits 0; the result must be bit-identical to an
+uninterrupted run, and every committed epoch must hold exactly the reference run's data.
+
+The job runs in a subprocess (the script below, written to ``tmp_path``): per node one 2.4 MB
+float64 blob and 50 small int32 blobs, 10 epochs, deterministic (every epoch's randomness is
+seeded by node and step), resumed automatically through ``ZarrMetadataHandler``. It prints
+``ready`` once imported and logs ``save-start`` / ``save-end`` around every checkpoint save to an
+event file, so the test knows where each kill landed.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from caffe2ckpt.store.protocol import CheckpointStore
+from caffe2ckpt.fs.location import Location
+
+pytestmark = pytest.mark.slow
+
+NODES = ["trainer_0", "trainer_1"]
+EPOCHS = 12
+KILLS = 16
+SMALL = 200  # packed blobs per node, besides one 16 MB array and the step counter
+SEED = 20240611
+
+SCRIPT = textwrap.dedent('''
+    import os
+    import sys
+
+    import numpy as np
+
+    from caffe2ckpt import Job, JobRunner, LocalSession, MultiNodeCheckpointManager, Node, Task
+    from caffe2ckpt import epoch_limiter
+    from caffe2ckpt.metadata import ZarrMetadataHandler
+
+    NODES = ["trainer_0", "trainer_1"]
+    BIG = 2_000_000  # float64: 16 MB per node, its own Zarr array
+    SMALL = 200  # packed
+
+
+    def log(event):
+        fd = os.open(EVENTS, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.write(fd, f"{os.getpid()} {event}\\n".encode())
+        os.close(fd)
+
+
+    def init(i):
+        def fn(ws):
+            rng = np.random.default_rng([11, i])
+            ws["big"] = rng.standard_normal(BIG)
+            for k in range(SMALL):
+                ws[f"small/{k:03d}"] = rng.integers(0, 1 << 30, size=k + 1).astype(np.int32)
+            ws["step"] = np.int64(0)
+        return fn
+
+
+    def train(i):
+        def fn(ws):
+            step = int(ws["step"]) + 1
+            rng = np.random.default_rng([11, i, step])
+            ws["big"] = ws["big"] * 0.5 + rng.standard_normal(BIG)
+            for k in range(SMALL):
+                noise = rng.integers(0, 1 << 30, size=k + 1, dtype=np.int32)
+                ws[f"small/{k:03d}"] = ws[f"small/{k:03d}"] ^ noise
+            ws["step"] = np.int64(step)
+        return fn
+
+
+    class LoggingSession(LocalSession):
+        def run(self, runnable):
+            saving = getattr(runnable, "name", "") == "checkpoint_save"
+            if saving:
+                log("save-start")
+            super().run(runnable)
+            if saving:
+                log("save-end")
+
+
+    prefix, out, epochs, EVENTS = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    ASYNC = sys.argv[5] == "async"
+    with Job(name="kill-test") as job:
+        for i, node in enumerate(NODES):
+            with Node(node):
+                with job.init_group:
+                    Task(init(i), name="init")
+                Task(train(i), name="train")
+        epoch_limiter(job, epochs)
+    cm = MultiNodeCheckpointManager(prefix, metadata_handler=ZarrMetadataHandler(),
+                                    async_save=ASYNC)
+    runner = JobRunner(job, cm, on_save_error="raise")
+    session = LoggingSession()
+    log("ready")
+    print("ready", flush=True)
+    final = runner.train(session)
+    blobs = {f"{n}|{b}": session.workspace(n)[b] for n, names in cm.blob_list().items()
+             for b in names}
+    np.savez(out + ".tmp.npz", **blobs)
+    os.replace(out + ".tmp.npz", out)
+    log(f"done final={final} resumed_from={runner.resumed_from}")
+''')
+
+
+def start(script: Path, prefix: Path, out: Path, events: Path, stderr) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(prefix), str(out), str(EPOCHS), str(events),
+         script.stem.rsplit("-", 1)[1]],
+        stdout=subprocess.PIPE, stderr=stderr, text=True,
+    )
+    line = proc.stdout.readline()  # blocks until the script is imported and about to train
+    assert line == "ready\n" or proc.wait() == 0, f"the job did not start: {line!r}"
+    return proc
+
+
+def run_to_completion(script: Path, prefix: Path, out: Path, events: Path, log: Path) -> None:
+    with open(log, "a") as stderr:
+        proc = start(script, prefix, out, events, stderr)
+        rc = proc.wait(timeout=120)
+        proc.stdout.close()
+    assert rc == 0, f"job exited with {rc}: {log.read_text()[-3000:]}"
+
+
+def last_event(events: Path, pid: int) -> str:
+    mine = [line.split(" ", 1)[1].strip() for line in events.read_text().splitlines()
+            if line.split(" ", 1)[0] == str(pid)]
+    return mine[-1] if mine else "(nothing)"
+
+
+def wait_for_event(events: Path, proc: subprocess.Popen, event: str,
+                   timeout: float = 60.0) -> None:
+    """Poll the event file until ``proc`` logged ``event`` (or exited, or ``timeout`` passed)."""
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        if events.exists() and f"{proc.pid} {event}\n" in events.read_text():
+            return
+        time.sleep(0.002)
+
+
+def load_npz(path: Path) -> dict[str, np.ndarray]:
+    with np.load(path) as data:
+        return {k: data[k] for k in data.files}
+
+
+def differences(actual: dict[str, np.ndarray], expected: dict[str, np.ndarray]) -> list[str]:
+    out = [f"blob names differ: {sorted(set(actual) ^ set(expected))}"] if set(actual) != set(
+        expected) else []
+    for name in sorted(set(actual) & set(expected)):
+        a, e = actual[name], expected[name]
+        if a.dtype != e.dtype or a.shape != e.shape or a.tobytes() != e.tobytes():
+            out.append(f"{name}: {a.dtype}{a.shape} vs {e.dtype}{e.shape} (bytes differ)")
+    return out
+
+
+@pytest.mark.parametrize(("mode", "kills"), [("sync", KILLS), ("async", KILLS // 2)])
+def test_sigkill_at_random_instants_loses_nothing(tmp_path, mode, kills):
+    """With ``async``, the saves write in a background thread while the next epoch runs: the
+    kills then land mostly in the middle of those background writes."""
+    script = tmp_path / f"job-{mode}.py"
+    script.write_text(SCRIPT)
+    log = tmp_path / "stderr.log"
+
+    # the uninterrupted reference run
+    ref_prefix, ref_out = tmp_path / "reference", tmp_path / "reference.npz"
+    run_to_completion(script, ref_prefix, ref_out, tmp_path / "reference.events", log)
+
+    # the killed run: SIGKILL after a random delay, restart, until a run exits 0
+    prefix, out, events = tmp_path / "killed", tmp_path / "killed.npz", tmp_path / "killed.events"
+    rng = random.Random(SEED)
+    landed: Counter[str] = Counter()
+    runs = 0
+    while landed.total() < kills:
+        runs += 1
+        with open(log, "a") as stderr:
+            proc = start(script, prefix, out, events, stderr)
+            if rng.random() < 0.5:  # any instant of the run's first ~quarter second
+                time.sleep(rng.uniform(0.01, 0.25))
+            else:  # an instant inside a save, however slow resuming is on a loaded machine
+                wait_for_event(events, proc, "save-start")
+                time.sleep(rng.uniform(0.0, 0.03))
+            killed = proc.poll() is None
+            if killed:
+                os.kill(proc.pid, signal.SIGKILL)
+            rc = proc.wait(timeout=120)
+            proc.stdout.close()
+        if not killed or rc == 0:  # finished before the kill
+            assert rc == 0, f"run {runs} exited with {rc}: {log.read_text()[-3000:]}"
+            break
+        assert rc == -signal.SIGKILL, f"run {runs} exited with {rc}, not by SIGKILL"
+        where = last_event(events, proc.pid)
+        landed[{"save-start": "during a save", "save-end": "between saves (training, "
+                "metadata)", "ready": "while resuming/before the first save"}.get(
+                    where, f"after {where}")] += 1
+    else:
+        run_to_completion(script, prefix, out, events, log)
+        runs += 1
+    print(f"\n{runs} runs, {landed.total()} kills: {dict(landed)}")
+    assert "done" in events.read_text()
+
+    # the final state is the uninterrupted run's, bit for bit
+    problems = differences(load_npz(out), load_npz(ref_out))
+    assert not problems, f"final workspaces differ after {landed.total()} kills: {problems}"
+
+    # every epoch is committed in both prefixes and holds exactly the reference data
+    ref_store = CheckpointStore(Location(str(ref_prefix)))
+    store = CheckpointStore(Location(str(prefix)))
+    assert ref_store.epochs_with_records(NODES) == list(range(EPOCHS, -1, -1))
+    assert store.latest_epoch(NODES) == EPOCHS
+    candidates = store.epochs_with_records(NODES)
+    uncommitted = [e for e in candidates if store.epoch_records(e, NODES) is None]
+    assert not uncommitted, f"epochs with records that do not commit: {uncommitted}"
+    assert sorted(candidates) == list(range(EPOCHS + 1)), f"committed epochs: {candidates}"
+    previous: dict[str, dict[str, np.ndarray]] = {}
+    for epoch in sorted(candidates):
+        for node in NODES:
+            got = store.load_node(node, epoch)
+            want = ref_store.load_node(node, epoch)
+            assert len(want) == SMALL + 2 + (node == NODES[0]), sorted(want)  # + the epoch counter
+            problems = differences(got, want)
+            assert not problems, f"{node} epoch {epoch} differs from the reference: {problems}"
+            assert node not in previous or differences(want, previous[node])  # epochs differ
+            previous[node] = want
+    if mode == "sync":  # async saves return after the snapshot: the events cannot tell
+        assert landed["during a save"] >= 1, f"no kill landed during a save: {dict(landed)}"

@@ -1,0 +1,231 @@
+"""The storage and resume protocol on object storage: a real S3-protocol server (moto's server
+mode, started once per session by tests/conftest.py) on 127.0.0.1, reached through s3fs.
+
+Besides the S3 variants of the storage, resume, corruption, fencing, concurrency and hostile-input
+modules (their ``prefix`` fixture includes ``s3``), this module shows that a save and its commit
+issue no rename, move or server-side copy at all on S3 (only a re-save of a committed epoch moves
+its new group into place, by copying through the client), that commit records and claims are
+created exclusively (a conditional ``If-None-Match`` PUT; racing creators get exactly one winner),
+and it runs the save / re-save fault matrix of tests/test_faults.py against S3 on one fault per
+class of S3 operation.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from tests.safety import test_faults as faults
+from tests.safety.test_concurrency import race_exclusive_creates
+from faultfs import FaultyFileSystem
+
+from caffe2ckpt import JobRunner, LocalSession, MultiNodeCheckpointManager
+from caffe2ckpt.store.records import CommitRecord, write_record
+from caffe2ckpt.example import build_job
+from caffe2ckpt.fs.location import Location
+from caffe2ckpt.metadata import ZarrMetadataHandler
+
+s3fs = pytest.importorskip("s3fs")
+
+pytestmark = pytest.mark.slow
+NODES = ["trainer_0", "trainer_1"]
+
+
+@pytest.fixture
+def s3(s3_server, s3_bucket):
+    """(storage_options, bucket) for a fresh bucket on the session's moto server."""
+    return {**s3_server.options(), "skip_instance_cache": True}, s3_bucket
+
+
+def manager(options, url: str, **kw) -> MultiNodeCheckpointManager:
+    return MultiNodeCheckpointManager(url, storage_options=options,
+                                      metadata_handler=ZarrMetadataHandler(), **kw)
+
+
+def test_records_are_created_exclusively_on_s3(s3):
+    options, bucket = s3
+    location = Location(f"s3://{bucket}/exclusive", options)
+    record = CommitRecord(epoch=1, node="n", save_id="abc", nodes=["n"], nbytes=0, blob_count=0,
+                          seconds=0.0)
+    write_record(location, record)
+    with pytest.raises(FileExistsError):
+        write_record(location, record)
+
+
+# -- no renames, exclusive creation ----------------------------------------------------------------
+
+_MOVES = ("mv", "_mv", "copy", "_copy", "cp_file", "_cp_file", "rename", "move", "_move")
+
+
+def test_saves_on_s3_write_aside_and_never_overwrite_a_group(s3, monkeypatch):
+    """A whole job (saves of epochs 0..3, their commits, claims, a resume and loads) calls no
+    rename, move or copy of s3fs (each patched to fail): each group is written under _staging/
+    and copied into place through the client, where every write is an exclusive create (a PUT
+    with If-None-Match), so no object a commit record may name is ever overwritten, and only
+    staged copies are deleted."""
+    options, bucket = s3
+    for name in _MOVES:
+        if hasattr(s3fs.S3FileSystem, name):
+            monkeypatch.setattr(s3fs.S3FileSystem, name, _forbidden(name))
+    url = f"s3://{bucket}/norename"
+    counter = FaultyFileSystem(s3fs.S3FileSystem(**options))
+    cm = MultiNodeCheckpointManager(f"{bucket}/norename", filesystem=counter,
+                                    metadata_handler=ZarrMetadataHandler())
+    assert JobRunner(build_job(2), cm).train(LocalSession()) == 2
+    runner = JobRunner(build_job(3), manager(options, url))  # resume through the plain URL
+    assert runner.train(LocalSession()) == 3 and runner.resumed_from == 2
+    writes = counter.ops("write")
+    assert {m for m, _p in writes} <= {"pipe_file", "open(xb)", "makedirs"}, writes
+    assert any(m == "open(xb)" and "/_commits/" in p for m, p in writes)
+    in_place = [(m, p) for m, p in writes if m != "makedirs" and "/_staging/" not in p]
+    assert in_place and all(m == "open(xb)" for m, _p in in_place), in_place
+    assert all("/_staging/" in p for _m, p in counter.ops("delete")), counter.ops("delete")
+    puts = [p for m, p in writes if m != "makedirs"]
+    assert len(puts) == len(set(puts)), "an object was written twice"
+    assert manager(options, url).store.latest_epoch(NODES) == 3
+
+
+def _forbidden(name):
+    def boom(*args, **kwargs):
+        raise AssertionError(f"s3fs {name} called: a commit must not rename or copy on S3")
+    return boom
+
+
+def test_the_bucket_is_checked_once_per_location_not_before_every_create(s3, monkeypatch):
+    """S3 has no directories: s3fs's makedirs of a key prefix only checks (HEAD) the bucket, and
+    creates it when missing. A Location does that once, not before each of the dozens of
+    exclusive creates of a save (files copied into place, records, claims)."""
+    options, bucket = s3
+    calls: list[str] = []
+    makedirs = s3fs.S3FileSystem.makedirs
+
+    def counted(self, path, exist_ok=False):
+        calls.append(path)
+        return makedirs(self, path, exist_ok=exist_ok)
+    monkeypatch.setattr(s3fs.S3FileSystem, "makedirs", counted)
+    url = f"s3://{bucket}/once"
+    assert JobRunner(build_job(1), manager(options, url)).train(LocalSession()) == 1
+    first = len(calls)  # two saves of two nodes: before, six per node and save
+    assert 1 <= first <= 3, calls  # at most once per Location the manager made
+    runner = JobRunner(build_job(4), manager(options, url))  # three more saves
+    assert runner.train(LocalSession()) == 4 and runner.resumed_from == 1
+    assert len(calls) - first <= 3, calls
+
+
+def test_exclusive_creation_has_exactly_one_winner_on_s3(s3, monkeypatch):
+    """Eight threads create the same record (and claim) at once, twenty times over: exactly one
+    creation succeeds each time, the others get FileExistsError and change nothing. The server
+    answers each key lookup 10 ms late, so a create that is not one conditional write (or a
+    server that checks and then writes in two steps, as moto itself does) lets several threads
+    win: 20 of 20 trials had several winners before the server made such writes atomic."""
+    from moto.s3.models import S3Backend
+
+    get_object = S3Backend.get_object
+
+    def slow_get_object(self, *args, **kwargs):
+        found = get_object(self, *args, **kwargs)
+        time.sleep(0.01)
+        return found
+    monkeypatch.setattr(S3Backend, "get_object", slow_get_object)
+    options, bucket = s3
+    race_exclusive_creates(Location(f"s3://{bucket}/race", options), 20)
+
+
+# -- the save / re-save fault matrix on S3 (one fault per class of S3 operation) -----------------
+
+# A case costs ~150-300 requests (~3-6 s): the full matrix on S3 would take minutes, and the memory
+# and local matrices (tests/test_faults.py) fault every operation. On S3 each case faults the
+# first operation of one class of S3 request the save makes (whichever node's thread makes it;
+# FaultyFileSystem.arm's ``match``), plus the very last write or delete of the save:
+#
+# - writes: a PUT under _staging/ (the save writes its group aside), an exclusive
+#   (If-None-Match) PUT copying it into place, the exclusive PUT of a commit record (the fresh
+#   save faults the last write, which is the second node's record: one node committed, the
+#   other not; the re-save faults the first record, after the replaced group is gone);
+# - deletes of a re-save: retiring the replaced save's commit record, a key of the replaced
+#   group, a staged copy after the move, and the last delete (the last staged copy).
+#
+# makedirs and listing, stat and ENOSPC faults are raised by the wrapper before any request
+# (makedirs sends none for a key prefix), exactly as on memory/local, where every one is faulted.
+
+
+def _staged(method: str, path: str) -> bool:
+    return "/_staging/" in path
+
+
+def _record(method: str, path: str) -> bool:
+    return "/_commits/" in path
+
+
+def _in_place(method: str, path: str) -> bool:
+    return not _staged(method, path) and not _record(method, path)
+
+
+LAST = None  # the last op of the kind in the save (n = the count of a fault-free save)
+WRITE_CLASSES = {
+    "staging-put": lambda m, p: m == "pipe_file" and _staged(m, p),
+    "copy-in-place": lambda m, p: m == "open(xb)" and _in_place(m, p),
+    "record": lambda m, p: m == "open(xb)" and _record(m, p),
+    "last": LAST,
+}
+FRESH_WRITES = ("staging-put", "copy-in-place", "last")
+RESAVE_WRITES = ("copy-in-place", "record")
+DELETE_CLASSES = {
+    "retire-record": lambda m, p: _record(m, p),
+    "replaced-group": lambda m, p: _in_place(m, p),
+    "staged-copy": lambda m, p: _staged(m, p),
+    "last": LAST,
+}
+S3_FAULTS = [
+    pytest.param(faults.FRESH, "write", {k: WRITE_CLASSES[k] for k in FRESH_WRITES},
+                 id="fresh-write-EIO"),
+    pytest.param(faults.RESAVE, "write", {k: WRITE_CLASSES[k] for k in RESAVE_WRITES},
+                 id="resave-write-EIO"),
+    pytest.param(faults.RESAVE, "delete", DELETE_CLASSES, id="resave-delete-EIO"),
+]
+
+
+@pytest.fixture(scope="module")
+def fault_templates(s3_server):
+    """(inner s3fs, root, template(scenario)): each scenario's committed template (and the ops of
+    a fault-free save from it, counted once) in one bucket shared by the module's fault tests."""
+    inner = s3fs.S3FileSystem(**s3_server.options(), skip_instance_cache=True)
+    root = f"{s3_server.new_bucket()}/faults"
+    made: dict[str, tuple[str, FaultyFileSystem]] = {}
+
+    def template(sc: faults.Scenario) -> tuple[str, FaultyFileSystem]:
+        if sc.name not in made:
+            path = f"{root}/template-{sc.name}"
+            faults.train(FaultyFileSystem(inner), path, sc.setup_epochs)
+            probe = f"{root}/probe-{sc.name}"
+            faults.clone(inner, path, probe)
+            counter = FaultyFileSystem(inner)
+            faults.train(counter, probe, faults.SAVED, resume=sc.resume, hook=counter.reset)
+            made[sc.name] = path, counter
+        return made[sc.name]
+
+    return inner, root, template
+
+
+@pytest.mark.parametrize(("sc", "kind", "classes"), S3_FAULTS)
+def test_faults_of_a_save_on_s3(fault_templates, sc, kind, classes):
+    inner, root, template_of = fault_templates
+    template, counter = template_of(sc)
+    total = counter.counts[kind]
+    ops = counter.ops(kind)
+    for label, match in classes.items():  # every class really occurs in the save
+        assert match is LAST or any(match(m, p) for m, p in ops), (label, ops)
+    if kind == "write":  # the last write is a commit record
+        assert WRITE_CLASSES["record"](*ops[-1]), ops[-1]
+    failures, outcomes = [], []
+    for label, match in classes.items():
+        fault = faults.Fault(kind, label=label, match=match)
+        n = total if match is LAST else 1
+        try:
+            outcomes.append(f"{label}: {faults.run_case(inner, root, template, sc, fault, n)}")
+        except Exception as exc:  # noqa: BLE001 - every class is reported, then the test fails
+            failures.append(f"{label} (n={n}/{total}): {type(exc).__name__}: {exc}")
+    print(f"{kind} ops of the save on S3: {total}; faulted: {list(classes)}")
+    print("\n".join(outcomes))
+    assert not failures, (f"{len(failures)} of {len(classes)} faults broke the protocol on S3:\n"
+                          + "\n".join(failures))
