@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Protocol, runtime_checkable
 
+from caffe2ckpt.history.scan import family_history, newest_save
 from caffe2ckpt.store.protocol import CheckpointStore
 from caffe2ckpt.errors import (
     CheckpointCorruptedError,
@@ -49,10 +50,10 @@ class MetadataHandler(Protocol):
 class ZarrMetadataHandler:
     """Resume from the commit records of a caffe2ckpt prefix.
 
-    ``last_epoch()`` is the newest usable epoch of the job's current lineage (see
+    ``last_epoch()`` is the newest committed epoch of the job's current lineage (see
     :mod:`caffe2ckpt.history.lineage`: epochs of a run that a later resume from an earlier epoch
     superseded never count; records of other nodes under the same prefix are ignored);
-    ``last_epoch(user_epoch=k)`` returns k if it is committed for every node and raises
+    ``last_epoch(user_epoch=k)`` returns k if it is committed on that lineage and raises
     otherwise.
 
     Args:
@@ -90,31 +91,43 @@ class ZarrMetadataHandler:
         return self._store
 
     def last_epoch(self, user_epoch: int | None = None) -> int | None:
-        """The epoch to resume from: ``user_epoch`` if committed, else the newest committed.
+        """The epoch to resume from: ``user_epoch`` if it is committed on the current lineage,
+        else the newest committed epoch of the lineage (None: nothing to resume from).
 
         Raises:
-            CheckpointNotFoundError: ``user_epoch`` is not committed for every node.
+            CheckpointNotFoundError: ``user_epoch`` is not committed for every node, or a later
+                run superseded it.
+            CheckpointCorruptedError: records exist but not one save of the nodes is committed
+                (refusing to start from scratch over them).
         """
+        store, where = self.store, self.store.location.display()
         if user_epoch is None:
-            latest = self.store.latest_epoch(self._nodes)
-            candidates = [] if latest is not None else self.store.epochs_with_records(self._nodes)
-            if latest is None and candidates:
+            newest = newest_save(store, self._nodes)
+            if newest is not None:
+                return newest.epoch
+            history = family_history(store, self._nodes)
+            damaged = history.recorded_epochs()
+            if damaged and not history.all_committed():
                 raise CheckpointCorruptedError(
-                    f"every epoch with commit records under {self.store.location.display()!r} "
-                    f"for nodes {self._nodes} is damaged: {sorted(candidates)}; refusing to start "
-                    "from scratch over them (inspect them, or use another prefix)")
-            return latest
+                    f"every epoch with commit records under {where!r} for nodes {self._nodes} "
+                    f"is damaged: {damaged}; refusing to start from scratch over them "
+                    "(inspect them, or use another prefix)")
+            return None
         epoch = check_epoch(user_epoch)
-        if self.store.epoch_records(epoch, self._nodes) is None:
-            committed = sorted(self.store.epochs_with_records(self._nodes))
-            raise CheckpointNotFoundError(
-                f"epoch {epoch} is not committed for nodes {self._nodes} under "
-                f"{self.store.location.display()!r}; epochs with records: {committed}"
-            )
-        return epoch
+        history = family_history(store, self._nodes)
+        for save in history.lineage():  # newest first: epochs only go down
+            if save.epoch <= epoch:
+                if save.epoch == epoch:
+                    return epoch
+                break
+        why = ("a later run went back to an earlier epoch and superseded it"
+               if history.saves_at(epoch) else
+               f"epochs with records: {history.recorded_epochs()}")
+        raise CheckpointNotFoundError(
+            f"epoch {epoch} is not committed for nodes {self._nodes} under {where!r}: {why}")
 
     def write(self, epoch: int) -> None:
-        """Nothing to do: every node's save already wrote and verified its commit record (a
+        """Nothing to do: every node's save already wrote its commit record (a
         check here could only fail spuriously, reporting a committed epoch as failed)."""
         logger.debug("epoch %d committed under %s", epoch, self.store.location.display())
 

@@ -14,9 +14,10 @@ Retention (a union: an epoch is kept when any rule keeps it):
     metric counts as worst). As in Orbax, ``max_to_keep`` with ``best_fn`` and no ``keep_best``
     means the best N instead (:attr:`StepManagerOptions.best_to_keep`).
     ``keep_checkpoints_without_metrics`` keeps epochs without metrics when best-N is on. The
-    rules rank the current lineage only: an epoch a later run superseded (it resumed from an
-    earlier epoch) is never kept by a rule. The newest epoch of the lineage and the protected
-    epochs (e.g. the one a run resumed from) are always kept. No rule: everything is kept.
+    rules rank one family's current lineage (:mod:`caffe2ckpt.history.lineage`); superseded
+    saves are never kept once a rule is given. The newest epoch of the lineage and the
+    protected epochs (e.g. the one a run resumed from) are always kept. No rule: everything is
+    kept.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Literal
 
 from caffe2ckpt.errors import JobDefinitionError
 
-__all__ = ["StepManagerOptions", "retained_epochs", "should_save"]
+__all__ = ["StepManagerOptions", "keep_reasons", "retained_epochs", "should_save"]
 
 Metrics = Mapping[str, float]
 
@@ -128,33 +129,51 @@ def should_save(options: StepManagerOptions | None, epoch: int, *, final: bool =
     return False
 
 
-def retained_epochs(options: StepManagerOptions | None, metrics: Mapping[int, Metrics | None],
-                    protect: Collection[int] = (), *,
-                    superseded: Collection[int] = ()) -> set[int]:
-    """Which of the committed epochs (the keys of ``metrics``) retention keeps.
+def keep_reasons(options: StepManagerOptions | None, metrics: Mapping[int, Metrics | None],
+                 protect: Collection[int] = ()) -> dict[int, list[str]]:
+    """Why retention keeps each of the lineage's committed epochs (the keys of ``metrics``),
+    rule by rule; an epoch with no reason is deleted. This is retention's one definition: the
+    runner, the step manager and ``caffe2ckpt gc`` all apply it and ``gc`` prints it.
 
-    The rules rank only the current lineage; ``superseded`` epochs (committed by a run that a
-    later resume from an earlier epoch replaced, see :mod:`caffe2ckpt.history.lineage`) are never kept
-    by a rule, and never count as the newest. The newest lineage epoch and every epoch in
-    ``protect`` are always kept.
+    The newest epoch and every epoch in ``protect`` (e.g. the one a run resumed from) are
+    always kept. Without a rule, everything is kept.
     """
+    reasons: dict[int, list[str]] = {e: [] for e in metrics}
+    epochs = sorted(metrics)
+    if not epochs:
+        return reasons
     if options is None or not options.has_retention:
-        return set(metrics)
-    keep = set(protect) & set(metrics)
-    epochs = sorted(set(metrics) - set(superseded))
-    if epochs:
-        keep.add(epochs[-1])
+        for epoch in epochs:
+            reasons[epoch].append("no retention rule")
+        return reasons
+    reasons[epochs[-1]].append("newest")
+    for epoch in sorted(set(protect) & set(metrics)):
+        reasons[epoch].append("resumed from")
     if options.newest_to_keep:
-        keep.update(epochs[-options.newest_to_keep:])
+        for epoch in epochs[-options.newest_to_keep:]:
+            reasons[epoch].append(f"last {options.newest_to_keep}")
     if options.keep_period:
-        keep.update(e for e in epochs if e % options.keep_period == 0)
+        for epoch in epochs:
+            if epoch % options.keep_period == 0:
+                reasons[epoch].append(f"every {options.keep_period}")
     if options.best_to_keep:
         scored = [(options.score(metrics[e]), e) for e in epochs]
         if options.keep_checkpoints_without_metrics:
-            keep.update(e for s, e in scored if s is None and not metrics[e])
+            for score, epoch in scored:
+                if score is None and not metrics[epoch]:
+                    reasons[epoch].append("has no metrics")
         sign = 1.0 if options.best_mode == "min" else -1.0
         ranked = sorted(scored, key=lambda se: (se[0] is None,
                                                 sign * se[0] if se[0] is not None else 0.0,
                                                 -se[1]))
-        keep.update(e for _, e in ranked[: options.best_to_keep])
-    return keep
+        label = options.best_fn if isinstance(options.best_fn, str) else "best_fn"
+        for _, epoch in ranked[: options.best_to_keep]:
+            reasons[epoch].append(f"best {options.best_to_keep} by {label} ({options.best_mode})")
+    return reasons
+
+
+def retained_epochs(options: StepManagerOptions | None, metrics: Mapping[int, Metrics | None],
+                    protect: Collection[int] = ()) -> set[int]:
+    """Which of the lineage's committed epochs (the keys of ``metrics``) retention keeps: those
+    :func:`keep_reasons` gives a reason."""
+    return {e for e, why in keep_reasons(options, metrics, protect).items() if why}

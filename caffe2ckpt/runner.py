@@ -31,10 +31,10 @@ from caffe2ckpt.errors import (
     CheckpointWriteError,
     JobDefinitionError,
     JobPreemptedError,
+    NodeLostError,
 )
-from caffe2ckpt.history.catalog import apply_retention
 from caffe2ckpt.job import Job
-from caffe2ckpt.manager import UploadTaskGroupBuilder, BaseCheckpointManager
+from caffe2ckpt.manager import BaseCheckpointManager, SaveOutcome, UploadTaskGroupBuilder
 from caffe2ckpt.naming import check_node_name
 from caffe2ckpt.policy import StepManagerOptions, should_save
 from caffe2ckpt.preemption import PreemptionWatch
@@ -176,20 +176,24 @@ class JobRunner:
         return epoch
 
     def _preempted(self, epoch: int, session: Session, signal_name: str) -> None:
-        """Make sure ``epoch`` is checkpointed, then stop with :class:`JobPreemptedError`."""
+        """Make sure ``epoch`` is checkpointed, then stop with :class:`JobPreemptedError`. The
+        epoch a run resumed from is committed already: it is never saved again."""
         cm = self.checkpoint_manager
+
+        def committed() -> bool:
+            return cm is not None and (epoch in self.saved_epochs or epoch == self.resumed_from)
+
         if cm is not None:
-            if epoch not in self.saved_epochs and epoch not in self.failed_saves:
+            if not committed() and epoch not in self.failed_saves:
                 self.save_checkpoints(epoch, session, metrics=self.job.fetch_metrics())
             self._finish_background(session, cm)
-        committed = cm is not None and epoch in self.saved_epochs
         self._notify(session, "preempted", epoch)
         where = f"under {cm.url!r}" if cm is not None else "(no checkpoint manager)"
         raise JobPreemptedError(
             f"job {self.job.name!r} was stopped by {signal_name} after epoch {epoch}; its "
             + (f"checkpoint is committed {where}: run the job again to resume from it"
-               if committed else f"checkpoint was NOT committed {where}"),
-            epoch=epoch, committed=committed, signal=signal_name)
+               if committed() else f"checkpoint was NOT committed {where}"),
+            epoch=epoch, committed=committed(), signal=signal_name)
 
     @staticmethod
     def _start_run(session: Session, cm: BaseCheckpointManager, parent: tuple[int, int] | None) -> None:
@@ -214,15 +218,15 @@ class JobRunner:
         candidates: Iterable[int] = [epoch]
         if automatic:
             candidates = itertools.chain(candidates,
-                                         (e for e in cm.committed_epochs() if e < epoch))
+                                         (s.epoch for s in cm.lineage() if s.epoch < epoch))
         failures: list[str] = []
         for candidate in candidates:
             self._notify(session, "loading", candidate)
             try:
                 session.run(cm.init(nodes, retrieve_from_epoch=candidate))
                 session.run(cm.load(candidate))
-                records = cm.epoch_records(candidate)
-                if records is None:
+                save = cm.lineage_save(candidate)
+                if save is None:
                     raise CheckpointNotFoundError(f"epoch {candidate} is no longer committed")
             except (CheckpointCorruptedError, CheckpointNotFoundError) as exc:
                 if not automatic:
@@ -233,11 +237,11 @@ class JobRunner:
                 continue
             cm.report_checkpoint_stats("checkpoint_load")
             self.resumed_from = candidate
-            writer = next(iter(records.values())).writer
-            logger.info("Resuming from epoch %d (written by %s)", candidate, _describe(writer))
-            self._notify(session, "resumed", candidate, records=records)
-            generation = next(iter(records.values())).generation
-            return candidate, self._still_finished(records, session), (candidate, generation)
+            logger.info("Resuming from epoch %d (written by %s)", candidate,
+                        _describe(save.first.writer))
+            self._notify(session, "resumed", candidate, records=save.records)
+            return (candidate, self._still_finished(save.records, session),
+                    (candidate, save.generation))
         raise CheckpointCorruptedError(
             f"no committed epoch of {cm.url!r} could be loaded: " + "; ".join(failures)
         )
@@ -291,10 +295,9 @@ class JobRunner:
                     + (f": {cause}" if cause else ""), epoch=epoch) from cause
             logger.info("Saving checkpoints for epoch %d", epoch)
             self._last_save_time = time.monotonic()
-            session.run(cm.save(epoch, stop=stop, stop_conditions=stop_conditions,
-                                metrics=metrics, writer=_writer(session)))
-            if cm.pending_epoch is None:
-                self._committed(epoch, session, cm)
+            outcome = cm.save_checkpoint(session, epoch, stop=stop,
+                                         stop_conditions=stop_conditions, metrics=metrics,
+                                         writer=_writer(session))
         except Exception as exc:
             if cm.pending_epoch == epoch:  # other nodes' background saves: drain them first
                 try:
@@ -302,42 +305,50 @@ class JobRunner:
                 except Exception:  # noqa: BLE001 - the first failure is reported below
                     pass
             self._save_failed(epoch, session, exc)
+            return
+        if not outcome.pending:
+            self._committed(outcome, session, cm)
 
     def _finish_background(self, session: Session, cm: BaseCheckpointManager) -> None:
         epoch = cm.pending_epoch
         if epoch is None:
             return
         try:
-            cm.wait_until_finished()
-            self._committed(epoch, session, cm)
+            outcome = cm.finish_save()
         except Exception as exc:
             self._save_failed(epoch, session, exc)
+            return
+        if outcome is not None:
+            self._committed(outcome, session, cm)
 
-    def _committed(self, epoch: int, session: Session, cm: BaseCheckpointManager) -> None:
-        if len(cm.last_records) != len(cm.file_nodes()):
-            raise CheckpointWriteError(
-                f"checkpoint of epoch {epoch}: only nodes {sorted(cm.last_records)} committed")
-        cm.write_checkpoint_metadata(epoch)
+    def _committed(self, outcome: SaveOutcome, session: Session,
+                   cm: BaseCheckpointManager) -> None:
+        cm.write_checkpoint_metadata(outcome.epoch)
         cm.report_checkpoint_stats("checkpoint_save")
-        self.saved_epochs.append(epoch)
-        self._notify(session, "saved", epoch, records=dict(cm.last_records))
+        self.saved_epochs.append(outcome.epoch)
+        self._notify(session, "saved", outcome.epoch, records=outcome.records)
         if self.options is not None and self.options.has_retention:
             self._retain(session, cm)
 
     def _retain(self, session: Session, cm: BaseCheckpointManager) -> None:
-        """Apply retention; a failure only leaves unreferenced files (``caffe2ckpt gc``)."""
+        """Apply retention; a failure only leaves unreferenced files (``caffe2ckpt gc``). A
+        fenced run removes nothing and stops."""
         protect = {self.resumed_from} if self.resumed_from is not None else set()
         try:
-            deleted = apply_retention(cm.store, self.options, cm.file_nodes(), protect)
+            deleted = cm.retain(self.options, protect)
+        except CheckpointFencedError:
+            raise
         except (OSError, CheckpointError) as exc:
             logger.warning("retention could not delete old checkpoints under %r: %s", cm.url, exc)
             return
-        for epoch in deleted:
-            self._notify(session, "deleted", epoch)
+        for save in deleted:
+            self._notify(session, "deleted", save.epoch)
 
     def _save_failed(self, epoch: int, session: Session, exc: Exception) -> None:
         self.failed_saves.append(epoch)
         self._notify(session, "save_failed", epoch, error=f"{type(exc).__name__}: {exc}")
+        if isinstance(exc, NodeLostError):  # the node's workspace is gone: the run must fail
+            raise exc  # (a retry resumes from the newest committed epoch)
         if self.on_save_error == "raise" or isinstance(exc, CheckpointFencedError):
             if isinstance(exc, CheckpointError):
                 raise exc

@@ -7,6 +7,7 @@ import uuid
 
 import numpy as np
 import pytest
+from faultfs import FaultyFileSystem
 
 from caffe2ckpt import (
     CheckpointManager,
@@ -21,12 +22,11 @@ from caffe2ckpt import (
     Task,
     epoch_limiter,
 )
-from caffe2ckpt.manager import _nodeops as nodeops
 from caffe2ckpt.background import BackgroundSaves
 from caffe2ckpt.example import build_job
+from caffe2ckpt.manager import _nodeops as nodeops
 from caffe2ckpt.metadata import ZarrMetadataHandler
-
-from faultfs import FaultyFileSystem
+from tests.stores import load, newest_epoch
 
 BIG = 1 << 22  # float64 elements: 32 MiB, so the background write takes a while
 
@@ -54,7 +54,7 @@ def test_next_epoch_never_leaks_into_the_snapshot(prefix):
     assert JobRunner(in_place_job(4), cm).train(LocalSession()) == 4
     assert cm.pending_epoch is None  # train waited for the last save
     for epoch in range(5):
-        data = cm.store.load_node("n", epoch)
+        data = load(cm.store, "n", epoch)
         assert np.array_equal(data["big"], np.full(BIG, float(epoch))), epoch
         assert np.array_equal(data["small"], np.full(7, epoch)), epoch
 
@@ -70,7 +70,7 @@ def test_snapshot_is_taken_before_save_returns(prefix):
     ws["big"][:] = 7.0  # while epoch 1 may still be written
     records = cm.wait_until_finished()
     assert set(records) == {"n"} and records["n"].epoch == 1
-    assert not cm.store.load_node("n", 1)["big"].any()
+    assert not load(cm.store, "n", 1)["big"].any()
 
 
 def test_async_run_equals_sync_run(tmp_path):
@@ -82,7 +82,7 @@ def test_async_run_equals_sync_run(tmp_path):
         JobRunner(build_job(5), cm).train(session)
         finals.append({n: {k: v.tobytes() for k, v in session.workspace(n).items()}
                        for n in ("trainer_0", "trainer_1")})
-        assert cm.store.latest_epoch(["trainer_0", "trainer_1"]) == 5
+        assert newest_epoch(cm.store, ["trainer_0", "trainer_1"]) == 5
     assert finals[0] == finals[1]
 
 
@@ -122,14 +122,16 @@ def test_explicit_wait_raises_then_clears(tmp_path):
 # -- a snapshot buffer belongs to one save until its write is waited for ------------------------
 
 class GatedFileSystem(FaultyFileSystem):
-    """Writes wait until :attr:`gate` opens: a background save is still reading its snapshot."""
+    """Chunk writes wait until :attr:`gate` opens: a background save is still reading its
+    snapshot."""
 
     def __init__(self, inner):
         super().__init__(inner)
         self.gate = threading.Event()
 
     def pipe_file(self, path, value, mode="overwrite", **kwargs):
-        assert self.gate.wait(timeout=60)
+        if "/c." in str(path):
+            assert self.gate.wait(timeout=60)
         return super().pipe_file(path, value, mode, **kwargs)
 
 
@@ -149,11 +151,11 @@ def test_two_save_runnables_built_before_running_never_share_buffers(memory_fs):
         session.run(s2)  # refused before it touches the buffers epoch 1 is written from
     fs.gate.set()
     assert cm.wait_until_finished()["n"].epoch == 1
-    data = cm.store.load_node("n", 1)
+    data = load(cm.store, "n", 1)
     assert not data["big"].any() and not data["small"].any()
     session.run(s2)  # once epoch 1 is done, the same runnable saves epoch 2
     cm.close()
-    assert np.array_equal(cm.store.load_node("n", 2)["big"], np.full(BIG, 2.0))
+    assert np.array_equal(load(cm.store, "n", 2)["big"], np.full(BIG, 2.0))
 
 
 def test_step_manager_async_saves_never_share_buffers(prefix):
@@ -190,7 +192,7 @@ def test_async_managers_leave_no_idle_threads(tmp_path):
         session.workspace("n")["x"] = np.arange(3)
         session.run(cm.init(["n"]))
         session.run(cm.save(4))
-    assert cm.pending_epoch is None and cm.store.latest_epoch(["n"]) == 4  # exit waited
+    assert cm.pending_epoch is None and newest_epoch(cm.store, ["n"]) == 4  # exit waited
 
 
 def test_a_manager_collected_while_its_thread_holds_the_registry_does_not_deadlock():
@@ -215,23 +217,23 @@ def test_a_manager_collected_while_its_thread_holds_the_registry_does_not_deadlo
     assert (other, "n") not in nodeops._saves
 
 
-def unstageable(tmp_path) -> str:
-    """A prefix a run can claim, but where no group can be written (``_staging`` is a file)."""
-    prefix = tmp_path / "ckpt"
-    prefix.mkdir()
-    (prefix / "_staging").write_text("not a directory")
-    return str(prefix)
+def unstageable(memory_fs) -> FaultyFileSystem:
+    """A filesystem where a run can claim the prefix but no chunk can be written."""
+    fs = FaultyFileSystem(memory_fs)
+    fs.arm("write", 1, sticky=True, match=lambda method, path: "/c." in path)
+    return fs
 
 
 @pytest.mark.parametrize("manager", ["multi", "single"])
-def test_close_raises_a_background_failure(tmp_path, manager):
+def test_close_raises_a_background_failure(memory_fs, manager):
     session = LocalSession()
     session.workspace("n")["x"] = np.arange(3)
+    fs = unstageable(memory_fs)
     if manager == "multi":
-        cm = MultiNodeCheckpointManager(unstageable(tmp_path), async_save=True)
+        cm = MultiNodeCheckpointManager("/ckpt", filesystem=fs, async_save=True)
         session.run(cm.init(["n"]))
     else:
-        cm = CheckpointManager(unstageable(tmp_path), "n", async_save=True)
+        cm = CheckpointManager("/ckpt", "n", filesystem=fs, async_save=True)
         session.run(cm.init())
     session.run(cm.save(3))
     with pytest.raises(CheckpointWriteError, match="epoch 3 failed on node 'n'"):

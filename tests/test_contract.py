@@ -93,7 +93,7 @@ def test_checkpointed_names_are_those_after_init(prefix):
         after_init = {f"{node}/total", f"{node}/val", f"{node}/cursor"}
         assert set(cm.blob_list()[node]) == after_init
         assert "data_finished" in session.workspace(node)  # created later, never checkpointed
-        assert set(cm.store.manifest(node, 4).blobs) == after_init
+        assert set(cm.store.manifest(cm.lineage_save(4).records[node]).blobs) == after_init
 
 
 def test_partial_load_across_three_nodes(prefix):

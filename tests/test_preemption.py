@@ -19,8 +19,8 @@ from caffe2ckpt import (
     StepManagerOptions,
     Task,
 )
-from caffe2ckpt.history.catalog import scan
 from caffe2ckpt.store.protocol import CheckpointStore
+from tests.stores import committed_epochs
 from caffe2ckpt.fs.location import Location
 
 import preempt_job
@@ -38,7 +38,7 @@ def run(prefix: str, epochs: int, *, kill_in_epoch: int | None = None) -> tuple[
 
 
 def committed(prefix: str) -> list[int]:
-    return sorted(scan(CheckpointStore(Location(prefix)), preempt_job.NODES).steps)
+    return committed_epochs(CheckpointStore(Location(prefix)), preempt_job.NODES)
 
 
 @pytest.mark.slow

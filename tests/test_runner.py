@@ -18,10 +18,11 @@ from caffe2ckpt import (
     Task,
     epoch_limiter,
 )
-from caffe2ckpt.store.records import list_records, read_record
 from caffe2ckpt.example import InjectedFailure, build_job
 from caffe2ckpt.metadata import ZarrMetadataHandler
+from caffe2ckpt.store.records import list_records, read_record
 from tests.s3server import storage_cases
+from tests.stores import newest_epoch
 
 NODES = ["trainer_0", "trainer_1"]
 
@@ -89,13 +90,16 @@ def test_records_carry_stop_decision_and_writer(prefix):
     assert len({r.save_id for r in records}) == 3  # one save id per epoch, shared by nodes
 
 
-def test_last_epoch_ignores_other_jobs_nodes(prefix):
+def test_last_epoch_counts_only_saves_of_exactly_the_jobs_nodes(prefix):
+    """Each job family (the nodes saved together) has its own history on a shared prefix."""
     run(prefix, 4)  # nodes trainer_0, trainer_1 up to epoch 4
     handler = ZarrMetadataHandler()
     cm = MultiNodeCheckpointManager(prefix, metadata_handler=handler)
     cm.set_params(nodes=["trainer_0", "trainer_1", "trainer_2"])
     assert handler.last_epoch() is None  # trainer_2 never committed anything
     cm.set_params(nodes=["trainer_1"])
+    assert handler.last_epoch() is None  # trainer_1 alone is another job
+    cm.set_params(nodes=["trainer_1", "trainer_0"])
     assert handler.last_epoch() == 4
     assert handler.last_epoch(user_epoch=2) == 2
     with pytest.raises(CheckpointNotFoundError, match="epoch 7"):
@@ -168,7 +172,7 @@ def test_auto_resume_off_is_caffe2s_fresh_start_and_supersedes(prefix):
     assert runner.train(LocalSession()) == 2
     assert runner.resumed_from is None
     # the old run's epochs 3 and 4 are superseded: the next automatic resume takes the new 2
-    assert cm.store.latest_epoch(NODES) == 2
+    assert newest_epoch(cm.store, NODES) == 2
     assert JobRunner(build_job(2), MultiNodeCheckpointManager(prefix)).train(LocalSession()) == 2
 
 

@@ -14,10 +14,13 @@ from caffe2ckpt.errors import (
     CheckpointNotFoundError,
 )
 from caffe2ckpt.fs.location import Location
-from caffe2ckpt.history.catalog import Leftover, PrefixScan, Step, scan
+from caffe2ckpt.history.cleanup import Leftover
+from caffe2ckpt.history.lineage import Save
+from caffe2ckpt.history.scan import PrefixScan, scan
+from caffe2ckpt.store.layout import parse_group_name
 from caffe2ckpt.store.manifest import Manifest
 from caffe2ckpt.store.protocol import CheckpointStore
-from caffe2ckpt.store.records import list_records
+from caffe2ckpt.store.records import CommitRecord, list_records
 from caffe2ckpt.store.zarrgroup import read_node
 
 EXIT_OK = 0
@@ -85,39 +88,49 @@ def open_prefix(ctx: Context, url: str) -> tuple[CheckpointStore, PrefixScan]:
     return store, scan(store)
 
 
-def require_step(store: CheckpointStore, found: PrefixScan, epoch: int) -> Step:
-    if epoch in found.steps:
-        return found.steps[epoch]
+def committed_epochs(found: PrefixScan) -> list[int]:
+    """Every epoch with a committed save (superseded ones included)."""
+    return sorted({s.epoch for s in found.saves()})
+
+
+def require_save(store: CheckpointStore, found: PrefixScan, epoch: int) -> Save:
+    """The committed save of ``epoch``: the current lineage's, else a superseded one."""
+    current = found.current()
+    if epoch in current:
+        return current[epoch]
+    saves = [s for s in found.saves() if s.epoch == epoch]
+    if saves:
+        return saves[0]
     where = store.location.display()
     bad = [ref for ref, _ in found.unreadable if ref.epoch == epoch]
-    partial = [p for p in found.partial if p[0] == epoch]
+    partial = [p for p in found.partial if p.epoch == epoch]
     if bad:
         why = ("its commit record(s) " + ", ".join(repr(r.filename) for r in bad)
                + f" are unreadable (see `caffe2ckpt verify {store.location.url} --epoch {epoch}`)")
     elif partial:
-        missing = sorted({n for p in partial for n in p[3]})
+        missing = sorted({n for p in partial for n in p.missing})
         why = f"its save is partial: node(s) {', '.join(missing)} have no commit record"
     else:
-        why = f"committed epochs: {epochs_text(found.epochs())}"
+        why = f"committed epochs: {epochs_text(committed_epochs(found))}"
     raise CLIError(f"epoch {epoch} is not committed under {where!r}; {why}", EXIT_NOT_FOUND)
 
 
-def require_nodes(store: CheckpointStore, step: Step, nodes: list[str] | None) -> list[str]:
+def require_nodes(store: CheckpointStore, save: Save, nodes: list[str] | None) -> list[str]:
     if not nodes:
-        return step.nodes
-    unknown = [n for n in nodes if n not in step.records]
+        return sorted(save.records)
+    unknown = [n for n in nodes if n not in save.records]
     if unknown:
-        raise CLIError(f"epoch {step.epoch} under {store.location.display()!r} has no node "
-                       f"{', '.join(map(repr, unknown))}; its nodes: {', '.join(step.nodes)}",
-                       EXIT_NOT_FOUND)
+        raise CLIError(f"epoch {save.epoch} under {store.location.display()!r} has no node "
+                       f"{', '.join(map(repr, unknown))}; its nodes: "
+                       f"{', '.join(sorted(save.records))}", EXIT_NOT_FOUND)
     return list(dict.fromkeys(nodes))
 
 
-def checked_manifest(store: CheckpointStore, node: str, epoch: int) -> Manifest:
+def checked_manifest(store: CheckpointStore, record: CommitRecord) -> Manifest:
     """The manifest of a committed node checkpoint after the library checked its record, group
     metadata digests and every array's metadata (``load_node`` with no blobs)."""
-    store.load_node(node, epoch, names=[])
-    return store.manifest(node, epoch)
+    store.load_node(record, names=[])
+    return store.manifest(record)
 
 
 def read_units(manifest: Manifest) -> list[list[str]]:
@@ -145,12 +158,10 @@ def leftover_doc(location: Location, item: Leftover) -> Document:
 
 
 def known_nodes(location: Location) -> set[str]:
-    """Every node with a commit record or a group (``<node>.<epoch>``) under the prefix."""
+    """Every node with a commit record or a group under the prefix."""
     nodes = {ref.node for ref in list_records(location)}
-    for name in location.list_names(location.root):
-        node, dot, epoch = name.rpartition(".")
-        if dot and node and epoch.isdigit():
-            nodes.add(node)
+    nodes.update(g.node for g in map(parse_group_name, location.list_names(location.root))
+                 if g is not None)
     return nodes
 
 
@@ -164,16 +175,15 @@ class NodeCheck:
     manifest: Manifest | None = None
 
 
-def check_node(store: CheckpointStore, node: str, epoch: int, progress: Progress,
-               expected_bytes: int = 0) -> NodeCheck:
-    """Read every blob of ``node``'s checkpoint of ``epoch`` and check every checksum.
+def check_node(store: CheckpointStore, record: CommitRecord, progress: Progress) -> NodeCheck:
+    """Read every blob of the node checkpoint ``record`` commits and check every checksum.
 
     Unlike one ``load_node`` call this finds every damaged blob (not just the first), and holds
     only one array (or the packed blobs) in memory at a time.
     """
-    label = f"{node}.{epoch}"
+    label, expected_bytes = record.group, record.nbytes
     try:
-        manifest = checked_manifest(store, node, epoch)
+        manifest = checked_manifest(store, record)
     except CheckpointCorruptedError as exc:
         progress.advance(expected_bytes, label)
         return NodeCheck("damaged", errors=[{"blob": exc.blob, "error": str(exc)}])
@@ -181,11 +191,11 @@ def check_node(store: CheckpointStore, node: str, epoch: int, progress: Progress
         progress.advance(expected_bytes, label)
         return NodeCheck("error", errors=[{"blob": None, "error": str(exc)}])
     check = NodeCheck("ok", manifest=manifest)
-    path = store.group_path(node, epoch)
+    path, crcs = store.group_path(record), store.chunk_crcs(record, manifest)
     for names in read_units(manifest):
         state, error = "ok", None
         try:
-            read_node(store.location, path, manifest, names)
+            read_node(store.location, path, manifest, crcs, names)
         except CheckpointCorruptedError as exc:
             state, error = "bad", {"blob": exc.blob, "error": str(exc)}
         except OSError as exc:

@@ -22,11 +22,12 @@ from caffe2ckpt.cli._context import (
     Document,
     checked_manifest,
     open_prefix,
-    require_step,
+    require_save,
 )
 from caffe2ckpt.cli.render import Progress
-from caffe2ckpt.store.manifest import BlobInfo, Manifest
+from caffe2ckpt.store.manifest import BlobInfo
 from caffe2ckpt.store.protocol import CheckpointStore
+from caffe2ckpt.store.records import CommitRecord
 from caffe2ckpt.store.zarrgroup import read_node
 
 __all__ = ["cmd_diff", "compare", "diff_node"]
@@ -35,16 +36,18 @@ __all__ = ["cmd_diff", "compare", "diff_node"]
 class _Reader:
     """Reads the blobs of one committed node checkpoint on demand."""
 
-    def __init__(self, store: CheckpointStore, manifest: Manifest, epoch: int) -> None:
-        self.store, self.manifest = store, manifest
-        self.path = store.group_path(manifest.node, epoch)
+    def __init__(self, store: CheckpointStore, record: CommitRecord) -> None:
+        self.store, self.manifest = store, checked_manifest(store, record)
+        self.path = store.group_path(record)
+        self.crcs = store.chunk_crcs(record, self.manifest)
         self._packed: dict[str, np.ndarray] | None = None
 
     def read(self, name: str) -> np.ndarray:
         if self.manifest.blobs[name].path is not None:
-            return read_node(self.store.location, self.path, self.manifest, [name])[name]
+            return read_node(self.store.location, self.path, self.manifest, self.crcs,
+                             [name])[name]
         if self._packed is None:
-            self._packed = read_node(self.store.location, self.path, self.manifest,
+            self._packed = read_node(self.store.location, self.path, self.manifest, self.crcs,
                                      [b.name for b in self.manifest.packed])
         return self._packed[name]
 
@@ -97,13 +100,12 @@ def compare(a: np.ndarray, b: np.ndarray) -> dict[str, Any]:
     return out
 
 
-def diff_node(store: CheckpointStore, node: str, epochs: tuple[int, int],
-              manifests: Sequence[Manifest | None], progress: Progress) -> list[dict[str, Any]]:
-    """One entry per blob of ``node`` in either epoch: added, removed, changed or same."""
-    ma, mb = manifests
-    blobs_a = ma.blobs if ma is not None else {}
-    blobs_b = mb.blobs if mb is not None else {}
-    readers = [_Reader(store, m, e) if m is not None else None for m, e in zip(manifests, epochs)]
+def diff_node(store: CheckpointStore, node: str, records: Sequence[CommitRecord | None],
+              progress: Progress) -> list[dict[str, Any]]:
+    """One entry per blob of ``node`` in either save: added, removed, changed or same."""
+    readers = [_Reader(store, r) if r is not None else None for r in records]
+    blobs_a = readers[0].manifest.blobs if readers[0] is not None else {}
+    blobs_b = readers[1].manifest.blobs if readers[1] is not None else {}
     out = []
     for name in [*blobs_a, *(n for n in blobs_b if n not in blobs_a)]:
         ia, ib = blobs_a.get(name), blobs_b.get(name)
@@ -127,8 +129,8 @@ def diff_node(store: CheckpointStore, node: str, epochs: tuple[int, int],
 def cmd_diff(ctx: Context, args: argparse.Namespace) -> tuple[Document, int]:
     store, found = open_prefix(ctx, args.prefix)
     a, b = args.epoch_a, args.epoch_b
-    step_a, step_b = require_step(store, found, a), require_step(store, found, b)
-    nodes = sorted(set(step_a.nodes) | set(step_b.nodes))
+    step_a, step_b = require_save(store, found, a), require_save(store, found, b)
+    nodes = sorted(set(step_a.records) | set(step_b.records))
     if args.node:
         unknown = [n for n in args.node if n not in nodes]
         if unknown:
@@ -140,14 +142,13 @@ def cmd_diff(ctx: Context, args: argparse.Namespace) -> tuple[Document, int]:
     ctx.progress.start(f"diff {a} {b}", total)
     blobs: list[Document] = []
     for node in nodes:
-        sides = [checked_manifest(store, node, e) if node in s.records else None
-                 for e, s in ((a, step_a), (b, step_b))]
-        blobs += diff_node(store, node, (a, b), sides, ctx.progress)
+        blobs += diff_node(store, node, [s.records.get(node) for s in (step_a, step_b)],
+                           ctx.progress)
     ctx.progress.close()
     summary = {k: sum(x["status"] == k for x in blobs)
                for k in ("changed", "added", "removed", "same")}
     doc = {"prefix": store.location.display(), "epochs": [a, b], "nodes": nodes,
-           "nodes_added": sorted(set(step_b.nodes) - set(step_a.nodes) & set(nodes)),
-           "nodes_removed": sorted(set(step_a.nodes) - set(step_b.nodes) & set(nodes)),
+           "nodes_added": sorted(set(step_b.records) - set(step_a.records) & set(nodes)),
+           "nodes_removed": sorted(set(step_a.records) - set(step_b.records) & set(nodes)),
            "summary": summary, "blobs": blobs, "show_same": bool(args.all)}
     return doc, EXIT_OK

@@ -1,20 +1,20 @@
-"""``caffe2ckpt gc``: remove uncommitted leftovers and the epochs a retention policy does not
-keep; a dry run unless ``--yes``.
+"""``caffe2ckpt gc``: remove uncommitted leftovers and the saves a retention policy does not keep;
+a dry run unless ``--yes``.
 
-Retention is :func:`caffe2ckpt.policy.retained_epochs` (the function the runner and
-``StepCheckpointManager`` use), so the newest committed epoch is always kept and no option means
-no committed epoch is deleted. Removal is :func:`caffe2ckpt.history.catalog.delete_step` (records first,
-then data) and :func:`caffe2ckpt.history.catalog.remove_leftovers`, so an interrupted ``gc --yes`` leaves
-only uncommitted leftovers. The library's safety rules hold (only a caffe2ckpt prefix is
-swept; a partial save with an unreadable record is left for a person to inspect, and listed
-here); on top of them, with ``--node`` an epoch saved together with nodes not given is never
-split (deleting some nodes' records of one save would uncommit the others' epoch).
+Arguments become :class:`~caffe2ckpt.policy.StepManagerOptions`; what to keep and why is
+:func:`caffe2ckpt.history.retention.plan_retention` per job family (the runner and
+``StepCheckpointManager`` apply the same plans), what is left over is
+:func:`caffe2ckpt.history.cleanup.find_leftovers`, and removal is
+:func:`~caffe2ckpt.history.cleanup.remove_saves` / ``remove_leftovers``: by save id, records
+first, fenced by the newest run ``gc`` listed (if a run starts meanwhile, ``gc`` stops). On top,
+with ``--node`` a family with nodes not given is left alone (deleting some nodes' records of one
+save would uncommit the others' epoch), and no save of a family is deleted when its newest one
+fails verification.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 
 from caffe2ckpt.cli._context import (
     EXIT_DAMAGED,
@@ -30,15 +30,19 @@ from caffe2ckpt.cli._context import (
     leftover_doc,
     open_prefix,
 )
-from caffe2ckpt.errors import CheckpointError, JobDefinitionError
-from caffe2ckpt.history.catalog import (
-    delete_step,
+from caffe2ckpt.errors import CheckpointError, CheckpointFencedError, JobDefinitionError
+from caffe2ckpt.history.cleanup import (
     find_leftovers,
     is_checkpoint_prefix,
     remove_leftovers,
+    remove_saves,
 )
-from caffe2ckpt.naming import CLAIMS_DIR, COMMITS_DIR
-from caffe2ckpt.policy import StepManagerOptions, retained_epochs
+from caffe2ckpt.history.lineage import Save
+from caffe2ckpt.history.retention import RetentionPlan, plan_retention
+from caffe2ckpt.history.scan import Family, PrefixScan
+from caffe2ckpt.policy import StepManagerOptions
+from caffe2ckpt.store.layout import COMMITS_DIR, RUNS_DIR
+from caffe2ckpt.store.protocol import CheckpointStore
 
 __all__ = ["cmd_gc"]
 
@@ -52,42 +56,43 @@ def retention_options(args: argparse.Namespace) -> StepManagerOptions:
         raise CLIError(str(exc), EXIT_USAGE) from exc
 
 
-def keep_reasons(args: argparse.Namespace, metrics: dict[int, dict[str, float]],
-                 superseded: frozenset[int]) -> dict[int, list[str]]:
-    """Why each epoch is kept, rule by rule (the same pure function retention uses); the
-    rules rank the current lineage only, never a superseded epoch."""
-    reasons: dict[int, list[str]] = {e: [] for e in metrics}
-    epochs = sorted(set(metrics) - superseded)
-    if not epochs:
-        return reasons
-    reasons[epochs[-1]].append("newest")
-    rules: list[tuple[str, StepManagerOptions]] = []
-    if args.keep_last:
-        rules.append((f"last {args.keep_last}", StepManagerOptions(max_to_keep=args.keep_last)))
-    if args.keep_every:
-        rules.append((f"every {args.keep_every}",
-                      StepManagerOptions(keep_period=args.keep_every)))
-    if args.keep_best:
-        rules.append((f"best {args.keep_best} by {args.metric} ({args.mode})", StepManagerOptions(
-            keep_best=args.keep_best, best_fn=args.metric, best_mode=args.mode,
-            keep_checkpoints_without_metrics=False)))
-    for label, options in rules:
-        # the newest epoch is in every rule's set; it is labelled by the simple rules only
-        for epoch in sorted(retained_epochs(options, metrics, superseded=superseded)
-                            - {epochs[-1]}):
-            reasons[epoch].append(label)
-    if args.keep_last:
-        reasons[epochs[-1]].append(f"last {args.keep_last}")
-    if args.keep_every and epochs[-1] % args.keep_every == 0:
-        reasons[epochs[-1]].append(f"every {args.keep_every}")
-    if args.keep_best:
-        for epoch in epochs:
-            if not metrics[epoch]:
-                reasons[epoch].append("has no metrics")
-    if not rules:
-        for epoch in metrics:
-            reasons[epoch].append("no --keep-* option given")
-    return reasons
+def _entry(save: Save, found: PrefixScan) -> Document:
+    return {"epoch": save.epoch, "nodes": sorted(save.records), "bytes": save.nbytes,
+            "metrics": json_metrics(save.metrics), "save_id": save.save_id,
+            "superseded": found.is_superseded(save)}
+
+
+def _newest_fails(store: CheckpointStore, family: Family) -> str | None:
+    """Why the family's newest save cannot be trusted (it is read and verified in full)."""
+    newest = family.newest
+    if newest is None:
+        return None
+    try:
+        for record in newest.records.values():
+            store.load_node(record)
+    except CheckpointError as exc:
+        return (f"not deleting any committed epoch of nodes {sorted(family.nodes)}: the newest "
+                f"one, {newest.epoch}, fails verification ({exc})")
+    return None
+
+
+def _plan(store: CheckpointStore, found: PrefixScan, family: Family, options: StepManagerOptions,
+          wanted: set[str] | None) -> tuple[RetentionPlan, str | None]:
+    """The family's plan, or everything kept with the reason deletion is refused."""
+    outside = sorted(family.nodes - wanted) if wanted else []
+    plan = plan_retention(family, options)
+    why = None
+    if outside and plan.delete:
+        why = (f"saved together with {', '.join(outside)} (not given with --node): deleting part "
+               "of it would uncommit theirs")
+    elif plan.delete:
+        refusal = _newest_fails(store, family)
+        if refusal:
+            return RetentionPlan(plan.keep + [(s, ["the newest epoch is damaged"])
+                                              for s in plan.delete], []), refusal
+    if why:
+        plan = RetentionPlan(plan.keep + [(s, [why]) for s in plan.delete], [])
+    return plan, None
 
 
 def cmd_gc(ctx: Context, args: argparse.Namespace) -> tuple[Document, int]:
@@ -95,100 +100,71 @@ def cmd_gc(ctx: Context, args: argparse.Namespace) -> tuple[Document, int]:
     location = store.location
     if not is_checkpoint_prefix(store):
         raise CLIError(f"{location.display()!r} does not look like a checkpoint prefix (it has "
-                       f"no {COMMITS_DIR}/ or {CLAIMS_DIR}/ directory); gc removes nothing there",
+                       f"no {COMMITS_DIR}/ or {RUNS_DIR}/ directory); gc removes nothing there",
                        EXIT_NOT_FOUND)
     options = retention_options(args)
     wanted = set(args.node) if args.node else None
-    managed: dict[int, list[str]] = {}  # epoch -> the nodes gc may delete
-    shared: dict[int, list[str]] = {}  # epoch -> other nodes saved together with those
-    for epoch, step in sorted(found.steps.items()):
-        own = [n for n in step.nodes if wanted is None or n in wanted]
-        if own:
-            managed[epoch] = own
-            partners = set().union(*(step.records[n].nodes for n in own)) - set(own)
-            if wanted is not None and partners:
-                shared[epoch] = sorted(partners)
     if wanted is not None:
         unknown = sorted(wanted - known_nodes(location))
         if unknown:
             raise CLIError(f"node(s) {', '.join(map(repr, unknown))} have neither commit records "
                            f"nor data under {location.display()!r}", EXIT_NOT_FOUND)
-    metrics = {e: found.steps[e].metrics for e in managed}
-    if args.keep_best and managed and not any(args.metric in m for m in metrics.values()):
-        names = sorted({k for m in metrics.values() for k in m})
+    families = [f for f in found.families.values() if wanted is None or f.nodes & wanted]
+    metrics = [s.metrics for f in families for s in f.lineage]
+    if args.keep_best and metrics and not any(args.metric in m for m in metrics):
+        names = sorted({k for m in metrics for k in m})
         raise CLIError(f"metric {args.metric!r} is in no committed epoch's metrics under "
                        f"{location.display()!r} (metrics found: {', '.join(names) or 'none'})",
                        EXIT_USAGE)
-    superseded = found.superseded & set(managed)
-    keep = retained_epochs(options, metrics, superseded=superseded)
-    reasons = keep_reasons(args, metrics, superseded)
-    for epoch in sorted(set(managed) - keep):
-        if epoch in shared:  # deleting part of a save would uncommit the other nodes' epoch
-            keep.add(epoch)
-            reasons[epoch] = [(f"saved together with {', '.join(shared[epoch])} (not given with "
-                              "--node): deleting part of it would uncommit theirs")]
-
-    def entry(epoch: int) -> Document:
-        step = found.steps[epoch]
-        return {"epoch": epoch, "nodes": managed[epoch],
-                "bytes": sum(step.records[n].nbytes for n in managed[epoch]),
-                "metrics": json_metrics(step.metrics)}
-
-    delete = [entry(e) for e in sorted(set(managed) - keep)]
-    refusal = _check_newest(store, found, max(keep, default=None)) if delete else None
-    if refusal:  # never delete older epochs in favour of a damaged newest one
-        reasons = {**reasons, **{d["epoch"]: ["the newest epoch is damaged"] for d in delete}}
-        keep |= {d["epoch"] for d in delete}
-        delete = []
-    kept = [{**entry(e), "reasons": reasons[e]} for e in sorted(keep)]
-    items = find_leftovers(store, min_age=args.min_age, nodes=wanted, found=found)
-    damaged = {(ref.epoch, ref.save_id) for ref, _ in found.unreadable}
+    keep: list[Document] = []
+    delete: list[tuple[Save, Document]] = []
+    refusals = []
+    for family in families:
+        plan, refusal = _plan(store, found, family, options, wanted)
+        if refusal:
+            refusals.append(refusal)
+        keep += [{**_entry(s, found), "reasons": why} for s, why in plan.keep]
+        delete += [(s, _entry(s, found)) for s in plan.delete]
+    items = find_leftovers(store, found, min_age=args.min_age, nodes=wanted)
+    damaged = {ref.save_id for ref, _ in found.unreadable}
     skipped = [{"kind": "partial save", "epoch": p.epoch,
-                "path": ", ".join(f"{n}.{p.epoch}" for n in p.have),
+                "path": ", ".join(r.group for r in p.records.values()),
                 "reason": "another record of this save is unreadable; inspect it with "
                           "`caffe2ckpt verify` first"}
-               for p in found.partial if (p.epoch, p.save_id) in damaged
+               for p in found.partial if p.save_id in damaged
                and (wanted is None or set(p.have) <= wanted)]
     leftovers = [(item, leftover_doc(location, item)) for item in items]
     code = EXIT_OK
     if args.yes:
         ctx.progress.start("gc", len(leftovers) + len(delete), unit="items")
-        for item, doc in leftovers:
-            code = _attempt(doc, code, lambda i=item: remove_leftovers(store, [i]))
-            ctx.progress.advance(1, item.path)
-        for doc in delete:
-            code = _attempt(doc, code, lambda d=doc: delete_step(store, d["epoch"], d["nodes"]))
-            ctx.progress.advance(1, f"epoch {doc['epoch']}")
+        fence = found.newest_generation
+        work = [(doc, lambda i=item: remove_leftovers(store, [i], fence=fence))
+                for item, doc in leftovers]
+        work += [(doc, lambda s=save: remove_saves(store, [s], fence=fence, doing="gc"))
+                 for save, doc in delete]
+        for doc, action in work:
+            try:
+                action()
+            except CheckpointFencedError as exc:  # a run started: its view decides from now on
+                doc["error"] = str(exc)
+                code = EXIT_IO
+                break
+            except (OSError, CheckpointError) as exc:
+                doc["error"] = str(exc) or type(exc).__name__
+                code = EXIT_IO
+            finally:
+                ctx.progress.advance(1, doc.get("path") or f"epoch {doc.get('epoch')}")
         ctx.progress.close()
+    delete_docs = [doc for _, doc in delete]
     left_docs = [doc for _, doc in leftovers]
-    freed = sum(d["bytes"] for d in delete if not d.get("error")) + sum(
+    freed = sum(d["bytes"] for d in delete_docs if not d.get("error")) + sum(
         d["bytes"] or 0 for d in left_docs if not d.get("error"))
     doc = {"prefix": location.display(), "dry_run": not args.yes,
            "min_age_seconds": args.min_age, "nodes": sorted(wanted) if wanted else None,
            "retention": {"keep_last": args.keep_last, "keep_every": args.keep_every,
                          "keep_best": args.keep_best, "metric": args.metric, "mode": args.mode},
-           "leftovers": left_docs, "skipped": skipped, "delete": delete, "keep": kept,
-           "bytes_freed": freed, **({"refused": refusal} if refusal else {})}
-    return doc, EXIT_DAMAGED if refusal else code
-
-
-def _check_newest(store, found, newest: int | None) -> str | None:
-    """Why the newest kept epoch cannot be trusted (it is read and verified in full), or None."""
-    if newest is None:
-        return None
-    try:
-        for node in found.steps[newest].nodes:
-            store.load_node(node, newest)
-    except CheckpointError as exc:
-        return (f"not deleting any committed epoch: the newest one, {newest}, fails "
-                f"verification ({exc})")
-    return None
-
-
-def _attempt(doc: Document, code: int, action: Callable[[], None]) -> int:
-    try:
-        action()
-    except (OSError, CheckpointError) as exc:
-        doc["error"] = str(exc) or type(exc).__name__
-        return EXIT_IO
-    return code
+           "leftovers": left_docs, "skipped": skipped,
+           "delete": sorted(delete_docs, key=lambda d: (d["epoch"], d["save_id"])),
+           "keep": sorted(keep, key=lambda d: (d["epoch"], d["save_id"])),
+           "bytes_freed": freed, **({"refused": "; ".join(refusals)} if refusals else {})}
+    return doc, EXIT_DAMAGED if refusals else code

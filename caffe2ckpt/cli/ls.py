@@ -1,5 +1,5 @@
-"""``caffe2ckpt ls``: every epoch of a prefix (committed, superseded, partial, damaged) and its
-leftovers."""
+"""``caffe2ckpt ls``: every save under a prefix (committed, superseded, partial, damaged), where
+its groups are, and the leftovers no record references."""
 
 from __future__ import annotations
 
@@ -11,12 +11,14 @@ from caffe2ckpt.cli._context import (
     EXIT_OK,
     Context,
     Document,
+    committed_epochs,
     json_metrics,
     leftover_doc,
     open_prefix,
     utc,
 )
-from caffe2ckpt.history.catalog import find_leftovers
+from caffe2ckpt.history.cleanup import find_leftovers
+from caffe2ckpt.history.lineage import Save
 from caffe2ckpt.store.records import CommitRecord
 
 __all__ = ["cmd_ls"]
@@ -29,49 +31,56 @@ def node_workers(records: Sequence[CommitRecord]) -> dict[str, dict[str, Any]]:
             if isinstance(r.writer.get("worker"), dict)}
 
 
+def _row(epoch: int, state: str, save_id: str, records: list[CommitRecord], location: Any,
+         missing: list[str] | None = None, error: str | None = None) -> Document:
+    created = max((r.created for r in records), default=None)
+    return {
+        "epoch": epoch, "state": state, "nodes": [r.node for r in records],
+        "missing_nodes": missing or [], "bytes": sum(r.nbytes for r in records),
+        "node_bytes": {r.node: r.nbytes for r in records},
+        "blobs": sum(r.blob_count for r in records),
+        "metrics": json_metrics(records[0].metrics) if records else {},
+        "created": created, "created_utc": utc(created) if created else None,
+        "writer": records[0].writer if records else {}, "node_workers": node_workers(records),
+        "stop": any(r.stop for r in records), "save_ids": [save_id],
+        "paths": {r.node: location.display(r.group) for r in records},
+        **({"error": error} if error else {}),
+    }
+
+
 def cmd_ls(ctx: Context, args: argparse.Namespace) -> tuple[Document, int]:
     store, found = open_prefix(ctx, args.prefix)
     location = store.location
     rows: list[Document] = []
-    for step in found.steps.values():
-        records = [step.records[n] for n in step.nodes]
-        rows.append({
-            "epoch": step.epoch,
-            "state": "superseded" if step.epoch in found.superseded else "committed",
-            "nodes": step.nodes, "missing_nodes": [],
-            "bytes": step.nbytes, "node_bytes": {r.node: r.nbytes for r in records},
-            "blobs": sum(r.blob_count for r in records), "metrics": json_metrics(step.metrics),
-            "created": step.created, "created_utc": utc(step.created),
-            "writer": records[0].writer, "node_workers": node_workers(records),
-            "stop": any(r.stop for r in records), "save_ids": sorted({r.save_id for r in records}),
-        })
+
+    def committed(save: Save, state: str) -> None:
+        records = [save.records[n] for n in sorted(save.records)]
+        row = _row(save.epoch, state, save.save_id, records, location)
+        rows.append(row | {"metrics": json_metrics(save.metrics)})
+
+    superseded = []
+    for family in found.families.values():
+        for save in family.lineage:
+            committed(save, "committed")
+        for save in family.superseded:
+            committed(save, "superseded")
+            superseded.append(save.epoch)
     unreadable = {(ref.epoch, ref.save_id, ref.node): msg for ref, msg in found.unreadable}
-    for epoch, save_id, have, missing, by_node in found.partial:
-        records = [by_node[n] for n in have]
-        damaged = [unreadable.pop((epoch, save_id, n)) for n in missing
-                   if (epoch, save_id, n) in unreadable]
-        created = max((r.created for r in records), default=None)
-        rows.append({
-            "epoch": epoch, "state": "damaged record" if damaged else "partial", "nodes": have,
-            "missing_nodes": missing, "bytes": sum(r.nbytes for r in records),
-            "node_bytes": {r.node: r.nbytes for r in records},
-            "blobs": sum(r.blob_count for r in records),
-            "metrics": json_metrics(records[0].metrics) if records else {},
-            "created": created, "created_utc": utc(created) if created else None,
-            "writer": records[0].writer if records else {}, "node_workers": node_workers(records),
-            "stop": any(r.stop for r in records), "save_ids": [save_id],
-            **({"error": "; ".join(damaged)} if damaged else {}),
-        })
+    for part in found.partial:
+        records = [part.records[n] for n in part.have]
+        damaged = [unreadable.pop((part.epoch, part.save_id, n)) for n in part.missing
+                   if (part.epoch, part.save_id, n) in unreadable]
+        rows.append(_row(part.epoch, "damaged record" if damaged else "partial", part.save_id,
+                         records, location, part.missing, "; ".join(damaged) or None))
     for (epoch, save_id, node), message in unreadable.items():
-        rows.append({"epoch": epoch, "state": "damaged record", "nodes": [node],
-                     "missing_nodes": [], "bytes": 0, "node_bytes": {}, "blobs": 0,
-                     "metrics": {}, "created": None, "created_utc": None, "writer": {},
-                     "node_workers": {}, "stop": False, "save_ids": [save_id], "error": message})
+        rows.append(_row(epoch, "damaged record", save_id, [], location, error=message)
+                    | {"nodes": [node]})
     order = {"committed": 0, "superseded": 0, "partial": 1, "damaged record": 2}
-    rows.sort(key=lambda r: (r["epoch"], order[r["state"]]))
-    items = find_leftovers(store, min_age=0, found=found)
+    rows.sort(key=lambda r: (r["epoch"], order[r["state"]], r["save_ids"]))
+    items = find_leftovers(store, found, min_age=0)
     leftovers = [leftover_doc(location, x) for x in items
                  if x.kind != "partial save"]  # partial saves are rows above
     doc = {"prefix": location.display(), "epochs": rows, "leftovers": leftovers,
-           "committed_epochs": found.epochs(), "superseded_epochs": sorted(found.superseded)}
+           "committed_epochs": committed_epochs(found),
+           "superseded_epochs": sorted(set(superseded))}
     return doc, EXIT_OK

@@ -16,12 +16,12 @@ from caffe2ckpt.cli._context import (
     json_metrics,
     open_prefix,
     require_nodes,
-    require_step,
+    require_save,
 )
 from caffe2ckpt.errors import (
     CheckpointCorruptedError,
 )
-from caffe2ckpt.history.catalog import PrefixScan
+from caffe2ckpt.history.scan import PrefixScan
 from caffe2ckpt.store.protocol import CheckpointStore
 
 __all__ = ["cmd_show"]
@@ -37,38 +37,43 @@ def newest_epoch(store: CheckpointStore, found: PrefixScan) -> int:
 def cmd_show(ctx: Context, args: argparse.Namespace) -> tuple[Document, int]:
     store, found = open_prefix(ctx, args.prefix)
     epoch = newest_epoch(store, found) if args.epoch is None else args.epoch
-    step = require_step(store, found, epoch)
-    nodes = require_nodes(store, step, args.node)
+    save = require_save(store, found, epoch)
+    nodes = require_nodes(store, save, args.node)
     if args.verify:
         ctx.progress.start(f"verify epoch {epoch}",
-                           sum(step.records[n].nbytes for n in nodes))
+                           sum(save.records[n].nbytes for n in nodes))
     blobs: list[Document] = []
     problems: list[Document] = []
     for node in nodes:
+        record = save.records[node]
+        crcs: dict[str, tuple[int, ...]] = {}
         if args.verify:
-            check = check_node(store, node, epoch, ctx.progress, step.records[node].nbytes)
+            check = check_node(store, record, ctx.progress)
             manifest, states = check.manifest, check.blobs
             problems += [{"node": node, **e} for e in check.errors]
         else:
             try:
-                manifest, states = checked_manifest(store, node, epoch), {}
+                manifest, states = checked_manifest(store, record), {}
             except CheckpointCorruptedError as exc:
                 manifest = None
                 problems.append({"node": node, "blob": exc.blob, "error": str(exc)})
         if manifest is None:
             continue
+        crcs = manifest.chunk_crcs(record.crcs)
         for info in manifest.blobs.values():
             entry = {"node": node, "name": info.name, "dtype": info.dtype,
                      "shape": list(info.shape), "order": info.order, "bytes": info.nbytes,
                      "checksum": states.get(info.name, "recorded")}
             if info.path is not None:
-                entry.update(storage="array", path=info.path, chunks=len(info.crcs),
+                entry.update(storage="array", path=info.path, chunks=len(crcs[info.path]),
                              chunk_rows=info.chunk_rows)
             else:
                 entry.update(storage="packed", offset=info.offset)
             blobs.append(entry)
     ctx.progress.close()
     doc = {"prefix": store.location.display(), "epoch": epoch, "nodes": nodes,
+           "save_id": save.save_id, "superseded": found.is_superseded(save),
+           "paths": {n: store.where(save.records[n]) for n in nodes},
            "verified": bool(args.verify), "blobs": blobs, "problems": problems,
-           "metrics": json_metrics(step.metrics)}
+           "metrics": json_metrics(save.metrics)}
     return doc, EXIT_DAMAGED if problems else EXIT_OK

@@ -41,6 +41,8 @@ This is the only module that turns URLs into filesystems. It does not import zar
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import errno
 import logging
 import os
@@ -186,7 +188,7 @@ class Location:
             else:
                 data = self._read_head(path, limit + 1)
                 size = len(data)
-        except FileNotFoundError as exc:
+        except (FileNotFoundError, NotADirectoryError) as exc:  # nothing there
             raise CheckpointNotFoundError(f"{path} does not exist") from exc
         if limit is not None and max(size, len(data)) > limit:
             raise ValueError(f"{self.display(path)} is larger than the {limit} bytes such a "
@@ -218,7 +220,7 @@ class Location:
                 size = self._guard(self.fs.info, path).get("size")
                 return None if size is None else int(size)
             fd = localio.open_regular(path, self.root)
-        except FileNotFoundError as exc:
+        except (FileNotFoundError, NotADirectoryError) as exc:  # nothing there
             raise CheckpointNotFoundError(f"{path} does not exist") from exc
         try:
             return os.fstat(fd).st_size
@@ -250,10 +252,12 @@ class Location:
 
     # -- writes --------------------------------------------------------------------------------
 
-    def makedirs(self, path: str) -> list[str]:
-        """Create directory ``path`` and its missing parents; return those this call created,
-        outermost first, on local disks (their parents need an fsync for them to last), else
-        []."""
+    def makedirs(self, path: str, *, batch: localio.SyncBatch | None = None) -> list[str]:
+        """Create directory ``path`` and its missing parents, durably: on local disks the
+        parent of every directory this call created is fsync'ed (with ``batch``, when
+        :meth:`make_durable` flushes it). Every writer creates directories through here, so
+        none is left to chance on a power failure. Returns the directories created, outermost
+        first (local disks; elsewhere [])."""
         if not self.is_local:
             if self._bucket_checked:  # an object store whose bucket this Location has seen
                 return []
@@ -274,16 +278,29 @@ class Location:
         if not os.path.isdir(path):
             # not FileExistsError: callers retry an exclusive create on that
             raise NotADirectoryError(errno.ENOTDIR, "exists and is not a directory", path)
+        self._sync_dirs([posixpath.dirname(d) for d in created], batch)
         return created
 
-    def create_exclusive(self, path: str, data: bytes) -> None:
-        """Write ``data`` to a new file ``path`` in one step, durably.
+    @staticmethod
+    def _sync_dirs(dirs: list[str], batch: localio.SyncBatch | None) -> None:
+        """fsync ``dirs`` now, or hand them to ``batch`` (local disks only)."""
+        if batch is not None:
+            batch.add_dirs(dirs)
+            return
+        for directory in dirs:
+            localio.fsync_dir(directory)
+
+    def create_exclusive(self, path: str, data: bytes, *,
+                         batch: localio.SyncBatch | None = None) -> None:
+        """Write ``data`` to a new file ``path`` in one step, durably (with ``batch``, its
+        directory's entry becomes durable when :meth:`make_durable` flushes the batch; the
+        file itself is flushed before it gets its name).
 
         Raises:
             FileExistsError: ``path`` already exists; nothing was changed.
         """
         directory = posixpath.dirname(path)
-        self.makedirs(directory)
+        self.makedirs(directory, batch=batch)
         if isinstance(self.fs, MemoryFileSystem):
             with _MEMORY_CREATES:
                 if self.fs.exists(path):
@@ -306,11 +323,45 @@ class Location:
             os.link(tmp, path)  # fails with FileExistsError if a record is already there
         finally:
             os.unlink(tmp)
+        self._sync_dirs([directory], batch)
+
+    def create_group(self, path: str, first: str, data: bytes, *,
+                     batch: localio.SyncBatch | None = None) -> None:
+        """Take directory ``path`` for one writer: create it with its file ``first`` holding
+        ``data``, or raise ``FileExistsError`` if anyone took it before (also an interrupted
+        writer or a removal in progress: the path is then never shared). On local disks the
+        directory itself must be new (``mkdir``); elsewhere ``first`` is created exclusively.
+        The file is flushed with ``batch`` (local disks)."""
+        if not self.is_local:
+            self.create_exclusive(f"{path}/{first}", data)
+            return
+        self.makedirs(posixpath.dirname(path), batch=batch)
+        os.mkdir(path)  # FileExistsError: taken
+        self._sync_dirs([posixpath.dirname(path), path], batch)
+        self.write_file(f"{path}/{first}", [data], batch=batch, exclusive=True)
+
+    def replace_file(self, path: str, data: bytes) -> None:
+        """Write ``data`` to ``path`` whole, replacing what is there (a reader sees the old or
+        the new content, never a mix), durably on local disks."""
+        if not self.is_local:
+            self._guard(self.fs.pipe_file, path, data)
+            return
+        directory = posixpath.dirname(path)
+        self.makedirs(directory)
+        tmp = posixpath.join(directory, f".tmp-{uuid.uuid4().hex}")
+        try:
+            self.write_file(tmp, [data], exclusive=True)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
         localio.fsync_dir(directory)
 
     def write_file(self, path: str, buffers: list[Any], *,
-                   batch: localio.SyncBatch | None = None) -> None:
-        """Write the concatenation of ``buffers`` to ``path`` (parents must exist locally).
+                   batch: localio.SyncBatch | None = None, exclusive: bool = False) -> None:
+        """Write the concatenation of ``buffers`` to ``path`` (parents must exist locally);
+        with ``exclusive``, a file that exists is ``FileExistsError`` (local disks).
 
         On local disks the file is made durable on the descriptor it was written through:
         ``fdatasync``'ed before returning, or with ``batch`` handed over open (its write-out
@@ -321,7 +372,8 @@ class Location:
             self._guard(self.fs.pipe_file, path,
                         bytes(data) if not isinstance(data, bytes) else data)
             return
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else os.O_TRUNC),
+                     0o644)
         try:
             for buf in buffers:
                 view = memoryview(buf).cast("B")
@@ -358,7 +410,7 @@ class Location:
             return data[len(out):]
         try:
             return localio.read_into(path, out, trailer, root=self.root)
-        except FileNotFoundError as exc:
+        except (FileNotFoundError, NotADirectoryError) as exc:  # nothing there
             raise CheckpointNotFoundError(f"{path} does not exist") from exc
 
     def sync_batch(self) -> localio.SyncBatch | None:
@@ -427,33 +479,59 @@ class Location:
             except FileNotFoundError:
                 pass
 
-    def move(self, src: str, dst: str) -> None:
-        """Move tree ``src`` to ``dst``, which must not exist. Atomic only on local disks;
-        elsewhere a copy of each file that never overwrites one.
+    def remove_files(self, directory: str, names: list[str]) -> None:
+        """Delete exactly the files ``names`` (paths relative to ``directory``), then the
+        subdirectories they leave empty and ``directory`` itself if it is empty. No listing and
+        no pattern is ever involved, so only what was named goes (also when another writer
+        shares the directory), and a missing file is fine. On local disks a symbolic link on
+        the way from the prefix to ``directory`` is deleted itself, as :meth:`remove` does."""
+        subdirs = sorted({posixpath.dirname(n) for n in names if "/" in n},
+                         key=lambda d: -d.count("/"))
+        if self.is_local:
+            if _first_link(self.root, directory) is not None:
+                _remove_local(self.root, directory)
+                return
+            for name in names:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(f"{directory}/{name}")
+            for sub in [*(f"{directory}/{d}" for d in subdirs), directory]:
+                with contextlib.suppress(FileNotFoundError, OSError):
+                    os.rmdir(sub)  # ENOTEMPTY: something unnamed is there; it stays
+            localio.fsync_dir(posixpath.dirname(directory))
+            return
+        for name in names:
+            with contextlib.suppress(FileNotFoundError):
+                self._guard(self.fs.rm_file, f"{directory}/{name}")
+        if not self._guard(self.fs.exists, directory):  # an object store: no directories left
+            return
+        for sub in [*(f"{directory}/{d}" for d in subdirs), directory]:
+            with contextlib.suppress(FileNotFoundError, OSError):
+                if not self.fs.ls(sub, detail=False):  # memory://, wrapped local disks
+                    self.fs.rmdir(sub)
+
+    def modified(self, path: str) -> float | None:
+        """When file ``path`` was last written, as a POSIX timestamp by the filesystem's (or
+        object store's) clock; None if it does not say.
 
         Raises:
-            FileExistsError: ``dst`` (or, off local disks, one of its files) exists.
-            FileNotFoundError: ``src`` holds nothing.
+            CheckpointNotFoundError: there is no such file.
         """
-        if self.exists(dst):
-            raise FileExistsError(f"cannot move {src} to {dst}: the destination exists")
-        self.makedirs(posixpath.dirname(dst))
-        if self.is_local:
-            os.rename(src, dst)
-            localio.fsync_dir(posixpath.dirname(dst))
-            localio.fsync_dir(posixpath.dirname(src))
-            return
-        # Copy through this process rather than fs.mv: object stores have no rename, and their
-        # server-side copy mishandles keys with '%' (escaped blob names) in s3fs. Each copy is
-        # an exclusive create: a copy that is late (its run stalled, then was fenced) can never
-        # overwrite a file that another save has put there and committed meanwhile.
-        root = src.rstrip("/")
-        paths = self._guard(self.fs.find, root)
-        if not paths:
-            raise FileNotFoundError(f"cannot move {src} to {dst}: it holds no files")
-        for path in paths:
-            self.create_exclusive(dst + path[len(root):], self._guard(self.fs.cat_file, path))
-        self.remove(root)  # not fs.rm: it would expand glob characters in the node name
+        try:
+            if self.is_local:
+                return os.lstat(path).st_mtime
+            info = self._guard(self.fs.info, path)
+        except (FileNotFoundError, NotADirectoryError) as exc:  # nothing there
+            raise CheckpointNotFoundError(f"{path} does not exist") from exc
+        for key in ("mtime", "LastModified", "last_modified", "updated", "created"):
+            value = info.get(key)
+            if isinstance(value, datetime.datetime):
+                return value.timestamp()
+            if isinstance(value, (int, float)):
+                return float(value)
+            if isinstance(value, str):
+                with contextlib.suppress(ValueError):
+                    return datetime.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+        return None
 
 
 def _remove_local(root: str, path: str) -> None:

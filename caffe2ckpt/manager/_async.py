@@ -21,27 +21,28 @@ __all__ = ["AsyncSaving"]
 
 
 class AsyncSaving:
-    """Mixed into the managers, which provide ``_group``, ``_require_files``, ``_record_save``
-    and ``last_records``, and call :meth:`_note_pending` for each node a save left in the
-    background and set ``_save_group`` to the save group that ran."""
+    """Mixed into the managers, which provide ``_group``, ``_require_files`` and
+    ``_record_save``, call :meth:`_note_pending` for each node a save left in the background
+    and set ``_save_group_ran`` to the save group that ran."""
 
     def _init_async(self, async_save: bool) -> None:
         # this manager's key for its background saves in each process running its nodes
         self._background = f"manager-{uuid.uuid4().hex}" if async_save else None
         if self._background is not None:  # a manager never closed leaves no buffers behind here
             weakref.finalize(self, nodeops.forget_saves, self._background)
-        self._pending: tuple[int, set[str]] | None = None  # epoch in flight and its nodes
-        self._save_group: Any = None  # the last save group run: its session holds the saves
+        # the epoch in flight, its save id and its nodes
+        self._pending: tuple[int, str, set[str]] | None = None
+        self._save_group_ran: Any = None  # the last save group run: its session holds the saves
 
-    def _note_pending(self, epoch: int, node: str) -> None:
+    def _note_pending(self, epoch: int, node: str, save_id: str) -> None:
         if self._background is not None:
             if self._pending is None:
-                self._pending = (epoch, set())
-            self._pending[1].add(node)
+                self._pending = (epoch, save_id, set())
+            self._pending[2].add(node)
 
     def _saves_session(self) -> Any:
         """The session whose nodes hold this manager's background saves, if it is remote."""
-        group = self._save_group
+        group = self._save_group_ran
         session = group.tasks[0].last_session if group is not None and group.tasks else None
         return session if getattr(session, "remote", False) else None
 
@@ -59,10 +60,10 @@ class AsyncSaving:
         """
         if self._pending is None:
             return {}
-        epoch, nodes = self._pending
+        epoch, save_id, nodes = self._pending
         self._pending = None
-        self.last_records = {}
-        record, session = self._record_save(epoch), self._saves_session()
+        records: dict[str, CommitRecord] = {}
+        record, session = self._record_save(epoch, save_id, records), self._saves_session()
         if session is not None:
             session.run(self._group("checkpoint_wait", lambda node, _: partial(
                 nodeops.wait_saves, self._background, node, epoch if node in nodes else None),
@@ -77,7 +78,7 @@ class AsyncSaving:
                     errors.append(exc)
             if errors:
                 raise errors[0]
-        return dict(self.last_records)
+        return records
 
     def close(self) -> None:
         """Wait for a background save (raising its failure) and release its buffers, also on

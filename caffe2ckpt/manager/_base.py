@@ -1,46 +1,68 @@
-"""Caffe2's checkpoint managers: build the tasks that init, save and load node workspaces.
+"""What both Caffe2 checkpoint managers share: build the tasks that init, save and load node
+workspaces, and keep the run their saves belong to.
 
 As in Caffe2, ``init``, ``save`` and ``load`` return a runnable (a :class:`TaskGroup` with one
 task per node) that the caller runs with ``session.run(...)``; the other methods act directly.
-The tasks are functions of :mod:`caffe2ckpt.manager._nodeops` bound to their arguments: they run wherever
-the session runs the node (a thread here, a Dask actor elsewhere) and return blob lists,
-records and timings, which the manager records once the group ran (``Task.on_result``).
-:class:`CheckpointManager` is the one-node case of :class:`MultiNodeCheckpointManager`'s
-machinery: the same code with one node whose files carry ``node_name``.
+The tasks are functions of :mod:`caffe2ckpt.manager._nodeops` bound to their arguments: they run
+wherever the session runs the node (a thread here, a Dask actor elsewhere) and return blob
+lists, records and timings, which the manager collects as each task ends (``Task.on_result``).
+
+Which committed save "epoch e" means, where a save's run starts and what retention removes are
+:class:`~caffe2ckpt.history.current.CurrentRun`'s answers; the runner gets a save's outcome as
+the return value of :meth:`BaseCheckpointManager.save_checkpoint` and
+:meth:`BaseCheckpointManager.finish_save`.
 """
 
 from __future__ import annotations
 
-import abc
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-import numpy as np
-
+from caffe2ckpt.background import ClosedOnExit
+from caffe2ckpt.errors import (
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+    InvalidLocationError,
+    JobDefinitionError,
+    writing,
+)
+from caffe2ckpt.fs.location import Location
+from caffe2ckpt.history.current import CurrentRun
+from caffe2ckpt.history.lineage import Save
+from caffe2ckpt.job import Node, Task, TaskGroup
 from caffe2ckpt.manager import _nodeops as nodeops
 from caffe2ckpt.manager._async import AsyncSaving
-from caffe2ckpt.background import ClosedOnExit
-from caffe2ckpt.store.protocol import CheckpointStore, SaveInfo, claim_generation
-from caffe2ckpt.store.records import CommitRecord, new_save_id
-from caffe2ckpt.errors import InvalidLocationError, JobDefinitionError, writing
-from caffe2ckpt.job import Node, Task, TaskGroup
-from caffe2ckpt.fs.location import Location
+from caffe2ckpt.manager._nodeops import DB_EXISTS, Timed
 from caffe2ckpt.metadata import MetadataHandler, ZarrMetadataHandler
 from caffe2ckpt.naming import check_epoch, check_node_name, db_name
-from caffe2ckpt.manager._nodeops import DB_EXISTS, Timed
+from caffe2ckpt.policy import StepManagerOptions
 from caffe2ckpt.session import Session
+from caffe2ckpt.store.layout import new_save_id
+from caffe2ckpt.store.protocol import CheckpointStore, SaveInfo
+from caffe2ckpt.store.records import CommitRecord, list_records
+from caffe2ckpt.store.runs import Run
 from caffe2ckpt.store.zarrgroup import DEFAULT_PACK_THRESHOLD
 from caffe2ckpt.workspace import WorkspaceType
 
-__all__ = ["BaseCheckpointManager", "CheckpointManager", "MultiNodeCheckpointManager",
-           "UploadTaskGroupBuilder"]
+__all__ = ["BaseCheckpointManager", "SaveOutcome"]
 
 logger = logging.getLogger(__name__)
 
-_UNSET = object()
 _DB_TYPES = ("zarr",)
+NEWEST: Any = object()  # claim(): the run continues from the newest save of the lineage
+
+
+@dataclass(frozen=True)
+class SaveOutcome:
+    """What became of one epoch's save: committed (``records`` by node), or still being
+    written in the background (``pending``)."""
+
+    epoch: int
+    records: dict[str, CommitRecord] = field(default_factory=dict)
+    pending: bool = False
 
 
 class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
@@ -75,10 +97,8 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
         self._path_type: str | None = None
         self._stats: dict[str, int] = {}
         self._param_nodes: list[str] = []
+        self._runs: dict[tuple[str, frozenset[str]], CurrentRun] = {}
         self._init_async(async_save)
-        self._claim: str | None = None  # this manager's run: its claim and where it started
-        self._parent: Any = _UNSET  # (epoch, generation) or None once claim() said
-        self.last_records: dict[str, CommitRecord] = {}
 
     # -- properties ------------------------------------------------------------------------------
 
@@ -92,9 +112,9 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
         return self._store
 
     @property
-    def run_claim(self) -> str | None:
-        """This manager's claim on the prefix (see :meth:`claim`), once it has one."""
-        return self._claim
+    def run(self) -> Run | None:
+        """This manager's current run on the prefix (see :meth:`claim`), once it has one."""
+        return self.current().run
 
     def file_nodes(self) -> list[str]:
         """Node names as they appear in checkpoint files, in node order (from ``init``, else
@@ -102,6 +122,17 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
         if self._files is None and self._param_nodes:
             return list(self._param_nodes)
         return list(self._require_files().values())
+
+    def current(self, store: CheckpointStore | None = None,
+                nodes: Collection[str] | None = None) -> CurrentRun:
+        """The run and lineage view of the family ``nodes`` (default: this manager's nodes)
+        under ``store`` (default: this manager's prefix)."""
+        store = store or self._store
+        family = frozenset(self.file_nodes() if nodes is None else nodes)
+        key = (store.location.url, family)
+        if key not in self._runs:
+            self._runs[key] = CurrentRun(store, family)
+        return self._runs[key]
 
     def _require_files(self) -> dict[str, str]:
         if self._files is None:
@@ -144,14 +175,72 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
                 self._stats[db_name(epoch, file_node, self._db_prefix)] = result.ns
         return collect
 
-    def _record_save(self, epoch: int) -> Callable[[str, str, Timed | None], None]:
+    def _record_save(self, epoch: int, save_id: str,
+                     into: dict[str, CommitRecord]) -> Callable[[str, str, Timed | None], None]:
+        """Collect each node's record of a save into ``into``; once every node committed,
+        the run learns of the committed save."""
         timed = self._record_time(epoch)
 
         def collect(node: str, file_node: str, result: Timed | None) -> None:
-            if result is not None:
-                self.last_records[node] = result.value
-                timed(node, file_node, result)
+            if result is None:
+                return
+            into[file_node] = result.value
+            timed(node, file_node, result)
+            if len(into) == len(self._require_files()):
+                self.current().committed(Save(epoch, save_id, dict(into)))
         return collect
+
+    # -- which save an epoch means -----------------------------------------------------------
+
+    def lineage_save(self, epoch: int, store: CheckpointStore | None = None) -> Save | None:
+        """The committed save of ``epoch`` on the current lineage of this manager's nodes (None
+        when there is none: never committed, partial, or superseded)."""
+        return self.current(store).lineage_save(check_epoch(epoch))
+
+    def _save_holding(self, nodes: Collection[str], epoch: int,
+                      store: CheckpointStore | None = None) -> Save | None:
+        """The lineage save of ``epoch`` of the family ``nodes``, or else one of a family that
+        holds them all (loading some nodes of a bigger job's checkpoint, as Caffe2 allows)."""
+        store = store or self._store
+        save = self.current(store, nodes).lineage_save(epoch)
+        if save is not None:
+            return save
+        families = set()
+        for ref in list_records(store.location):
+            if ref.epoch == epoch and ref.node in nodes:
+                record = store.read_or_reason(ref)
+                if not isinstance(record, str) and set(record.nodes) > set(nodes):
+                    families.add(frozenset(record.nodes))
+        for family in sorted(families, key=sorted):
+            save = self.current(store, family).lineage_save(epoch)
+            if save is not None:
+                return save
+        return None
+
+    def _require_save(self, epoch: int, store: CheckpointStore) -> Save:
+        save = self._save_holding(self.file_nodes(), epoch, store)
+        if save is None:
+            raise CheckpointNotFoundError(
+                f"epoch {epoch} is not committed for nodes {self.file_nodes()} under "
+                f"{store.location.display()!r} (or a later run superseded it)")
+        return save
+
+    def _node_record(self, file_node: str, epoch: int) -> CommitRecord | None:
+        """The record of ``file_node`` at ``epoch``: of this manager's nodes' save, or else of
+        a save holding that node (Caffe2's per-node partial loads)."""
+        save = self._save_holding(self.file_nodes(), epoch) or self._save_holding(
+            [file_node], epoch)
+        return None if save is None else save.records.get(file_node)
+
+    def committed_epochs(self) -> Iterator[int]:
+        """The committed epochs of the current lineage, newest first (read lazily)."""
+        return (save.epoch for save in self.lineage())
+
+    def lineage(self) -> Iterator[Save]:
+        """The committed saves of the current lineage, newest first (read lazily)."""
+        current = self.current()
+        return iter(current.family().lineage) if current._family is not None else (
+            s for s in _lazy_lineage(current))
 
     # -- Caffe2 API ------------------------------------------------------------------------------
 
@@ -160,12 +249,14 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
         if not self._bind_nodes(files) and retrieve_from_epoch is None:
             return TaskGroup(WorkspaceType.GLOBAL, name="checkpoint_init")  # reuse: keep lists
         store = self._source(path_prefix, path_type)
-        epoch = None if retrieve_from_epoch is None else check_epoch(retrieve_from_epoch)
-
-        def make(node: str, file_node: str) -> Any:
-            if epoch is None:
+        if retrieve_from_epoch is None:
+            def make(node: str, file_node: str) -> Any:
                 return nodeops.blob_names
-            return partial(nodeops.manifest_names, store, file_node, epoch)
+        else:
+            save = self._require_save(check_epoch(retrieve_from_epoch), store)
+
+            def make(node: str, file_node: str) -> Any:
+                return partial(nodeops.manifest_names, store, save.records[file_node])
 
         return self._group("checkpoint_init", make,
                            lambda node, _, names: self._blob_names.__setitem__(node, names))
@@ -191,78 +282,131 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
 
     def load(self, epoch: int, path_prefix: str | None = None,
              path_type: str | None = None) -> TaskGroup:
-        """A runnable that restores every node's checkpointed blobs from ``epoch``."""
+        """A runnable that restores every node's checkpointed blobs from ``epoch`` (the
+        current lineage's save of it)."""
         epoch = check_epoch(epoch)
         store = self._source(path_prefix, path_type)
+        save = self._require_save(epoch, store)
         return self._group("checkpoint_load", lambda node, file_node: partial(
-            nodeops.load, store, file_node, epoch, self._names(node), True),
+            nodeops.load, store, save.records[file_node], self._names(node), True),
             self._record_time(epoch), epoch=epoch)
 
     def load_blobs_from_checkpoint(self, blob_names: Sequence[str], epoch: int) -> TaskGroup:
         """A runnable that loads only ``blob_names`` (those present) from ``epoch``."""
         epoch = check_epoch(epoch)
         names = list(blob_names)
-        return self._group("checkpoint_partial_load", lambda _, file_node: partial(
-            nodeops.load, self._store, file_node, epoch, names, False), self._record_time(epoch),
-            epoch=epoch)
+
+        def make(node: str, file_node: str) -> Any:
+            record = self._node_record(file_node, epoch)
+            if record is None:
+                raise CheckpointNotFoundError(
+                    f"epoch {epoch} is not committed for node {file_node!r} under {self.url!r}")
+            return partial(nodeops.load, self._store, record, names, False)
+
+        return self._group("checkpoint_partial_load", make, self._record_time(epoch),
+                           epoch=epoch)
 
     def check_db_exists(self, epoch: int) -> TaskGroup:
         """A runnable whose per-node output ``caffe2ckpt/db_exists`` says whether that node's
-        checkpoint of ``epoch`` is committed."""
+        checkpoint of ``epoch`` is committed (on the current lineage)."""
         epoch = check_epoch(epoch)
         group = TaskGroup(WorkspaceType.GLOBAL, name="check_db_exists", epoch=epoch)
         for node, file_node in self._require_files().items():
-            Task(partial(nodeops.db_exists, self._store, file_node, epoch),
-                 name="check_db_exists", group=group, node=node, outputs=[DB_EXISTS])
+            exists = self._node_record(file_node, epoch) is not None
+            Task(partial(nodeops.db_exists, exists), name="check_db_exists", group=group,
+                 node=node, outputs=[DB_EXISTS])
         return group
-
-    def _committed(self, file_node: str, epoch: int) -> bool:
-        return nodeops.committed(self._store, file_node, epoch)
 
     def save(self, epoch: int, *, stop: bool = False, stop_conditions: Sequence[str] = (),
              metrics: dict[str, float] | None = None, writer: dict[str, Any] | None = None,
-             claim: str | None = None) -> TaskGroup:
+             claim: Run | None = None) -> TaskGroup:
         """A runnable that saves and commits every node's checkpointed blobs as ``epoch``.
 
         The keyword arguments are kept in the commit records (the runner passes the epoch's stop
         decision and the session's writer info). Saves belong to this manager's run (see
-        :meth:`claim`; claimed here on the first save if not before, continuing the lineage from
-        the newest committed epoch below ``epoch``): they refuse to commit once a newer run has
-        claimed the prefix. An explicit ``claim`` from another manager's :meth:`claim` makes the
-        save part of that run instead.
+        :meth:`claim`): a save above the run's newest save continues it; any other save starts
+        a new run that continues the lineage from the newest committed epoch below ``epoch``
+        (so going back supersedes the saves above it). A run refuses to commit once a newer run
+        has claimed the prefix. An explicit ``claim`` (another manager's :meth:`claim`) makes
+        the save part of that run instead.
 
         With ``async_save``, running it only snapshots the blobs; they are written and committed
         in the background (see :meth:`wait_until_finished`). A previous background save is
         waited for first, and its failure is raised here.
         """
+        return self._save_group(epoch, {}, stop=stop, stop_conditions=stop_conditions,
+                                metrics=metrics, writer=writer, claim=claim)
+
+    def _save_group(self, epoch: int, into: dict[str, CommitRecord], *, stop: bool,
+                    stop_conditions: Sequence[str], metrics: dict[str, float] | None,
+                    writer: dict[str, Any] | None, claim: Run | None = None) -> TaskGroup:
         epoch = check_epoch(epoch)
         self.wait_until_finished()
         if claim is None:
-            if self._claim is None:  # a save never goes without a claim: unfenced, and of no
-                # generation, its epochs would rank below every claimed run's
-                parent = (self._parent if self._parent is not _UNSET
-                          else self._store.parent_before(epoch, self.file_nodes()))
-                with writing(f"claiming {self.url!r} to save epoch {epoch}", epoch):
-                    self.claim(writer, parent=parent)
-            claim = self._claim
-        parent = (self._parent if claim == self._claim
-                  else self._store.parent_before(epoch, self.file_nodes()))
-        info = SaveInfo(save_id=new_save_id(claim_generation(claim)), nodes=self.file_nodes(),
-                        stop=bool(stop), stop_conditions=tuple(stop_conditions), metrics=metrics,
-                        writer=writer, claim=claim, parent=parent)
-        self.last_records = {}
-        record = self._record_save(epoch)
+            with writing(f"claiming {self.url!r} to save epoch {epoch}", epoch):
+                run = self.current().run_for(epoch, writer)
+        else:
+            run = claim
+            if run.parent is not None and epoch <= run.parent[0]:
+                raise JobDefinitionError(
+                    f"run {run.generation} started from epoch {run.parent[0]}: it cannot save "
+                    f"epoch {epoch} (a run saves only above where it started)")
+        save_id = new_save_id(run.generation)
+        info = SaveInfo(save_id=save_id, nodes=self.file_nodes(), stop=bool(stop),
+                        stop_conditions=tuple(stop_conditions), metrics=metrics, writer=writer,
+                        parent=run.parent)
+        with writing(f"saving epoch {epoch} to {self.url!r}", epoch):
+            self._store.write_hint(self.file_nodes(), epoch, save_id)
+        record = self._record_save(epoch, save_id, into)
 
         def collect(node: str, file_node: str, result: Timed | None) -> None:
-            self._save_group = group
+            self._save_group_ran = group
             if result is None:
-                self._note_pending(epoch, node)
+                self._note_pending(epoch, node, save_id)
             record(node, file_node, result)
 
         group = self._group("checkpoint_save", lambda node, file_node: partial(
             nodeops.save, self._store, node, file_node, epoch, self._names(node), info,
             self._background), collect, epoch=epoch)
         return group
+
+    def save_checkpoint(self, session: Session, epoch: int, *, stop: bool = False,
+                        stop_conditions: Sequence[str] = (),
+                        metrics: dict[str, float] | None = None,
+                        writer: dict[str, Any] | None = None) -> SaveOutcome:
+        """Run the save of ``epoch`` on ``session`` and return its outcome (what the runner
+        uses; :meth:`save` is Caffe2's runnable)."""
+        into: dict[str, CommitRecord] = {}
+        session.run(self._save_group(epoch, into, stop=stop, stop_conditions=stop_conditions,
+                                     metrics=metrics, writer=writer))
+        if self.pending_epoch == epoch:
+            return SaveOutcome(epoch, pending=True)
+        return self._outcome(epoch, into)
+
+    def finish_save(self) -> SaveOutcome | None:
+        """Wait for a background save and return its outcome (None: none was in flight).
+
+        Raises:
+            CheckpointWriteError: it failed.
+        """
+        epoch = self.pending_epoch
+        if epoch is None:
+            return None
+        return self._outcome(epoch, self.wait_until_finished())
+
+    def _outcome(self, epoch: int, records: dict[str, CommitRecord]) -> SaveOutcome:
+        nodes = self.file_nodes()
+        if sorted(records) != sorted(nodes):
+            raise CheckpointWriteError(
+                f"checkpoint of epoch {epoch}: only nodes {sorted(records)} of {nodes} committed",
+                epoch=epoch)
+        return SaveOutcome(epoch, dict(records))
+
+    def retain(self, options: StepManagerOptions | None,
+               protect: Collection[int] = ()) -> list[Save]:
+        """Apply ``options``' retention to this manager's lineage (fenced by its run); return
+        the saves removed (see :mod:`caffe2ckpt.history.retention`)."""
+        return self.current().retain(options, protect)
 
     def write_checkpoint_metadata(self, epoch: int) -> None:
         if self._metadata_handler is not None:
@@ -313,155 +457,23 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
         if self._metadata_handler is not None:
             self._metadata_handler.report(action_name, stats)
 
-    # -- beyond Caffe2: what the runner needs to resume safely ------------------------------------
+    # -- beyond Caffe2: runs ---------------------------------------------------------------------
 
     def claim(self, writer: dict[str, Any] | None = None, *,
-              parent: tuple[int, int] | None = None) -> str:
-        """Start a run: claim the prefix (see :meth:`CheckpointStore.claim`; older runs are
-        fenced off) for the saves that follow. ``parent`` is the committed save the run
-        resumed from, as (epoch, generation), or None for a fresh start, which supersedes every
-        earlier run's epochs (see :mod:`caffe2ckpt.history.lineage`)."""
-        self._parent = parent  # kept even if claiming fails: the first save claims again
-        self._claim = self._store.claim(writer)
-        return self._claim
-
-    def epoch_records(self, epoch: int) -> dict[str, CommitRecord] | None:
-        """The records committing ``epoch`` for every node, or None."""
-        return self._store.epoch_records(epoch, self.file_nodes())
-
-    def committed_epochs(self) -> Iterator[int]:
-        """The committed epochs of the current lineage, newest first (read lazily)."""
-        return self._store.lineage_epochs(self.file_nodes())
+              parent: Any = NEWEST) -> Run:
+        """Start a run (its entry in the run log; older runs are fenced off) for the saves that
+        follow. ``parent`` is the committed save the run resumed from, as (epoch, generation);
+        by default the newest save of the current lineage (the run continues it); None is a
+        fresh start, which supersedes every earlier run's epochs (see
+        :mod:`caffe2ckpt.history.lineage`). If the claim fails, the first save claims again
+        with the same parent."""
+        if parent is NEWEST:
+            newest = self.current().newest()
+            parent = None if newest is None else (newest.epoch, newest.generation)
+        return self.current().start(parent, writer)
 
 
-class MultiNodeCheckpointManager(BaseCheckpointManager):
-    """Checkpoints every node of a job: ``<db_prefix>/<node>.<epoch>`` per node and epoch.
+def _lazy_lineage(current: CurrentRun) -> Iterator[Save]:
+    from caffe2ckpt.history.scan import family_history
 
-    Args:
-        db_prefix: a local path or any fsspec URL.
-        db_type: ``"zarr"``.
-        metadata_handler: decides the resume epoch. Default: a :class:`ZarrMetadataHandler`,
-            so a retried or re-run job resumes from its newest committed epoch.
-        storage_options: fsspec options for ``db_prefix``.
-        filesystem: an fsspec filesystem to use instead of one made from the URL.
-        pack_threshold: blobs smaller than this many bytes are packed together.
-        async_save: write and commit in the background after a snapshot (see ``save``).
-        auto_resume: with ``False`` and no ``metadata_handler``, Caffe2's behaviour: a job
-            resumes only from an explicit ``resume_from_epoch`` and otherwise starts from
-            scratch; its fresh start then supersedes the epochs already committed.
-
-    Example:
-        >>> cm = MultiNodeCheckpointManager("memory://doc/ckpt")
-        >>> _ = cm.init(["trainer_0", "trainer_1"])
-        >>> cm.get_ckpt_db_name("trainer_1", 5)
-        'memory://doc/ckpt/trainer_1.5'
-    """
-
-    def init(self, nodes: Sequence[str | Node], retrieve_from_epoch: int | None = None,
-             path_prefix: str | None = None, path_type: str | None = None) -> TaskGroup:
-        """A runnable that fixes each node's blob list: the blobs in its workspace now (fresh
-        start) or those in its checkpoint of ``retrieve_from_epoch``. On a manager already
-        initialised for the same nodes it is empty and the lists are kept."""
-        if isinstance(nodes, str):
-            raise JobDefinitionError(f"nodes must be a list of node names, not the string {nodes!r}")
-        names = [_node_str(n) for n in nodes]
-        return self._init({n: n for n in names}, retrieve_from_epoch, path_prefix, path_type)
-
-    def blob_list(self) -> dict[str, list[str]]:
-        """``{node: [checkpointed blob names]}``."""
-        return {node: list(self._names(node)) for node in self._require_files()}
-
-    def set_params(self, nodes: Sequence[str | Node], path_prefix: str | None = None,
-                   path_type: str | None = None) -> None:
-        self._set_params([_node_str(n) for n in nodes], path_prefix, path_type)
-
-    def get_ckpt_db_name(self, node_name: str, epoch: int) -> str | None:
-        """Where ``node_name``'s checkpoint of ``epoch`` lives, or None for an unknown node."""
-        file_node = self._require_files().get(str(node_name))
-        return None if file_node is None else db_name(check_epoch(epoch), file_node,
-                                                      self._db_prefix)
-
-    def load_blobs_locally(self, nodes: Sequence[str | Node], blob_names: Sequence[str],
-                           epoch: int, session: Session) -> bool:
-        """Load ``blob_names`` from every node's checkpoint of ``epoch`` into that node's
-        workspace. Returns False, loading nothing, if any node's checkpoint is not committed."""
-        files = {_node_str(n): _node_str(n) for n in nodes}
-        if self._files is None:
-            self._bind_nodes(files)
-        elif self._files != files:
-            raise JobDefinitionError(f"manager is bound to nodes {list(self._files)}, "
-                                     f"not {list(files)}")
-        epoch = check_epoch(epoch)
-        missing = [n for n in files.values() if not self._committed(n, epoch)]
-        if missing:
-            logger.info("no committed checkpoint of epoch %d for nodes %s", epoch, missing)
-            return False
-        session.run(self.load_blobs_from_checkpoint(blob_names, epoch))
-        found = {b for node in files for b in blob_names if b in session.workspace(node)}
-        absent = [b for b in blob_names if b not in found]
-        if absent:
-            logger.warning("blobs %s were in no node's checkpoint of epoch %d", absent, epoch)
-        return True
-
-
-class CheckpointManager(BaseCheckpointManager):
-    """Checkpoints one node: ``<db_prefix>/<node_name>.<epoch>``.
-
-    ``node_name`` names the files; the workspace saved and loaded is that of the node passed to
-    ``init(nodes=[...])`` (default: ``node_name``). Same storage and commits as the multi-node
-    manager.
-    """
-
-    def __init__(
-        self,
-        db_prefix: str,
-        node_name: str,
-        db_type: str = "zarr",
-        metadata_handler: MetadataHandler | None = None,
-        *,
-        storage_options: dict[str, Any] | None = None,
-        filesystem: Any = None,
-        pack_threshold: int = DEFAULT_PACK_THRESHOLD,
-        async_save: bool = False,
-        auto_resume: bool = True,
-    ) -> None:
-        super().__init__(db_prefix, db_type, metadata_handler, storage_options=storage_options,
-                         filesystem=filesystem, pack_threshold=pack_threshold,
-                         async_save=async_save, auto_resume=auto_resume)
-        self._node_name = check_node_name(node_name)
-
-    def init(self, nodes: Sequence[str | Node] | None = None,
-             retrieve_from_epoch: int | None = None, path_prefix: str | None = None,
-             path_type: str | None = None) -> TaskGroup:
-        """Like :meth:`MultiNodeCheckpointManager.init` for one node."""
-        if nodes is not None and len(nodes) != 1:
-            raise JobDefinitionError(
-                f"CheckpointManager handles a single node, got {list(map(str, nodes))}; "
-                "use MultiNodeCheckpointManager"
-            )
-        ws_node = _node_str(nodes[0]) if nodes else self._node_name
-        return self._init({ws_node: self._node_name}, retrieve_from_epoch, path_prefix, path_type)
-
-    def blob_list(self) -> list[str]:
-        """The checkpointed blob names."""
-        (node,) = self._require_files()
-        return list(self._names(node))
-
-    def set_params(self, nodes: Sequence[str | Node] | None = None,
-                   path_prefix: str | None = None, path_type: str | None = None) -> None:
-        self._set_params([self._node_name], path_prefix, path_type)
-
-
-def _node_str(node: str | Node) -> str:
-    """A node given as a name or a :class:`Node` (anything else is refused, never str()'d)."""
-    if isinstance(node, Node):
-        return str(node)
-    return check_node_name(node)
-
-
-class UploadTaskGroupBuilder(abc.ABC):
-    """Builds the runnable that copies the final epoch's checkpoints elsewhere."""
-
-    @abc.abstractmethod
-    def build(self, epoch: int, checkpoint_manager: BaseCheckpointManager | None) -> TaskGroup | Task:
-        """Return a runnable that uploads checkpoint ``epoch`` of ``checkpoint_manager``."""
+    return family_history(current.store, current.nodes).lineage()

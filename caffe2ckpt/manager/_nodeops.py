@@ -23,12 +23,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from caffe2ckpt.background import BackgroundSaves
+from caffe2ckpt.errors import CheckpointNotFoundError, CheckpointWriteError, writing
+from caffe2ckpt.store.layout import group_name
 from caffe2ckpt.store.protocol import CheckpointStore, SaveInfo
-from caffe2ckpt.errors import CheckpointError, CheckpointNotFoundError, CheckpointWriteError, writing
-from caffe2ckpt.naming import get_ckpt_filename
+from caffe2ckpt.store.records import CommitRecord
 from caffe2ckpt.workspace import Workspace
 
-__all__ = ["DB_EXISTS", "Timed", "blob_names", "committed", "db_exists", "forget_saves", "load",
+__all__ = ["DB_EXISTS", "Timed", "blob_names", "db_exists", "forget_saves", "load",
            "manifest_names", "release_saves", "save", "saves_for", "wait_saves", "worker_info"]
 
 DB_EXISTS = "caffe2ckpt/db_exists"
@@ -117,10 +118,9 @@ def blob_names(ws: Workspace) -> list[str]:
     return list(ws)
 
 
-def manifest_names(store: CheckpointStore, file_node: str, epoch: int,
-                   ws: Workspace) -> list[str]:
-    """The blobs in the node's checkpoint of ``epoch`` (a resume's checkpointed names)."""
-    return list(store.manifest(file_node, epoch).blobs)
+def manifest_names(store: CheckpointStore, record: CommitRecord, ws: Workspace) -> list[str]:
+    """The blobs in the node's checkpoint ``record`` commits (a resume's checkpointed names)."""
+    return list(store.manifest(record).blobs)
 
 
 def save(store: CheckpointStore, node: str, file_node: str, epoch: int, names: Sequence[str],
@@ -136,7 +136,7 @@ def save(store: CheckpointStore, node: str, file_node: str, epoch: int, names: S
             f"cannot save node {node!r} epoch {epoch}: checkpointed blobs {missing} are no "
             "longer in its workspace") from None
     info = replace(info, writer={**(info.writer or {}), "worker": worker_info()})
-    where = store.location.display(get_ckpt_filename(file_node, epoch))
+    where = store.location.display(group_name(file_node, epoch))
 
     def write(snapshot: dict[str, Any]) -> Timed:
         with writing(f"saving node {file_node!r} epoch {epoch} to {where!r}", epoch):
@@ -171,30 +171,20 @@ def wait_saves(background: str, node: str, epoch: int | None, ws: Workspace) -> 
     return results.get(node)
 
 
-def load(store: CheckpointStore, file_node: str, epoch: int, names: Sequence[str],
+def load(store: CheckpointStore, record: CommitRecord, names: Sequence[str],
          require_all: bool, ws: Workspace) -> Timed:
     """Restore ``names`` (with ``require_all``, every one of them; else those present) from the
-    node's checkpoint of ``epoch`` into its workspace."""
-    data = _timed(lambda: store.load_node(file_node, epoch, list(names)))
+    node's checkpoint that ``record`` commits into its workspace."""
+    data = _timed(lambda: store.load_node(record, list(names)))
     missing = [n for n in names if n not in data.value] if require_all else []
     if missing:
         raise CheckpointNotFoundError(
-            f"checkpoint of node {file_node!r} at epoch {epoch} lacks blobs {missing}")
+            f"checkpoint of node {record.node!r} at epoch {record.epoch} "
+            f"({store.where(record)}) lacks blobs {missing}")
     ws.restore(data.value)
     return Timed(None, data.ns)
 
 
-def committed(store: CheckpointStore, file_node: str, epoch: int) -> bool:
-    """Whether the node's checkpoint of ``epoch`` has a readable commit record."""
-    try:
-        store.node_record(file_node, epoch)
-    except CheckpointError:
-        return False
-    return True
-
-
-def db_exists(store: CheckpointStore, file_node: str, epoch: int, ws: Workspace) -> None:
-    """Set the node's ``caffe2ckpt/db_exists`` blob to whether its checkpoint of ``epoch`` is
-    committed."""
-    ws[DB_EXISTS] = committed(store, file_node, epoch)
-
+def db_exists(committed: bool, ws: Workspace) -> None:
+    """Set the node's ``caffe2ckpt/db_exists`` blob to ``committed`` (Caffe2's output)."""
+    ws[DB_EXISTS] = committed

@@ -50,7 +50,7 @@ from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRun
 from prefect.context import SyncClientContext
 from prefect.runtime import flow_run
 
-from caffe2ckpt.history.catalog import scan
+from caffe2ckpt.history.scan import scan
 from caffe2ckpt.naming import db_name
 from caffe2ckpt.prefect.table import (
     checkpoint_row,
@@ -212,11 +212,15 @@ class CheckpointArtifacts:
 
     def _committed_rows(self, cm: Any) -> dict[int, dict[str, Any]]:
         """Rows for every epoch committed under the prefix for the job's nodes (records only,
-        as :func:`caffe2ckpt.history.catalog.scan` defines them; superseded epochs say so)."""
-        found = scan(cm.store, cm.file_nodes())
-        return {e: checkpoint_row(e, step.records, flow_run.id)
-                | ({"status": _SUPERSEDED} if e in found.superseded else {})
-                for e, step in sorted(found.steps.items())}
+        as :mod:`caffe2ckpt.history.lineage` defines them; superseded epochs say so)."""
+        family = scan(cm.store, cm.file_nodes()).families.get(frozenset(cm.file_nodes()))
+        if family is None:
+            return {}
+        rows = {s.epoch: checkpoint_row(s.epoch, s.records, flow_run.id) | {"status": _SUPERSEDED}
+                for s in family.superseded}
+        rows.update({s.epoch: checkpoint_row(s.epoch, s.records, flow_run.id)
+                     for s in family.lineage})
+        return dict(sorted(rows.items()))
 
     # -- one artifact per key per flow run -----------------------------------------------------
 

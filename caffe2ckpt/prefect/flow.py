@@ -106,8 +106,7 @@ def _started_from(checkpoint_manager: BaseCheckpointManager) -> int | None:
     if this_run is None:
         return None
     first = None
-    history = checkpoint_manager.store.history(checkpoint_manager.file_nodes())
-    for save in history.lineage():  # newest first: this run's saves, then where it started
+    for save in checkpoint_manager.lineage():  # newest first: this run's saves, then older
         writer = next(iter(save.records.values())).writer or {}
         if writer.get("flow_run_id") != str(this_run):
             break

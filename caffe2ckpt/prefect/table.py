@@ -30,7 +30,6 @@ from prefect.utilities.urls import url_for
 
 from caffe2ckpt.units import human_bytes
 from caffe2ckpt.store.records import CommitRecord
-from caffe2ckpt.naming import get_ckpt_filename
 
 __all__ = ["COLUMNS", "checkpoint_row", "checkpoint_table", "epoch_ranges", "failed_row",
            "format_metric", "md_text", "run_id", "run_link", "writer_cell"]
@@ -160,7 +159,7 @@ def checkpoint_row(epoch: int, records: Mapping[str, CommitRecord],
         "seconds": round(seconds, 4),
         "MB/s": round(nbytes / seconds / 1e6, 1) if seconds > 0 else None,
         "written by": writer_cell(writer, this_run),
-        "path": ", ".join(get_ckpt_filename(node, epoch) for node in sorted(records)),
+        "path": ", ".join(records[node].group for node in sorted(records)),
     }
 
 

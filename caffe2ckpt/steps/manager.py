@@ -31,10 +31,13 @@ import numpy as np
 
 from caffe2ckpt.steps.abstract import AbstractCheckpointManager
 from caffe2ckpt.background import BackgroundSaves, ClosedOnExit
-from caffe2ckpt.history.catalog import Step, delete_step, scan
+from caffe2ckpt.history.current import CurrentRun
+from caffe2ckpt.history.lineage import Save
+from caffe2ckpt.history.scan import scan
 from caffe2ckpt.fs import strictjson
-from caffe2ckpt.store.protocol import CheckpointStore, SaveInfo, claim_generation
-from caffe2ckpt.store.records import CommitRecord, new_save_id
+from caffe2ckpt.store.layout import new_save_id
+from caffe2ckpt.store.protocol import CheckpointStore, SaveInfo
+from caffe2ckpt.store.records import CommitRecord
 from caffe2ckpt.errors import (
     CheckpointCorruptedError,
     CheckpointNotFoundError,
@@ -44,7 +47,7 @@ from caffe2ckpt.errors import (
 )
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.naming import ROOT_METADATA, check_epoch, check_node_name, get_ckpt_filename
-from caffe2ckpt.policy import StepManagerOptions, retained_epochs, should_save
+from caffe2ckpt.policy import StepManagerOptions, should_save
 from caffe2ckpt.preemption import PreemptionWatch
 from caffe2ckpt.store.zarrgroup import DEFAULT_PACK_THRESHOLD
 from caffe2ckpt.workspace import as_blob
@@ -116,15 +119,14 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
         self._nodes = None if nodes is None else [check_node_name(n) for n in nodes]
         self._store = CheckpointStore(Location(directory, storage_options, filesystem),
                                       pack_threshold=pack_threshold)
-        self._owned: set[str] = set(self._nodes or ())
         self._background = BackgroundSaves() if self.options.enable_async_checkpointing else None
-        self._pending: tuple[int, dict[str, float]] | None = None
-        self._claim: str | None = None
-        self._parent: tuple[int, int] | None = None  # the step this manager's run started from
+        self._pending: tuple[int, str, CurrentRun] | None = None  # step, save id, its run
+        # the run this manager saves in, and its family's lineage view (with ``nodes``, known
+        # from the start; else from the first save)
+        self._current = None if self._nodes is None else CurrentRun(self._store, self._nodes)
         self._last_save_time: float | None = None
         self._protected: set[int] = set()
-        self._steps: dict[int, Step] = {}
-        self._superseded: dict[int, Step] = {}
+        self._others: dict[int, Save] = {}  # without ``nodes`` and before a save: every family
         if metadata is not None:
             self._write_root_metadata(dict(metadata))
         self.reload()
@@ -144,9 +146,18 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
         """Re-read the commit records (the prefix may have changed outside this manager). Only
         the steps of the current lineage count: steps a later run superseded (it restored an
         earlier step and saved from there) are not listed, restored or kept."""
-        found = scan(self._store, self._nodes)
-        self._steps = found.current()
-        self._superseded = {e: found.steps[e] for e in found.superseded}
+        if self._current is not None:
+            self._current.forget()
+            self._current.family()
+        else:
+            self._others = scan(self._store).current()
+
+    @property
+    def _steps(self) -> dict[int, Save]:
+        """The committed steps of the lineage, by step."""
+        if self._current is not None:
+            return self._current.family().current()
+        return self._others
 
     def all_steps(self, read: bool = False) -> list[int]:
         """Committed steps, oldest first (``read=True`` re-reads the prefix first)."""
@@ -168,7 +179,7 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
         pick = min if self.options.best_mode == "min" else max
         return pick(scored, key=lambda se: (se[0], -se[1] if pick is min else se[1]))[1]
 
-    def _step(self, step: int) -> Step:
+    def _step(self, step: int) -> Save:
         step = check_epoch(step)
         if step not in self._steps:
             self.reload()
@@ -216,28 +227,39 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
             return False
         self.wait_until_finished()
         values = {str(k): float(v) for k, v in (metrics or {}).items()}
-        if self._claim is None:  # this manager's run starts: from the step it restored, else
-            # it continues the lineage below this step
-            if self._parent is None:
-                below = [e for e in self._steps if e < step]
-                self._parent = ((max(below), self._steps[max(below)].generation) if below
-                                else None)
-            with writing(f"claiming {self._store.location.display()!r} to save step {step}",
-                         step):
-                self._claim = self._store.claim(_writer())
-        info = SaveInfo(save_id=new_save_id(claim_generation(self._claim)), nodes=sorted(blobs),
-                        metrics=values, writer=_writer(), claim=self._claim, parent=self._parent)
-        self._owned.update(blobs)
+        current = self._run_of(sorted(blobs))
+        with writing(f"claiming {self._store.location.display()!r} to save step {step}",
+                     step):
+            run = current.run_for(step, _writer())
+        save_id = new_save_id(run.generation)
+        info = SaveInfo(save_id=save_id, nodes=sorted(blobs), metrics=values, writer=_writer(),
+                        parent=run.parent)
+        with writing(f"saving step {step} to {self._store.location.display()!r}", step):
+            self._store.write_hint(sorted(blobs), step, save_id)
         self._last_save_time = time.monotonic()
         if self._background is None:
             records = {node: self._save_node(step, node, b, info) for node, b in blobs.items()}
-            self._committed(step, records)
+            self._committed(current, Save(step, save_id, records))
             return True
-        for node, b in blobs.items():
-            self._background.submit(step, node, b, lambda snapshot, n=node: self._save_node(
-                step, n, snapshot, info))
-        self._pending = (step, values)
+        self._pending = (step, save_id, current)  # before any submit: a failure is waited for
+        try:
+            for node, b in blobs.items():
+                self._background.submit(step, node, b, lambda snapshot, n=node: self._save_node(
+                    step, n, snapshot, info))
+        except BaseException:
+            self._pending = None
+            try:  # the nodes already submitted finish (their saves stay uncommitted)
+                self._background.wait()
+            except Exception:  # noqa: BLE001 - the snapshot's failure matters more
+                pass
+            raise
         return True
+
+    def _run_of(self, nodes: list[str]) -> CurrentRun:
+        """The run (and lineage view) of the family ``nodes``: this manager's family."""
+        if self._current is None or self._current.nodes != frozenset(nodes):
+            self._current = CurrentRun(self._store, nodes)
+        return self._current
 
     def _save_node(self, step: int, node: str, blobs: dict[str, np.ndarray],
                    info: SaveInfo) -> CommitRecord:
@@ -261,25 +283,9 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
                                        f"got {sorted(blobs)}")
         return blobs
 
-    def _committed(self, step: int, records: dict[str, CommitRecord]) -> None:
-        self._steps[step] = Step(step, dict(records))
-        if max(self._steps) > step:  # saved below the newest: the lineage changed, re-read it
-            self.reload()
-        self._apply_retention()
-
-    def _apply_retention(self) -> None:
-        known = {**self._superseded, **self._steps}
-        ours = {e: s for e, s in known.items() if s.save_nodes <= self._owned}
-        keep = retained_epochs(self.options, {e: s.metrics for e, s in ours.items()},
-                               protect=self._protected, superseded=set(self._superseded))
-        for epoch in sorted(set(ours) - keep):
-            self._delete(epoch)
-
-    def _delete(self, step: int) -> None:
-        known = self._steps.get(step) or self._superseded[step]
-        delete_step(self._store, step, known.nodes)
-        self._steps.pop(step, None)
-        self._superseded.pop(step, None)
+    def _committed(self, current: CurrentRun, save: Save) -> None:
+        current.committed(save)
+        current.retain(self.options, protect=self._protected)
 
     # -- reading ---------------------------------------------------------------------------------
 
@@ -294,32 +300,34 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
                 raise CheckpointNotFoundError(
                     f"no committed step under {self._store.location.display()!r}")
         info = self._step(step)
-        wanted = info.nodes if nodes is None else [str(n) for n in nodes]
-        unknown = sorted(set(wanted) - set(info.nodes))
+        wanted = sorted(info.records) if nodes is None else [str(n) for n in nodes]
+        unknown = sorted(set(wanted) - set(info.records))
         if unknown:
             raise CheckpointNotFoundError(f"step {step} under {self._store.location.display()!r}"
-                                          f" has no nodes {unknown}; it has {info.nodes}")
+                                          f" has no nodes {unknown}; it has {sorted(info.records)}")
         out = {}
         for node in wanted:
-            out[node] = self._store.load_node(node, info.epoch, None if blobs is None else list(blobs))
+            out[node] = self._store.load_node(info.records[node],
+                                              None if blobs is None else list(blobs))
             missing = [b for b in blobs or () if b not in out[node]]
             if missing:
                 raise CheckpointNotFoundError(
                     f"step {step} of node {node!r} under {self._store.location.display()!r} has "
                     f"no blobs {missing}")
         self._protected = {info.epoch}
-        if self._claim is None or info.epoch < max(self._steps):
+        current = self._run_of(sorted(info.nodes))
+        if current.run is None or info.epoch < max(self._steps):
             # saves from now on continue from this step; going back below the newest step
             # starts a new run (a new claim and generation) that supersedes the later ones
-            self._claim, self._parent = None, (info.epoch, info.generation)
+            current.set_parent((info.epoch, info.generation))
         return out
 
     def item_metadata(self, step: int) -> dict[str, dict[str, BlobMetadata]]:
         """``{node: {blob: BlobMetadata(dtype, shape, nbytes)}}`` from the manifests only."""
         info = self._step(step)
         return {node: {name: BlobMetadata(b.dtype, tuple(b.shape), b.nbytes)
-                       for name, b in self._store.manifest(node, info.epoch).blobs.items()}
-                for node in info.nodes}
+                       for name, b in self._store.manifest(record).blobs.items()}
+                for node, record in sorted(info.records.items())}
 
     def metadata(self, step: int | None = None) -> StepMetadata | RootMetadata:
         """:class:`StepMetadata` of ``step``, or with no step the :class:`RootMetadata`."""
@@ -327,10 +335,9 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
             return RootMetadata(directory=self._store.location.url, steps=self.all_steps(),
                                 custom=self._read_root_metadata())
         info = self._step(step)
-        first = info.records[info.nodes[0]]
-        return StepMetadata(step=info.epoch, nodes=info.nodes, nbytes=info.nbytes,
-                            metrics=info.metrics, created=info.created, writer=dict(first.writer),
-                            stop=any(r.stop for r in info.records.values()))
+        return StepMetadata(step=info.epoch, nodes=sorted(info.records), nbytes=info.nbytes,
+                            metrics=info.metrics, created=info.created,
+                            writer=dict(info.first.writer), stop=info.stop)
 
     def metrics(self, step: int) -> dict[str, float] | None:
         """The metrics saved with ``step`` (None if it has none)."""
@@ -375,13 +382,15 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
                 (deleting part of it would un-commit the other nodes' step).
         """
         self.wait_until_finished()
-        others = sorted(self._step(step).save_nodes - set(self._nodes or self._steps[step].nodes))
+        save = self._step(step)
+        others = sorted(save.nodes - set(self._nodes or save.nodes))
         if others:
             raise InvalidLocationError(
                 f"step {step} under {self._store.location.display()!r} was saved together with "
                 f"nodes {others}, which this manager does not own; delete it with a manager "
                 "owning all of its nodes")
-        self._delete(step)
+        self._run_of(sorted(save.nodes)).remove([save])
+        self._others.pop(step, None)
 
     def wait_until_finished(self) -> None:
         """Wait for a background save, commit it in the cache and apply retention.
@@ -391,10 +400,10 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
         """
         if self._background is None or self._pending is None:
             return
-        step, _ = self._pending
+        step, save_id, current = self._pending
         self._pending = None
         _, records = self._background.wait()
-        self._committed(step, records)
+        self._committed(current, Save(step, save_id, records))
 
     def check_for_errors(self) -> None:
         """Raise the error of a background save that has already failed (does not block)."""

@@ -1,12 +1,18 @@
-"""The manifest of a node's checkpoint: which blobs it holds and where their bytes are.
+"""The manifest of a node's checkpoint: which blobs it holds and where their bytes are, and the
+chunk layout the writer gives each array.
 
 It is stored as ``attributes["caffe2ckpt"]`` of the node's Zarr group::
 
-    {"format": 2, "node": "trainer_0", "epoch": 7, "save_id": "...",
+    {"format": 3, "node": "trainer_0", "epoch": 7, "save_id": "...",
      "arrays": {"<blob name>": {"path": "<array>", "dtype": "<f4", "shape": [..],
                                 "order": "C", "chunk_rows": 4096}, ...},
      "packed": {"nbytes": N, "chunk": C, "names": [..], "dtypes": [..], "shapes": [[..], ..],
                 "offsets": [..], "fortran": [indices of Fortran-ordered blobs]}}
+
+Format 3 (storage model 3) is written before any chunk, so it holds no checksums: the commit
+record keeps every chunk's CRC32C. Its chunk sizes must be exactly the ones the writer chooses
+(:func:`chunk_rows`), so a crafted manifest cannot claim millions of tiny chunks. Formats 1 and 2
+hold the CRCs (``"crc32c"``); their chunk counts are bounded by the bytes they hold.
 
 Large blobs are listed by name under ``arrays``; small ones are columns under ``packed`` (ten
 thousand tiny blobs must not cost ten thousand JSON objects). Pure data: no I/O, no zarr.
@@ -15,8 +21,8 @@ and every size it claims is one numpy can allocate (each blob at most :data:`MAX
 numpy's number of axes): a crafted claim fails here as ValueError, not later as MemoryError.
 Whether the claimed bytes are really stored is checked by the reader, against the files.
 
-Format 2 stores the last chunk of an array padded to the full chunk shape, as Zarr v3 requires;
-format 1 (still read) stored only its rows, which plain zarr cannot read.
+Formats 2 and 3 store the last chunk of an array padded to the full chunk shape, as Zarr v3
+requires; format 1 (still read) stored only its rows, which plain zarr cannot read.
 """
 
 from __future__ import annotations
@@ -30,11 +36,15 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["FORMAT_VERSION", "MAX_BLOB_BYTES", "PACKED_ARRAY", "BlobInfo", "Manifest",
-           "itemsize"]
+from caffe2ckpt.fs.localio import DIRECT_ALIGN
 
-FORMAT_VERSION = 2
-_READABLE_FORMATS = frozenset({1, 2})
+__all__ = ["CHUNK_BYTES", "FORMAT_VERSION", "MAX_BLOB_BYTES", "PACKED_ARRAY", "BlobInfo",
+           "Manifest", "chunk_keys", "chunk_rows", "itemsize", "stored_spec"]
+
+FORMAT_VERSION = 3
+_READABLE_FORMATS = frozenset({1, 2, 3})
+CHUNK_BYTES = 16 * 1024 * 1024
+_LEGACY_MIN_CHUNK = 4096  # formats 1-2: no chunk is smaller, except an array's only one
 PACKED_ARRAY = "_packed"
 _KINDS = frozenset("biufcSU")
 # an array path is one segment made by naming.blob_path: never "/", never "." or ".."
@@ -106,6 +116,7 @@ class Manifest:
 
     def to_dict(self) -> dict[str, Any]:
         packed = self.packed
+        legacy = self.format < 3  # checksums lived in the manifest before the record kept them
         return {
             "format": self.format,
             "node": self.node,
@@ -113,12 +124,12 @@ class Manifest:
             "save_id": self.save_id,
             "arrays": {b.name: {"path": b.path, "dtype": b.dtype, "shape": list(b.shape),
                                 "order": b.order, "chunk_rows": b.chunk_rows,
-                                "crc32c": list(b.crcs)}
+                                **({"crc32c": list(b.crcs)} if legacy else {})}
                        for b in self.arrays.values()},
             "packed": {
                 "nbytes": self.packed_nbytes,
                 "chunk": self.packed_chunk,
-                "crc32c": list(self.packed_crcs),
+                **({"crc32c": list(self.packed_crcs)} if legacy else {}),
                 "names": [b.name for b in packed],
                 "dtypes": [b.dtype for b in packed],
                 "shapes": [b.shape for b in packed],
@@ -133,7 +144,8 @@ class Manifest:
         version = data.get("format")
         if type(version) is not int or version not in _READABLE_FORMATS:
             raise ValueError(f"unknown format version {version!r}")
-        arrays = {name: _array_info(name, entry) for name, entry in data["arrays"].items()}
+        arrays = {name: _array_info(name, entry, version)
+                  for name, entry in data["arrays"].items()}
         columns = data["packed"]
         names, dtypes = columns["names"], columns["dtypes"]
         shapes, offsets = columns["shapes"], columns["offsets"]
@@ -158,11 +170,42 @@ class Manifest:
             raise ValueError("two arrays share a path")
         if nbytes and not 0 < chunk <= nbytes:
             raise ValueError(f"bad packed chunk size {chunk} for {nbytes} bytes")
-        packed_crcs = _crcs(columns["crc32c"], math.ceil(nbytes / chunk) if nbytes else 0)
+        _check_chunks("the packed array", (nbytes,), 1, chunk, version)
+        packed_crcs = (_crcs(columns["crc32c"], _ceil_div(nbytes, chunk) if nbytes else 0)
+                       if version < 3 else ())
         return cls(node=str(data["node"]), epoch=int(data["epoch"]),
                    save_id=str(data["save_id"]), arrays=arrays, packed=packed,
                    packed_nbytes=nbytes, packed_chunk=chunk, packed_crcs=packed_crcs,
                    format=version, packed_blob_bytes=packed_bytes)
+
+    def chunk_crcs(self, recorded: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+        """The CRC32C of every chunk, by array path: from the commit record's ``recorded``
+        (format 3), else from this manifest. Raises ValueError if a count is not the array's
+        number of chunks."""
+        out = {}
+        arrays = [(info.path, stored_spec(info)[1], info.chunk_rows, info.crcs)
+                  for info in self.arrays.values()]
+        if self.packed_nbytes:
+            arrays.append((PACKED_ARRAY, (self.packed_nbytes,), self.packed_chunk,
+                           self.packed_crcs))
+        for path, shape, rows, own in arrays:
+            crcs = own if self.format < 3 else recorded.get(path, ())
+            if len(crcs) != _ceil_div(shape[0], rows):
+                raise ValueError(f"array {path!r}: {len(crcs)} chunk checksums recorded for "
+                                 f"{_ceil_div(shape[0], rows)} chunks")
+            out[path] = tuple(crcs)
+        return out
+
+    def files(self) -> list[str]:
+        """Every file of the group, relative to it: chunks first, then the arrays' metadata,
+        the group's ``zarr.json`` last (exactly what the writer creates)."""
+        chunks = [f"{info.path}/{key}" for info in self.arrays.values()
+                  for key in chunk_keys(len(stored_spec(info)[1]),
+                                        _ceil_div(info.shape[0], info.chunk_rows))]
+        if self.packed_nbytes:
+            chunks += [f"{PACKED_ARRAY}/{key}"
+                       for key in chunk_keys(1, _ceil_div(self.packed_nbytes, self.packed_chunk))]
+        return chunks + list(reversed(self.metadata_files()))
 
     def metadata_files(self) -> dict[str, str | None]:
         """The group's Zarr metadata files (relative paths) and the blob each belongs to."""
@@ -228,16 +271,80 @@ def _shape(shape: Any, dtype: str, name: str) -> tuple[int, ...]:
     return dims
 
 
-def _array_info(name: str, entry: dict[str, Any]) -> BlobInfo:
+def _array_info(name: str, entry: dict[str, Any], version: int) -> BlobInfo:
     shape = _shape(entry["shape"], entry["dtype"], name)
     rows = _size(entry["chunk_rows"], f"blob {name!r:.80}: chunk_rows")
-    crcs = _crcs(entry["crc32c"], math.ceil(shape[0] / rows) if shape and rows > 0 else 0)
     info = BlobInfo(name, entry["dtype"], shape, entry["order"], path=entry["path"],
-                    chunk_rows=rows, crcs=crcs)
+                    chunk_rows=rows)
     info.nbytes  # noqa: B018 - validates the dtype
     if (not info.shape or min(info.shape) <= 0 or info.order not in ("C", "F")
             or not isinstance(info.path, str) or not _SEGMENT.fullmatch(info.path)
             or info.path in (".", "..") or info.path.startswith(".")
             or not 0 < info.chunk_rows <= info.shape[0]):
         raise ValueError(f"bad array entry for blob {name!r}")
+    dtype, stored = stored_spec(info)
+    _check_chunks(f"blob {name!r:.80}", stored, dtype.itemsize, rows, version)
+    if version < 3:
+        info = info._replace(crcs=_crcs(entry["crc32c"], _ceil_div(shape[0], rows)))
     return info
+
+
+def _check_chunks(what: str, shape: tuple[int, ...], itemsize: int, rows: int,
+                  version: int) -> None:
+    """Chunks are what the writer makes: exactly :func:`chunk_rows` rows in format 3; in
+    formats 1-2, no more chunks than one per 4 KiB held (plus one)."""
+    if not shape[0]:
+        return
+    if version >= 3:
+        if rows != chunk_rows(shape, itemsize):
+            raise ValueError(f"{what}: {rows} rows per chunk is not the writer's "
+                             f"{chunk_rows(shape, itemsize)}")
+        return
+    nbytes = itemsize * math.prod(shape)
+    if _ceil_div(shape[0], rows) > nbytes // _LEGACY_MIN_CHUNK + 1:
+        raise ValueError(f"{what}: {_ceil_div(shape[0], rows)} chunks for {nbytes} bytes")
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def stored_spec(info: BlobInfo) -> tuple[np.dtype, tuple[int, ...]]:
+    """The dtype and shape a blob's array is stored with: little-endian numbers; unicode and
+    byte strings as their code units (uint32 / uint8) with one extra trailing axis."""
+    dtype = np.dtype(info.dtype)
+    if dtype.kind == "U":
+        return np.dtype("<u4"), info.shape + (dtype.itemsize // 4,)
+    if dtype.kind == "S":
+        return np.dtype(np.uint8), info.shape + (dtype.itemsize,)
+    return (dtype.newbyteorder("<") if dtype.byteorder == ">" else dtype), info.shape
+
+
+def chunk_rows(shape: tuple[int, ...], itemsize: int) -> int:
+    """Rows per chunk (chunks split axis 0 only): at most about :data:`CHUNK_BYTES` each; a
+    whole number of ``DIRECT_ALIGN`` blocks where the row size allows (every chunk can then be
+    read straight from the disk into its place); and chunks as even as that allows, because the
+    last one is padded to full size."""
+    n = shape[0]
+    row_bytes = max(1, itemsize * math.prod(shape[1:]))
+    most = max(1, CHUNK_BYTES // row_bytes)
+    if n <= most:
+        return n
+    step = DIRECT_ALIGN // math.gcd(row_bytes, DIRECT_ALIGN)
+    step = step if step <= most else 1
+    most -= most % step
+    fewest = _ceil_div(n, most)
+
+    def rows(chunks: int) -> int:
+        return _ceil_div(_ceil_div(n, chunks), step) * step
+
+    # a few more chunks than the fewest often divide the rows evenly: no padding at all
+    return min((rows(k) for k in range(fewest, fewest + 8)),
+               key=lambda r: (_ceil_div(n, r) * r, -r))
+
+
+def chunk_keys(ndim: int, count: int) -> list[str]:
+    """The keys of an array's ``count`` chunks along axis 0 (Zarr's default chunk key encoding
+    with the ``.`` separator: ``c.3.0`` for a 2-d array)."""
+    zeros = ".0" * (ndim - 1)
+    return [f"c.{i}{zeros}" for i in range(count)]

@@ -1,63 +1,47 @@
 """Commit records: small immutable JSON files under ``<prefix>/_commits/``, the only source of
-truth for which checkpoints exist.
+truth for which checkpoints exist and where their data is.
 
 A record is created exclusively (never overwritten, never edited) after the data it names is
 durable. Its file name carries everything needed to find it by listing alone::
 
     _commits/<epoch:012d>.<node>.<save_id>.json
 
-``save_id`` is shared by all nodes saved together for an epoch and is also stored in each node's
-group manifest; a record is valid only when the group it names carries the same save id, so a
-record can never vouch for data written by a different save.
-
-A save id also names the run that wrote it: ``g<generation>-<random hex>``, where the
-generation is the run's claim number on the prefix (:mod:`caffe2ckpt.store.protocol`), so the
-lineage of runs (:mod:`caffe2ckpt.history.lineage`) can be ordered from a listing alone. Each record
-also says which committed save its run started from (``parent``: epoch and generation, or
-None for a fresh start). Save ids of another form (records of format 1) are generation 0.
+``save_id`` is shared by all nodes saved together for an epoch (one *save*) and names the run
+that wrote it (:func:`caffe2ckpt.store.layout.save_generation`). A record of format 3 names the
+group it commits (``path``: ``<node>.<epoch>`` or ``<node>.<epoch>.<save_id>``, nothing else)
+and vouches for it: the SHA-256 of every Zarr metadata file and the CRC32C of every chunk, by
+array. Records of formats 1 and 2 (storage model 2) commit the group at ``<node>.<epoch>``, whose
+manifest holds the chunk CRCs. Each record also says which committed save its run started from
+(``parent``: epoch and generation, or None for a fresh start); since model 3 the run log
+(:mod:`caffe2ckpt.store.runs`) is what the lineage follows, and this copy is for model-2 runs.
 
 Reading is strict (:mod:`caffe2ckpt.fs.strictjson`, and every field's type and range checked): a
-damaged or crafted record — deeply nested, ``NaN``, a 400-digit number, a huge file — is
-:class:`CheckpointCorruptedError` for its own node and epoch, so listings skip it and a resume
-falls back past it.
+damaged or crafted record — deeply nested, ``NaN``, a 400-digit number, a huge file, a path out
+of its own group — is :class:`CheckpointCorruptedError` for its own node and epoch, so listings
+skip it and a resume falls back past it.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import re
 import sys
 import time
-import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from caffe2ckpt.fs import strictjson
 from caffe2ckpt.errors import CheckpointCorruptedError, CheckpointWriteError
+from caffe2ckpt.fs import strictjson
 from caffe2ckpt.fs.location import Location
-from caffe2ckpt.naming import COMMITS_DIR, MAX_EPOCH
+from caffe2ckpt.naming import MAX_EPOCH
+from caffe2ckpt.store.layout import COMMITS_DIR, group_name, save_generation
 
-__all__ = ["CommitRecord", "RecordRef", "delete_record", "list_records", "new_save_id",
-           "read_record", "save_generation", "write_record"]
+__all__ = ["RECORD_FORMAT", "CommitRecord", "RecordRef", "delete_record", "list_records",
+           "read_record", "record_path", "write_record"]
 
-RECORD_FORMAT = 2
-_READABLE_FORMATS = frozenset({1, 2})
+RECORD_FORMAT = 3
+_READABLE_FORMATS = frozenset({1, 2, 3})
 _SUFFIX = ".json"
-_SAVE_ID = re.compile(r"g([0-9]{1,18})-[0-9a-f]{8,64}")
-
-
-def new_save_id(generation: int) -> str:
-    """A fresh save id for a save of run ``generation`` (its claim number; 0 if it has none)."""
-    if not 0 <= generation < 10**18:
-        raise ValueError(f"generation {generation} does not fit a save id")
-    return f"g{generation}-{uuid.uuid4().hex}"
-
-
-def save_generation(save_id: str) -> int:
-    """The generation a save id names (0 for ids that name none, e.g. format-1 records)."""
-    match = _SAVE_ID.fullmatch(save_id)
-    return int(match.group(1)) if match else 0
 
 
 @dataclass(frozen=True, kw_only=True, order=True)
@@ -92,7 +76,7 @@ class RecordRef:
 
 @dataclass(frozen=True, kw_only=True)
 class CommitRecord:
-    """What one node's committed checkpoint of one epoch holds and who wrote it."""
+    """What one node's committed checkpoint of one epoch holds, where, and who wrote it."""
 
     epoch: int
     node: str
@@ -109,22 +93,31 @@ class CommitRecord:
     created: float = field(default_factory=time.time)
     # the committed save the writing run started from: (epoch, generation); None: fresh start
     parent: tuple[int, int] | None = None
+    path: str = ""  # the group, relative to the prefix ("" in formats 1-2: <node>.<epoch>)
+    crcs: dict[str, tuple[int, ...]] = field(default_factory=dict)  # array -> chunk CRC32Cs
+    started: float = 0.0  # when the save began (its leftovers' age counts from here)
     format: int = RECORD_FORMAT
 
     @property
     def generation(self) -> int:
-        """The claim number of the run that wrote this record (see :func:`new_save_id`)."""
+        """The claim number of the run that wrote this record (see :mod:`~.layout`)."""
         return save_generation(self.save_id)
 
     @property
     def ref(self) -> RecordRef:
         return RecordRef(epoch=self.epoch, node=self.node, save_id=self.save_id)
 
+    @property
+    def group(self) -> str:
+        """The group this record commits, relative to the prefix."""
+        return self.path or group_name(self.node, self.epoch)
+
     def to_dict(self) -> dict[str, Any]:
         """As JSON-ready data; non-finite metrics become the strings "nan", "inf", "-inf"."""
         data = asdict(self)
         data["metrics"] = {k: v if math.isfinite(v) else repr(v) for k, v in self.metrics.items()}
         data["parent"] = None if self.parent is None else list(self.parent)
+        data["crcs"] = {k: list(v) for k, v in self.crcs.items()}
         return data
 
     @classmethod
@@ -139,10 +132,19 @@ class CommitRecord:
                     or not all(type(x) is int and 0 <= x < 10**18 for x in parent)):
                 raise ValueError(f"bad parent {parent!r}")
             parent = (parent[0], parent[1])
+        epoch = _number(data, "epoch", int, MAX_EPOCH)
+        node, save_id = str(data["node"]), str(data["save_id"])
+        path, crcs, started = "", {}, 0.0
+        if version >= 3:
+            path = data["path"]
+            if path not in (group_name(node, epoch), group_name(node, epoch, save_id)):
+                raise ValueError(f"path {path!r:.80} is not a group of this save")
+            crcs = {str(k): _crcs(v) for k, v in data["crcs"].items()}
+            started = float(_number(data, "started", float, _MAX_TIME))
         return cls(
-            epoch=_number(data, "epoch", int, MAX_EPOCH),
-            node=str(data["node"]),
-            save_id=str(data["save_id"]),
+            epoch=epoch,
+            node=node,
+            save_id=save_id,
             nodes=[str(n) for n in data["nodes"]],
             nbytes=_number(data, "nbytes", int, _MAX_COUNT),
             blob_count=_number(data, "blob_count", int, _MAX_COUNT),
@@ -154,6 +156,9 @@ class CommitRecord:
             writer=dict(data["writer"]),
             created=float(_number(data, "created", float, _MAX_TIME)),
             parent=parent,
+            path=path,
+            crcs=crcs,
+            started=started,
             format=version,
         )
 
@@ -172,6 +177,13 @@ def _number(data: dict[str, Any], key: str, kind: type, high: int) -> int | floa
     return value
 
 
+def _crcs(values: Any) -> tuple[int, ...]:
+    if not isinstance(values, list) or not all(type(v) is int and 0 <= v < 2**32
+                                               for v in values):
+        raise ValueError(f"chunk checksums must be a list of 32-bit ints, got {values!r:.80}")
+    return tuple(values)
+
+
 def _bool(value: Any) -> bool:
     if type(value) is not bool:
         raise ValueError(f"stop must be true or false, got {value!r:.40}")
@@ -186,12 +198,16 @@ def _metric(value: Any) -> float:
     raise ValueError(f"a metric must be a number, 'nan', 'inf' or '-inf', got {value!r:.40}")
 
 
-def _path(location: Location, ref: RecordRef) -> str:
+def record_path(location: Location, ref: RecordRef) -> str:
     return location.path(COMMITS_DIR, ref.filename)
 
 
 def write_record(location: Location, record: CommitRecord) -> None:
     """Create ``record``'s file exclusively and durably.
+
+    If creating it fails after the file may exist (e.g. the directory's flush failed, or an
+    object store's PUT timed out after it was stored), the record is taken back before the
+    error is raised: a save that raised never leaves its epoch committed.
 
     Raises:
         FileExistsError: a record with the same epoch, node and save id exists already.
@@ -201,7 +217,17 @@ def write_record(location: Location, record: CommitRecord) -> None:
         strictjson.check_size(data, f"commit record {record.ref.filename!r}")
     except ValueError as exc:  # readers would refuse it: never commit what cannot be read
         raise CheckpointWriteError(f"{location.display(COMMITS_DIR)}: {exc}") from exc
-    location.create_exclusive(_path(location, record.ref), data)
+    path = record_path(location, record.ref)
+    try:
+        location.create_exclusive(path, data)
+    except FileExistsError:
+        raise
+    except BaseException:
+        try:  # the name holds this save's id: nobody else can have created it
+            location.remove(path)
+        except Exception:  # noqa: BLE001 - the original failure matters more
+            pass
+        raise
 
 
 def list_records(location: Location) -> list[RecordRef]:
@@ -218,23 +244,20 @@ def read_record(location: Location, ref: RecordRef) -> CommitRecord:
         CheckpointCorruptedError: it is not a valid record for ``ref`` (garbage, truncated, or
             its content disagrees with its name).
     """
+    where = location.display(COMMITS_DIR, ref.filename)
     try:
-        raw = location.read_bytes(_path(location, ref), limit=strictjson.MAX_BYTES)
+        raw = location.read_bytes(record_path(location, ref), limit=strictjson.MAX_BYTES)
         record = CommitRecord.from_dict(strictjson.loads(raw))
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise CheckpointCorruptedError(
-            f"commit record {location.display(COMMITS_DIR, ref.filename)!r} is unreadable: {exc}",
-            node=ref.node, epoch=ref.epoch, blob=ref.filename,
-        ) from exc
+        raise CheckpointCorruptedError(f"commit record {where!r} is unreadable: {exc}",
+                                       node=ref.node, epoch=ref.epoch, blob=ref.filename) from exc
     if record.ref != ref:
         raise CheckpointCorruptedError(
-            f"commit record {location.display(COMMITS_DIR, ref.filename)!r} names "
-            f"node {record.node!r} epoch {record.epoch} save {record.save_id!r}",
-            node=ref.node, epoch=ref.epoch, blob=ref.filename,
-        )
+            f"commit record {where!r} names node {record.node!r} epoch {record.epoch} save "
+            f"{record.save_id!r}", node=ref.node, epoch=ref.epoch, blob=ref.filename)
     return record
 
 
 def delete_record(location: Location, ref: RecordRef) -> None:
     """Remove a record (it then no longer commits anything); missing is fine."""
-    location.remove(_path(location, ref))
+    location.remove(record_path(location, ref))

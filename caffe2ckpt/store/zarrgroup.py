@@ -1,10 +1,12 @@
-"""One node's workspace as one Zarr v3 group: write it, read it back verified.
+"""One node's workspace as one Zarr v3 group: plan it, write it, read it back verified.
 
 This is the only module that imports zarr. It knows the group layout and nothing about commits:
 
 - the group's ``zarr.json`` holds ``attributes["caffe2ckpt"]``, the manifest
-  (:mod:`caffe2ckpt.store.manifest`): node, epoch, save id and, per blob, its exact name, dtype, shape,
-  memory order and where its bytes are;
+  (:mod:`caffe2ckpt.store.manifest`): node, epoch, save id and, per blob, its exact name, dtype,
+  shape, memory order and where its bytes are. It is known before any byte is written
+  (:func:`plan_group`), so a save writes it first: the group says whose it is from its first
+  object on;
 - a blob of at least ``pack_threshold`` bytes is its own array at ``naming.blob_path(name)``,
   chunked along its first axis into chunks of at most 16 MiB, as even as possible and a whole
   number of 4 KiB blocks where the row size allows (so each can be read straight from the disk),
@@ -18,10 +20,12 @@ This is the only module that imports zarr. It knows the group layout and nothing
 
 Zarr itself writes the array metadata (one template per dtype); the chunks are written and read
 here directly, because Zarr's pipeline copies every chunk once more on the way out (to append the
-checksum) and twice on the way in. Reads go straight into the destination array and verify
-every checksum and file size; any mismatch raises :class:`CheckpointCorruptedError` naming node,
-epoch and blob. Before a large read every chunk file's size is checked against the manifest, so
-a manifest claiming more bytes than are stored is corruption, not a ``MemoryError``.
+checksum) and twice on the way in. :func:`write_arrays` returns every chunk's CRC32C (the commit
+record keeps them). Reads go straight into the destination array, verify every checksum, file
+size and the CRC the record holds, and stop at the first damage; any mismatch raises
+:class:`CheckpointCorruptedError` naming node, epoch and blob. Before a large read every chunk
+file's size is checked against the manifest, so a manifest claiming more bytes than are stored is
+corruption, not a ``MemoryError``.
 
 Numeric arrays are stored little-endian (big-endian ones are byte-swapped and swapped back);
 unicode (``U``) and byte-string (``S``) arrays are stored as their code units (uint32 / uint8)
@@ -35,8 +39,8 @@ import hashlib
 import json
 import math
 import os
-import posixpath
-from concurrent.futures import Future, wait
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import google_crc32c
@@ -44,19 +48,27 @@ import numpy as np
 import zarr
 from zarr.codecs import Crc32cCodec
 
-from caffe2ckpt.fs import strictjson
 from caffe2ckpt.errors import CheckpointCorruptedError, CheckpointNotFoundError, InvalidBlobError
+from caffe2ckpt.fs import localio, strictjson
 from caffe2ckpt.fs.iopool import pool as _pool
-from caffe2ckpt.fs.localio import DIRECT_ALIGN, aligned_empty
+from caffe2ckpt.fs.localio import aligned_empty
 from caffe2ckpt.fs.location import Location
-from caffe2ckpt.store.manifest import PACKED_ARRAY, BlobInfo, Manifest
 from caffe2ckpt.naming import blob_path
+from caffe2ckpt.store.manifest import (
+    PACKED_ARRAY,
+    BlobInfo,
+    Manifest,
+    chunk_keys,
+    chunk_rows,
+    stored_spec,
+)
 
-__all__ = ["ATTRS_KEY", "DEFAULT_PACK_THRESHOLD", "parse_manifest", "read_node", "write_node"]
+__all__ = ["ATTRS_KEY", "DEFAULT_PACK_THRESHOLD", "GROUP_FILE", "GroupPlan", "parse_manifest",
+           "plan_group", "read_node", "write_arrays"]
 
 ATTRS_KEY = "caffe2ckpt"
+GROUP_FILE = "zarr.json"
 DEFAULT_PACK_THRESHOLD = 64 * 1024
-CHUNK_BYTES = 16 * 1024 * 1024
 # A read claiming more than this (a quarter of the machine's memory) checks every chunk file's
 # size before allocating its destination, so a crafted manifest claiming petabytes is corruption,
 # not a MemoryError. Smaller destinations are only reserved address space until read, and each
@@ -76,6 +88,18 @@ def _wait_all(futures: list[Future[Any]]) -> None:
     wait(futures)
     for future in futures:
         future.result()
+
+
+def _wait_first_failure(futures: list[Future[Any]]) -> None:
+    """Wait until every future is done or one failed; on a failure, cancel the ones not started
+    (reads stop at the first damage) and raise it."""
+    done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+    failed = next((f for f in futures if f.done() and f.exception() is not None), None)
+    if failed is None:
+        return
+    for future in futures:
+        future.cancel()
+    raise failed.exception()  # type: ignore[misc]
 
 
 @functools.lru_cache(maxsize=64)
@@ -109,15 +133,6 @@ def _stored(arr: np.ndarray) -> np.ndarray:
     return arr
 
 
-def _stored_spec(info: BlobInfo) -> tuple[np.dtype, tuple[int, ...]]:
-    dtype = np.dtype(info.dtype)
-    if dtype.kind == "U":
-        return np.dtype("<u4"), info.shape + (dtype.itemsize // 4,)
-    if dtype.kind == "S":
-        return np.dtype(np.uint8), info.shape + (dtype.itemsize,)
-    return (dtype.newbyteorder("<") if dtype.byteorder == ">" else dtype), info.shape
-
-
 def _restored(data: np.ndarray, info: BlobInfo) -> np.ndarray:
     dtype = np.dtype(info.dtype)
     if dtype.kind == "U" and dtype.byteorder == ">":
@@ -131,175 +146,133 @@ def _restored(data: np.ndarray, info: BlobInfo) -> np.ndarray:
     return np.asfortranarray(out) if info.order == "F" else out
 
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _chunks(shape: tuple[int, ...], rows: int, row_bytes: int,
             padded: bool) -> list[tuple[str, slice, int]]:
-    """Per chunk (chunks split axis 0 only): its key (Zarr's default encoding, "." separator),
-    the rows it holds, and how many bytes of padding follow them in its file (the last chunk of
-    a padded array is stored at the full chunk shape, as Zarr v3 stores edge chunks)."""
-    zeros = ".0" * (len(shape) - 1)
+    """Per chunk (chunks split axis 0 only): its key, the rows it holds, and how many bytes of
+    padding follow them in its file (the last chunk of a padded array is stored at the full
+    chunk shape, as Zarr v3 stores edge chunks)."""
+    keys = chunk_keys(len(shape), -(-shape[0] // rows))
     chunks = []
-    for i in range(_ceil_div(shape[0], rows)):
+    for i, key in enumerate(keys):
         stop = min((i + 1) * rows, shape[0])
         padding = ((i + 1) * rows - stop) * row_bytes if padded else 0
-        chunks.append((f"c.{i}{zeros}", slice(i * rows, stop), padding))
+        chunks.append((key, slice(i * rows, stop), padding))
     return chunks
 
 
-def _chunk_rows(shape: tuple[int, ...], itemsize: int) -> int:
-    """Rows per chunk: at most about CHUNK_BYTES each; a whole number of DIRECT_ALIGN blocks
-    where the row size allows (every chunk can then be read straight from the disk into its
-    place); and chunks as even as that allows, because the last one is padded to full size."""
-    n = shape[0]
-    row_bytes = max(1, itemsize * math.prod(shape[1:]))
-    most = max(1, CHUNK_BYTES // row_bytes)
-    if n <= most:
-        return n
-    step = DIRECT_ALIGN // math.gcd(row_bytes, DIRECT_ALIGN)
-    step = step if step <= most else 1
-    most -= most % step
-    fewest = _ceil_div(n, most)
-
-    def rows(chunks: int) -> int:
-        return _ceil_div(_ceil_div(n, chunks), step) * step
-
-    # a few more chunks than the fewest often divide the rows evenly: no padding at all
-    return min((rows(k) for k in range(fewest, fewest + 8)),
-               key=lambda r: (_ceil_div(n, r) * r, -r))
+class _ArrayPlan(NamedTuple):
+    path: str  # relative to the group
+    shape: tuple[int, ...]  # of the stored array
+    data: np.ndarray  # (rows, bytes per row) uint8 view of the stored array
+    rows: int  # per chunk
+    metadata: bytes  # its zarr.json
 
 
-class _Writer:
-    """The files of one group: array metadata and chunks first (concurrently), then the group's
-    ``zarr.json``, whose manifest records every chunk's CRC32C; then all of them are flushed to
-    the disk together (:meth:`Location.make_durable`), each on the descriptor it was written
-    through, so a write-back error of any of them fails this save."""
+@dataclass(frozen=True)
+class GroupPlan:
+    """A node group before anything is written: the manifest, the group's ``zarr.json``
+    (written first) and every array (its metadata, then its chunks)."""
 
-    def __init__(self, location: Location, root: str) -> None:
-        self.location = location
-        self.root = root
-        self.metadata_files: list[tuple[str, bytes]] = []
-        self.chunks: list[tuple[str, str, np.ndarray, int]] = []  # (array, path, data, padding)
-        self.dirs: list[str] = [root]
-        self.digests: dict[str, str] = {}
-        self.batch = location.sync_batch()
-        # directories whose entries this save creates: the group's parent, the group, its arrays
-        self.sync_dirs: list[str] = [posixpath.dirname(root), root]
+    manifest: Manifest
+    group_json: bytes
+    arrays: list[_ArrayPlan] = field(default_factory=list)
 
-    def metadata(self, rel: str, data: bytes) -> None:
-        self.digests[rel] = hashlib.sha256(data).hexdigest()
-        self.metadata_files.append((f"{self.root}/{rel}", data))
-
-    def array(self, rel: str, data: np.ndarray, rows: int) -> None:
-        self.dirs.append(f"{self.root}/{rel}")
-        self.metadata(f"{rel}/zarr.json", _array_metadata(data.dtype, data.shape,
-                                                          (rows, *data.shape[1:])))
-        flat = data.reshape(data.shape[0], -1).view(np.uint8)
-        for key, rows_slice, padding in _chunks(data.shape, rows, flat.shape[1], padded=True):
-            self.chunks.append((rel, f"{self.root}/{rel}/{key}", flat[rows_slice], padding))
-
-    def write_arrays(self) -> dict[str, list[int]]:
-        """Write every array; return the CRC32C of each chunk, by array path."""
-        if self.location.is_local:
-            for directory in self.dirs:
-                created = self.location.makedirs(directory)
-                self.sync_dirs += [posixpath.dirname(d) for d in created]
-            self.sync_dirs += self.dirs[1:]
-        futures = [_pool().submit(self.location.write_file, path, [data], batch=self.batch)
-                   for path, data in self.metadata_files]
-        chunk_futures = [(rel, _pool().submit(self._write_chunk, path, data, padding))
-                         for rel, path, data, padding in self.chunks]
-        _wait_all([*futures, *(f for _, f in chunk_futures)])
-        crcs: dict[str, list[int]] = {}
-        for rel, future in chunk_futures:
-            crcs.setdefault(rel, []).append(future.result())
-        return crcs
-
-    def _write_chunk(self, path: str, data: np.ndarray, padding: int) -> int:
-        chunk = np.ascontiguousarray(data).reshape(-1)
-        crc = google_crc32c.value(chunk)
-        buffers: list[Any] = [chunk]
-        if padding:
-            buffers.append(bytes(padding))
-            crc = google_crc32c.extend(crc, buffers[-1])
-        buffers.append(crc.to_bytes(_CRC, "little"))
-        self.location.write_file(path, buffers, batch=self.batch)
-        return crc
-
-    def finish(self, group: bytes) -> None:
-        """Write the group's ``zarr.json`` last, then make the whole group durable."""
-        self.metadata("zarr.json", group)
-        path, data = self.metadata_files[-1]
-        self.location.write_file(path, [data], batch=self.batch)
-        self.location.make_durable(self.batch, self.sync_dirs, _pool())
-
-    def abandon(self) -> None:
-        """Close the files still open for their flush (the save failed)."""
-        if self.batch is not None:
-            self.batch.close()
+    def digests(self) -> dict[str, str]:
+        """The SHA-256 of every Zarr metadata file, by path relative to the group."""
+        out = {GROUP_FILE: hashlib.sha256(self.group_json).hexdigest()}
+        out.update({f"{a.path}/zarr.json": hashlib.sha256(a.metadata).hexdigest()
+                    for a in self.arrays})
+        return out
 
 
-def write_node(
-    location: Location,
-    path: str,
-    *,
-    node: str,
-    epoch: int,
-    save_id: str,
-    blobs: dict[str, np.ndarray],
-    pack_threshold: int = DEFAULT_PACK_THRESHOLD,
-) -> tuple[Manifest, dict[str, str]]:
-    """Write ``blobs`` durably as a new Zarr group at ``path`` (which must hold no data).
+def _array_plan(path: str, data: np.ndarray, rows: int) -> _ArrayPlan:
+    metadata = _array_metadata(data.dtype, data.shape, (rows, *data.shape[1:]))
+    return _ArrayPlan(path, data.shape, data.reshape(data.shape[0], -1).view(np.uint8), rows,
+                      metadata)
 
-    Returns:
-        The manifest and the SHA-256 of every Zarr metadata file written (relative paths).
+
+def plan_group(*, node: str, epoch: int, save_id: str, blobs: dict[str, np.ndarray],
+               pack_threshold: int = DEFAULT_PACK_THRESHOLD) -> GroupPlan:
+    """How ``blobs`` are written as a group: nothing is copied but the packed small blobs.
+
+    Raises:
+        InvalidBlobError: the manifest would be larger than readers accept.
     """
     pack_threshold = max(1, pack_threshold)
     arrays: dict[str, BlobInfo] = {}
     packed: list[BlobInfo] = []
     pieces: list[np.ndarray] = []
-    writer = _Writer(location, path)
+    plans: list[_ArrayPlan] = []
     offset = 0
     for name, arr in blobs.items():
-        nbytes = arr.nbytes
         flags = arr.flags
         order = "F" if flags.f_contiguous and not flags.c_contiguous else "C"
-        if nbytes < pack_threshold or arr.ndim == 0 or arr.size == 0:
+        if arr.nbytes < pack_threshold or arr.ndim == 0 or arr.size == 0:
             offset = -(-offset // _ALIGN) * _ALIGN
             packed.append(BlobInfo(name, arr.dtype.str, arr.shape, order, None, 0, offset))
             pieces.append(arr if flags.c_contiguous else np.ascontiguousarray(arr))
-            offset += nbytes
+            offset += arr.nbytes
         else:
             data = _stored(arr)
-            rows = _chunk_rows(data.shape, data.dtype.itemsize)
+            rows = chunk_rows(data.shape, data.dtype.itemsize)
             info = BlobInfo(name, arr.dtype.str, arr.shape, order, path=blob_path(name),
                             chunk_rows=rows)
             arrays[name] = info
-            writer.array(info.path, data, rows)
-    packed_chunk = _chunk_rows((offset,), 1) if offset else 0
+            plans.append(_array_plan(info.path, data, rows))
+    packed_chunk = chunk_rows((offset,), 1) if offset else 0
     if offset:
-        writer.array(PACKED_ARRAY, _pack(packed, pieces, offset), packed_chunk)
+        plans.append(_array_plan(PACKED_ARRAY, _pack(packed, pieces, offset), packed_chunk))
+    manifest = Manifest(node=node, epoch=epoch, save_id=save_id, arrays=arrays, packed=packed,
+                        packed_nbytes=offset, packed_chunk=packed_chunk)
+    group = {"attributes": {ATTRS_KEY: manifest.to_dict()}, "zarr_format": 3,
+             "node_type": "group"}
     try:
-        crcs = writer.write_arrays()
-        arrays = {name: info._replace(crcs=tuple(crcs[info.path]))
-                  for name, info in arrays.items()}
-        manifest = Manifest(node=node, epoch=epoch, save_id=save_id, arrays=arrays,
-                            packed=packed, packed_nbytes=offset, packed_chunk=packed_chunk,
-                            packed_crcs=tuple(crcs.get(PACKED_ARRAY, ())))
-        group = {"attributes": {ATTRS_KEY: manifest.to_dict()}, "zarr_format": 3,
-                 "node_type": "group"}
-        try:
-            data = strictjson.check_size(json.dumps(group, separators=(",", ":")).encode(),
-                                         f"the manifest of node {node!r} epoch {epoch}")
-        except ValueError as exc:  # readers would refuse it: never write what cannot be read
-            raise InvalidBlobError(f"{exc} (too many blobs, or too long names)") from exc
-        writer.finish(data)
-    except BaseException:
-        writer.abandon()  # no descriptor outlives a failed save
-        raise
-    return manifest, writer.digests
+        data = strictjson.check_size(json.dumps(group, separators=(",", ":")).encode(),
+                                     f"the manifest of node {node!r} epoch {epoch}")
+    except ValueError as exc:  # readers would refuse it: never write what cannot be read
+        raise InvalidBlobError(f"{exc} (too many blobs, or too long names)") from exc
+    return GroupPlan(manifest, data, plans)
+
+
+def write_arrays(location: Location, root: str, plan: GroupPlan,
+                 batch: localio.SyncBatch | None) -> dict[str, tuple[int, ...]]:
+    """Write every array of ``plan`` into the group at ``root`` (whose ``zarr.json`` exists):
+    metadata files and chunks concurrently, each handed to ``batch`` for its flush (local
+    disks; the caller makes the batch durable). Returns every chunk's CRC32C, by array path.
+    Every write has finished when this returns, also when it raises."""
+    if location.is_local:
+        for array in plan.arrays:
+            location.makedirs(f"{root}/{array.path}", batch=batch)
+        if batch is not None:  # their new entries: each array's files
+            batch.add_dirs([f"{root}/{array.path}" for array in plan.arrays])
+    futures: list[Future[Any]] = []
+    chunks: list[tuple[str, Future[int]]] = []
+    for array in plan.arrays:
+        futures.append(_pool().submit(location.write_file, f"{root}/{array.path}/zarr.json",
+                                      [array.metadata], batch=batch))
+        for key, rows, padding in _chunks(array.shape, array.rows, array.data.shape[1],
+                                          padded=True):
+            future = _pool().submit(_write_chunk, location, f"{root}/{array.path}/{key}",
+                                    array.data[rows], padding, batch)
+            chunks.append((array.path, future))
+    _wait_all([*futures, *(f for _, f in chunks)])
+    crcs: dict[str, list[int]] = {}
+    for path, future in chunks:
+        crcs.setdefault(path, []).append(future.result())
+    return {path: tuple(values) for path, values in crcs.items()}
+
+
+def _write_chunk(location: Location, path: str, data: np.ndarray, padding: int,
+                 batch: localio.SyncBatch | None) -> int:
+    chunk = np.ascontiguousarray(data).reshape(-1)
+    crc = google_crc32c.value(chunk)
+    buffers: list[Any] = [chunk]
+    if padding:
+        buffers.append(bytes(padding))
+        crc = google_crc32c.extend(crc, buffers[-1])
+    buffers.append(crc.to_bytes(_CRC, "little"))
+    location.write_file(path, buffers, batch=batch)
+    return crc
 
 
 def _pack(infos: list[BlobInfo], arrays: list[np.ndarray], nbytes: int) -> np.ndarray:
@@ -328,14 +301,16 @@ def parse_manifest(raw: bytes, where: str, *, node: str, epoch: int) -> Manifest
 
 
 def read_node(
-    location: Location, path: str, manifest: Manifest, names: list[str] | None = None, *,
-    metadata: dict[str, str] | None = None,
+    location: Location, path: str, manifest: Manifest, crcs: dict[str, tuple[int, ...]],
+    names: list[str] | None = None, *, metadata: dict[str, str] | None = None,
 ) -> dict[str, np.ndarray]:
     """Read and verify blobs ``names`` (default: all) of the group at ``path``.
 
-    ``metadata`` maps metadata files of the group (relative paths) to the SHA-256 they must
-    have; they are read and checked together with the chunks (one round of concurrent reads).
-    Small blobs come back as views into one buffer (disjoint, writable).
+    ``crcs`` gives every chunk's CRC32C by array path (:meth:`Manifest.chunk_crcs`): a chunk
+    must hold its own checksum and that one. ``metadata`` maps metadata files of the group
+    (relative paths) to the SHA-256 they must have; they are read and checked together with
+    the chunks (one round of concurrent reads, which stops at the first damage). Small blobs
+    come back as views into one buffer (disjoint, writable).
 
     Raises:
         CheckpointCorruptedError: a chunk is missing, truncated or fails its checksum, or a
@@ -346,15 +321,15 @@ def read_node(
     where = f"checkpoint {location.display(path)!r} (node {manifest.node!r}, epoch {manifest.epoch})"
     with_packed = manifest.packed_nbytes and any(info.path is None for info in wanted)
     spans = _spans(manifest, path, [info for info in wanted if info.path is not None],
-                   bool(with_packed))
+                   bool(with_packed), crcs)
     if sum(span.file_bytes for span in spans) >= _PRECHECK_BYTES:
-        _wait_all([_pool().submit(_check_size, location, manifest, where, span)
-                   for span in spans])
+        _wait_first_failure([_pool().submit(_check_size, location, manifest, where, span)
+                             for span in spans])
     arrays: dict[str, np.ndarray] = {}
     flats: dict[str, np.ndarray] = {}  # destination bytes by array path
     for info in wanted:
         if info.path is not None:
-            dtype, shape = _stored_spec(info)
+            dtype, shape = stored_spec(info)
             arrays[info.name] = data = aligned_empty(shape, dtype)
             flats[info.path] = data.reshape(shape[0], -1).view(np.uint8)
     flats[PACKED_ARRAY] = packed = aligned_empty(
@@ -364,10 +339,11 @@ def read_node(
              for span in spans]
     owners = manifest.metadata_files()
     reads.sort(key=lambda read: -read[2].nbytes)  # largest first: the disk is busy from the start
-    _wait_all([*(_pool().submit(_read_chunk, location, manifest, where, *read) for read in reads),
-               *(_pool().submit(_check_metadata, location, manifest, where, f"{path}/{rel}",
-                                owners.get(rel) or rel, digest)
-                 for rel, digest in (metadata or {}).items())])
+    _wait_first_failure([
+        *(_pool().submit(_read_chunk, location, manifest, where, *read) for read in reads),
+        *(_pool().submit(_check_metadata, location, manifest, where, f"{path}/{rel}",
+                         owners.get(rel) or rel, digest)
+          for rel, digest in (metadata or {}).items())])
     out: dict[str, np.ndarray] = {}
     for info in wanted:
         if info.path is not None:
@@ -395,22 +371,23 @@ class _Span(NamedTuple):
         return (self.rows.stop - self.rows.start) * self.row_bytes + self.padding + _CRC
 
 
-def _spans(manifest: Manifest, path: str, infos: list[BlobInfo], packed: bool) -> list[_Span]:
+def _spans(manifest: Manifest, path: str, infos: list[BlobInfo], packed: bool,
+           crcs: dict[str, tuple[int, ...]]) -> list[_Span]:
     """The chunk files holding blobs ``infos`` (and the packed array, if ``packed``)."""
     spans = []
     for info in infos:
-        dtype, shape = _stored_spec(info)
+        dtype, shape = stored_spec(info)
         row_bytes = dtype.itemsize * math.prod(shape[1:])
         chunks = _chunks(shape, info.chunk_rows, row_bytes, manifest.padded_edges)
         spans += [_Span(info.name, info.path, f"{path}/{info.path}/{key}", rows, padding, crc,
                         row_bytes)
-                  for (key, rows, padding), crc in zip(chunks, info.crcs)]
+                  for (key, rows, padding), crc in zip(chunks, crcs[info.path])]
     if packed:
         chunks = _chunks((manifest.packed_nbytes,), manifest.packed_chunk, 1,
                          manifest.padded_edges)
         spans += [_Span(PACKED_ARRAY, PACKED_ARRAY, f"{path}/{PACKED_ARRAY}/{key}", rows,
                         padding, crc, 1)
-                  for (key, rows, padding), crc in zip(chunks, manifest.packed_crcs)]
+                  for (key, rows, padding), crc in zip(chunks, crcs[PACKED_ARRAY])]
     return spans
 
 
@@ -475,4 +452,4 @@ def _read_chunk(location: Location, manifest: Manifest, where: str, blob: str, c
         raise corrupted("checksum mismatch (the data was changed or torn)")
     if int.from_bytes(stored, "little") != expected:
         raise corrupted("the chunk is not the one this checkpoint wrote (its checksum differs "
-                        "from the manifest's: written by another save?)")
+                        "from the one recorded: written by another save?)")

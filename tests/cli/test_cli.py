@@ -25,7 +25,7 @@ from caffe2ckpt import (
     MultiNodeCheckpointManager,
     StepCheckpointManager,
 )
-from caffe2ckpt.history.catalog import scan
+from caffe2ckpt.history.scan import scan
 from caffe2ckpt.store.protocol import CheckpointStore
 from caffe2ckpt.cli import main
 from caffe2ckpt.store.records import list_records
@@ -163,7 +163,8 @@ def test_ls_shows_partial_saves_damaged_records_and_leftovers(tree, capsys):
     assert refs["trainer_0", 4].filename in by_epoch[4]["error"]
     left = {x["path"]: x for x in doc["leftovers"]}  # trainer_1.5 lost its record
     assert sorted(left) == ["trainer_0.9", "trainer_1.5"]
-    assert {x["kind"] for x in left.values()} == {"uncommitted data"}
+    assert left["trainer_0.9"]["kind"] == "unidentified data"  # no zarr.json: whose is it?
+    assert left["trainer_1.5"]["kind"] == "uncommitted save"  # its zarr.json names the save
     assert left["trainer_0.9"]["bytes"] == 100 and 0 <= left["trainer_0.9"]["age_seconds"] < 600
     assert left["trainer_1.5"]["bytes"] > sum(a.nbytes for a in blobs("trainer_1", 5).values())
 
@@ -171,7 +172,7 @@ def test_ls_shows_partial_saves_damaged_records_and_leftovers(tree, capsys):
     assert code == 0
     assert "partial (missing trainer_1)" in out
     assert "damaged record (missing trainer_0)" in out
-    assert "uncommitted data" in out and "trainer_0.9" in out
+    assert "unidentified data" in out and "trainer_0.9" in out
 
 
 def test_ls_and_verify_a_prefix_written_by_a_job_runner(prefix, capsys):
@@ -316,7 +317,7 @@ def test_gc_without_retention_options_removes_only_old_leftovers(tree, capsys):
     leftover(tree)
     doc = run_json(capsys, "gc", tree)  # the leftover is seconds old: --min-age 3600 keeps it
     assert doc["delete"] == [] and doc["leftovers"] == []
-    assert all(k["reasons"][-1] == "no --keep-* option given" for k in doc["keep"])
+    assert all(k["reasons"] == ["no retention rule"] for k in doc["keep"])
     before = files(tree)
     doc = run_json(capsys, "gc", tree, "--min-age", 0, "--yes")
     assert [x["path"] for x in doc["leftovers"]] == ["trainer_0.9"] and doc["delete"] == []
@@ -357,13 +358,11 @@ def test_gc_yes_removes_exactly_the_expected_epochs_and_leftovers(tree, capsys):
     assert [d["epoch"] for d in doc["delete"]] == [1, 2]
     assert not any("error" in d for d in doc["delete"] + doc["leftovers"])
     store = CheckpointStore(Location(tree))
-    assert scan(store).epochs() == [0, 3, 4, 5]
+    assert sorted({s.epoch for s in scan(store).saves()}) == [0, 3, 4, 5]
     remaining = files(tree)
     groups = {p.split("/")[-1] for p in Location(tree).fs.ls(Location(tree).root, detail=False)}
-    # (an empty _staging/ may stay: saves write aside there and move into place)
-    assert groups - {"_staging"} == ({f"{n}.{e}" for n in NODES for e in (0, 3, 4, 5)}
-                                     | {"_commits", "_claims"})
-    assert not Location(tree).list_names(Location(tree).path("_staging"))
+    assert groups == ({f"{n}.{e}" for n in NODES for e in (0, 3, 4, 5)}
+                      | {"_commits", "_runs", "_hints"})
     assert not any("/trainer_0.9/" in p or "/trainer_1.7/" in p for p in remaining)
     for epoch in (0, 3, 4, 5):
         assert_loads_exact(tree, epoch)
@@ -396,7 +395,7 @@ def test_gc_keep_best_follows_the_retention_policy(tree, capsys):
     assert [d["epoch"] for d in doc["delete"]] == [2, 3, 4]
     reasons = {k["epoch"]: k["reasons"] for k in doc["keep"]}
     assert reasons == {0: ["best 2 by loss (max)"], 1: ["best 2 by loss (max)"], 5: ["newest"]}
-    assert scan(CheckpointStore(Location(tree))).epochs() == [0, 1, 5]
+    assert sorted({s.epoch for s in scan(CheckpointStore(Location(tree))).saves()}) == [0, 1, 5]
     for epoch in (0, 1, 5):
         assert_loads_exact(tree, epoch)
 
@@ -547,7 +546,7 @@ def test_wrong_arguments_exit_2_with_a_message(memory_fs, capsys, argv, message)
 def test_unknown_metric_is_a_usage_error(tree, capsys):
     code, _, err = run(capsys, "gc", tree, "--keep-best", 1, "--metric", "lss", "--yes")
     assert code == 2 and "metric 'lss'" in err and "acc, loss" in err
-    assert scan(CheckpointStore(Location(tree))).epochs() == list(EPOCHS)
+    assert sorted({s.epoch for s in scan(CheckpointStore(Location(tree))).saves()}) == list(EPOCHS)
 
 
 @pytest.mark.parametrize("argv", [["show", "--epoch", "9"], ["verify", "--epoch", "9"],

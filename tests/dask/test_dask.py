@@ -14,14 +14,15 @@ import numpy as np
 import pytest
 
 from caffe2ckpt import JobRunner, LocalSession, MultiNodeCheckpointManager
-from caffe2ckpt.store.protocol import CheckpointStore
 from caffe2ckpt.errors import JobDefinitionError, NodeLostError
 from caffe2ckpt.example import build_job
 from caffe2ckpt.fs.location import Location
+from caffe2ckpt.store.protocol import CheckpointStore
 from tests.jobs import EXPECTED_TOTALS, fetch, make_job
 
 pytest.importorskip("distributed")
 from caffe2ckpt.dask import DaskSession  # noqa: E402
+from tests.stores import load, newest_epoch, record_of
 
 pytestmark = pytest.mark.slow
 NODES = ["trainer_0", "trainer_1"]
@@ -88,7 +89,7 @@ def test_arrays_stay_on_the_workers_and_records_name_them(tmp_path, dask_client,
         max(session.sent), max(session.received))
     store = CheckpointStore(Location(url))
     for node in NODES:
-        record = store.node_record(node, 3)
+        record = record_of(store, node, 3)
         assert record.writer["worker"] == where[node] and where[node]["pid"] != os.getpid()
         assert record.writer["session"] == "dask"
     # the command line names each node's worker beside the flow's process
@@ -149,17 +150,17 @@ def test_async_saves_run_and_are_waited_for_in_the_actors(tmp_path, dask_client,
         runner = JobRunner(build_job(4), cm, on_save_error="raise")
         assert runner.train(session) == 4
         assert runner.saved_epochs == [0, 1, 2, 3, 4] and runner.failed_saves == []
-        assert cm.pending_epoch is None and sorted(cm.last_records) == NODES
+        assert cm.pending_epoch is None and sorted(cm.lineage_save(4).records) == NODES
         where = {n: session._call(n, "where") for n in NODES}
         final = {n: dict(session.workspace(n).items()) for n in NODES}
         assert sum(dask_client.run(saves_held, cm._background).values()) == 2
         cm.close()  # frees the snapshot buffers on the workers too
         assert sum(dask_client.run(saves_held, cm._background).values()) == 0
     store = CheckpointStore(Location(url))
-    assert store.latest_epoch(NODES) == 4
+    assert newest_epoch(store, NODES) == 4
     for node in NODES:
-        assert store.node_record(node, 4).writer["worker"] == where[node]
-        loaded = store.load_node(node, 4)
+        assert record_of(store, node, 4).writer["worker"] == where[node]
+        loaded = load(store, node, 4)
         assert all(np.array_equal(loaded[k], final[node][k]) for k in loaded)
 
 

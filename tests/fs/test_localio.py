@@ -13,7 +13,6 @@ import math
 import mmap
 import os
 import time
-import uuid
 
 import numpy as np
 import pytest
@@ -22,7 +21,8 @@ from caffe2ckpt import CheckpointCorruptedError
 from caffe2ckpt.fs import localio
 from caffe2ckpt.store.protocol import CheckpointStore, SaveInfo
 from caffe2ckpt.fs.location import Location
-from caffe2ckpt.store.zarrgroup import CHUNK_BYTES, _chunk_rows
+from caffe2ckpt.store.manifest import CHUNK_BYTES, chunk_rows
+from caffe2ckpt.store.layout import new_save_id
 
 pytestmark = pytest.mark.skipif(not getattr(os, "O_DIRECT", 0), reason="O_DIRECT is Linux-only")
 
@@ -168,7 +168,7 @@ def test_aligned_empty_gives_writable_arrays_aligned_when_large(shape, dtype):
     ((9_999_991,), 2), ((10, 10), 8), ((3_000_000, 7), 1), ((3, 6 << 20), 1), ((6001, 768), 4),
 ])
 def test_chunks_are_even_whole_disk_blocks_of_at_most_16_mib(shape, itemsize):
-    rows = _chunk_rows(shape, itemsize)
+    rows = chunk_rows(shape, itemsize)
     n, row_bytes = shape[0], itemsize * math.prod(shape[1:])
     step = localio.DIRECT_ALIGN // math.gcd(row_bytes, localio.DIRECT_ALIGN)
     assert 1 <= rows <= n
@@ -186,15 +186,15 @@ def test_a_checkpoint_read_directly_is_bit_exact_and_damage_is_caught(disk):
     blobs = {"emb": rng.random((6000, 768), dtype=np.float32),  # 2 chunks of 3000 rows
              "bias": rng.random(300, dtype=np.float32)}
     prefix = str(disk / "ckpt")
-    CheckpointStore(Location(prefix)).save_node(
-        "trainer_0", 1, blobs, SaveInfo(save_id=uuid.uuid4().hex, nodes=["trainer_0"]))
+    record = CheckpointStore(Location(prefix)).save_node(
+        "trainer_0", 1, blobs, SaveInfo(save_id=new_save_id(1), nodes=["trainer_0"]))
     group = os.path.join(prefix, "trainer_0.1")
     files = [os.path.join(d, f) for d, _, names in os.walk(group) for f in names]
     chunks = sorted(f for f in files if os.path.basename(f).startswith("c.")
                     and os.path.getsize(f) >= localio.DIRECT_MIN_BYTES)
     assert len(chunks) == 2  # emb: 2 x 9.2 MB, both read directly
     evict(*files)
-    loaded = CheckpointStore(Location(prefix)).load_node("trainer_0", 1)
+    loaded = CheckpointStore(Location(prefix)).load_node(record)
     assert all(loaded[k].tobytes() == v.tobytes() and loaded[k].dtype == v.dtype
                for k, v in blobs.items())
     assert all(cached_pages(c) <= 1 for c in chunks)  # read directly, not through the cache
@@ -206,5 +206,5 @@ def test_a_checkpoint_read_directly_is_bit_exact_and_damage_is_caught(disk):
         os.fsync(f.fileno())
     evict(*files)
     with pytest.raises(CheckpointCorruptedError, match="checksum mismatch") as info:
-        CheckpointStore(Location(prefix)).load_node("trainer_0", 1)
+        CheckpointStore(Location(prefix)).load_node(record)
     assert (info.value.node, info.value.epoch, info.value.blob) == ("trainer_0", 1, "emb")

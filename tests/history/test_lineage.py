@@ -17,13 +17,23 @@ from caffe2ckpt import (
     StepCheckpointManager,
     StepManagerOptions,
 )
-from caffe2ckpt.history.catalog import scan
 from caffe2ckpt.cli import main as cli_main
-from caffe2ckpt.store.records import CommitRecord, RecordRef, new_save_id
 from caffe2ckpt.example import InjectedFailure, build_job
 from caffe2ckpt.history.lineage import History
+from caffe2ckpt.history.scan import scan
+from caffe2ckpt.store.layout import new_save_id
+from caffe2ckpt.store.records import CommitRecord, RecordRef
+from tests.stores import newest_epoch
 
 NODES = ["trainer_0", "trainer_1"]
+
+
+def epochs(store, nodes=NODES) -> tuple[list[int], list[int]]:
+    """The family's lineage epochs and superseded epochs, each sorted."""
+    family = scan(store, nodes).families.get(frozenset(nodes))
+    if family is None:
+        return [], []
+    return sorted(s.epoch for s in family.lineage), sorted(s.epoch for s in family.superseded)
 
 
 def workspaces(session: LocalSession) -> dict:
@@ -39,8 +49,8 @@ def train(prefix: str, num_epochs: int, **kwargs) -> tuple[JobRunner, LocalSessi
 
 
 def go_back_to_2(prefix: str, **kwargs) -> None:
-    """Epochs 0..5 by a first run; a second run resumes from 2, commits 3 and dies in 4: the
-    first run's 4 and 5 are superseded (higher epochs, but off the new lineage)."""
+    """Epochs 0..5 by a first run; a second run resumes from 2, commits 3 (at a path of its
+    own) and dies in 4: the first run's 3, 4 and 5 are superseded (off the new lineage)."""
     train(prefix, 5)
     with pytest.raises(InjectedFailure):
         train(prefix, 4, resume_from_epoch=2, fail_at_epoch=4, **kwargs)
@@ -56,10 +66,10 @@ def reference_4(tmp_path_factory) -> dict:
 def test_resume_after_going_back_follows_the_new_lineage(prefix, reference_4):
     go_back_to_2(prefix)
     cm = MultiNodeCheckpointManager(prefix)
-    assert cm.store.latest_epoch(NODES) == 3  # not the older run's 5
-    found = scan(cm.store, NODES)
-    assert sorted(found.superseded) == [4, 5] and found.epochs() == list(range(6))
-    assert found.steps[3].generation > found.steps[2].generation
+    cm.set_params(nodes=NODES)
+    assert newest_epoch(cm.store, NODES) == 3  # not the older run's 5
+    assert epochs(cm.store) == ([0, 1, 2, 3], [3, 4, 5])
+    assert cm.lineage_save(3).generation > cm.lineage_save(2).generation
     runner, session, final = train(prefix, 4)  # the automatic retry
     assert (runner.resumed_from, final) == (3, 4)
     assert workspaces(session) == reference_4
@@ -68,20 +78,21 @@ def test_resume_after_going_back_follows_the_new_lineage(prefix, reference_4):
 def test_retention_keeps_the_new_lineage_and_drops_the_superseded(prefix, reference_4):
     go_back_to_2(prefix, options=StepManagerOptions(max_to_keep=1))
     cm = MultiNodeCheckpointManager(prefix)
-    found = scan(cm.store, NODES)
     # 3 (the newest of the lineage) and 2 (resumed from); the old 0, 1 and the superseded 4, 5
     # are gone
-    assert found.epochs() == [2, 3] and not found.superseded
+    assert epochs(cm.store) == ([2, 3], [])
     runner, session, final = train(prefix, 4, options=StepManagerOptions(max_to_keep=1))
     assert (runner.resumed_from, final) == (3, 4)
     assert workspaces(session) == reference_4
-    assert scan(cm.store, NODES).epochs() == [3, 4]  # the newest, and the one resumed from
+    assert epochs(cm.store) == ([3, 4], [])  # the newest, and the one resumed from
 
 
 def test_fallback_never_goes_to_a_superseded_epoch(prefix, reference_4):
     go_back_to_2(prefix)
     fs, root = fsspec.core.url_to_fs(prefix)
-    chunk = next(p for p in fs.find(f"{root}/trainer_0.3") if p.rpartition("/")[2].startswith("c."))
+    group = MultiNodeCheckpointManager(prefix).current(nodes=NODES).lineage_save(3)
+    group = group.records["trainer_0"].group  # the second run's epoch 3: a path of its own
+    chunk = next(p for p in fs.find(f"{root}/{group}") if p.rpartition("/")[2].startswith("c."))
     data = bytearray(fs.cat_file(chunk))
     data[0] ^= 0xFF
     fs.pipe_file(chunk, bytes(data))
@@ -115,7 +126,7 @@ def test_step_manager_saving_below_the_latest_supersedes_the_later_steps(prefix)
         mgr.restore(1)
         mgr.save(2, {"n": {"w": np.full(2, 20)}}, force=True)
         assert mgr.all_steps() == [0, 1, 2] and mgr.latest_step() == 2  # 3 and 4: superseded
-    assert scan(mgr._store).epochs() == [0, 1, 2]  # retention deleted them
+    assert epochs(mgr._store, ["n"]) == ([0, 1, 2], [])  # retention deleted them
 
 
 def test_cli_marks_superseded_epochs_and_gc_removes_them(prefix, capsys):
@@ -123,15 +134,15 @@ def test_cli_marks_superseded_epochs_and_gc_removes_them(prefix, capsys):
     capsys.readouterr()  # the training's own output
     assert cli_main(["ls", prefix, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    states = {row["epoch"]: row["state"] for row in doc["epochs"]}
-    assert states == {0: "committed", 1: "committed", 2: "committed", 3: "committed",
-                      4: "superseded", 5: "superseded"}
-    assert doc["superseded_epochs"] == [4, 5]
+    states = sorted((row["epoch"], row["state"]) for row in doc["epochs"])
+    assert states == [(0, "committed"), (1, "committed"), (2, "committed"), (3, "committed"),
+                      (3, "superseded"), (4, "superseded"), (5, "superseded")]
+    assert doc["superseded_epochs"] == [3, 4, 5]
     assert cli_main(["show", prefix, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["epoch"] == 3  # the newest of the lineage
     assert cli_main(["gc", prefix, "--keep-last", "2", "--yes", "--json"]) == 0
     deleted = [d["epoch"] for d in json.loads(capsys.readouterr().out)["delete"]]
-    assert deleted == [0, 1, 4, 5]
+    assert deleted == [0, 1, 3, 4, 5]  # 3: the first run's, superseded
 
 
 # -- the walk itself, on records made here ---------------------------------------------------
@@ -148,7 +159,7 @@ def _records(*saves: tuple[int, int, tuple[int, int] | None]) -> dict[RecordRef,
 
 
 def _lineage(records: dict[RecordRef, CommitRecord]) -> list[tuple[int, int]]:
-    history = History(list(records), ["n"], records.__getitem__)
+    history = History(list(records), ["n"], records.__getitem__, lambda generation: None)
     return [(s.epoch, s.generation) for s in history.lineage()]
 
 
@@ -188,8 +199,7 @@ def test_a_run_whose_saves_retention_deleted_does_not_cut_the_history(prefix):
         with StepCheckpointManager(prefix, options=options, handle_preemption=False) as mgr:
             for step in steps:
                 mgr.save(step, {"n": {"w": np.full(2, step)}}, force=True)
-    found = scan(mgr._store)
-    assert found.epochs() == [0, 5, 10] and not found.superseded
+    assert epochs(mgr._store, ["n"]) == ([0, 5, 10], [])
 
 
 def test_restoring_an_earlier_step_in_the_same_manager_supersedes_the_later_ones(prefix):
@@ -208,6 +218,6 @@ def test_a_record_name_with_a_non_ascii_digit_is_not_a_record(prefix):
         mgr.save(1, {"n": {"w": np.ones(2)}})
     fs, root = fsspec.core.url_to_fs(prefix)
     fs.pipe_file(f"{root}/_commits/00000000000\u00b2.n.g1-abcdefgh.json", b"{}")
-    assert MultiNodeCheckpointManager(prefix).store.latest_epoch(["n"]) == 1
+    assert newest_epoch(MultiNodeCheckpointManager(prefix).store, ["n"]) == 1
     with StepCheckpointManager(prefix, handle_preemption=False) as mgr:
         assert mgr.all_steps() == [1]

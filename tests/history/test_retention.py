@@ -9,6 +9,7 @@ import math
 
 import numpy as np
 import pytest
+from faultfs import FaultyFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 from caffe2ckpt import (
@@ -22,14 +23,13 @@ from caffe2ckpt import (
     Task,
     epoch_limiter,
 )
-from caffe2ckpt.history.catalog import apply_retention, find_leftovers, remove_leftovers, scan
-from caffe2ckpt.store.protocol import CheckpointStore
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.metadata import ZarrMetadataHandler
 from caffe2ckpt.policy import retained_epochs, should_save
-
-from faultfs import FaultyFileSystem
+from caffe2ckpt.history.scan import scan
+from caffe2ckpt.store.protocol import CheckpointStore
 from tests.safety.test_faults import clone
+from tests.stores import committed_epochs, find_leftovers, load, remove_leftovers, retain
 
 NAN = float("nan")
 # loss after epochs 1..10 (epoch 0 has no metrics): NaN counts as worst
@@ -136,8 +136,12 @@ def loss_job(epochs: int) -> Job:
     return job
 
 
+def lineage(store: CheckpointStore, nodes=NODES) -> list[int]:
+    return committed_epochs(store, nodes)
+
+
 def committed(prefix: str) -> list[int]:
-    return sorted(scan(CheckpointStore(Location(prefix)), NODES).steps)
+    return lineage(CheckpointStore(Location(prefix)))
 
 
 def assert_loads(prefix: str, epoch: int) -> None:
@@ -236,10 +240,10 @@ def _copies(fs, root: str):
 
 
 def _check_all_committed_load(store: CheckpointStore) -> list[int]:
-    steps = scan(store, NODES).steps
+    steps = lineage(store)
     for e in steps:
         for n in NODES:
-            data = store.load_node(n, e)
+            data = load(store, n, e)
             assert np.array_equal(data["w"], np.full(4, float(e))), (e, n)
             assert np.array_equal(data["big"], np.full(20_000, e, np.int64)), (e, n)
     return sorted(steps)
@@ -257,14 +261,14 @@ def test_a_fault_at_every_operation_of_a_deletion_loses_nothing_kept(faulty, kin
     opts = StepManagerOptions(max_to_keep=1)
     copy = _copies(fs, root)
     probe = copy(f"{root}-probe")
-    total = _count_ops(fs, kind, lambda: apply_retention(probe, opts, NODES))
+    total = _count_ops(fs, kind, lambda: retain(probe, opts, NODES))
     assert total > 0
     print(f"deletion: {total} {kind} operations, each faulted in turn")
     for n in range(1, total + 1):
         store = copy(f"{root}-{kind}{n}")
         fs.arm(kind, n)
         try:
-            apply_retention(store, opts, NODES)
+            retain(store, opts, NODES)
         except OSError:
             pass
         assert fs.failed, f"fault {kind} #{n} was never injected"
@@ -275,7 +279,7 @@ def test_a_fault_at_every_operation_of_a_deletion_loses_nothing_kept(faulty, kin
         remove_leftovers(store, find_leftovers(store, min_age=0))
         assert find_leftovers(store, min_age=0) == []
         assert _check_all_committed_load(store) == survivors
-        apply_retention(store, opts, NODES)  # finishing the job later works
+        retain(store, opts, NODES)  # finishing the job later works
         assert _check_all_committed_load(store) == [5]
 
 
@@ -289,7 +293,7 @@ def test_a_fault_at_every_operation_of_a_cleanup_loses_nothing(faulty, kind):
         loc = store.location
         loc.fs.pipe_file(loc.path("trainer_0.9", "zarr.json"), b"{}")  # uncommitted data
         loc.fs.pipe_file(loc.path("_staging", "trainer_1.2.abc", "zarr.json"), b"{}")
-        records = [r for r in scan(store).steps[3].records.values()]
+        records = list(scan(store).current()[3].records.values())
         loc.remove(loc.path("_commits", records[0].ref.filename))  # epoch 3: a partial save
         return store
 
@@ -322,7 +326,7 @@ def test_leftovers_younger_than_min_age_are_left_alone(prefix):
         mgr.save(1, {"trainer_0": {"w": np.zeros(2)}})
     assert find_leftovers(store, min_age=3600) == []
     found = find_leftovers(store, min_age=0)
-    assert [(f.kind, f.path) for f in found] == [("uncommitted data", "trainer_0.9")]
+    assert [(f.kind, f.path) for f in found] == [("unidentified data", "trainer_0.9")]
     assert find_leftovers(store, min_age=0, nodes=["trainer_1"]) == []
 
 
@@ -333,7 +337,7 @@ def test_retention_never_deletes_another_jobs_nodes(prefix):
     cm = MultiNodeCheckpointManager(prefix, metadata_handler=ZarrMetadataHandler())
     JobRunner(loss_job(5), cm, options=options(1, None, None)).train(LocalSession())
     store = CheckpointStore(Location(prefix))
-    assert sorted(scan(store, NODES).steps) == [5]
-    assert sorted(scan(store, ["other_0"]).steps) == [0, 1, 2, 3]
+    assert lineage(store) == [5]
+    assert lineage(store, ["other_0"]) == [0, 1, 2, 3]
     for e in range(4):
-        assert np.array_equal(store.load_node("other_0", e)["w"], np.full(4, float(e)))
+        assert np.array_equal(load(store, "other_0", e)["w"], np.full(4, float(e)))

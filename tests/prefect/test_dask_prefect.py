@@ -13,15 +13,16 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from caffe2ckpt import JobRunner, LocalSession, MultiNodeCheckpointManager
-from caffe2ckpt.store.protocol import CheckpointStore
 from caffe2ckpt.example import build_job
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.prefect import PrefectSession
+from caffe2ckpt.store.protocol import CheckpointStore
 from tests.jobs import EXPECTED_TOTALS, fetch, make_job
 from tests.prefect.conftest import finished_task_runs
 
 pytest.importorskip("distributed")
 from caffe2ckpt.dask import DaskSession  # noqa: E402
+from tests.stores import newest_epoch
 
 pytestmark = pytest.mark.slow
 NODES = ["trainer_0", "trainer_1"]
@@ -94,7 +95,7 @@ def test_async_saves_wait_in_the_actors_as_task_runs(tmp_path, dask_client, clie
 
     final, run_id = pipeline()
     assert final == 3
-    assert CheckpointStore(Location(url)).latest_epoch(NODES) == 3
+    assert newest_epoch(CheckpointStore(Location(url)), NODES) == 3
     runs = finished_task_runs(client, run_id, 26)  # 2 init + 2 checkpoint_init + 6 epochs + 8 + 8
     # each save and each wait in its actor is its own task run, labelled with its epoch
     for group in ("checkpoint_save", "checkpoint_wait"):
@@ -112,26 +113,25 @@ def kill_at(epoch: int, node: str):
 
 def die_while_installing(marker: str) -> None:
     """Run on every worker: the first save of trainer_1's epoch 3 (while the marker file
-    exists) SIGKILLs its worker after the data is staged, before it is moved into place."""
-    from caffe2ckpt.store.protocol import CheckpointStore
+    exists) SIGKILLs its worker after its group is written, before its record."""
+    from caffe2ckpt.store import protocol
 
-    install = CheckpointStore._install
+    write_record = protocol.write_record
 
-    def dying(self, staged, target, node, epoch, *args, **kwargs):
-        if node == "trainer_1" and epoch == 3 and os.path.exists(marker):
+    def dying(location, record):
+        if record.node == "trainer_1" and record.epoch == 3 and os.path.exists(marker):
             os.unlink(marker)
             os.kill(os.getpid(), signal.SIGKILL)
-        return install(self, staged, target, node, epoch, *args, **kwargs)
+        return write_record(location, record)
 
-    dying.original = install
-    CheckpointStore._install = dying
+    dying.original = write_record
+    protocol.write_record = dying
 
 
 def undo_die_while_installing() -> None:
-    from caffe2ckpt.store.protocol import CheckpointStore
+    from caffe2ckpt.store import protocol
 
-    CheckpointStore._install = getattr(CheckpointStore._install, "original",
-                                       CheckpointStore._install)
+    protocol.write_record = getattr(protocol.write_record, "original", protocol.write_record)
 
 
 @pytest.mark.parametrize("where", ["mid-epoch", "mid-save"])
@@ -170,7 +170,7 @@ def test_a_killed_worker_fails_the_attempt_and_the_retry_resumes(tmp_path, dask_
     JobRunner(build_job(5), MultiNodeCheckpointManager(str(tmp_path / "ref"))).train(reference)
     assert final == [{k: v.tobytes() for k, v in reference.workspace(n).items()} for n in NODES]
     store = CheckpointStore(Location(url))
-    assert store.latest_epoch(NODES) == 5
+    assert newest_epoch(store, NODES) == 5
     if where == "mid-save":
         dask_client.run(undo_die_while_installing)  # the worker that was not killed
 

@@ -21,11 +21,12 @@ import pytest
 import yaml
 
 from caffe2ckpt import JobRunner, LocalSession, MultiNodeCheckpointManager
-from caffe2ckpt.store.protocol import CheckpointStore
-from caffe2ckpt.store.records import list_records, read_record
 from caffe2ckpt.example import build_job
 from caffe2ckpt.fs.location import Location
+from caffe2ckpt.store.protocol import CheckpointStore
+from caffe2ckpt.store.records import list_records, read_record
 from tests.procs import stop_tree
+from tests.stores import load, newest_epoch, records_at
 
 pytestmark = pytest.mark.slow
 
@@ -172,20 +173,20 @@ def test_deploy_kill_and_automatic_retry(server, tmp_path):
     assert abs(datetime.fromisoformat(scheduled["expected_start_time"]) - schedule_at) < timedelta(seconds=1)
     sched_store = CheckpointStore(Location(str(tmp_path / "scheduled")))
     # a first night from scratch: nightly's epochs_per_run (10) epochs, of its epochs (100)
-    assert sched_store.latest_epoch(["trainer_0", "trainer_1"]) == 10
+    assert newest_epoch(sched_store, ["trainer_0", "trainer_1"]) == 10
 
     assert run["run_count"] >= 2  # the same flow run, retried in a new process
     store = CheckpointStore(location)
     nodes = ["trainer_0", "trainer_1"]
-    assert store.latest_epoch(nodes) == EPOCHS
-    last = store.epoch_records(EPOCHS, nodes)
+    assert newest_epoch(store, nodes) == EPOCHS
+    last = records_at(store, nodes, EPOCHS)
     assert last["trainer_0"].writer["flow_run_id"] == run_id
     assert last["trainer_0"].writer["run_count"] >= 2
 
     reference = LocalSession()
     JobRunner(build_job(EPOCHS), MultiNodeCheckpointManager(str(tmp_path / "ref"))).train(reference)
     for node in nodes:
-        restored = store.load_node(node, EPOCHS)
+        restored = load(store, node, EPOCHS)
         expected = reference.workspace(node)
         # outputs created after init_group ("loss", the limiter's stop flag) are not checkpointed
         assert {"model/w", "model/b", "reader/cursor"} <= restored.keys() <= expected.keys()

@@ -16,8 +16,8 @@ from prefect.client.schemas.filters import FlowFilter, FlowFilterName
 from prefect.client.schemas.sorting import FlowRunSort
 from prefect.settings import PREFECT_API_URL
 
-from caffe2ckpt.history.catalog import scan
 from caffe2ckpt.store.protocol import CheckpointStore
+from tests.stores import committed_epochs
 from caffe2ckpt.fs.location import Location
 
 from conftest import poll
@@ -42,7 +42,7 @@ def test_sigterm_mid_epoch_commits_it_and_prefect_ends_the_run_crashed(tmp_path,
     assert proc.returncode == -signal.SIGTERM, out  # Prefect re-raised the signal
     assert "stopped by SIGTERM after epoch 3" in out, out
     assert "Retry" not in out and "FINISHED" not in out, out  # no in-process retry
-    assert sorted(scan(CheckpointStore(Location(prefix)), NODES).steps) == [0, 1, 2, 3]
+    assert committed_epochs(CheckpointStore(Location(prefix)), NODES) == [0, 1, 2, 3]
     assert not pathlib.Path(f"{prefix}.started.4").exists()
 
     runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["preempt"])),

@@ -17,11 +17,13 @@ from prefect.runtime import flow_run
 from prefect.settings import PREFECT_API_URL
 
 from caffe2ckpt import JobRunner, LocalSession, MultiNodeCheckpointManager
-from caffe2ckpt.store.protocol import CheckpointStore
 from caffe2ckpt.example import build_job, node_names
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.prefect import plan_run, run_job
+from caffe2ckpt.history.scan import family_history
+from caffe2ckpt.store.protocol import CheckpointStore
 from flows.regression import regression
+from tests.stores import load
 
 REPO = Path(__file__).resolve().parents[2]
 NODES = node_names(2)
@@ -35,7 +37,7 @@ def assert_uninterrupted(url: str, epoch: int, tmp_path: Path, nodes=NODES) -> N
               MultiNodeCheckpointManager(str(tmp_path / f"ref-{epoch}"))).train(reference)
     store = CheckpointStore(Location(url))
     for node in nodes:
-        restored, expected = store.load_node(node, epoch), reference.workspace(node)
+        restored, expected = load(store, node, epoch), reference.workspace(node)
         assert {"model/w", "model/b", "reader/cursor"} <= restored.keys() <= expected.keys()
         for name, value in restored.items():
             assert value.dtype == expected[name].dtype, (node, name)
@@ -44,7 +46,7 @@ def assert_uninterrupted(url: str, epoch: int, tmp_path: Path, nodes=NODES) -> N
 
 def lineage(url: str, nodes=NODES) -> list:
     """The committed saves of the current lineage, newest first."""
-    return list(CheckpointStore(Location(url)).history(nodes).lineage())
+    return list(family_history(CheckpointStore(Location(url)), nodes).lineage())
 
 
 def writer(save) -> dict:
@@ -67,9 +69,11 @@ def test_epochs_per_run_and_resume_from_epoch(tmp_path):
     assert writer(saves[0])["flow_run_id"] == writer(saves[1])["flow_run_id"]
     assert writer(saves[1])["flow_run_id"] not in {writer(s)["flow_run_id"] for s in first}
     assert saves[1].parent == (2, saves[2].generation)
-    history = CheckpointStore(Location(url)).history(NODES)
-    for new in saves[:2]:  # the new saves of epochs 3 and 4 retired the old ones
-        assert history.saves_at(new.epoch) == [new]
+    history = family_history(CheckpointStore(Location(url)), NODES)
+    for new in saves[:2]:  # the new saves of epochs 3 and 4 wrote at paths of their own: the
+        old = [s for s in history.saves_at(new.epoch) if s != new]  # old ones are superseded
+        assert len(old) == 1 and old[0] in history.superseded(saves)
+        assert new.records["trainer_0"].group == f"trainer_0.{new.epoch}.{new.save_id}"
     assert_uninterrupted(url, 4, tmp_path)
 
 

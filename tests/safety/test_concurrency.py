@@ -37,11 +37,14 @@ from caffe2ckpt import (
     Task,
     epoch_limiter,
 )
-from caffe2ckpt.store.protocol import CheckpointStore
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.metadata import ZarrMetadataHandler
+from caffe2ckpt.history.scan import scan
+from caffe2ckpt.store import runs
+from caffe2ckpt.store.protocol import CheckpointStore
 from tests.faultfs import FaultyFileSystem
 from tests.s3server import NOT_ON_S3, prefix_kind
+from tests.stores import newest_epoch, record_of
 
 NODES = ["trainer_0", "trainer_1"]
 EPOCHS = 4
@@ -74,27 +77,28 @@ def manager(url: str, **kw) -> MultiNodeCheckpointManager:
 
 
 def audit(store: CheckpointStore) -> dict[int, int | str]:
-    """For every epoch with commit records: the run whose data it holds, or "damaged". Fails the
-    test if any epoch loads data that mixes runs or steps."""
+    """For every epoch of the lineage: the run whose data it holds, or "damaged". Fails the test
+    if any committed save (superseded ones too) loads data that mixes runs or steps."""
     out: dict[int, int | str] = {}
-    for epoch in sorted(store.epochs_with_records(NODES)):
-        if store.epoch_records(epoch, NODES) is None:
-            out[epoch] = "damaged"
-            continue
+    family = scan(store, NODES).families.get(frozenset(NODES))
+    current = family.current() if family is not None else {}
+    for save in family.saves() if family is not None else []:
         try:
-            loaded = {node: store.load_node(node, epoch) for node in NODES}
+            loaded = {node: store.load_node(save.records[node]) for node in NODES}
         except CheckpointCorruptedError:
-            out[epoch] = "damaged"
+            if current.get(save.epoch) is save:
+                out[save.epoch] = "damaged"
             continue
         runs = {int(d["run"]) for d in loaded.values()}
-        assert len(runs) == 1, f"epoch {epoch} mixes runs {runs} across nodes"
+        assert len(runs) == 1, f"epoch {save.epoch} mixes runs {runs} across nodes"
         for node, data in loaded.items():  # all three blobs were set together in one epoch
             step, run, tag = int(data["step"]), int(data["run"]), np.unique(data["tag"])
-            assert step == epoch, f"epoch {epoch} of {node} holds step {step}"
+            assert step == save.epoch, f"epoch {save.epoch} of {node} holds step {step}"
             assert tag.tolist() == [run * 1000.0 + step], (
-                f"epoch {epoch} of {node} (run {run}) holds tags {tag[:4]} of other saves")
-        out[epoch] = runs.pop()
-    return out
+                f"epoch {save.epoch} of {node} (run {run}) holds tags {tag[:4]} of other saves")
+        if current.get(save.epoch) is save:
+            out[save.epoch] = runs.pop()
+    return dict(sorted(out.items()))
 
 
 def test_two_runs_racing_on_one_prefix_never_mix_data(prefix):
@@ -130,7 +134,8 @@ def race(prefix: str, round_: int) -> None:
             results[run] = exc
         finally:
             start_second.set()
-            claims[run] = runner.checkpoint_manager.run_claim
+            current = runner.checkpoint_manager.run
+            claims[run] = None if current is None else current.generation
 
     threads = [threading.Thread(target=train, args=(run,)) for run in (1, 2)]
     for t in threads:
@@ -145,7 +150,7 @@ def race(prefix: str, round_: int) -> None:
             f"run {run}: {result!r}")
     store = CheckpointStore(Location(prefix))
     holders = audit(store)
-    latest = store.latest_epoch(NODES)
+    latest = newest_epoch(store, NODES)
     print(f"results {results}, epochs held by runs {holders}")
     assert latest is not None and holders[latest] in (1, 2), holders
     runner, session = JobRunner(run_job(3, EPOCHS + 1), manager(prefix)), LocalSession()
@@ -155,6 +160,8 @@ def race(prefix: str, round_: int) -> None:
 
 def test_racing_claims_are_distinct_and_the_newest_fences_the_others(prefix):
     cms = [manager(prefix) for _ in range(6)]
+    for cm in cms:
+        cm.set_params(NODES)
     barrier, claims = threading.Barrier(len(cms)), [None] * len(cms)
 
     def claim(i):
@@ -165,14 +172,16 @@ def test_racing_claims_are_distinct_and_the_newest_fences_the_others(prefix):
         t.start()
     for t in threads:
         t.join(60)
-    assert None not in claims and len(set(claims)) == len(claims), claims
-    newest = max(claims)
-    for i, claim in enumerate(claims):
-        if claim == newest:
-            cms[i].store.check_claim(claim)
+    assert None not in claims, claims
+    generations = [c.generation for c in claims]
+    assert sorted(generations) == list(range(1, len(cms) + 1)), generations  # no gaps
+    newest = max(generations)
+    for i, generation in enumerate(generations):
+        if generation == newest:
+            runs.check_fence(cms[i].store.location, generation, "save")
         else:
-            with pytest.raises(CheckpointFencedError, match=newest):
-                cms[i].store.check_claim(claim)
+            with pytest.raises(CheckpointFencedError, match=f"newer run .*run {generation + 1}"):
+                runs.check_fence(cms[i].store.location, generation, "save")
 
 
 def race_exclusive_creates(location: Location, trials: int) -> None:
@@ -268,13 +277,14 @@ def test_a_late_write_of_a_fenced_run_is_detected_never_loaded(prefix):
     store = CheckpointStore(Location(prefix))
     holders = audit(store)  # never mixed, whatever happened
     assert holders.get(2) == 2, holders
-    assert store.latest_epoch(NODES) == 2
+    assert newest_epoch(store, NODES) == 2
 
 
 def test_a_fenced_run_deletes_nothing_of_the_newer_run(prefix):
     """The older run, fenced at its next save, must not remove the newer run's data or records
     (its save checks the claim before touching anything)."""
     older = manager(prefix)
+    older.set_params(NODES)
     older_claim = older.claim({"run": "older"})
     session = LocalSession()
     assert JobRunner(run_job(2, 2), manager(prefix)).train(session) == 2  # claims anew
@@ -290,4 +300,4 @@ def test_a_fenced_run_deletes_nothing_of_the_newer_run(prefix):
             old_session.run(older.save(epoch, claim=older_claim))
     assert audit(store) == before == {0: 2, 1: 2, 2: 2}
     with pytest.raises(CheckpointNotFoundError):
-        store.node_record(NODES[0], 3)
+        record_of(store, NODES[0], 3)

@@ -5,6 +5,7 @@ links under a local prefix are deleted themselves, never followed."""
 from __future__ import annotations
 
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -20,10 +21,10 @@ from caffe2ckpt import (
     Task,
     epoch_limiter,
 )
-from caffe2ckpt.history.catalog import delete_step, find_leftovers, remove_leftovers, scan
-from caffe2ckpt.store.protocol import CheckpointStore
 from caffe2ckpt.cli import main
 from caffe2ckpt.fs.location import Location
+from caffe2ckpt.store.protocol import CheckpointStore
+from tests.stores import committed_epochs, delete_epoch, find_leftovers, load, remove_leftovers
 
 # each glob node would match (as a pattern) the other job's nodes beside it
 GLOB_NODES = ["w[12]", "a*", "b?"]
@@ -66,10 +67,10 @@ def assert_other_job_listed(prefix: str, before: dict[str, bytes]) -> None:
 def assert_other_job_intact(prefix: str, before: dict[str, bytes]) -> None:
     assert other_files(prefix) == before  # bit-exact, nothing missing
     store = CheckpointStore(Location(prefix))
-    assert sorted(scan(store, OTHER_NODES).steps) == [0, 1]
+    assert committed_epochs(store, OTHER_NODES) == [0, 1]
     for e in range(2):
         for i, n in enumerate(OTHER_NODES):
-            assert np.array_equal(store.load_node(n, e)["w"], np.full(5, 100 * e + i))
+            assert np.array_equal(load(store, n, e)["w"], np.full(5, 100 * e + i))
 
 
 def glob_items(step: int) -> dict[str, dict[str, np.ndarray]]:
@@ -98,8 +99,8 @@ def test_step_manager_retention_resave_and_delete_of_glob_named_nodes(prefix):
         assert mgr.all_steps(read=True) == [1]
     assert_other_job_listed(prefix, before)
     store = CheckpointStore(Location(prefix))
-    delete_step(store, 1, GLOB_NODES)
-    assert scan(store, GLOB_NODES).steps == {}
+    delete_epoch(store, 1, GLOB_NODES)
+    assert committed_epochs(store, GLOB_NODES) == []
     assert find_leftovers(store, min_age=0) == []  # their data went too, not only records
     assert_other_job_intact(prefix, before)
 
@@ -125,8 +126,8 @@ def test_jobrunner_retention_and_resave_of_glob_named_nodes(prefix):
                        options=StepManagerOptions(max_to_keep=1))
     assert runner.train(LocalSession()) == 3 and runner.resumed_from == 1
     store = CheckpointStore(Location(prefix))
-    assert sorted(scan(store, GLOB_NODES).steps) == [1, 3]
-    assert np.array_equal(store.load_node("a*", 3)["w"], np.full(4, 3.0))
+    assert committed_epochs(store, GLOB_NODES) == [1, 3]
+    assert np.array_equal(load(store, "a*", 3)["w"], np.full(4, 3.0))
     assert find_leftovers(store, min_age=0) == []
     assert_other_job_intact(prefix, before)
 
@@ -146,7 +147,7 @@ def test_gc_of_glob_named_nodes_removes_only_theirs(prefix, capsys):
                  *[a for n in GLOB_NODES for a in ("--node", n)]]) == 0
     capsys.readouterr()
     store = CheckpointStore(location)
-    assert sorted(scan(store, GLOB_NODES).steps) == [1]
+    assert committed_epochs(store, GLOB_NODES) == [1]
     assert find_leftovers(store, min_age=0) == []
     assert_other_job_intact(prefix, before)
 
@@ -169,22 +170,20 @@ def tree_of(path) -> dict[str, str]:
 
 
 def test_a_symlinked_staging_directory_is_never_deleted_through(tmp_path, outside, capsys):
+    """Storage model 2 staged re-saves under ``_staging/``; ``gc`` still sweeps what is left
+    there, and a link there goes itself, never what it points to."""
     prefix = tmp_path / "ckpt"
     with StepCheckpointManager(str(prefix), handle_preemption=False) as mgr:
         mgr.save(1, {"n": {"w": np.zeros(3)}})
         expected = tree_of(outside)
-        os.rmdir(prefix / "_staging")  # (left empty by the first save, which staged there)
         os.symlink(outside, prefix / "_staging")
-        mgr.save(1, {"n": {"w": np.ones(3)}}, force=True)  # a re-save goes through _staging
+        mgr.save(1, {"n": {"w": np.ones(3)}}, force=True)  # a re-save: a path of its own
         assert tree_of(outside) == expected
         assert np.array_equal(mgr.restore(1)["n"]["w"], np.ones(3))
-    assert not os.path.islink(prefix / "_staging")  # the re-save replaced the link by a directory
-    os.rmdir(prefix / "_staging")
-    os.symlink(outside, prefix / "_staging")
     assert main(["gc", str(prefix), "--min-age", "0", "--yes"]) == 0
     capsys.readouterr()
     assert tree_of(outside) == expected
-    assert not (prefix / "_staging").exists()  # the link went, not what it points to
+    assert not os.path.lexists(prefix / "_staging")  # the link went, not what it points to
 
 
 def test_a_symlinked_node_group_is_deleted_as_a_link(tmp_path, outside, capsys):
@@ -198,6 +197,11 @@ def test_a_symlinked_node_group_is_deleted_as_a_link(tmp_path, outside, capsys):
     remove_leftovers(store, find_leftovers(store, min_age=0))
     assert tree_of(outside) == expected
     assert not os.path.lexists(prefix / "n.2") and not os.path.lexists(prefix / "n.3")
+    with StepCheckpointManager(str(prefix), handle_preemption=False) as mgr:
+        mgr.save(2, {"n": {"w": np.ones(3)}})
+    shutil.rmtree(prefix / "n.2")  # a committed group swapped for a link (hostile)
     os.symlink(outside / "n.2", prefix / "n.2")
-    delete_step(store, 2, ["n"])
+    delete_epoch(store, 2, ["n"])  # its records go; whose the link is cannot be told: it stays
+    assert tree_of(outside) == expected and os.path.islink(prefix / "n.2")
+    remove_leftovers(store, find_leftovers(store, min_age=0))  # gc: the link itself goes
     assert tree_of(outside) == expected and not os.path.lexists(prefix / "n.2")

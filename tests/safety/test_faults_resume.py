@@ -31,6 +31,18 @@ from dataclasses import dataclass
 import pytest
 from faultfs import FaultyFileSystem
 from fsspec.implementations.local import LocalFileSystem
+
+from caffe2ckpt import (
+    CheckpointCorruptedError,
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+    JobRunner,
+    LocalSession,
+    MultiNodeCheckpointManager,
+)
+from caffe2ckpt.fs.location import Location
+from caffe2ckpt.metadata import ZarrMetadataHandler
+from caffe2ckpt.store.protocol import CheckpointStore
 from tests.safety.test_faults import (
     LAST,
     NODES,
@@ -42,18 +54,7 @@ from tests.safety.test_faults import (
     reference,
     snapshot,
 )
-
-from caffe2ckpt import (
-    CheckpointCorruptedError,
-    CheckpointNotFoundError,
-    CheckpointWriteError,
-    JobRunner,
-    LocalSession,
-    MultiNodeCheckpointManager,
-)
-from caffe2ckpt.store.protocol import CheckpointStore
-from caffe2ckpt.fs.location import Location
-from caffe2ckpt.metadata import ZarrMetadataHandler
+from tests.stores import newest_epoch
 
 KINDS = ("read", "list", "stat", "write", "delete")
 COMMITTED = 2  # epochs 0..COMMITTED are committed before the faulted resume
@@ -151,7 +152,7 @@ def fault_resume_and_recover(inner_fs, path: str, sc: Resume, kind: str, n: int,
         latest = LAST
     for epoch in range(latest + 1):
         check_epoch(store, epoch)
-    assert store.latest_epoch(NODES) == latest
+    assert newest_epoch(store, NODES) == latest
     runner, session = resume_run(FaultyFileSystem(inner_fs), path, AUTO)
     assert runner.resumed_from == latest
     assert_state({n: {b: session.workspace(n)[b] for b in checkpointed(LAST)[n]} for n in NODES},
@@ -232,7 +233,7 @@ def test_a_read_only_location_loses_nothing(inner, on_save_error, caplog):
     store = CheckpointStore(Location(path, filesystem=inner_fs))
     for epoch in (0, 1):
         check_epoch(store, epoch)
-    assert store.latest_epoch(NODES) == 1
+    assert newest_epoch(store, NODES) == 1
     runner, session = resume_run(FaultyFileSystem(inner_fs), path, AUTO)
     assert runner.resumed_from == 1
     assert_state(snapshot(session), reference()[LAST], "writable again")

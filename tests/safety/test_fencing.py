@@ -17,7 +17,10 @@ from caffe2ckpt import (
 )
 from caffe2ckpt.example import build_job
 from caffe2ckpt.metadata import ZarrMetadataHandler
+from caffe2ckpt.steps import StepCheckpointManager
+from caffe2ckpt.store import runs
 from tests.faultfs import FaultyFileSystem
+from tests.stores import epochs_with_records, load, newest_epoch
 
 
 def saver(prefix: str) -> tuple[LocalSession, MultiNodeCheckpointManager]:
@@ -32,13 +35,13 @@ def test_an_older_claim_is_fenced_and_commits_nothing(prefix):
     (old_session, old), (new_session, new) = saver(prefix), saver(prefix)
     old_claim = old.claim({"run": "old"})
     new_claim = new.claim({"run": "new"})
-    assert old_claim < new_claim  # numbered in creation order, not by clock
+    assert old_claim.generation < new_claim.generation  # numbered in creation order
     with pytest.raises(CheckpointFencedError, match="newer run") as info:
         old_session.run(old.save(1, claim=old_claim))
     assert "'run': 'new'" in str(info.value)
-    assert old.store.epochs_with_records(["n"]) == []
+    assert epochs_with_records(old.store, ["n"]) == []
     new_session.run(new.save(1, claim=new_claim))
-    assert new.store.latest_epoch(["n"]) == 1
+    assert newest_epoch(new.store, ["n"]) == 1
 
 
 def test_a_fenced_runner_stops_even_when_warning(prefix):
@@ -46,13 +49,15 @@ def test_a_fenced_runner_stops_even_when_warning(prefix):
 
     def intruder(ws):  # another run claims the prefix during epoch 2
         if int(ws["epoch"]) == 1:
-            cm.store.claim({"run": "intruder"})
+            other = MultiNodeCheckpointManager(prefix)
+            other.set_params(["trainer_0", "trainer_1"])
+            other.claim({"run": "intruder"})
     job = build_job(4)
     job.epoch_group.tasks[0].fn = lambda ws, f=job.epoch_group.tasks[0].fn: (intruder(ws), f(ws))
     runner = JobRunner(job, cm)  # on_save_error="warn" does not apply to fencing
     with pytest.raises(CheckpointFencedError):
         runner.train(LocalSession())
-    assert cm.store.latest_epoch(["trainer_0", "trainer_1"]) == 1
+    assert newest_epoch(cm.store, ["trainer_0", "trainer_1"]) == 1
 
 
 def test_an_io_error_while_reading_is_not_taken_for_corruption(memory_fs):
@@ -69,13 +74,21 @@ def test_an_io_error_while_reading_is_not_taken_for_corruption(memory_fs):
     assert runner.resumed_from is None
 
 
-def test_every_epoch_damaged_refuses_to_start_over(prefix, memory_fs):
+@pytest.mark.parametrize("what", ["groups", "records"])
+def test_every_epoch_damaged_refuses_to_start_over(prefix, memory_fs, what):
     JobRunner(build_job(2), MultiNodeCheckpointManager(prefix)).train(LocalSession())
     fs, root = fsspec.core.url_to_fs(prefix)
-    for epoch in range(3):
-        fs.pipe_file(f"{root}/trainer_0.{epoch}/zarr.json", b"{}")
+    if what == "groups":  # the records still commit them: each fails to load
+        for epoch in range(3):
+            fs.pipe_file(f"{root}/trainer_0.{epoch}/zarr.json", b"{}")
+        match = r"no committed epoch .* could be loaded: epoch 2: .*epoch 1: .*epoch 0: "
+    else:  # no save is committed, but records are there
+        for path in fs.find(f"{root}/_commits"):
+            if ".trainer_0." in path:
+                fs.pipe_file(path, b"{}")
+        match = r"damaged: \[0, 1, 2\]"
     cm = MultiNodeCheckpointManager(prefix, metadata_handler=ZarrMetadataHandler())
-    with pytest.raises(CheckpointCorruptedError, match=r"damaged: \[0, 1, 2\]"):
+    with pytest.raises(CheckpointCorruptedError, match=match):
         JobRunner(build_job(2), cm).train(LocalSession())
 
 
@@ -85,50 +98,50 @@ def test_nodes_given_as_a_string_are_rejected(prefix):
         MultiNodeCheckpointManager(prefix).init("ab")
 
 
-def test_claims_past_twelve_digits_are_ordered_by_number(prefix):
+def test_runs_past_twelve_digits_are_ordered_by_number(prefix):
+    """A model-2 prefix whose claims went past 12 digits: the run log continues after them,
+    and ``_runs/`` entries compare as numbers, not as strings."""
     session, cm = saver(prefix)
     loc = cm.store.location
-    loc.create_exclusive(loc.path("_claims", "claim-999999999999.json"), b"{}")  # planted
+    loc.create_exclusive(loc.path("_claims", "claim-999999999999.json"), b"{}")  # model 2
     loc.create_exclusive(loc.path("_claims", "claim-².json"), b"{}")  # not a claim number
     first = cm.claim({"run": "first"})
-    assert first == "claim-1000000000000.json"  # sorts *before* 999999999999 as a string
-    session.run(cm.save(1, claim=first))  # the newest claim is not fenced
-    assert cm.store.latest_epoch(["n"]) == 1
+    assert first.generation == 10**12  # sorts *before* 999999999999 as a string
+    session.run(cm.save(1, claim=first))  # the newest run is not fenced
+    assert newest_epoch(cm.store, ["n"]) == 1
     second = cm.claim({"run": "second"})
-    assert second == "claim-1000000000001.json"
-    with pytest.raises(CheckpointFencedError, match="claim-1000000000001"):
+    assert second.generation == 10**12 + 1
+    with pytest.raises(CheckpointFencedError, match=r"run 1000000000001\b"):
         session.run(cm.save(2, claim=first))
-    for _ in range(9):  # pruning keeps the newest claims by number
-        last = cm.store.claim(keep=2)
-    names = loc.list_names(loc.path("_claims"))
-    assert sorted(n for n in names if n != "claim-².json") == [
-        "claim-1000000000009.json", "claim-1000000000010.json"] and last.endswith("10.json")
+    assert runs.list_runs(loc) == [10**12, 10**12 + 1]
 
 
-def test_a_stalled_fenced_save_never_retires_a_newer_runs_commit(prefix, monkeypatch):
-    """Run A passes its last claim check, stalls; run B claims, saves and commits the same
-    epoch; A wakes up: it must not retire B's record or remove B's group (found by review)."""
-    from caffe2ckpt.store.protocol import CheckpointStore, SaveInfo, claim_generation
-    from caffe2ckpt.store.records import new_save_id
+def test_a_late_record_of_an_overtaken_run_is_superseded(prefix, monkeypatch):
+    """Run A passes its fence check and stalls; run B claims (from epoch 1), saves and commits
+    epoch 2; A wakes and commits its epoch 2 too. Both saves have paths of their own, and A's
+    late save is superseded: B's data is what epoch 2 means, for every reader."""
     from caffe2ckpt.fs.location import Location
+    from caffe2ckpt.store.layout import new_save_id
+    from caffe2ckpt.store.protocol import CheckpointStore, SaveInfo
     a, b = CheckpointStore(Location(prefix)), CheckpointStore(Location(prefix))
-    claim_a = a.claim()
+    run_a = runs.claim(a.location, nodes=["n"], parent=None)
+    a.save_node("n", 1, {"w": np.full(4, 1.0)}, SaveInfo(save_id=new_save_id(1), nodes=["n"]))
+    original = runs.check_fence
 
-    def info(claim):
-        return SaveInfo(save_id=new_save_id(claim_generation(claim)), nodes=["n"], claim=claim)
-    original, checks = CheckpointStore.check_claim, []
-
-    def stall_after_the_last_check(self, claim):
-        original(self, claim)
-        if self is a:
-            checks.append(claim)
-            if len(checks) == 2:  # A's check before moving into place: B runs meanwhile
-                b.save_node("n", 2, {"w": np.full(4, 222.0)}, info(b.claim()))
-    monkeypatch.setattr(CheckpointStore, "check_claim", stall_after_the_last_check)
-    with pytest.raises(CheckpointFencedError):
-        a.save_node("n", 2, {"w": np.full(4, 111.0)}, info(claim_a))
-    monkeypatch.undo()
-    assert b.load_node("n", 2)["w"].tolist() == [222.0] * 4
+    def stall_after_the_check(location, generation, doing):
+        original(location, generation, doing)
+        if generation == run_a.generation and "epoch 2" in doing:
+            run_b = runs.claim(b.location, nodes=["n"], parent=(1, run_a.generation))
+            b.save_node("n", 2, {"w": np.full(4, 222.0)},
+                        SaveInfo(save_id=new_save_id(run_b.generation), nodes=["n"]))
+    monkeypatch.setattr(runs, "check_fence", stall_after_the_check)
+    a.save_node("n", 2, {"w": np.full(4, 111.0)},
+                SaveInfo(save_id=new_save_id(run_a.generation), nodes=["n"]))
+    monkeypatch.setattr(runs, "check_fence", original)
+    assert newest_epoch(b, ["n"]) == 2
+    assert load(b, "n", 2)["w"].tolist() == [222.0] * 4
+    with StepCheckpointManager(prefix, handle_preemption=False) as mgr:
+        assert mgr.all_steps() == [1, 2] and mgr.restore(2)["n"]["w"].tolist() == [222.0] * 4
 
 
 def test_a_save_that_cannot_claim_fails_instead_of_saving_unfenced(prefix):
@@ -139,6 +152,6 @@ def test_a_save_that_cannot_claim_fails_instead_of_saving_unfenced(prefix):
     fs, root = fsspec.core.url_to_fs(prefix)
     fs.makedirs(f"{root}/_claims", exist_ok=True)
     fs.pipe_file(f"{root}/_claims/claim-999999999999999999.json", b"{}")  # the highest number
-    with pytest.raises(CheckpointWriteError, match="highest number a claim may have"):
+    with pytest.raises(CheckpointWriteError, match="highest number a run may have"):
         session.run(cm.save(1))
-    assert cm.store.epochs_with_records(["n"]) == []
+    assert epochs_with_records(cm.store, ["n"]) == []

@@ -26,7 +26,6 @@ import pytest
 
 from caffe2ckpt import (
     CheckpointCorruptedError,
-    CheckpointError,
     CheckpointManager,
     InvalidBlobError,
     InvalidLocationError,
@@ -41,14 +40,20 @@ from caffe2ckpt import (
     Task,
     epoch_limiter,
 )
-from caffe2ckpt.fs import strictjson
-from caffe2ckpt.store.protocol import CheckpointStore
 from caffe2ckpt.cli import main as cli_main
-from caffe2ckpt.store.records import delete_record, list_records, read_record, write_record
 from caffe2ckpt.example import build_job
+from caffe2ckpt.fs import strictjson
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.metadata import ZarrMetadataHandler
+from caffe2ckpt.store.protocol import CheckpointStore
+from caffe2ckpt.store.records import (
+    delete_record,
+    list_records,
+    read_record,
+    write_record,
+)
 from tests.s3server import NOT_ON_S3, prefix_kind, storage_cases
+from tests.stores import epochs_with_records, load, newest_epoch
 
 # -- helpers ---------------------------------------------------------------------------------------
 
@@ -185,7 +190,7 @@ def test_unicode_and_long_node_names_work_and_stay_inside_prefix(prefix, world, 
     session.run(cm.save(3))
     new = world() - before
     assert new and inside(prefix, tmp_path, memory_fs, new) == []
-    assert cm.store.latest_epoch(GOOD_NODES) == 3
+    assert newest_epoch(cm.store, GOOD_NODES) == 3
     fresh, cm2 = LocalSession(), MultiNodeCheckpointManager(prefix)
     fresh.run(cm2.init(GOOD_NODES, retrieve_from_epoch=3))
     fresh.run(cm2.load(3))
@@ -300,7 +305,7 @@ def test_local_dotdot_segments_resolve_like_the_os_and_create_nothing_else(tmp_p
         assert new and all(p == resolved or resolved in p.parents or p in resolved.parents
                            for p in new), sorted(map(str, new))
         assert not (tmp_path / "x" / "nonexistent").exists()
-        assert CheckpointStore(Location(str(resolved))).latest_epoch(["n"]) == 1
+        assert newest_epoch(CheckpointStore(Location(str(resolved))), ["n"]) == 1
 
 
 def test_a_prefix_that_is_a_file_fails_clearly_and_leaves_the_file_alone(tmp_path, memory_fs):
@@ -396,7 +401,7 @@ def test_huge_and_hostile_blob_names_round_trip_inside_the_prefix(prefix, world,
     assert new and inside(prefix, tmp_path, memory_fs, new) == []
     for entry in new:  # every file name stays well under the usual 255-byte limit
         assert all(len(seg.encode()) <= 200 for seg in entry.split("/")), entry[:300]
-    loaded = CheckpointStore(Location(prefix)).load_node("n", 1)
+    loaded = load(CheckpointStore(Location(prefix)), "n", 1)
     assert sorted(loaded) == sorted(blobs)
     for name, value in blobs.items():
         assert loaded[name].tobytes() == value.tobytes()
@@ -419,7 +424,7 @@ def test_unstorable_values_are_refused_in_tasks_and_restore(prefix, world, value
     runner = JobRunner(job, cm)
     with pytest.raises(InvalidBlobError, match="'layer/evil'"):
         runner.train(LocalSession())
-    assert cm.store.latest_epoch(["n"]) == 0 and cm.store.epochs_with_records(["n"]) == [0]
+    assert newest_epoch(cm.store, ["n"]) == 0 and epochs_with_records(cm.store, ["n"]) == [0]
     before = world()
     session = LocalSession()
     session.workspace("n")["ok"] = np.arange(3)
@@ -429,7 +434,7 @@ def test_unstorable_values_are_refused_in_tasks_and_restore(prefix, world, value
     cm = MultiNodeCheckpointManager(prefix)
     session.run(cm.init(["n"]))
     session.run(cm.save(5))
-    assert world() - before != set() and CheckpointStore(Location(prefix)).load_node("n", 5)
+    assert world() - before != set() and load(CheckpointStore(Location(prefix)), "n", 5)
 
 
 # -- crafted checkpoints: loading never unpickles ----------------------------------------------------
@@ -507,7 +512,7 @@ def test_a_crafted_manifest_claiming_object_dtype_is_refused_not_unpickled(
             group["attributes"]["caffe2ckpt"]["packed"]["dtypes"][0] = dtype
     recommit(prefix, "n", 1, edit)
     with pytest.raises(CheckpointCorruptedError) as info:
-        CheckpointStore(Location(prefix)).load_node("n", 1)
+        load(CheckpointStore(Location(prefix)), "n", 1)
     assert (info.value.node, info.value.epoch) == ("n", 1)
     fresh = LocalSession()
     with pytest.raises(CheckpointCorruptedError):
@@ -533,13 +538,13 @@ def test_pickles_anywhere_in_a_checkpoint_are_never_unpickled(prefix, no_unpickl
     meta["codecs"] = [{"name": "pickle", "configuration": {}}]
     fs.pipe_file(meta_path, json.dumps(meta).encode())
     with pytest.raises(CheckpointCorruptedError) as info:  # the record's digest disagrees
-        CheckpointStore(location).load_node("n", 1)
+        load(CheckpointStore(location), "n", 1)
     assert info.value.blob == "big"
     (ref,) = [r for r in list_records(location) if r.node == "m"]
     fs.pipe_file(f"{root}/_commits/{ref.filename}", evil)  # a pickle where JSON belongs
     with pytest.raises(CheckpointCorruptedError, match=ref.filename):
-        CheckpointStore(location).load_node("m", 1)
-    assert CheckpointStore(location).latest_epoch(["n", "m"]) is None
+        load(CheckpointStore(location), "m", 1)
+    assert newest_epoch(CheckpointStore(location), ["n", "m"]) is None
 
 
 # -- hostile stored files: each uncommits only itself --------------------------------------------
@@ -596,7 +601,7 @@ def test_a_hostile_commit_record_uncommits_only_its_own_epoch(prefix, capsys, ki
         read_record(location, ref)
     assert (info.value.node, info.value.epoch) == ("trainer_0", 2)
     assert ref.filename in str(info.value), str(info.value)
-    assert CheckpointStore(location).latest_epoch(NODES) == 1
+    assert newest_epoch(CheckpointStore(location), NODES) == 1
     with StepCheckpointManager(prefix, handle_preemption=False) as mgr:
         assert mgr.all_steps() == [0, 1] and mgr.latest_step() == 1
     code, doc = cli(capsys, "ls", prefix)
@@ -654,7 +659,7 @@ def test_a_manifest_claiming_huge_blobs_is_corrupt_not_a_memory_error(prefix, cl
         nbytes = min(claimed["nbytes"], 2**63 - 1)
         write_record(Location(prefix), dataclasses.replace(record, nbytes=nbytes))
     with pytest.raises(CheckpointCorruptedError) as info:
-        CheckpointStore(Location(prefix)).load_node("n", 2)
+        load(CheckpointStore(Location(prefix)), "n", 2)
     assert (info.value.node, info.value.epoch) == ("n", 2), str(info.value)
     assert info.value.blob in ("w", "zarr.json", "_packed"), str(info.value)
     runner = JobRunner(one_node_job("n", 3), MultiNodeCheckpointManager(
@@ -718,12 +723,12 @@ def test_fifos_and_symlinks_in_a_checkpoint_are_corrupt_never_a_hang(tmp_path, c
             os.mkfifo(outside)
         os.symlink(outside, target)
     store = CheckpointStore(Location(prefix))
-    error = without_hanging(lambda: store.load_node("trainer_0", 2), *fifos)
+    error = without_hanging(lambda: load(store, "trainer_0", 2), *fifos)
     assert isinstance(error, CheckpointCorruptedError), repr(error)
     assert (error.node, error.epoch) == ("trainer_0", 2), str(error)
     assert str(SECRET_SIZE) not in str(error) and str(outside) not in str(error), str(error)
-    assert without_hanging(lambda: store.latest_epoch(NODES), *fifos) == (
-        2 if where in ("chunk", "array-dir") else 1)  # chunks are read by a load, not a listing
+    assert without_hanging(lambda: newest_epoch(store, NODES), *fifos) == (
+        1 if where == "record" else 2)  # records decide; groups are read by a load
     for command in ("ls", "verify"):
         code, doc = without_hanging(lambda: cli(capsys, command, prefix), *fifos)
         assert code == (1 if command == "verify" else 0), doc

@@ -24,8 +24,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from caffe2ckpt.store.protocol import CheckpointStore
 from caffe2ckpt.fs.location import Location
+from caffe2ckpt.store.protocol import CheckpointStore
+from tests.stores import epochs_with_records, load, newest_epoch, records_at
 
 pytestmark = pytest.mark.slow
 
@@ -214,17 +215,17 @@ def test_sigkill_at_random_instants_loses_nothing(tmp_path, mode, kills):
     # every epoch is committed in both prefixes and holds exactly the reference data
     ref_store = CheckpointStore(Location(str(ref_prefix)))
     store = CheckpointStore(Location(str(prefix)))
-    assert ref_store.epochs_with_records(NODES) == list(range(EPOCHS, -1, -1))
-    assert store.latest_epoch(NODES) == EPOCHS
-    candidates = store.epochs_with_records(NODES)
-    uncommitted = [e for e in candidates if store.epoch_records(e, NODES) is None]
+    assert epochs_with_records(ref_store, NODES) == list(range(EPOCHS + 1))
+    assert newest_epoch(store, NODES) == EPOCHS
+    candidates = epochs_with_records(store, NODES)
+    uncommitted = [e for e in candidates if records_at(store, NODES, e) is None]
     assert not uncommitted, f"epochs with records that do not commit: {uncommitted}"
     assert sorted(candidates) == list(range(EPOCHS + 1)), f"committed epochs: {candidates}"
     previous: dict[str, dict[str, np.ndarray]] = {}
     for epoch in sorted(candidates):
         for node in NODES:
-            got = store.load_node(node, epoch)
-            want = ref_store.load_node(node, epoch)
+            got = load(store, node, epoch)
+            want = load(ref_store, node, epoch)
             assert len(want) == SMALL + 2 + (node == NODES[0]), sorted(want)  # + the epoch counter
             problems = differences(got, want)
             assert not problems, f"{node} epoch {epoch} differs from the reference: {problems}"

@@ -123,8 +123,11 @@ def test_steps_at_or_below_the_latest_are_not_saved_unless_forced_as_in_orbax(pr
         assert not mgr.save(4, items(4)) and not mgr.save(6, items(60))  # False, as Orbax
         assert mgr.all_steps(read=True) == [0, 3, 6] and mgr.latest_step() == 6
         assert_same(mgr.restore(6), items(6))
-        assert mgr.save(4, items(4), force=True)  # force: added to this manager's run
-        assert mgr.all_steps(read=True) == [0, 3, 4, 6] and mgr.latest_step() == 6
+        # force below the latest goes back: a new run from step 3 (the newest step below 4),
+        # so step 6 is superseded and every API agrees that 4 is the latest
+        assert mgr.save(4, items(4), force=True)
+        assert mgr.all_steps() == [0, 3, 4] and mgr.latest_step() == 4
+        assert mgr.all_steps(read=True) == [0, 3, 4] and mgr.latest_step() == 4
 
 
 def test_after_preemption_should_save_is_still_false_at_or_below_the_latest(prefix):
@@ -142,7 +145,7 @@ def test_delete_removes_records_then_data_of_its_nodes(prefix):
         mgr.delete(1)
         assert mgr.all_steps() == [0, 2] and mgr.all_steps(read=True) == [0, 2]
         assert not any(r.epoch == 1 for r in list_records(mgr._store.location))
-        assert not mgr._store.location.exists(mgr._store.group_path("trainer_0", 1))
+        assert not mgr._store.location.exists(mgr._store.location.path("trainer_0.1"))
         with pytest.raises(CheckpointNotFoundError, match=r"step 1 is not committed .*\[0, 2\]"):
             mgr.restore(1)
         with pytest.raises(CheckpointNotFoundError, match="step 5"):
@@ -153,18 +156,19 @@ def test_manager_owning_some_nodes_never_touches_others(prefix):
     with manager(prefix) as both:
         both.save(0, items(0))
     with manager(prefix, nodes=["trainer_1"], options=StepManagerOptions(max_to_keep=1)) as one:
-        assert one.all_steps() == [0]
+        assert one.all_steps() == []  # step 0 is the two-node job's, not trainer_1 alone's
         one.save(1, {"trainer_1": items(1)["trainer_1"]})
         one.save(2, {"trainer_1": items(2)["trainer_1"]})
-        # step 0 was saved together with trainer_0: deleting half of it would un-commit it
-        assert one.all_steps() == [0, 2]
-        with pytest.raises(InvalidLocationError, match=r"saved together with nodes \['trainer_0'\]"):
+        assert one.all_steps() == [2]
+        with pytest.raises(CheckpointNotFoundError, match="step 0"):  # not its job's step
             one.delete(0)
         with pytest.raises(InvalidLocationError, match="saves nodes"):
             one.save(3, items(3))
-    with manager(prefix) as both:
-        assert both.all_steps() == [0, 2] and both.metadata(0).nodes == NODES
+    with manager(prefix, nodes=NODES) as both:  # retention never deleted half of step 0
+        assert both.all_steps(read=True) == [0] and both.metadata(0).nodes == NODES
         assert_same(both.restore(0), items(0))
+    with manager(prefix) as anyone:  # without nodes: every job's current steps
+        assert anyone.all_steps() == [0, 2]
 
 
 def test_reload_sees_steps_written_elsewhere(prefix):
@@ -254,7 +258,7 @@ def test_steps_written_by_jobrunner_are_visible_and_restorable(prefix):
         assert mgr.metrics(3) == {"loss": pytest.approx(loss)}  # the example job's metric
         assert mgr.metrics(0) is None
         assert mgr.metadata(3).stop and not mgr.metadata(2).stop
-        assert mgr.metadata(3).writer == cm.last_records["trainer_0"].writer
+        assert mgr.metadata(3).writer == cm.lineage_save(3).records["trainer_0"].writer
         meta = mgr.item_metadata(2)
         ws = session.workspace("trainer_1")
         assert meta["trainer_1"]["model/w"] == BlobMetadata(ws["model/w"].dtype.str,
@@ -342,7 +346,7 @@ def test_a_synchronous_save_failure_names_step_and_node(tmp_path, memory_fs, whe
         fs = FaultyFileSystem(memory_fs)
         mgr = StepCheckpointManager("/full", filesystem=fs, handle_preemption=False)
         mgr.save(0, {"trainer_0": {"w": np.zeros(2)}})
-        fs.arm("write", 1, errno.ENOSPC, sticky=True)
+        fs.arm("write", 1, errno.ENOSPC, sticky=True, match=lambda method, path: "_hints" not in path)
         match = r"saving step 1 of node 'trainer_0' to '/full/trainer_0.1' failed"
     with pytest.raises(CheckpointWriteError, match=match) as info:
         mgr.save(1, {"trainer_0": {"w": np.ones(2)}})

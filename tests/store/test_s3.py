@@ -15,15 +15,16 @@ from __future__ import annotations
 import time
 
 import pytest
-from tests.safety import test_faults as faults
-from tests.safety.test_concurrency import race_exclusive_creates
 from faultfs import FaultyFileSystem
 
 from caffe2ckpt import JobRunner, LocalSession, MultiNodeCheckpointManager
-from caffe2ckpt.store.records import CommitRecord, write_record
 from caffe2ckpt.example import build_job
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.metadata import ZarrMetadataHandler
+from caffe2ckpt.store.records import CommitRecord, write_record
+from tests.safety import test_faults as faults
+from tests.safety.test_concurrency import race_exclusive_creates
+from tests.stores import newest_epoch
 
 s3fs = pytest.importorskip("s3fs")
 
@@ -57,12 +58,11 @@ def test_records_are_created_exclusively_on_s3(s3):
 _MOVES = ("mv", "_mv", "copy", "_copy", "cp_file", "_cp_file", "rename", "move", "_move")
 
 
-def test_saves_on_s3_write_aside_and_never_overwrite_a_group(s3, monkeypatch):
-    """A whole job (saves of epochs 0..3, their commits, claims, a resume and loads) calls no
-    rename, move or copy of s3fs (each patched to fail): each group is written under _staging/
-    and copied into place through the client, where every write is an exclusive create (a PUT
-    with If-None-Match), so no object a commit record may name is ever overwritten, and only
-    staged copies are deleted."""
+def test_saves_on_s3_write_each_object_once_and_delete_nothing(s3, monkeypatch):
+    """A whole job (saves of epochs 0..3, their commits, runs, a resume and loads) calls no
+    rename, move or copy of s3fs (each patched to fail): every group is written once at a path
+    of its own, its zarr.json first and exclusively (a PUT with If-None-Match), every record and
+    run entry exclusively; no object but the hint is written twice and nothing is deleted."""
     options, bucket = s3
     for name in _MOVES:
         if hasattr(s3fs.S3FileSystem, name):
@@ -76,13 +76,15 @@ def test_saves_on_s3_write_aside_and_never_overwrite_a_group(s3, monkeypatch):
     assert runner.train(LocalSession()) == 3 and runner.resumed_from == 2
     writes = counter.ops("write")
     assert {m for m, _p in writes} <= {"pipe_file", "open(xb)", "makedirs"}, writes
-    assert any(m == "open(xb)" and "/_commits/" in p for m, p in writes)
-    in_place = [(m, p) for m, p in writes if m != "makedirs" and "/_staging/" not in p]
-    assert in_place and all(m == "open(xb)" for m, _p in in_place), in_place
-    assert all("/_staging/" in p for _m, p in counter.ops("delete")), counter.ops("delete")
-    puts = [p for m, p in writes if m != "makedirs"]
+    exclusive = [p for m, p in writes if m == "open(xb)"]
+    assert sum("/_commits/" in p for p in exclusive) == 6  # epochs 0..2, two nodes
+    assert sum("/_runs/" in p for p in exclusive) == 1
+    assert sum(p.endswith("/zarr.json") and "/_commits/" not in p
+               for p in exclusive) == 6  # every group's first object
+    assert counter.ops("delete") == []
+    puts = [p for m, p in writes if m != "makedirs" and "/_hints/" not in p]
     assert len(puts) == len(set(puts)), "an object was written twice"
-    assert manager(options, url).store.latest_epoch(NODES) == 3
+    assert newest_epoch(manager(options, url).store, NODES) == 3
 
 
 def _forbidden(name):
@@ -133,55 +135,43 @@ def test_exclusive_creation_has_exactly_one_winner_on_s3(s3, monkeypatch):
 
 # -- the save / re-save fault matrix on S3 (one fault per class of S3 operation) -----------------
 
-# A case costs ~150-300 requests (~3-6 s): the full matrix on S3 would take minutes, and the memory
-# and local matrices (tests/test_faults.py) fault every operation. On S3 each case faults the
-# first operation of one class of S3 request the save makes (whichever node's thread makes it;
-# FaultyFileSystem.arm's ``match``), plus the very last write or delete of the save:
+# A case costs ~100-200 requests (~2-4 s): the full matrix on S3 would take minutes, and the memory
+# and local matrices (tests/safety/test_faults.py) fault every operation. On S3 each case faults
+# the first operation of one class of S3 request the save makes (whichever node's thread makes
+# it; FaultyFileSystem.arm's ``match``), plus the very last write of the save:
 #
-# - writes: a PUT under _staging/ (the save writes its group aside), an exclusive
-#   (If-None-Match) PUT copying it into place, the exclusive PUT of a commit record (the fresh
-#   save faults the last write, which is the second node's record: one node committed, the
-#   other not; the re-save faults the first record, after the replaced group is gone);
-# - deletes of a re-save: retiring the replaced save's commit record, a key of the replaced
-#   group, a staged copy after the move, and the last delete (the last staged copy).
+# - the hint (a plain PUT, before anything of the save);
+# - the exclusive (If-None-Match) PUT of a group's zarr.json, which takes its path;
+# - a PUT of a chunk or an array's metadata inside the group;
+# - the exclusive PUT of a commit record (the last write: the second node's record, so one node
+#   committed and the other not).
 #
-# makedirs and listing, stat and ENOSPC faults are raised by the wrapper before any request
-# (makedirs sends none for a key prefix), exactly as on memory/local, where every one is faulted.
-
-
-def _staged(method: str, path: str) -> bool:
-    return "/_staging/" in path
+# A save deletes nothing and lists nothing (tests/safety/test_faults.py checks it); makedirs,
+# stat and ENOSPC faults are raised by the wrapper before any request, exactly as on
+# memory/local, where every one is faulted.
 
 
 def _record(method: str, path: str) -> bool:
     return "/_commits/" in path
 
 
-def _in_place(method: str, path: str) -> bool:
-    return not _staged(method, path) and not _record(method, path)
+def _group_json(method: str, path: str) -> bool:
+    return method == "open(xb)" and path.endswith("/zarr.json") and not _record(method, path)
 
 
 LAST = None  # the last op of the kind in the save (n = the count of a fault-free save)
 WRITE_CLASSES = {
-    "staging-put": lambda m, p: m == "pipe_file" and _staged(m, p),
-    "copy-in-place": lambda m, p: m == "open(xb)" and _in_place(m, p),
+    "hint": lambda m, p: m == "pipe_file" and "/_hints/" in p,
+    "group-zarr.json": _group_json,
+    "group-data": lambda m, p: m == "pipe_file" and "/_hints/" not in p,
     "record": lambda m, p: m == "open(xb)" and _record(m, p),
     "last": LAST,
 }
-FRESH_WRITES = ("staging-put", "copy-in-place", "last")
-RESAVE_WRITES = ("copy-in-place", "record")
-DELETE_CLASSES = {
-    "retire-record": lambda m, p: _record(m, p),
-    "replaced-group": lambda m, p: _in_place(m, p),
-    "staged-copy": lambda m, p: _staged(m, p),
-    "last": LAST,
-}
 S3_FAULTS = [
-    pytest.param(faults.FRESH, "write", {k: WRITE_CLASSES[k] for k in FRESH_WRITES},
-                 id="fresh-write-EIO"),
-    pytest.param(faults.RESAVE, "write", {k: WRITE_CLASSES[k] for k in RESAVE_WRITES},
+    pytest.param(faults.FRESH, "write", WRITE_CLASSES, id="fresh-write-EIO"),
+    pytest.param(faults.RESAVE, "write", {k: WRITE_CLASSES[k] for k in
+                                          ("group-zarr.json", "group-data", "record")},
                  id="resave-write-EIO"),
-    pytest.param(faults.RESAVE, "delete", DELETE_CLASSES, id="resave-delete-EIO"),
 ]
 
 

@@ -27,7 +27,9 @@ from caffe2ckpt import (
 from caffe2ckpt.store.protocol import CheckpointStore, SaveInfo
 from caffe2ckpt.store import zarrgroup as storage
 from caffe2ckpt.fs.location import Location
+from caffe2ckpt.store.layout import new_save_id
 from caffe2ckpt.store.manifest import Manifest
+from tests.stores import record_of
 from caffe2ckpt.naming import blob_path
 from tests.s3server import NOT_ON_S3
 
@@ -60,9 +62,10 @@ def save_and_load(prefix, blobs, *, epoch=1, pack_threshold=None, node=NODE):
 def store_round_trip(prefix, blobs, *, pack_threshold=LARGE, node=NODE, epoch=3):
     """The same through CheckpointStore directly (fresh store objects for save and load)."""
     arrays = {name: caffe2ckpt.workspace.as_blob(name, v) for name, v in blobs.items()}
-    info = SaveInfo(save_id=uuid.uuid4().hex, nodes=[node])
-    CheckpointStore(Location(prefix), pack_threshold=pack_threshold).save_node(node, epoch, arrays, info)
-    return CheckpointStore(Location(prefix)).load_node(node, epoch)
+    info = SaveInfo(save_id=new_save_id(1), nodes=[node])
+    record = CheckpointStore(Location(prefix), pack_threshold=pack_threshold).save_node(
+        node, epoch, arrays, info)
+    return CheckpointStore(Location(prefix)).load_node(record)
 
 
 def saved_group(prefix, blobs, epoch, **manager_options) -> zarr.Group:
@@ -243,7 +246,8 @@ def test_all_dtypes_together_through_store(prefix, pack_threshold):
 def test_pack_threshold_one_gives_own_arrays_except_0d_and_empty(prefix):
     blobs = {"one": np.int8(1), "e": np.zeros((0, 4), np.float32), "v": np.arange(2, dtype="u1")}
     group = saved_group(prefix, blobs, 1, pack_threshold=1)
-    manifest = CheckpointStore(Location(prefix)).manifest(NODE, 1)
+    store = CheckpointStore(Location(prefix))
+    manifest = store.manifest(record_of(store, NODE, 1))
     assert manifest.blobs["v"].path == "v" and manifest.blobs["v"].offset is None
     assert manifest.blobs["one"].offset is not None and manifest.blobs["e"].offset is not None
     assert group["v"].dtype == np.uint8 and group["v"].shape == (2,)
@@ -446,22 +450,25 @@ def test_plain_zarr_reads_a_blob_of_several_chunks(prefix):
 def test_groups_of_format_1_without_edge_padding_still_load(tmp_path):
     """Format 1 (before Zarr's edge padding) stored only the rows of the last chunk."""
     emb = np.random.default_rng(5).random((6001, 768), dtype=np.float32)
-    location = Location(str(tmp_path))
-    group = location.path("trainer_0.1")
-    manifest, _ = storage.write_node(location, group, node=NODE, epoch=1, save_id="s1",
-                                     blobs={"emb": emb})
-    info = manifest.arrays["emb"]
-    last = tmp_path / "trainer_0.1" / info.path / f"c.{len(info.crcs) - 1}.0"
-    data = last.read_bytes()[:(6001 - (len(info.crcs) - 1) * info.chunk_rows) * 3072]
+    store = CheckpointStore(Location(str(tmp_path)))
+    record = store.save_node(NODE, 1, {"emb": emb}, SaveInfo(save_id=new_save_id(1),
+                                                             nodes=[NODE]))
+    group, manifest = store.group_path(record), store.manifest(record)
+    info, crcs = manifest.arrays["emb"], record.crcs["emb"]
+    last = tmp_path / "trainer_0.1" / info.path / f"c.{len(crcs) - 1}.0"
+    data = last.read_bytes()[:(6001 - (len(crcs) - 1) * info.chunk_rows) * 3072]
     crc = google_crc32c.value(data)
-    entry = {**manifest.to_dict()["arrays"]["emb"], "crc32c": [*info.crcs[:-1], crc]}
-    old = Manifest.from_dict({**manifest.to_dict(), "format": 1, "arrays": {"emb": entry}})
+    entry = {**manifest.to_dict()["arrays"]["emb"], "crc32c": [*crcs[:-1], crc]}
+    packed = {**manifest.to_dict()["packed"], "crc32c": []}
+    old = Manifest.from_dict({**manifest.to_dict(), "format": 1, "arrays": {"emb": entry},
+                              "packed": packed})
     with pytest.raises(CheckpointCorruptedError, match="bytes where"):  # padded: not format 1
-        storage.read_node(location, group, old)
+        storage.read_node(store.location, group, old, old.chunk_crcs({}))
     last.write_bytes(data + crc.to_bytes(4, "little"))
-    assert storage.read_node(location, group, old)["emb"].tobytes() == emb.tobytes()
+    assert storage.read_node(store.location, group, old,
+                             old.chunk_crcs({}))["emb"].tobytes() == emb.tobytes()
     with pytest.raises(CheckpointCorruptedError, match="bytes where"):
-        storage.read_node(location, group, manifest)
+        storage.read_node(store.location, group, manifest, manifest.chunk_crcs(record.crcs))
 
 
 def test_plain_zarr_reads_blobs_from_a_packed_array_of_several_chunks(prefix):

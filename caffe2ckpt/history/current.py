@@ -1,0 +1,188 @@
+"""A writer's run on one family, and the family's lineage as that run sees it.
+
+Both checkpoint managers and the step manager write through a :class:`CurrentRun`, so where a
+save's run starts, which saves it continues, what "committed at epoch e" means to a loader and
+what retention removes are decided here once:
+
+* A run starts (:meth:`CurrentRun.start`) with the committed save it resumed from as its parent,
+  or a fresh start; the run log entry is written before its first save
+  (:mod:`caffe2ckpt.store.runs`). A save joins the current run only above the run's parent and
+  above the run's newest save; otherwise it starts a new run whose parent is the newest lineage
+  save below it (:meth:`CurrentRun.run_for`): along a lineage epochs only grow, so "newest" is
+  one thing everywhere.
+* The lineage view is read once (:func:`caffe2ckpt.history.scan.scan`) when something needs it,
+  then follows the run's own commits, branches and removals: while the run owns the head nobody
+  else can add to the lineage (a newer run would fence it), so a save or a retention pass costs
+  the same with ten or ten thousand committed epochs.
+* Retention is :func:`~caffe2ckpt.history.retention.plan_retention` on that view, carried out by
+  :func:`~caffe2ckpt.history.cleanup.remove_saves`, fenced by the run's generation.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Iterable
+from typing import Any
+
+from caffe2ckpt.history.cleanup import remove_saves
+from caffe2ckpt.history.lineage import Save
+from caffe2ckpt.history.retention import plan_retention
+from caffe2ckpt.history.scan import Family, family_history, newest_save, scan
+from caffe2ckpt.policy import StepManagerOptions
+from caffe2ckpt.store import runs
+from caffe2ckpt.store.protocol import CheckpointStore
+
+__all__ = ["CurrentRun"]
+
+logger = logging.getLogger(__name__)
+
+_UNSET: Any = object()
+
+
+class CurrentRun:
+    """A writer's run on the family ``nodes`` under ``store`` (see the module docstring)."""
+
+    def __init__(self, store: CheckpointStore, nodes: Iterable[str]) -> None:
+        self.store = store
+        self.nodes = frozenset(nodes)
+        self.run: runs.Run | None = None
+        self._next_parent: Any = _UNSET  # the parent the next run starts from, once given
+        self._last_epoch: int | None = None  # the newest epoch the current run saved
+        self._family: Family | None = None  # the lineage view, once read
+        self._looked_up: dict[int, Save | None] = {}
+
+    # -- runs ------------------------------------------------------------------------------------
+
+    def start(self, parent: tuple[int, int] | None, writer: dict[str, Any] | None = None
+              ) -> runs.Run:
+        """Start a new run from ``parent`` ((epoch, generation) of the committed save it
+        resumed from; None: a fresh start, which supersedes the whole history). If claiming
+        fails the error is raised and the next save claims again with the same parent."""
+        self.run, self._next_parent = None, parent
+        run = runs.claim(self.store.location, nodes=sorted(self.nodes), parent=parent,
+                         writer=writer)
+        self.run, self._next_parent, self._last_epoch = run, _UNSET, None
+        self._branch(parent)
+        return run
+
+    def set_parent(self, parent: tuple[int, int] | None) -> None:
+        """Let the next save start a new run from ``parent`` (a step manager restored it)."""
+        self.run, self._next_parent = None, parent
+
+    def run_for(self, epoch: int, writer: dict[str, Any] | None = None) -> runs.Run:
+        """The run a save of ``epoch`` belongs to: the current one if the epoch is above its
+        parent and its newest save, else a new run (claimed now)."""
+        run = self.run
+        if run is not None and (run.parent is None or epoch > run.parent[0]) and (
+                self._last_epoch is None or epoch > self._last_epoch):
+            return run
+        parent = self._next_parent
+        if parent is _UNSET or (parent is not None and parent[0] >= epoch):
+            parent = self.parent_below(epoch)
+        return self.start(parent, writer)
+
+    def parent_below(self, epoch: int) -> tuple[int, int] | None:
+        """Where a run that saves ``epoch`` without having resumed continues from: the newest
+        lineage save below ``epoch`` (None: a fresh start)."""
+        save = next((s for s in self._lineage() if s.epoch < epoch), None)
+        return None if save is None else (save.epoch, save.generation)
+
+    def _branch(self, parent: tuple[int, int] | None) -> None:
+        """The view after a run started from ``parent``: the lineage above it is superseded."""
+        self._looked_up = {}
+        if self._family is None:
+            return
+        family = self._family
+        if parent is not None and not any((s.epoch, s.generation) == parent
+                                          for s in family.lineage):
+            self._family = None  # started from a save the view does not hold: read again
+            return
+        limit = -1 if parent is None else parent[0]
+        self._family = Family(family.nodes, [s for s in family.lineage if s.epoch <= limit],
+                              [*family.superseded, *(s for s in family.lineage if s.epoch > limit)])
+
+    def committed(self, save: Save) -> None:
+        """``save`` was committed: by the current run, or (an explicit claim) by another one,
+        after which the view is read again when needed."""
+        if self.run is None or save.generation != self.run.generation:
+            self.forget()
+            return
+        self._last_epoch = save.epoch
+        self._looked_up[save.epoch] = save
+        if self._family is not None:
+            self._family = self._family.with_newest(save)
+
+    # -- the lineage -----------------------------------------------------------------------------
+
+    def family(self) -> Family:
+        """The family's lineage and superseded saves (read once, then kept up to date)."""
+        if self._family is None:
+            found = scan(self.store, self.nodes).families.get(self.nodes)
+            self._family = found or Family(self.nodes, [], [])
+        return self._family
+
+    def forget(self) -> None:
+        """Read the prefix again when next asked (it may have changed outside this run)."""
+        self._family, self._looked_up = None, {}
+
+    def _lineage(self) -> Iterable[Save]:
+        if self._family is not None:
+            return self._family.lineage
+        return family_history(self.store, self.nodes).lineage()
+
+    def newest(self) -> Save | None:
+        """The newest save of the lineage (a few requests when the family's hint is good)."""
+        if self._family is not None:
+            return self._family.newest
+        save = newest_save(self.store, self.nodes)
+        if save is not None:
+            self._looked_up.setdefault(save.epoch, save)
+        return save
+
+    def lineage_save(self, epoch: int) -> Save | None:
+        """The lineage's committed save of ``epoch`` (None: not committed, or superseded)."""
+        if self._family is not None:
+            return self._family.lineage_save(epoch)
+        if epoch not in self._looked_up:
+            newest = self.newest()
+            if newest is not None and newest.epoch == epoch:
+                return newest
+            found = None
+            for save in self._lineage():  # newest first: epochs only go down
+                if save.epoch <= epoch:
+                    found = save if save.epoch == epoch else None
+                    break
+            self._looked_up[epoch] = found
+        return self._looked_up[epoch]
+
+    # -- removal ---------------------------------------------------------------------------------
+
+    def _fence(self) -> int:
+        """The generation removals act for: this run's, or (a reader that never saved) the
+        newest run's now."""
+        return self.run.generation if self.run is not None else (
+            runs.newest_generation(self.store.location))
+
+    def retain(self, options: StepManagerOptions | None,
+               protect: Collection[int] = ()) -> list[Save]:
+        """Apply ``options``' retention to the lineage; return the saves removed.
+
+        Raises:
+            CheckpointFencedError: a newer run claimed the prefix (this run removes nothing
+                more).
+        """
+        if options is None or not options.has_retention:
+            return []
+        plan = plan_retention(self.family(), options, protect)
+        removed = remove_saves(self.store, plan.delete, fence=self._fence(),
+                               doing="apply retention")
+        self._family = self.family().without(removed)
+        self._looked_up = {}
+        return removed
+
+    def remove(self, saves: Iterable[Save]) -> list[Save]:
+        """Remove ``saves`` (fenced like retention)."""
+        removed = remove_saves(self.store, list(saves), fence=self._fence())
+        self._family = self.family().without(removed) if self._family is not None else None
+        self._looked_up = {}
+        return removed

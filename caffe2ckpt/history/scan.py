@@ -1,0 +1,212 @@
+"""A whole prefix at once: every family's lineage and superseded saves, partial saves and
+unreadable records, from one listing and one read per record (for the CLI, ``gc``, the step
+manager and the Prefect table), and the newest save of one family in O(1) requests (for resume).
+
+Both are views of :mod:`caffe2ckpt.history.lineage`; neither decides anything of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from caffe2ckpt.errors import CheckpointError, CheckpointNotFoundError
+from caffe2ckpt.history.lineage import History, Save
+from caffe2ckpt.store import runs
+from caffe2ckpt.store.layout import save_generation
+from caffe2ckpt.store.protocol import CheckpointStore
+from caffe2ckpt.store.records import CommitRecord, RecordRef, list_records
+
+__all__ = ["Family", "PartialSave", "PrefixScan", "family_history", "newest_save", "scan"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One job family's committed saves: its lineage (newest first) and superseded saves."""
+
+    nodes: frozenset[str]
+    lineage: list[Save]
+    superseded: list[Save]
+
+    @property
+    def newest(self) -> Save | None:
+        return self.lineage[0] if self.lineage else None
+
+    def current(self) -> dict[int, Save]:
+        """The lineage by epoch."""
+        return {s.epoch: s for s in self.lineage}
+
+    def saves(self) -> list[Save]:
+        """Every committed save, lineage and superseded, by epoch (newest first)."""
+        return sorted([*self.lineage, *self.superseded], key=lambda s: -s.epoch)
+
+    def lineage_save(self, epoch: int) -> Save | None:
+        return next((s for s in self.lineage if s.epoch == epoch), None)
+
+    def with_newest(self, save: Save) -> Family:
+        """The family after its head run committed ``save`` (a run saves only above its
+        lineage's newest epoch, so it goes first)."""
+        return Family(self.nodes, [save, *self.lineage], self.superseded)
+
+    def without(self, saves: Iterable[Save]) -> Family:
+        """The family after ``saves`` were removed."""
+        gone = {(s.epoch, s.save_id) for s in saves}
+        return Family(self.nodes, [s for s in self.lineage if (s.epoch, s.save_id) not in gone],
+                      [s for s in self.superseded if (s.epoch, s.save_id) not in gone])
+
+
+class PartialSave(NamedTuple):
+    """A save some of whose nodes have no record (failed, interrupted, or half deleted)."""
+
+    epoch: int
+    save_id: str
+    have: list[str]  # nodes with a readable record
+    missing: list[str]  # nodes the save names without one
+    records: dict[str, CommitRecord]
+
+    @property
+    def started(self) -> float:
+        return min(r.started or r.created for r in self.records.values())
+
+
+@dataclass(frozen=True)
+class PrefixScan:
+    """Everything :func:`scan` found under a prefix."""
+
+    families: dict[frozenset[str], Family]
+    partial: list[PartialSave] = field(default_factory=list)
+    unreadable: list[tuple[RecordRef, str]] = field(default_factory=list)
+    newest_generation: int = 0  # the run log's newest run when the scan listed it
+    referenced: frozenset[str] = frozenset()  # group paths readable records name
+
+    def saves(self) -> list[Save]:
+        """Every committed save of every family, newest epoch first."""
+        return sorted((s for f in self.families.values() for s in f.saves()),
+                      key=lambda s: (-s.epoch, s.save_id))
+
+    def is_superseded(self, save: Save) -> bool:
+        family = self.families.get(save.nodes)
+        return family is not None and save in family.superseded
+
+    def current(self) -> dict[int, Save]:
+        """The lineage saves of every family by epoch (with several families on one prefix,
+        the family with the newer run wins an epoch they share)."""
+        out: dict[int, Save] = {}
+        for family in sorted(self.families.values(),
+                             key=lambda f: f.newest.generation if f.newest else 0):
+            out.update(family.current())
+        return out
+
+
+def _run_reader(store: CheckpointStore):
+    """Reads run log entries once per store (entries are never edited)."""
+    cache: dict[int, runs.Run | str | None] = {}
+
+    def read(generation: int) -> runs.Run | str | None:
+        if generation not in cache:
+            try:
+                cache[generation] = runs.read_run(store.location, generation)
+            except CheckpointNotFoundError:
+                cache[generation] = None
+            except CheckpointError as exc:
+                logger.warning("%s", exc)
+                cache[generation] = str(exc)
+        return cache[generation]
+    return read
+
+
+def _read_or_warn(store: CheckpointStore):
+    def read(ref: RecordRef) -> CommitRecord | str:
+        record = store.read_or_reason(ref)
+        if isinstance(record, str):
+            logger.warning("epoch %d is not committed for node %r: %s", ref.epoch, ref.node,
+                           record)
+        return record
+    return read
+
+
+def family_history(store: CheckpointStore, nodes: Iterable[str]) -> History:
+    """The history of the family ``nodes`` (one listing of records and one of the run log;
+    records and entries are read lazily)."""
+    return History(list_records(store.location), frozenset(nodes), _read_or_warn(store),
+                   _run_reader(store), runs.list_runs(store.location))
+
+
+def newest_save(store: CheckpointStore, nodes: Iterable[str]) -> Save | None:
+    """The newest save of the family's lineage (:meth:`History.newest`), in a few requests when
+    the family's hint names it: the hint's run must be the newest run (no entry after it) and
+    every node's record of the hinted save must be there; else the records decide."""
+    family = frozenset(nodes)
+    hint = store.read_hint(sorted(family))
+    if hint is not None:
+        epoch, save_id = hint
+        generation = save_generation(save_id)
+        if generation and not runs.fenced(store.location, generation):
+            records = {}
+            for node in family:
+                ref = RecordRef(epoch=epoch, node=node, save_id=save_id)
+                try:
+                    records[node] = store.read_record(ref)
+                except CheckpointError:
+                    break
+            else:
+                save = Save(epoch, save_id, records)
+                if save.nodes == family:
+                    return save
+    return family_history(store, family).newest()
+
+
+def _read_all(store: CheckpointStore, refs: Sequence[RecordRef]) -> list[CommitRecord | str]:
+    if len(refs) < 8:
+        return [store.read_or_reason(r) for r in refs]
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        return list(pool.map(store.read_or_reason, refs))
+
+
+def scan(store: CheckpointStore, nodes: Iterable[str] | None = None) -> PrefixScan:
+    """Read every commit record under ``store`` (one listing, one read per record) and sort the
+    saves into each family's lineage and superseded saves, partial saves and unreadable records.
+    With ``nodes``, only that family (saves of other nodes are ignored)."""
+    location = store.location
+    wanted = None if nodes is None else frozenset(nodes)
+    generation = runs.newest_generation(location)
+    refs = list_records(location)
+    if wanted is not None:  # the saves involving the wanted nodes, with all of their nodes
+        keys = {(r.epoch, r.save_id) for r in refs if r.node in wanted}
+        refs = [r for r in refs if (r.epoch, r.save_id) in keys]
+    read = dict(zip(refs, _read_all(store, refs)))
+    by_save: dict[tuple[int, str], dict[str, CommitRecord]] = {}
+    unreadable: list[tuple[RecordRef, str]] = []
+    for ref, record in read.items():
+        if isinstance(record, str):
+            unreadable.append((ref, record))
+        else:
+            by_save.setdefault((ref.epoch, ref.save_id), {})[ref.node] = record
+    families = {frozenset(r.nodes) | {r.node} for recs in by_save.values()
+                for r in recs.values()} if wanted is None else {wanted}
+    run_reader, generations = _run_reader(store), runs.list_runs(location)
+    found: dict[frozenset[str], Family] = {}
+    committed: set[tuple[int, str]] = set()
+    for family_nodes in families:
+        history = History(refs, family_nodes, read.__getitem__, run_reader, generations)
+        lineage = list(history.lineage())
+        superseded = history.superseded(lineage)
+        if lineage or superseded:
+            found[family_nodes] = Family(family_nodes, lineage, superseded)
+        committed.update((s.epoch, s.save_id) for s in (*lineage, *superseded))
+    partial = []
+    for (epoch, save_id), records in sorted(by_save.items()):
+        if (epoch, save_id) in committed:
+            continue
+        expected = set().union(*(r.nodes for r in records.values()))
+        if wanted is not None and not expected & wanted:
+            continue
+        partial.append(PartialSave(epoch, save_id, sorted(records),
+                                   sorted(expected - set(records)), records))
+    referenced = frozenset(r.group for recs in by_save.values() for r in recs.values())
+    return PrefixScan(found, partial, unreadable, generation, referenced)
