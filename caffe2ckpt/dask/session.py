@@ -10,8 +10,11 @@ Prefect task run per node and group.
 Nodes are placed on the cluster's workers when first used: with ``placement={node: address}``
 where given, else on the worker holding the fewest of this session's nodes (ties: address
 order). A worker that dies takes its nodes' workspaces with it: the group run fails naming the
-node (:class:`~caffe2ckpt.errors.NodeLostError`), and the job resumes from its newest committed
-epoch in a new session (a Prefect retry makes one).
+node (:class:`~caffe2ckpt.errors.NodeLostError`, also when other nodes of the group failed
+otherwise), within about :attr:`DaskSession.liveness_interval` of the call even when the call
+reached for the dead worker before the scheduler had heard of its death; every later call to that
+node fails at once. The job resumes from its newest committed epoch in a new session (a Prefect
+retry makes one).
 
 Install with the ``[dask]`` extra."""
 
@@ -92,6 +95,14 @@ class DaskSession:
 
     remote = True  # managers run their background-save waits as groups on this session
 
+    liveness_interval = 1.0
+    """While a call to a node's actor runs, every this many seconds the session asks whether the
+    node's worker still holds the actor (the actor's future here, then the scheduler's
+    ``who_has``): if not, the call fails with :class:`NodeLostError` at once. Distributed itself
+    would keep trying to reach the dead worker for ``distributed.comm.timeouts.connect`` (30 s)
+    when the call left before the client heard of the death. A call on a live worker is never
+    cut short, however long it runs (a large save can take minutes)."""
+
     def __init__(self, client: Client | str, *, placement: Mapping[str, str] | None = None,
                  place_timeout: float = 60.0, io_threads: int | None = None) -> None:
         self._own_client = not isinstance(client, Client)
@@ -102,6 +113,7 @@ class DaskSession:
         self._actors: dict[str, Any] = {}
         self._futures: dict[str, Any] = {}
         self._workers: dict[str, str] = {}
+        self._lost: dict[str, str] = {}  # node -> why it was lost (calls to it fail at once)
         self._lock = threading.Lock()
         self.closed = False
 
@@ -166,21 +178,67 @@ class DaskSession:
 
     def _call(self, node: str, method: str, *args: Any) -> Any:
         """Call the node's actor. A failure of the call itself (not of what it ran: ``run``
-        returns those) means the actor is gone: :class:`NodeLostError`. Errors of other
-        methods (a missing blob) reach the actor's caller as they are."""
+        returns those) means the actor is gone: :class:`NodeLostError`, as does a worker that
+        no longer holds the actor while the call waits (:meth:`_result`); the node is then
+        lost for good. Errors of other methods (a missing blob) reach the actor's caller as
+        they are."""
+        self._check_not_lost(node)
         actor = self._actor(node)
         try:
-            return getattr(actor, method)(*args).result()
+            return self._result(node, getattr(actor, method)(*args))
+        except NodeLostError:
+            raise
         except KeyError:
             if method in ("get", "delete"):  # the blob is not in the workspace
                 raise
-            raise NodeLostError(f"node {node!r}'s actor is gone from Dask worker "
-                                f"{self._workers.get(node)}", node=node) from None
+            raise self._lose(node, "its actor is gone from the worker") from None
         except Exception as exc:
-            raise NodeLostError(
-                f"node {node!r} was lost with its Dask worker {self._workers.get(node)} "
-                f"({type(exc).__name__}: {exc}); its workspace is gone: resume the job from "
-                "its newest committed epoch in a new session", node=node) from exc
+            raise self._lose(node, f"{type(exc).__name__}: {exc}") from exc
+
+    def _result(self, node: str, call: Any) -> Any:
+        """Wait for an actor call's result, however long the call runs, while the node's worker
+        holds its actor; raise :class:`NodeLostError` once it does not."""
+        while True:
+            try:
+                return call.result(timeout=self.liveness_interval)
+            except TimeoutError:
+                if call.done():  # the call itself raised it
+                    raise
+            gone = self._gone(node)
+            if gone is not None:
+                raise self._lose(node, gone)
+
+    def _gone(self, node: str) -> str | None:
+        """Why the node's worker no longer holds its actor, as this client or else the
+        scheduler sees it now; None while it does, or when the scheduler cannot be asked."""
+        future, worker = self._futures.get(node), self._workers.get(node)
+        if future is None:
+            return "its session was closed"
+        if future.status not in ("finished", "pending"):
+            return f"its actor's future is {future.status!r}"
+        try:
+            holders = self._client.sync(self._client.scheduler.who_has, keys=[future.key],
+                                        callback_timeout=max(10.0, self.liveness_interval))
+        except Exception as exc:  # noqa: BLE001 - unknown: keep waiting for the call
+            logger.debug("cannot ask the scheduler where node %r's actor is: %s", node, exc)
+            return None
+        if worker not in (holders.get(future.key) or ()):
+            return f"the scheduler no longer has its actor on worker {worker}"
+        return None
+
+    def _lose(self, node: str, why: str) -> NodeLostError:
+        """Mark ``node`` lost (later calls fail at once) and return the error to raise."""
+        message = (f"node {node!r} was lost with its Dask worker {self._workers.get(node)} "
+                   f"({why}); its workspace is gone: resume the job from its newest committed "
+                   "epoch in a new session")
+        with self._lock:
+            self._lost.setdefault(node, message)
+        return NodeLostError(message, node=node)
+
+    def _check_not_lost(self, node: str) -> None:
+        message = self._lost.get(node)
+        if message is not None:
+            raise NodeLostError(message, node=node)
 
     # -- the Session protocol ----------------------------------------------------------------------
 
@@ -192,7 +250,27 @@ class DaskSession:
         return value
 
     def run(self, runnable: TaskGroup | Task) -> None:
-        run_on(self, runnable, self.run_node)
+        """Run a group on its nodes' actors. When a node was lost, the run raises its
+        :class:`NodeLostError` even if another node's failure came first (the job cannot go
+        on in this session, whatever else failed)."""
+        lost: list[NodeLostError] = []
+
+        def run_node(node: str, steps: list[Step], workspace_type: WorkspaceType) -> list[Any]:
+            try:
+                return self.run_node(node, steps, workspace_type)
+            except NodeLostError as exc:
+                lost.append(exc)
+                raise
+
+        try:
+            run_on(self, runnable, run_node)
+        except NodeLostError:
+            raise
+        except Exception as exc:
+            if not lost:
+                raise
+            lost[0].add_note(f"the group's first failure was {type(exc).__name__}: {exc}")
+            raise lost[0] from lost[0].__cause__
 
     def workspace(self, node: str) -> RemoteWorkspace:
         self._actor(str(node))
@@ -217,6 +295,7 @@ class DaskSession:
             self._actors.clear()
             self._futures.clear()
             self._workers.clear()
+            self._lost.clear()
         try:
             if futures:
                 self._client.cancel(futures)
