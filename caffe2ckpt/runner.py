@@ -55,7 +55,8 @@ class JobRunner:
             means "the newest committed epoch, if any").
         upload_task_group_builder: run with the final epoch after the loop.
         on_save_error: ``"warn"`` (Caffe2's behaviour: log a WARNING and keep training) or
-            ``"raise"``. Failed epochs are listed in :attr:`failed_saves` either way.
+            ``"raise"``. Failed epochs are listed in :attr:`failed_saves` either way. A node
+            lost with its worker (:class:`NodeLostError`) is always raised.
         options: save policy (which epochs to checkpoint; epoch 0, the final epoch and a
             preempted epoch always are) and retention (which committed epochs to keep; the
             newest and the one resumed from always are). Default: save and keep every epoch.
@@ -302,6 +303,8 @@ class JobRunner:
             if cm.pending_epoch == epoch:  # other nodes' background saves: drain them first
                 try:
                     cm.wait_until_finished()
+                except NodeLostError as lost:  # a lost node fails the run, whatever came first
+                    exc = exc if isinstance(exc, NodeLostError) else lost
                 except Exception:  # noqa: BLE001 - the first failure is reported below
                     pass
             self._save_failed(epoch, session, exc)

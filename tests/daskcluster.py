@@ -3,6 +3,8 @@ port chosen by the OS, so test processes running side by side never collide."""
 
 from __future__ import annotations
 
+import os
+
 import contextlib
 from collections.abc import Iterator
 
@@ -25,3 +27,31 @@ def client_of(cluster: distributed.LocalCluster) -> Iterator[distributed.Client]
     with distributed.Client(cluster) as client:
         client.wait_for_workers(len(cluster.workers), timeout=60)
         yield client
+
+
+def die_before_commit(marker: str, node: str = "trainer_1", epoch: int = 3) -> None:
+    """Run on every worker (``client.run``): the first save of ``node``'s ``epoch`` (while the
+    file ``marker`` exists) SIGKILLs its worker once the group is written, before its commit
+    record (in the save's own thread: the actor's, or the background writer's with
+    ``async_save``)."""
+    import signal
+
+    from caffe2ckpt.store import protocol
+
+    write_record = getattr(protocol.write_record, "original", protocol.write_record)
+
+    def dying(location, record):
+        if record.node == node and record.epoch == epoch and os.path.exists(marker):
+            os.unlink(marker)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return write_record(location, record)
+
+    dying.original = write_record
+    protocol.write_record = dying
+
+
+def undo_die_before_commit() -> None:
+    """Run on every worker: undo :func:`die_before_commit` (on the workers it did not kill)."""
+    from caffe2ckpt.store import protocol
+
+    protocol.write_record = getattr(protocol.write_record, "original", protocol.write_record)

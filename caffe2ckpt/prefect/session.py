@@ -31,7 +31,7 @@ from prefect.runtime import deployment, flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.utilities.annotations import quote
 
-from caffe2ckpt.errors import JobDefinitionError
+from caffe2ckpt.errors import JobDefinitionError, NodeLostError
 from caffe2ckpt.job import Task, TaskGroup
 from caffe2ckpt.prefect.artifacts import CheckpointArtifacts
 from caffe2ckpt.session import LocalSession, RunEvent, RunNode, Step, as_group, deliver, node_steps
@@ -151,9 +151,15 @@ class PrefectSession:
             # Prefect's event loop thread, so read failed states only through future.result().
             deliver(by_node, {n: f.state.result() for n, f in futures.items()
                               if f.state.is_completed()})
+            errors = []
             for future in futures.values():
                 if not future.state.is_completed():
-                    future.result()  # the first failure, after every node has finished
+                    try:
+                        future.result()
+                    except BaseException as exc:  # noqa: BLE001 - raised below
+                        errors.append(exc)
+            if errors:  # the first failure (a lost node first: the run cannot go on without it)
+                raise next((e for e in errors if isinstance(e, NodeLostError)), errors[0])
         except BaseException:
             self._flush_artifacts()  # the job may end here, without a "finished" event
             raise

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+from typing import Any
 
 import cloudpickle
 import numpy as np
@@ -18,6 +19,7 @@ from caffe2ckpt.errors import JobDefinitionError, NodeLostError
 from caffe2ckpt.example import build_job
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.store.protocol import CheckpointStore
+from tests.daskcluster import die_before_commit, undo_die_before_commit
 from tests.jobs import EXPECTED_TOTALS, fetch, make_job
 
 pytest.importorskip("distributed")
@@ -198,3 +200,170 @@ def test_what_cannot_come_back_fails_clearly_instead_of_hanging(dask_client):
         session.run(Task(lambda ws: Unpicklable(), node="trainer_0"))  # dropped on the worker
     with pytest.raises(JobDefinitionError, match="closed"):
         session.workspace("trainer_0")
+
+
+# -- a lost node fails the run, quickly ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("async_save, on_save_error", [
+    (False, "warn"), (True, "warn"), (True, "raise")], ids=["sync", "async", "async-raise"])
+def test_a_node_lost_in_the_final_save_fails_train_and_a_new_session_resumes(
+        tmp_path, dask_client, async_save, on_save_error):
+    """A lost node is not a save failure to warn about: whatever ``on_save_error`` says, and
+    also when it surfaces from the background save's wait, ``train`` raises NodeLostError (a
+    returning train would end a flow COMPLETED with that node's workspace gone)."""
+    url, marker = str(tmp_path / "ckpt"), tmp_path / "kill-once"
+    marker.touch()
+    dask_client.run(die_before_commit, str(marker), "trainer_1", 3)
+    try:
+        with DaskSession(dask_client) as session:
+            runner = JobRunner(build_job(3), MultiNodeCheckpointManager(url, async_save=async_save),
+                               on_save_error=on_save_error)
+            with pytest.raises(NodeLostError, match="trainer_1") as info:
+                runner.train(session)
+        assert info.value.node == "trainer_1" and not marker.exists()
+        assert runner.saved_epochs == [0, 1, 2]
+        assert newest_epoch(CheckpointStore(Location(url)), NODES) == 2
+    finally:
+        dask_client.run(undo_die_before_commit)  # the worker that was not killed
+    dask_client.wait_for_workers(2, timeout=60)
+    with DaskSession(dask_client) as session:  # a new session resumes from the newest commit
+        runner = JobRunner(build_job(3), MultiNodeCheckpointManager(url, async_save=async_save))
+        assert runner.train(session) == 3 and runner.resumed_from == 2
+    assert newest_epoch(CheckpointStore(Location(url)), NODES) == 3
+
+
+def kill_just_before_the_call(session: DaskSession, client, node: str, call) -> tuple[float, Any]:
+    """SIGKILL ``node``'s worker and make ``call()`` reach the actor after the worker's process
+    is gone but before the client and scheduler have heard of it (as a call made just after a
+    kill does under load): the client's event loop, which also runs this LocalCluster's
+    scheduler, is held while the process dies and the call is issued. Returns the seconds the
+    call took and what it raised (or returned)."""
+    import signal
+    import socket
+    import threading
+    import time
+
+    worker = session.worker_of(node)
+    pid = session._call(node, "where")["pid"]
+    host, port = worker.removeprefix("tcp://").rsplit(":", 1)
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        held.set()
+        release.wait(15)
+
+    client.loop.add_callback(hold)
+    assert held.wait(10)
+    outcome: dict[str, Any] = {}
+    try:
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # until the worker's port refuses connections
+            try:
+                socket.create_connection((host, int(port)), timeout=1).close()
+            except ConnectionRefusedError:
+                break
+            time.sleep(0.01)
+
+        def caller() -> None:
+            started = time.monotonic()
+            try:
+                outcome["value"] = call()
+            except Exception as exc:  # noqa: BLE001 - returned to the test
+                outcome["value"] = exc
+            outcome["seconds"] = time.monotonic() - started
+
+        thread = threading.Thread(target=caller, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not waiting_in_sync(thread):
+            time.sleep(0.01)  # until the call is issued and waits for the held loop
+    finally:
+        release.set()
+    thread.join(60)
+    assert not thread.is_alive(), "the call to the lost node is still waiting after 60 s"
+    return outcome["seconds"], outcome["value"]
+
+
+def waiting_in_sync(thread) -> bool:
+    """Whether ``thread`` waits in distributed's ``sync`` (for an actor call's result: its
+    request was queued on the loop before)."""
+    import sys
+
+    frame = sys._current_frames().get(thread.ident)
+    while frame is not None:
+        if frame.f_code.co_name == "sync" and frame.f_code.co_filename.endswith(
+                os.path.join("distributed", "utils.py")):
+            return True
+        frame = frame.f_back
+    return False
+
+
+@pytest.mark.parametrize("how", ["workspace", "group"])
+def test_a_call_just_after_its_worker_died_fails_within_seconds(dask_client, how):
+    from caffe2ckpt import Task
+
+    with DaskSession(dask_client) as session:
+        for node in NODES:
+            session.workspace(node)["x"] = np.float32(1)
+        call = ((lambda: session.workspace("trainer_1")["x"]) if how == "workspace" else
+                (lambda: session.run(Task(lambda ws: ws.__setitem__("x", 2), node="trainer_1"))))
+        seconds, raised = kill_just_before_the_call(session, dask_client, "trainer_1", call)
+        assert isinstance(raised, NodeLostError) and raised.node == "trainer_1", raised
+        assert "trainer_1" in str(raised)
+        assert seconds < 5, seconds
+        # the session knows: another call fails at once; the other node still answers
+        with pytest.raises(NodeLostError, match="trainer_1"):
+            session.workspace("trainer_1")["x"]
+        assert session.workspace("trainer_0")["x"] == 1
+    dask_client.wait_for_workers(2, timeout=60)
+
+
+def test_a_slow_call_on_a_live_worker_is_waited_for(dask_client):
+    """The liveness checks while a call runs never cut a slow but healthy one short."""
+    import time
+
+    from caffe2ckpt import Task
+
+    seen = []
+    with DaskSession(dask_client) as session:
+        started = time.monotonic()
+        session.run(Task(lambda ws: time.sleep(3.5) or "done", node="trainer_0",
+                         on_result=seen.append))
+        assert seen == ["done"] and time.monotonic() - started >= 3.5
+
+
+def drop_at(epoch: int, name: str):
+    """An extra epoch task: deletes the checkpointed blob ``name`` in ``epoch``, so the node's
+    save of that epoch fails (CheckpointWriteError) before anything is written."""
+    def drop(ws) -> None:
+        if int(ws["epoch"]) == epoch:
+            del ws[name]
+    return drop
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_node_lost_beside_another_nodes_save_failure_is_what_train_raises(
+        tmp_path, dask_client, async_save):
+    """trainer_0's final save fails first (a CheckpointWriteError, a warning), trainer_1's
+    worker dies in its own: in the save group (sync) or in the background, found when the
+    runner drains it (async). The lost node must still fail the run."""
+    from caffe2ckpt import Node, Task
+
+    url, marker = str(tmp_path / "ckpt"), tmp_path / "kill-once"
+    marker.touch()
+    dask_client.run(die_before_commit, str(marker), "trainer_1", 3)
+    job = build_job(3)
+    with Node("trainer_0"):
+        Task(drop_at(3, "data/y"), name="drop", group=job.epoch_group)
+    try:
+        with DaskSession(dask_client) as session:
+            runner = JobRunner(job, MultiNodeCheckpointManager(url, async_save=async_save))
+            with pytest.raises(NodeLostError, match="trainer_1") as info:
+                runner.train(session)
+        assert info.value.node == "trainer_1" and not marker.exists()
+        assert runner.saved_epochs == [0, 1, 2] and runner.failed_saves == [3]
+    finally:
+        dask_client.run(undo_die_before_commit)  # the worker that was not killed
+    dask_client.wait_for_workers(2, timeout=60)

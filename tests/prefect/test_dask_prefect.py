@@ -17,6 +17,7 @@ from caffe2ckpt.example import build_job
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.prefect import PrefectSession
 from caffe2ckpt.store.protocol import CheckpointStore
+from tests.daskcluster import die_before_commit, undo_die_before_commit
 from tests.jobs import EXPECTED_TOTALS, fetch, make_job
 from tests.prefect.conftest import finished_task_runs
 
@@ -111,36 +112,13 @@ def kill_at(epoch: int, node: str):
     return maybe_die
 
 
-def die_while_installing(marker: str) -> None:
-    """Run on every worker: the first save of trainer_1's epoch 3 (while the marker file
-    exists) SIGKILLs its worker after its group is written, before its record."""
-    from caffe2ckpt.store import protocol
-
-    write_record = protocol.write_record
-
-    def dying(location, record):
-        if record.node == "trainer_1" and record.epoch == 3 and os.path.exists(marker):
-            os.unlink(marker)
-            os.kill(os.getpid(), signal.SIGKILL)
-        return write_record(location, record)
-
-    dying.original = write_record
-    protocol.write_record = dying
-
-
-def undo_die_while_installing() -> None:
-    from caffe2ckpt.store import protocol
-
-    protocol.write_record = getattr(protocol.write_record, "original", protocol.write_record)
-
-
 @pytest.mark.parametrize("where", ["mid-epoch", "mid-save"])
 def test_a_killed_worker_fails_the_attempt_and_the_retry_resumes(tmp_path, dask_client, where):
     url = str(tmp_path / "ckpt")
     marker = tmp_path / "kill-once"
     if where == "mid-save":
         marker.touch()
-        dask_client.run(die_while_installing, str(marker))
+        dask_client.run(die_before_commit, str(marker))
     attempts: list[tuple[int, float, str]] = []
 
     @flow(name="dask-retrying", retries=1, retry_delay_seconds=0)
@@ -172,7 +150,40 @@ def test_a_killed_worker_fails_the_attempt_and_the_retry_resumes(tmp_path, dask_
     store = CheckpointStore(Location(url))
     assert newest_epoch(store, NODES) == 5
     if where == "mid-save":
-        dask_client.run(undo_die_while_installing)  # the worker that was not killed
+        dask_client.run(undo_die_before_commit)  # the worker that was not killed
+
+
+def test_a_node_lost_in_the_final_save_fails_the_flow_run_and_the_retry_resumes(tmp_path,
+                                                                              dask_client):
+    """With the default on_save_error="warn", a worker killed during the final epoch's save
+    fails the attempt (it must not end COMPLETED with the node's workspace gone): Prefect's
+    retry resumes from the newest committed epoch in a new session."""
+    url = str(tmp_path / "ckpt")
+    marker = tmp_path / "kill-once"
+    marker.touch()
+    dask_client.run(die_before_commit, str(marker))  # trainer_1, epoch 3: the final epoch
+    attempts: list[tuple[int, str]] = []
+
+    @flow(name="dask-final-save", retries=1, retry_delay_seconds=0)
+    def retrying() -> tuple[int, int | None, list[int], list[int]]:
+        try:
+            with DaskSession(dask_client) as nodes:
+                runner = JobRunner(build_job(3), MultiNodeCheckpointManager(url))
+                final = runner.train(PrefectSession(nodes=nodes))
+                return final, runner.resumed_from, runner.saved_epochs, runner.failed_saves
+        except Exception as exc:
+            attempts.append((flow_run.run_count, repr(exc)))
+            raise
+
+    try:
+        state = retrying(return_state=True)
+    finally:
+        dask_client.run(undo_die_before_commit)  # the worker that was not killed
+    assert not marker.exists()  # the kill happened
+    assert len(attempts) == 1 and "NodeLostError" in attempts[0][1], attempts
+    assert "trainer_1" in attempts[0][1], attempts
+    assert state.is_completed() and state.result() == (3, 2, [3], []), state
+    assert newest_epoch(CheckpointStore(Location(url)), NODES) == 3
 
 
 def test_a_process_pool_task_runner_is_refused_up_front(tmp_path):

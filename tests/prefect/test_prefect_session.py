@@ -13,8 +13,6 @@ from prefect import flow
 from prefect.client.schemas.filters import (
     ArtifactFilter,
     ArtifactFilterFlowRunId,
-    FlowRunFilter,
-    FlowRunFilterId,
     LogFilter,
     LogFilterFlowRunId,
 )
