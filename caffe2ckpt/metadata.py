@@ -53,8 +53,8 @@ class ZarrMetadataHandler:
     ``last_epoch()`` is the newest committed epoch of the job's current lineage (see
     :mod:`caffe2ckpt.history.lineage`: epochs of a run that a later resume from an earlier epoch
     superseded never count; records of other nodes under the same prefix are ignored);
-    ``last_epoch(user_epoch=k)`` returns k if it is committed on that lineage and raises
-    otherwise.
+    ``last_epoch(user_epoch=k)`` returns k if a save of k is committed (a superseded one only
+    when asked for by number) and raises otherwise.
 
     Args:
         storage_options: fsspec options for the prefix (the managers pass theirs on if unset).
@@ -91,12 +91,12 @@ class ZarrMetadataHandler:
         return self._store
 
     def last_epoch(self, user_epoch: int | None = None) -> int | None:
-        """The epoch to resume from: ``user_epoch`` if it is committed on the current lineage,
-        else the newest committed epoch of the lineage (None: nothing to resume from).
+        """The epoch to resume from: ``user_epoch`` if a save of it is committed (on the
+        current lineage, or superseded: a resume from it on purpose makes its history current
+        again), else the newest committed epoch of the lineage (None: nothing to resume from).
 
         Raises:
-            CheckpointNotFoundError: ``user_epoch`` is not committed for every node, or a later
-                run superseded it.
+            CheckpointNotFoundError: ``user_epoch`` is not committed for every node.
             CheckpointCorruptedError: records exist but not one save of the nodes is committed
                 (refusing to start from scratch over them).
         """
@@ -115,16 +115,11 @@ class ZarrMetadataHandler:
             return None
         epoch = check_epoch(user_epoch)
         history = family_history(store, self._nodes)
-        for save in history.lineage():  # newest first: epochs only go down
-            if save.epoch <= epoch:
-                if save.epoch == epoch:
-                    return epoch
-                break
-        why = ("a later run went back to an earlier epoch and superseded it"
-               if history.saves_at(epoch) else
-               f"epochs with records: {history.recorded_epochs()}")
+        if history.saves_at(epoch):  # on the lineage, or superseded and asked for on purpose
+            return epoch
         raise CheckpointNotFoundError(
-            f"epoch {epoch} is not committed for nodes {self._nodes} under {where!r}: {why}")
+            f"epoch {epoch} is not committed for nodes {self._nodes} under {where!r}; epochs "
+            f"with records: {history.recorded_epochs()}")
 
     def write(self, epoch: int) -> None:
         """Nothing to do: every node's save already wrote its commit record (a

@@ -226,9 +226,13 @@ class JobRunner:
             try:
                 session.run(cm.init(nodes, retrieve_from_epoch=candidate))
                 session.run(cm.load(candidate))
-                save = cm.lineage_save(candidate)
+                save = cm.save_of(candidate)
                 if save is None:
                     raise CheckpointNotFoundError(f"epoch {candidate} is no longer committed")
+                if cm.lineage_save(candidate) is None:
+                    logger.warning("Epoch %d was superseded (a later run went back to an "
+                                   "earlier epoch); resuming from it on request makes its "
+                                   "history current again", candidate)
             except (CheckpointCorruptedError, CheckpointNotFoundError) as exc:
                 if not automatic:
                     raise

@@ -21,6 +21,7 @@ import pytest
 S3_PREFIX_MODULES = frozenset({
     "test_storage", "test_contract", "test_runner", "test_corruption", "test_fencing",
     "test_hostile", "test_concurrency", "test_lineage",
+    "test_review_defects",  # tests/safety/: the review of 75dd0ff (object-store defects)
 })
 
 

@@ -155,6 +155,18 @@ class CurrentRun:
             self._looked_up[epoch] = found
         return self._looked_up[epoch]
 
+    def save_of(self, epoch: int) -> Save | None:
+        """The committed save an explicitly chosen ``epoch`` means: the lineage's, else the
+        newest superseded one of that epoch (a run that resumes from it on purpose makes its
+        history current again); None when no save of ``epoch`` is committed."""
+        save = self.lineage_save(epoch)
+        if save is not None:
+            return save
+        if self._family is not None:
+            return next((s for s in sorted(self._family.superseded, key=lambda s: -s.generation)
+                         if s.epoch == epoch), None)
+        return next(iter(family_history(self.store, self.nodes).saves_at(epoch)), None)
+
     # -- removal ---------------------------------------------------------------------------------
 
     def _fence(self) -> int:

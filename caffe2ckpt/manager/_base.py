@@ -197,12 +197,17 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
         when there is none: never committed, partial, or superseded)."""
         return self.current(store).lineage_save(check_epoch(epoch))
 
+    def save_of(self, epoch: int, store: CheckpointStore | None = None) -> Save | None:
+        """The committed save ``epoch`` means when asked for by number (a load, an explicit
+        resume): the lineage's, else the newest superseded save of that epoch."""
+        return self.current(store).save_of(check_epoch(epoch))
+
     def _save_holding(self, nodes: Collection[str], epoch: int,
                       store: CheckpointStore | None = None) -> Save | None:
         """The lineage save of ``epoch`` of the family ``nodes``, or else one of a family that
         holds them all (loading some nodes of a bigger job's checkpoint, as Caffe2 allows)."""
         store = store or self._store
-        save = self.current(store, nodes).lineage_save(epoch)
+        save = self.current(store, nodes).save_of(epoch)
         if save is not None:
             return save
         families = set()
@@ -212,7 +217,7 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
                 if not isinstance(record, str) and set(record.nodes) > set(nodes):
                     families.add(frozenset(record.nodes))
         for family in sorted(families, key=sorted):
-            save = self.current(store, family).lineage_save(epoch)
+            save = self.current(store, family).save_of(epoch)
             if save is not None:
                 return save
         return None
@@ -222,7 +227,7 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
         if save is None:
             raise CheckpointNotFoundError(
                 f"epoch {epoch} is not committed for nodes {self.file_nodes()} under "
-                f"{store.location.display()!r} (or a later run superseded it)")
+                f"{store.location.display()!r}")
         return save
 
     def _node_record(self, file_node: str, epoch: int) -> CommitRecord | None:
@@ -467,6 +472,9 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
         fresh start, which supersedes every earlier run's epochs (see
         :mod:`caffe2ckpt.history.lineage`). If the claim fails, the first save claims again
         with the same parent."""
+        if self._files is None and not self._param_nodes:
+            raise JobDefinitionError(f"{type(self).__name__}.claim() needs the nodes its run "
+                                     "saves: call init() or set_params() first")
         if parent is NEWEST:
             newest = self.current().newest()
             parent = None if newest is None else (newest.epoch, newest.generation)

@@ -41,6 +41,7 @@ from caffe2ckpt.store.records import CommitRecord
 from caffe2ckpt.errors import (
     CheckpointCorruptedError,
     CheckpointNotFoundError,
+    CheckpointWriteError,
     InvalidLocationError,
     JobDefinitionError,
     writing,
@@ -120,7 +121,8 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
         self._store = CheckpointStore(Location(directory, storage_options, filesystem),
                                       pack_threshold=pack_threshold)
         self._background = BackgroundSaves() if self.options.enable_async_checkpointing else None
-        self._pending: tuple[int, str, CurrentRun] | None = None  # step, save id, its run
+        # the step in flight: its save id, its run and its nodes
+        self._pending: tuple[int, str, CurrentRun, list[str]] | None = None
         # the run this manager saves in, and its family's lineage view (with ``nodes``, known
         # from the start; else from the first save)
         self._current = None if self._nodes is None else CurrentRun(self._store, self._nodes)
@@ -241,18 +243,12 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
             records = {node: self._save_node(step, node, b, info) for node, b in blobs.items()}
             self._committed(current, Save(step, save_id, records))
             return True
-        self._pending = (step, save_id, current)  # before any submit: a failure is waited for
-        try:
-            for node, b in blobs.items():
-                self._background.submit(step, node, b, lambda snapshot, n=node: self._save_node(
-                    step, n, snapshot, info))
-        except BaseException:
-            self._pending = None
-            try:  # the nodes already submitted finish (their saves stay uncommitted)
-                self._background.wait()
-            except Exception:  # noqa: BLE001 - the snapshot's failure matters more
-                pass
-            raise
+        # recorded before any submit: if a snapshot fails, the nodes already submitted are still
+        # waited for (and the incomplete save reported) by wait_until_finished
+        self._pending = (step, save_id, current, sorted(blobs))
+        for node, b in blobs.items():
+            self._background.submit(step, node, b, lambda snapshot, n=node: self._save_node(
+                step, n, snapshot, info))
         return True
 
     def _run_of(self, nodes: list[str]) -> CurrentRun:
@@ -400,9 +396,14 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
         """
         if self._background is None or self._pending is None:
             return
-        step, save_id, current = self._pending
+        step, save_id, current, nodes = self._pending
         self._pending = None
         _, records = self._background.wait()
+        if sorted(records) != nodes:  # a snapshot failed: the nodes submitted were written
+            raise CheckpointWriteError(
+                f"the save of step {step} under {self._store.location.display()!r} is "
+                f"incomplete: only nodes {sorted(records)} of {nodes} were written (another "
+                "node's snapshot failed); it is not committed", epoch=step)
         self._committed(current, Save(step, save_id, records))
 
     def check_for_errors(self) -> None:
