@@ -1,0 +1,207 @@
+"""Checkpoint prefixes on fsspec filesystems other than a plain local disk: object stores,
+``memory://`` and wrappers. Everything goes through the filesystem's own API, and nothing
+relies on a rename being atomic; there is nothing to flush (a PUT is durable when it returns).
+
+* :class:`FsspecLocation`: the general case. An exclusive create is ``open(path, "xb")``.
+* :class:`ObjectStoreLocation` (``s3://``, ``gs://``): object stores have no directories, and
+  s3fs/gcsfs's ``makedirs`` of a key prefix only checks (and creates) the bucket, one request:
+  a location does it once. An exclusive create is an ``If-None-Match`` PUT.
+* :class:`MemoryLocation` (``memory://``): one store per process, whose own ``"xb"`` open
+  checks for the file, publishes it empty, then fills it, so two threads could both create one
+  record. Exclusive creates here hold one process-wide lock and publish the file whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import errno
+import posixpath
+import threading
+from typing import Any
+
+from caffe2ckpt.errors import CheckpointNotFoundError
+from caffe2ckpt.fs import localio
+from caffe2ckpt.fs.location import Location, subdirectories
+
+__all__ = ["FsspecLocation", "MemoryLocation", "ObjectStoreLocation"]
+
+_MISSING = (FileNotFoundError, NotADirectoryError)
+
+
+class FsspecLocation(Location):
+    """A checkpoint prefix on an fsspec filesystem (see the module docstring)."""
+
+    # -- reads -----------------------------------------------------------------------------------
+
+    def read_bytes(self, path: str, *, limit: int | None = None) -> bytes:
+        try:
+            if limit is None:
+                return self._guard(self.fs.cat_file, path)
+            data = self._read_head(path, limit + 1)
+        except _MISSING as exc:
+            raise CheckpointNotFoundError(f"{path} does not exist") from exc
+        if len(data) > limit:
+            raise ValueError(f"{self.display(path)} is larger than the {limit} bytes such a "
+                             "file may have")
+        return data
+
+    def _read_head(self, path: str, count: int) -> bytes:
+        """The first ``count`` bytes of file ``path``, in one ranged GET: an object of any size
+        costs at most ``count`` bytes of memory."""
+        try:
+            return self._guard(self.fs.cat_file, path, start=0, end=count)
+        except FileNotFoundError:
+            raise
+        except OSError:  # S3 refuses any range of an empty object (416): is it empty?
+            if self._guard(self.fs.info, path).get("size") == 0:
+                return b""
+            raise
+
+    def size(self, path: str) -> int | None:
+        try:
+            size = self._guard(self.fs.info, path).get("size")
+        except _MISSING as exc:
+            raise CheckpointNotFoundError(f"{path} does not exist") from exc
+        return None if size is None else int(size)
+
+    def read_exact(self, path: str, out: memoryview, trailer: int) -> bytes:
+        expected = len(out) + trailer
+        try:
+            data = self.read_bytes(path, limit=expected)
+        except ValueError:  # larger: not read whole into memory
+            raise ValueError(f"more than the {expected} bytes expected") from None
+        if len(data) != expected:
+            raise ValueError(f"{len(data)} bytes where {expected} were expected")
+        out[:] = memoryview(data)[: len(out)]
+        return data[len(out):]
+
+    def list_names(self, path: str) -> list[str]:
+        def ls() -> list[str]:
+            try:
+                return self.fs.ls(path, detail=False, refresh=True)
+            except TypeError:  # filesystems whose ls takes no refresh argument
+                return self.fs.ls(path, detail=False)
+        try:
+            entries = self._guard(ls)
+        except FileNotFoundError:
+            return []
+        return [posixpath.basename(e.rstrip("/")) for e in entries]
+
+    def exists(self, path: str) -> bool:
+        return self._guard(self.fs.exists, path)
+
+    def modified(self, path: str) -> float | None:
+        try:
+            info = self._guard(self.fs.info, path)
+        except _MISSING as exc:
+            raise CheckpointNotFoundError(f"{path} does not exist") from exc
+        for key in ("mtime", "LastModified", "last_modified", "updated", "created"):
+            value = info.get(key)
+            if isinstance(value, datetime.datetime):
+                return value.timestamp()
+            if isinstance(value, (int, float)):
+                return float(value)
+            if isinstance(value, str):
+                with contextlib.suppress(ValueError):
+                    return datetime.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+        return None
+
+    # -- writes ----------------------------------------------------------------------------------
+
+    def makedirs(self, path: str, *, batch: localio.SyncBatch | None = None) -> list[str]:
+        self._guard(self.fs.makedirs, path, exist_ok=True)
+        return []
+
+    def create_exclusive(self, path: str, data: bytes, *,
+                         batch: localio.SyncBatch | None = None) -> None:
+        self.makedirs(posixpath.dirname(path))
+
+        def create() -> None:
+            with self.fs.open(path, "xb") as f:
+                f.write(data)
+        self._guard(create)
+
+    def replace_file(self, path: str, data: bytes) -> None:
+        self.makedirs(posixpath.dirname(path))
+        self._guard(self.fs.pipe_file, path, data)
+
+    def write_file(self, path: str, buffers: list[Any], *,
+                   batch: localio.SyncBatch | None = None, exclusive: bool = False) -> None:
+        data = buffers[0] if len(buffers) == 1 else b"".join(memoryview(b) for b in buffers)
+        self._guard(self.fs.pipe_file, path, bytes(data) if not isinstance(data, bytes) else data)
+
+    # -- deletes ---------------------------------------------------------------------------------
+
+    def remove(self, path: str) -> None:
+        """The exact tree is listed (``find`` does not glob) and its keys are deleted one by
+        one; nothing beneath a link (a wrapped local filesystem) is touched."""
+        try:
+            # not fs.isdir(): it answers False on any error, which would hide an I/O failure
+            info = self._guard(self.fs.info, path)
+        except FileNotFoundError:
+            return
+        if info.get("type") != "directory" or info.get("islink"):
+            self._remove_keys([path], [])
+            return
+        entries = self._guard(self.fs.find, path, withdirs=True, detail=True)
+        links = [p for p, i in entries.items() if i.get("islink") and p != path]
+        files, dirs = [], []
+        for p, i in entries.items():
+            if any(p.startswith(f"{link}/") for link in links):
+                continue  # beneath a link: not ours to delete
+            is_dir = i.get("type") == "directory" and not i.get("islink")
+            (dirs if is_dir else files).append(p)
+        self._remove_keys(files, dirs if path in dirs else [*dirs, path])
+
+    def _remove_keys(self, files: list[str], dirs: list[str]) -> None:
+        """Delete exactly ``files``, then the directories ``dirs`` if the filesystem still has
+        them (object stores have none once their keys are gone; ``memory://`` keeps those made
+        by ``makedirs``)."""
+        for path in files:
+            with contextlib.suppress(FileNotFoundError):
+                self._guard(self.fs.rm_file, path)
+        if not dirs or not self._guard(self.fs.exists, min(dirs, key=len)):
+            return
+        for path in sorted(dirs, key=lambda p: -p.count("/")):  # deepest first
+            with contextlib.suppress(FileNotFoundError):
+                self._guard(self.fs.rmdir, path)
+
+    def remove_files(self, directory: str, names: list[str]) -> None:
+        for name in names:
+            with contextlib.suppress(FileNotFoundError):
+                self._guard(self.fs.rm_file, f"{directory}/{name}")
+        if not self._guard(self.fs.exists, directory):  # an object store: no directories left
+            return
+        for sub in [*(f"{directory}/{d}" for d in subdirectories(names)), directory]:
+            with contextlib.suppress(FileNotFoundError, OSError):
+                if not self.fs.ls(sub, detail=False):  # memory://, wrapped local disks
+                    self.fs.rmdir(sub)
+
+
+class ObjectStoreLocation(FsspecLocation):
+    """``s3://``, ``gs://``: the bucket is checked (and created if missing) once."""
+
+    _bucket_checked = False
+
+    def makedirs(self, path: str, *, batch: localio.SyncBatch | None = None) -> list[str]:
+        if not self._bucket_checked:
+            self._guard(self.fs.makedirs, path, exist_ok=True)
+            self._bucket_checked = True
+        return []
+
+
+# memory:// is one store per process: exclusive creates there hold this lock
+_MEMORY_CREATES = threading.Lock()
+
+
+class MemoryLocation(FsspecLocation):
+    """``memory://``: exclusive creates under a process-wide lock, the file published whole."""
+
+    def create_exclusive(self, path: str, data: bytes, *,
+                         batch: localio.SyncBatch | None = None) -> None:
+        self.makedirs(posixpath.dirname(path))
+        with _MEMORY_CREATES:
+            if self.fs.exists(path):
+                raise FileExistsError(errno.EEXIST, "file exists", path)
+            self.fs.pipe_file(path, data)

@@ -1,0 +1,151 @@
+"""The contract every backend of :class:`caffe2ckpt.fs.location.Location` keeps, as one suite
+that each backend's test class mixes in with its own fixture (fsspec's habit): a local disk, a
+local disk behind an fsspec wrapper (the generic class), ``memory://`` and the S3 test server."""
+
+from __future__ import annotations
+
+import pickle
+import time
+
+import pytest
+from fsspec.implementations.local import LocalFileSystem
+
+from caffe2ckpt.errors import CheckpointNotFoundError, InvalidLocationError
+from caffe2ckpt.fs.local import LocalLocation
+from caffe2ckpt.fs.location import Location
+from caffe2ckpt.fs.remote import FsspecLocation, MemoryLocation, ObjectStoreLocation
+from tests.faultfs import FaultyFileSystem
+
+
+class LocationContract:
+    """Tests of the contract; a subclass provides ``location`` (a fresh, empty prefix) and says
+    which class it expects."""
+
+    expected_class: type[Location]
+
+    def test_the_url_picks_the_backend_and_pickling_keeps_it(self, location):
+        assert type(location) is self.expected_class
+        copy = pickle.loads(pickle.dumps(location))
+        assert type(copy) is self.expected_class
+        assert (copy.url, copy.root) == (location.url, location.root)
+
+    def test_an_exclusive_create_never_replaces_a_file(self, location):
+        path = location.path("_commits", "r.json")
+        location.create_exclusive(path, b"first")
+        with pytest.raises(FileExistsError):
+            location.create_exclusive(path, b"second")
+        assert location.read_bytes(path) == b"first"
+
+    def test_a_group_path_is_taken_once(self, location):
+        group = location.path("n.1")
+        location.create_group(group, "zarr.json", b"{}", batch=location.sync_batch())
+        with pytest.raises(FileExistsError):
+            location.create_group(group, "zarr.json", b"other")
+        location.makedirs(f"{group}/w")
+        location.write_file(f"{group}/w/c.0", [b"ab", memoryview(b"cd")])
+        assert location.read_bytes(f"{group}/zarr.json") == b"{}"
+        assert location.read_bytes(f"{group}/w/c.0") == b"abcd"
+        assert sorted(location.list_names(group)) == ["w", "zarr.json"]
+
+    def test_reads_are_bounded_and_missing_files_say_so(self, location):
+        path = location.path("f")
+        location.makedirs(location.root)
+        location.write_file(path, [b"x" * 100])
+        assert location.read_bytes(path, limit=100) == b"x" * 100
+        with pytest.raises(ValueError, match="larger than the 99 bytes"):
+            location.read_bytes(path, limit=99)
+        assert location.size(path) == 100
+        out = bytearray(96)
+        assert location.read_exact(path, memoryview(out), 4) == b"xxxx" and out == b"x" * 96
+        with pytest.raises(ValueError):
+            location.read_exact(path, memoryview(bytearray(90)), 4)
+        for call in (lambda p: location.read_bytes(p), location.size, location.modified):
+            with pytest.raises(CheckpointNotFoundError):
+                call(location.path("missing"))
+        assert location.list_names(location.path("missing")) == []
+        assert location.exists(path) and not location.exists(location.path("missing"))
+
+    def test_replace_file_replaces_it_whole(self, location):
+        path = location.path("_hints", "h.json")
+        location.replace_file(path, b"old")
+        location.replace_file(path, b"new content")
+        assert location.read_bytes(path) == b"new content"
+        assert location.list_names(location.path("_hints")) == ["h.json"]
+
+    def test_modified_is_the_stores_clock(self, location):
+        path = location.path("t")
+        location.makedirs(location.root)
+        before = time.time()
+        location.write_file(path, [b"t"])
+        stamp = location.modified(path)
+        assert stamp is None or before - 5 <= stamp <= time.time() + 5
+
+    def test_remove_files_removes_exactly_the_named_files(self, location):
+        group = location.path("n.2")
+        location.create_group(group, "zarr.json", b"{}")
+        location.makedirs(f"{group}/a")
+        for name in ("a/zarr.json", "a/c.0", "a/c.1"):
+            location.write_file(f"{group}/{name}", [b"."])
+        location.write_file(f"{group}/unnamed", [b"someone else's"])
+        location.remove_files(group, ["a/c.0", "a/c.1", "a/zarr.json", "zarr.json", "gone"])
+        assert location.list_names(group) == ["unnamed"]  # what was not named stays
+        location.remove_files(group, ["unnamed"])
+        assert not location.exists(group) or location.list_names(group) == []
+
+    def test_remove_never_globs(self, location):
+        for group in ("w[12]", "w1", "w2", "a*", "ab"):
+            location.create_group(location.path(group), "zarr.json", group.encode())
+        location.remove(location.path("w[12]"))
+        location.remove(location.path("a*"))
+        assert sorted(location.list_names(location.root)) == ["ab", "w1", "w2"]
+        location.remove(location.path("missing"))  # not an error
+
+    def test_only_local_disks_have_something_to_flush(self, location):
+        batch = location.sync_batch()
+        assert (batch is not None) == location.is_local
+        created = location.makedirs(location.path("x", "y"), batch=batch)
+        location.make_durable(batch, [])
+        assert created == ([location.root, location.path("x"), location.path("x", "y")]
+                           if location.is_local else [])
+
+
+class TestLocal(LocationContract):
+    expected_class = LocalLocation
+
+    @pytest.fixture
+    def location(self, tmp_path):
+        return Location(str(tmp_path / "prefix"))
+
+    def test_dot_segments_resolve_like_the_os(self, tmp_path):
+        assert Location(str(tmp_path / "a" / ".." / "b")).root == str(tmp_path / "b")
+
+
+class TestWrappedLocalDisk(LocationContract):
+    """A local disk behind an fsspec wrapper: the generic class (no os-level paths)."""
+
+    expected_class = FsspecLocation
+
+    @pytest.fixture
+    def location(self, tmp_path):
+        return Location(str(tmp_path / "prefix"), filesystem=FaultyFileSystem(LocalFileSystem()))
+
+
+class TestMemory(LocationContract):
+    expected_class = MemoryLocation
+
+    @pytest.fixture
+    def location(self, memory_fs):
+        return Location("memory://contract")
+
+    def test_dot_segments_are_refused(self, memory_fs):
+        with pytest.raises(InvalidLocationError, match="path segments"):
+            Location("memory://a/../b")
+
+
+@pytest.mark.slow
+class TestS3(LocationContract):
+    expected_class = ObjectStoreLocation
+
+    @pytest.fixture
+    def location(self, s3_bucket):
+        return Location(f"s3://{s3_bucket}/contract")
