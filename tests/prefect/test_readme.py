@@ -53,7 +53,8 @@ BLOCKS = {
     # Only defines its flow: running it needs a Dask scheduler and a prefix every worker can reach
     # (tests/prefect/test_dask_prefect.py runs PrefectSession(nodes=DaskSession(...)) flows).
     "Running on a cluster #1": (None, None),
-    "Storage format #1": (regression_checkpoints, "(4096, 8) 0.500523"),
+    "Storage format #1": (regression_checkpoints, "trainer_0.10 True"),
+    "Storage format #2": (regression_checkpoints, "(4096, 8) 0.500523"),
 }
 
 
