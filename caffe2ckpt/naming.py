@@ -3,13 +3,8 @@
 Nothing here touches a filesystem. The on-disk names are a protocol: change them only with the
 format version in :mod:`caffe2ckpt.store.zarrgroup`.
 
-Layout under a checkpoint prefix::
-
-    <prefix>/<node>.<epoch>/            one Zarr v3 group per node and epoch (db_name)
-    <prefix>/_commits/<record>.json     commit records (see caffe2ckpt.store.records)
-    <prefix>/_staging/...               re-saves being written aside (uncommitted)
-    <prefix>/_claims/claim-<n>.json     which run currently owns the prefix (newest wins)
-    <prefix>/_metadata.json             optional custom metadata of the prefix, written once
+``<prefix>/<node>.<epoch>`` (:func:`db_name`) is where the first save of a node's epoch lands;
+every other name under a prefix is built in :mod:`caffe2ckpt.store.layout`.
 
 Blob names become array paths by :func:`blob_path`: characters other than ``A-Z a-z 0-9 _ . -``
 are percent-encoded as UTF-8 bytes (``/`` -> ``%2F``, ``:`` -> ``%3A``, ``%`` -> ``%25``), a
@@ -29,10 +24,6 @@ import numpy as np
 from caffe2ckpt.errors import InvalidLocationError
 
 __all__ = [
-    "CLAIMS_DIR",
-    "COMMITS_DIR",
-    "ROOT_METADATA",
-    "STAGING_DIR",
     "blob_path",
     "check_epoch",
     "check_node_name",
@@ -40,10 +31,6 @@ __all__ = [
     "get_ckpt_filename",
 ]
 
-CLAIMS_DIR = "_claims"
-COMMITS_DIR = "_commits"
-STAGING_DIR = "_staging"
-ROOT_METADATA = "_metadata.json"  # custom metadata of the whole prefix (StepCheckpointManager)
 MAX_EPOCH = 10**12 - 1
 _MAX_NODE_LEN = 128  # bytes in UTF-8
 _SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-")

@@ -7,11 +7,11 @@ runs always get distinct claims and the newest one wins; an older run is fenced 
 that counts as committed holds the data of exactly one save of one run, on every node — a
 committed epoch never mixes two runs' data, and a damaged one is detected, never loaded.
 
-What is NOT guaranteed yet (``test_a_late_write_of_a_fenced_run_never_destroys_a_newer_commit``,
-expected to fail): the older run's writes that are already under way when the newer run claims
-the prefix still land. If both runs save the same epoch for the first time, the older run's
-late files overwrite the newer run's committed group in place; the digests catch it (the epoch
-stops counting, resume falls back to the previous one), but that committed epoch is lost.
+Late writes of an overtaken run: a save writes its group once at a path only it owns (the
+first save of an epoch takes ``<node>.<epoch>`` by creating its ``zarr.json`` exclusively, a
+later one writes at ``<node>.<epoch>.<save id>``), so the older run's writes that are already
+under way when the newer run claims the prefix land in the older run's own group and never on
+the newer run's (``test_a_late_write_of_a_fenced_run_is_detected_never_loaded``).
 """
 
 from __future__ import annotations
@@ -221,20 +221,19 @@ def test_exclusive_creation_has_exactly_one_winner(prefix):
 
 
 def test_a_late_write_of_a_fenced_run_is_detected_never_loaded(prefix):
-    """Run 1 is paused in the middle of its save of epoch 2, while its group is moved into
-    place (after its claim checks); run 2 claims the prefix, resumes from epoch 1, saves and
-    commits epoch 2 and finishes; then run 1 goes on, and is fenced.
+    """Run 1 is paused in the middle of its save of epoch 2, once it has taken the path
+    ``trainer_0.2``; run 2 claims the prefix, resumes from epoch 1, saves and commits epoch 2
+    (at a path of its own) and finishes; then run 1 goes on, and is fenced.
 
-    Run 1's late writes never land on run 2's committed group (every save writes aside and
-    moves into place with writes that never overwrite; a local move is one rename), so epoch 2
-    stays run 2's, intact."""
+    Run 1's late writes land only in its own group, never on run 2's, so epoch 2 stays run 2's,
+    intact."""
     location = Location(prefix)
     paused, resume = threading.Event(), threading.Event()
 
     class Pausing(FaultyFileSystem):
         def pause(self, path):
-            if f"{NODES[0]}.2/" in str(path) and "_staging" not in str(path) and not paused.is_set():
-                paused.set()  # run 1 moves its group of epoch 2 into place
+            if f"{NODES[0]}.2/" in str(path) and not paused.is_set():
+                paused.set()  # run 1 writes its group of epoch 2
                 resume.wait(60)
 
         def pipe_file(self, path, value, **kwargs):
@@ -245,10 +244,6 @@ def test_a_late_write_of_a_fenced_run_is_detected_never_loaded(prefix):
             if "r" not in mode:
                 self.pause(path)
             return super().open(path, mode, **kwargs)
-
-        def mv(self, path1, path2, *args, **kwargs):
-            self.pause(path2)
-            return super().mv(path1, path2, *args, **kwargs)
 
     first: dict[str, object] = {}
 

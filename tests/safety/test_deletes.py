@@ -90,7 +90,7 @@ def test_step_manager_retention_resave_and_delete_of_glob_named_nodes(prefix):
             mgr.save(step, glob_items(step))
         assert mgr.all_steps(read=True) == [1]
         assert_other_job_listed(prefix, before)
-        mgr.save(1, glob_items(10), force=True)  # a re-save: written aside, moved into place
+        mgr.save(1, glob_items(10), force=True)  # a re-save: a group at a path of its own
         assert mgr.all_steps(read=True) == [1]
         assert np.array_equal(mgr.restore(1)["w[12]"]["w"], np.full(5, -10))
         assert_other_job_listed(prefix, before)
@@ -120,7 +120,7 @@ def glob_job(epochs: int) -> Job:
 def test_jobrunner_retention_and_resave_of_glob_named_nodes(prefix):
     before = save_other_job(prefix)
     assert JobRunner(glob_job(2), MultiNodeCheckpointManager(prefix)).train(LocalSession()) == 2
-    # resuming from epoch 1 re-saves the committed epoch 2 (through _staging), then retention
+    # resuming from epoch 1 re-saves the committed epoch 2 (a path of its own), then retention
     # keeps the newest and the epoch resumed from: it deletes epoch 0, which the other job has
     runner = JobRunner(glob_job(3), MultiNodeCheckpointManager(prefix), resume_from_epoch=1,
                        options=StepManagerOptions(max_to_keep=1))

@@ -4,7 +4,6 @@ values, plain-zarr interoperability and the absence of pickle (DESIGN.md §3 and
 from __future__ import annotations
 
 import pickle
-import uuid
 import zlib
 from pathlib import Path
 
