@@ -10,15 +10,15 @@ from __future__ import annotations
 import logging
 from typing import Any, Protocol, runtime_checkable
 
-from caffe2ckpt.history.scan import family_history, newest_save
-from caffe2ckpt.store.protocol import CheckpointStore
 from caffe2ckpt.errors import (
     CheckpointCorruptedError,
     CheckpointNotFoundError,
     JobDefinitionError,
 )
 from caffe2ckpt.fs.location import Location
+from caffe2ckpt.history.scan import family_history, newest_save
 from caffe2ckpt.naming import check_epoch
+from caffe2ckpt.store.protocol import CheckpointStore
 
 __all__ = ["MetadataHandler", "ZarrMetadataHandler"]
 

@@ -3,9 +3,8 @@ port chosen by the OS, so test processes running side by side never collide."""
 
 from __future__ import annotations
 
-import os
-
 import contextlib
+import os
 from collections.abc import Iterator
 
 import pytest

@@ -29,7 +29,6 @@ from caffe2ckpt import (
     WorkspaceType,
     db_name,
 )
-
 from tests.jobs import EXPECTED_TOTALS, Counter, fetch, make_job
 
 

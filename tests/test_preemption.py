@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 
+import preempt_job
 import pytest
 
 from caffe2ckpt import (
@@ -19,11 +20,9 @@ from caffe2ckpt import (
     StepManagerOptions,
     Task,
 )
+from caffe2ckpt.fs.location import Location
 from caffe2ckpt.store.protocol import CheckpointStore
 from tests.stores import committed_epochs
-from caffe2ckpt.fs.location import Location
-
-import preempt_job
 
 JOB = pathlib.Path(preempt_job.__file__)
 

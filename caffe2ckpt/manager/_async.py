@@ -13,9 +13,9 @@ import weakref
 from functools import partial
 from typing import Any
 
+from caffe2ckpt.errors import CheckpointWriteError
 from caffe2ckpt.manager import _nodeops as nodeops
 from caffe2ckpt.store.records import CommitRecord
-from caffe2ckpt.errors import CheckpointWriteError
 
 __all__ = ["AsyncSaving"]
 

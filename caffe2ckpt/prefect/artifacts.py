@@ -46,7 +46,11 @@ from prefect.artifacts import (
 )
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import ArtifactUpdate
-from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterFlowRunId,
+    ArtifactFilterKey,
+)
 from prefect.context import SyncClientContext
 from prefect.runtime import flow_run
 

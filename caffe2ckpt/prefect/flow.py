@@ -29,7 +29,7 @@ from caffe2ckpt.errors import (
     JobPreemptedError,
 )
 from caffe2ckpt.job import Job
-from caffe2ckpt.manager import UploadTaskGroupBuilder, BaseCheckpointManager
+from caffe2ckpt.manager import BaseCheckpointManager, UploadTaskGroupBuilder
 from caffe2ckpt.naming import check_epoch
 from caffe2ckpt.policy import StepManagerOptions
 from caffe2ckpt.prefect.orphans import claim_and_sweep

@@ -28,8 +28,8 @@ from uuid import UUID
 
 from prefect.utilities.urls import url_for
 
-from caffe2ckpt.units import human_bytes
 from caffe2ckpt.store.records import CommitRecord
+from caffe2ckpt.units import human_bytes
 
 __all__ = ["COLUMNS", "checkpoint_row", "checkpoint_table", "epoch_ranges", "failed_row",
            "format_metric", "md_text", "run_id", "run_link", "writer_cell"]

@@ -29,15 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from caffe2ckpt.steps.abstract import AbstractCheckpointManager
 from caffe2ckpt.background import BackgroundSaves, ClosedOnExit
-from caffe2ckpt.history.current import CurrentRun
-from caffe2ckpt.history.lineage import Save
-from caffe2ckpt.history.scan import scan
-from caffe2ckpt.fs import strictjson
-from caffe2ckpt.store.layout import ROOT_METADATA, new_save_id
-from caffe2ckpt.store.protocol import CheckpointStore, SaveInfo
-from caffe2ckpt.store.records import CommitRecord
 from caffe2ckpt.errors import (
     CheckpointCorruptedError,
     CheckpointNotFoundError,
@@ -46,10 +38,18 @@ from caffe2ckpt.errors import (
     JobDefinitionError,
     writing,
 )
+from caffe2ckpt.fs import strictjson
 from caffe2ckpt.fs.location import Location
+from caffe2ckpt.history.current import CurrentRun
+from caffe2ckpt.history.lineage import Save
+from caffe2ckpt.history.scan import scan
 from caffe2ckpt.naming import check_epoch, check_node_name, get_ckpt_filename
 from caffe2ckpt.policy import StepManagerOptions, should_save
 from caffe2ckpt.preemption import PreemptionWatch
+from caffe2ckpt.steps.abstract import AbstractCheckpointManager
+from caffe2ckpt.store.layout import ROOT_METADATA, new_save_id
+from caffe2ckpt.store.protocol import CheckpointStore, SaveInfo
+from caffe2ckpt.store.records import CommitRecord
 from caffe2ckpt.store.zarrgroup import DEFAULT_PACK_THRESHOLD
 from caffe2ckpt.workspace import as_blob
 

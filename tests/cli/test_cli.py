@@ -25,15 +25,15 @@ from caffe2ckpt import (
     MultiNodeCheckpointManager,
     StepCheckpointManager,
 )
-from caffe2ckpt.history.scan import scan
-from caffe2ckpt.store.protocol import CheckpointStore
 from caffe2ckpt.cli import main
-from caffe2ckpt.store.records import list_records
 from caffe2ckpt.example import build_job
 from caffe2ckpt.fs.location import Location
+from caffe2ckpt.history.scan import scan
 from caffe2ckpt.metadata import ZarrMetadataHandler
 from caffe2ckpt.naming import blob_path
 from caffe2ckpt.policy import StepManagerOptions, retained_epochs
+from caffe2ckpt.store.protocol import CheckpointStore
+from caffe2ckpt.store.records import list_records
 
 NODES = ["trainer_0", "trainer_1"]
 EPOCHS = range(6)

@@ -13,11 +13,12 @@ import pytest
 os.environ["PREFECT_SERVER_SERVICES_EVENT_PERSISTER_ENABLED"] = "false"
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
-import caffe2ckpt.prefect  # noqa: E402,F401  (before prefect: routes caffe2ckpt logs)
 from prefect.client.orchestration import get_client  # noqa: E402
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId  # noqa: E402
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings  # noqa: E402
 from prefect.testing.utilities import prefect_test_harness  # noqa: E402
+
+import caffe2ckpt.prefect  # noqa: E402,F401  (before prefect: routes caffe2ckpt logs)
 
 
 @pytest.fixture(scope="session", autouse=True)

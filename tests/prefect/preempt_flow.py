@@ -8,13 +8,12 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # tests/: preempt_job
 
-from caffe2ckpt.prefect import run_job  # before prefect: routes caffe2ckpt logs to the run
-
+from preempt_job import build
 from prefect import flow
 
 from caffe2ckpt import MultiNodeCheckpointManager
 from caffe2ckpt.metadata import ZarrMetadataHandler
-from preempt_job import build
+from caffe2ckpt.prefect import run_job  # before prefect: routes caffe2ckpt logs to the run
 
 
 @flow(name="preempt", retries=2, retry_delay_seconds=0)

@@ -17,8 +17,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from caffe2ckpt.store.records import list_records
 from caffe2ckpt.fs.location import Location
+from caffe2ckpt.store.records import list_records
 from tests.procs import stop_tree
 
 pytestmark = pytest.mark.slow

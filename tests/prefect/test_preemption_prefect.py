@@ -12,16 +12,15 @@ import subprocess
 import sys
 
 import pytest
+from conftest import poll
+from preempt_job import sigterm_in_epoch
 from prefect.client.schemas.filters import FlowFilter, FlowFilterName
 from prefect.client.schemas.sorting import FlowRunSort
 from prefect.settings import PREFECT_API_URL
 
+from caffe2ckpt.fs.location import Location
 from caffe2ckpt.store.protocol import CheckpointStore
 from tests.stores import committed_epochs
-from caffe2ckpt.fs.location import Location
-
-from conftest import poll
-from preempt_job import sigterm_in_epoch
 
 FLOW = pathlib.Path(__file__).with_name("preempt_flow.py")
 NODES = ["trainer_0", "trainer_1"]

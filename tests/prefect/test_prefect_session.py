@@ -20,7 +20,6 @@ from prefect.runtime import flow_run
 from prefect.settings import PREFECT_UI_URL
 
 from caffe2ckpt import Job, JobRunner, LocalSession, MultiNodeCheckpointManager, Node, Task
-from caffe2ckpt.store.records import CommitRecord
 from caffe2ckpt.example import build_job
 from caffe2ckpt.job import epoch_limiter
 from caffe2ckpt.metadata import ZarrMetadataHandler
@@ -33,9 +32,9 @@ from caffe2ckpt.prefect.table import (
     run_link,
     writer_cell,
 )
+from caffe2ckpt.store.records import CommitRecord
 from tests.jobs import EXPECTED_TOTALS, Counter, fetch, make_job
 from tests.prefect.conftest import finished_task_runs, poll
-
 
 # The Prefect layer does not depend on the filesystem (tests/test_*.py cover memory, local, S3).
 ON_LOCAL_DISK = pytest.mark.parametrize("prefix", ["local"], indirect=True)

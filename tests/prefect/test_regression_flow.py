@@ -19,8 +19,8 @@ from prefect.settings import PREFECT_API_URL
 from caffe2ckpt import JobRunner, LocalSession, MultiNodeCheckpointManager
 from caffe2ckpt.example import build_job, node_names
 from caffe2ckpt.fs.location import Location
-from caffe2ckpt.prefect import plan_run, run_job
 from caffe2ckpt.history.scan import family_history
+from caffe2ckpt.prefect import plan_run, run_job
 from caffe2ckpt.store.protocol import CheckpointStore
 from flows.regression import regression
 from tests.stores import load

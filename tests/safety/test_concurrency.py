@@ -38,8 +38,8 @@ from caffe2ckpt import (
     epoch_limiter,
 )
 from caffe2ckpt.fs.location import Location
-from caffe2ckpt.metadata import ZarrMetadataHandler
 from caffe2ckpt.history.scan import scan
+from caffe2ckpt.metadata import ZarrMetadataHandler
 from caffe2ckpt.store import runs
 from caffe2ckpt.store.protocol import CheckpointStore
 from tests.faultfs import FaultyFileSystem

@@ -31,11 +31,12 @@ import numpy as np
 import pytest
 
 from caffe2ckpt.fs import localio
-from caffe2ckpt.store.protocol import CheckpointStore, SaveInfo
+from caffe2ckpt.fs.location import Location
 from caffe2ckpt.store.layout import new_save_id
+from caffe2ckpt.store.protocol import CheckpointStore, SaveInfo
 from caffe2ckpt.store.records import list_records
 from tests.stores import load
-from caffe2ckpt.fs.location import Location
+from tests.strace import FD_PATH, QUOTED, trace_events
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="needs /proc/self/fd (Linux)")
@@ -150,38 +151,10 @@ SCRIPT = textwrap.dedent('''
         "trainer_0", 3, blobs, SaveInfo(save_id=new_save_id(1), nodes=["trainer_0"]))
 ''')
 
-_CALL = re.compile(r"^(?P<pid>\d+)\s+(?:(?P<name>\w+)\((?P<args>.*?)(?: <unfinished \.\.\.>|\) += "
-                   r"(?P<ret>.*))$|<\.\.\. (?P<rname>\w+) resumed>.*\) += (?P<rret>.*)$)")
-_PATHS = re.compile(r'"((?:[^"\\]|\\.)*)"')
-_FD_PATH = re.compile(r"^-?\d+<(?P<path>.*)>$")
-
-
-def trace_events(log: str) -> list[dict]:
-    """The system calls of an ``strace -f -y`` log, completed ones only, in completion order;
-    each with its name, arguments, return value and the index where it started."""
-    started: dict[str, tuple[str, str, int]] = {}
-    events = []
-    for index, line in enumerate(log.splitlines()):
-        m = _CALL.match(line)
-        if not m:
-            continue
-        if m["name"] and m["ret"] is None:
-            started[m["pid"]] = (m["name"], m["args"], index)
-            continue
-        if m["name"]:
-            name, args, start, ret = m["name"], m["args"], index, m["ret"]
-        else:
-            name, args, start = started.pop(m["pid"], (m["rname"], "", index))
-            ret = m["rret"]
-        events.append({"name": name, "args": args, "ret": ret.strip(), "start": start,
-                       "end": index})
-    return events
-
-
 def _fd_path(args: str) -> str | None:
     """The path strace's ``-y`` shows for a call's first argument (a descriptor)."""
     first = args.split(",")[0].strip()
-    m = _FD_PATH.match(first)
+    m = FD_PATH.match(first)
     return m["path"] if m else None
 
 
@@ -221,11 +194,11 @@ def test_kernel_sees_each_file_and_directory_flushed_before_the_record(tmp_path)
     created_dirs_at: dict[str, int] = {}
     for e in events:
         if e["name"] in ("openat", "open", "creat") and "O_CREAT" in e["args"] and _ok(e):
-            path = _FD_PATH.match(e["ret"])
+            path = FD_PATH.match(e["ret"])
             if path and path["path"].startswith(under) and not path["path"].startswith(commits):
                 created_files.setdefault(path["path"], e["end"])
         if e["name"] in ("mkdir", "mkdirat") and _ok(e):  # _commits/ too: its parent's entry
-            path = _PATHS.findall(e["args"])[0]
+            path = QUOTED.findall(e["args"])[0]
             created_dirs.append(path)
             created_dirs_at[path] = e["end"]
     assert created_files and any(p.endswith("/w/c.0") for p in created_files)

@@ -56,6 +56,7 @@ from caffe2ckpt.errors import (
 )
 from caffe2ckpt.metadata import ZarrMetadataHandler
 from tests.safety.hookfs import HookFS, creates, reached_or_done, register, wrapped
+from tests.strace import FD_PATH, QUOTED, trace_events
 
 # =================================================================================================
 # The two helpers that know more than the public API and the stable file names (adapt them when
@@ -101,10 +102,6 @@ def craft_many_chunk_manifest(prefix: str, node: str, epoch: int, chunks: int) -
     fs.pipe_file(record_path, json.dumps(record).encode())
 
 
-_CALL = re.compile(r"^(?P<pid>\d+)\s+(?:(?P<name>\w+)\((?P<args>.*?)(?: <unfinished \.\.\.>|\) += "
-                   r"(?P<ret>.*))$|<\.\.\. (?P<rname>\w+) resumed>.*\) += (?P<rret>.*)$)")
-_QUOTED = re.compile(r'"((?:[^"\\]|\\.)*)"')
-_FD_PATH = re.compile(r"^-?\d+<(?P<path>.*)>$")
 _RECORD_NAME = re.compile(r"^[0-9]{12}\.")
 
 
@@ -115,35 +112,18 @@ def directories_not_fsynced_in_parent(log: str, top: str, marker: str) -> list[s
     ``mkdir`` completed and before the commit record was created (its ``link``, ``rename`` or
     ``O_CREAT`` open under ``_commits/``; for the record's own directory and anything created
     after the record, before the process opened ``marker``, i.e. before the save returned).
-
-    Like tests/test_durability.py's parser: completed calls only, in completion order."""
-    started: dict[str, tuple[str, str, int]] = {}
-    events = []
-    for index, line in enumerate(log.splitlines()):
-        m = _CALL.match(line)
-        if not m:
-            continue
-        if m["name"] and m["ret"] is None:
-            started[m["pid"]] = (m["name"], m["args"], index)
-            continue
-        if m["name"]:
-            name, args, start, ret = m["name"], m["args"], index, m["ret"]
-        else:
-            name, args, start = started.pop(m["pid"], (m["rname"], "", index))
-            ret = m["rret"]
-        ret = ret.strip()
-        if ret.startswith(("-1", "?")):
-            continue  # failed calls created nothing
-        events.append({"name": name, "args": args, "ret": ret, "start": start, "end": index})
+    """
+    # failed calls created nothing
+    events = [e for e in trace_events(log) if not e["ret"].startswith(("-1", "?"))]
 
     def target(e: dict) -> str | None:
         """The path a call creates an entry at, if it creates one."""
         if e["name"] in ("mkdir", "mkdirat"):
-            return _QUOTED.findall(e["args"])[0]
+            return QUOTED.findall(e["args"])[0]
         if e["name"] in ("link", "linkat", "rename", "renameat", "renameat2"):
-            return _QUOTED.findall(e["args"])[-1]
+            return QUOTED.findall(e["args"])[-1]
         if e["name"] in ("open", "openat", "creat") and "O_CREAT" in e["args"]:
-            m = _FD_PATH.match(e["ret"])
+            m = FD_PATH.match(e["ret"])
             return m["path"] if m else None
         return None
 
@@ -153,7 +133,7 @@ def directories_not_fsynced_in_parent(log: str, top: str, marker: str) -> list[s
     record_at, record_dir = records[0]["start"], os.path.dirname(target(records[0]))
     returned = [e["start"] for e in events if target(e) == marker]
     assert returned, "the save did not return"
-    fsyncs = [(e["start"], e["end"], _FD_PATH.match(e["args"].split(",")[0].strip()))
+    fsyncs = [(e["start"], e["end"], FD_PATH.match(e["args"].split(",")[0].strip()))
               for e in events if e["name"] in ("fsync", "fdatasync")]
     problems = []
     for e in events:

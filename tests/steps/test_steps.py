@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from faultfs import FaultyFileSystem
 
 from caffe2ckpt import (
     CheckpointNotFoundError,
@@ -25,12 +26,10 @@ from caffe2ckpt import (
     StepCheckpointManager,
     StepManagerOptions,
 )
-from caffe2ckpt.store.records import list_records
 from caffe2ckpt.example import build_job
 from caffe2ckpt.metadata import ZarrMetadataHandler
 from caffe2ckpt.steps import BlobMetadata, RootMetadata, StepMetadata
-
-from faultfs import FaultyFileSystem
+from caffe2ckpt.store.records import list_records
 
 NODES = ["trainer_0", "trainer_1"]
 

@@ -23,14 +23,14 @@ from caffe2ckpt import (
     Workspace,
     db_name,
 )
-from caffe2ckpt.store.protocol import CheckpointStore, SaveInfo
-from caffe2ckpt.store import zarrgroup as storage
 from caffe2ckpt.fs.location import Location
+from caffe2ckpt.naming import blob_path
+from caffe2ckpt.store import zarrgroup as storage
 from caffe2ckpt.store.layout import new_save_id
 from caffe2ckpt.store.manifest import Manifest
-from tests.stores import record_of
-from caffe2ckpt.naming import blob_path
+from caffe2ckpt.store.protocol import CheckpointStore, SaveInfo
 from tests.s3server import NOT_ON_S3
+from tests.stores import record_of
 
 LARGE = 64 * 1024  # the default pack threshold: blobs this big are their own zarr array
 NODE = "trainer_0"
