@@ -13,7 +13,8 @@ what retention removes are decided here once:
 * The lineage view is read once (:func:`caffe2ckpt.history.scan.scan`) when something needs it,
   then follows the run's own commits, branches and removals: while the run owns the head nobody
   else can add to the lineage (a newer run would fence it), so a save or a retention pass costs
-  the same with ten or ten thousand committed epochs.
+  the same with ten or ten thousand committed epochs. When the run is over
+  (:meth:`CurrentRun.end`: a writer is about to choose where to resume) the view goes with it.
 * Retention is :func:`~caffe2ckpt.history.retention.plan_retention` on that view, carried out by
   :func:`~caffe2ckpt.history.cleanup.remove_saves`, fenced by the run's generation.
 """
@@ -65,6 +66,12 @@ class CurrentRun:
         self._branch(parent)
         return run
 
+    def end(self) -> None:
+        """The run is over (a new one is about to choose where to resume): forget it and the
+        lineage view, which other writers may have changed since; the next save claims again."""
+        self.run, self._next_parent, self._last_epoch = None, _UNSET, None
+        self.forget()
+
     def set_parent(self, parent: tuple[int, int] | None) -> None:
         """Let the next save start a new run from ``parent`` (a step manager restored it)."""
         self.run, self._next_parent = None, parent
@@ -84,7 +91,7 @@ class CurrentRun:
     def parent_below(self, epoch: int) -> tuple[int, int] | None:
         """Where a run that saves ``epoch`` without having resumed continues from: the newest
         lineage save below ``epoch`` (None: a fresh start)."""
-        save = next((s for s in self._lineage() if s.epoch < epoch), None)
+        save = next((s for s in self.lineage() if s.epoch < epoch), None)
         return None if save is None else (save.epoch, save.generation)
 
     def _branch(self, parent: tuple[int, int] | None) -> None:
@@ -125,7 +132,8 @@ class CurrentRun:
         """Read the prefix again when next asked (it may have changed outside this run)."""
         self._family, self._looked_up = None, {}
 
-    def _lineage(self) -> Iterable[Save]:
+    def lineage(self) -> Iterable[Save]:
+        """The lineage's committed saves, newest first (read lazily when no view is held)."""
         if self._family is not None:
             return self._family.lineage
         return family_history(self.store, self.nodes).lineage()
@@ -148,7 +156,7 @@ class CurrentRun:
             if newest is not None and newest.epoch == epoch:
                 return newest
             found = None
-            for save in self._lineage():  # newest first: epochs only go down
+            for save in self.lineage():  # newest first: epochs only go down
                 if save.epoch <= epoch:
                     found = save if save.epoch == epoch else None
                     break

@@ -243,9 +243,7 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
 
     def lineage(self) -> Iterator[Save]:
         """The committed saves of the current lineage, newest first (read lazily)."""
-        current = self.current()
-        return iter(current.family().lineage) if current._family is not None else (
-            s for s in _lazy_lineage(current))
+        return iter(self.current().lineage())
 
     # -- Caffe2 API ------------------------------------------------------------------------------
 
@@ -258,6 +256,7 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
             def make(node: str, file_node: str) -> Any:
                 return nodeops.blob_names
         else:
+            self.current(store).end()  # a resume starts a new run (see load)
             save = self._require_save(check_epoch(retrieve_from_epoch), store)
 
             def make(node: str, file_node: str) -> Any:
@@ -291,6 +290,7 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
         current lineage's save of it)."""
         epoch = check_epoch(epoch)
         store = self._source(path_prefix, path_type)
+        self.current(store).end()  # a load starts a new run, from the prefix as it is now
         save = self._require_save(epoch, store)
         return self._group("checkpoint_load", lambda node, file_node: partial(
             nodeops.load, store, save.records[file_node], self._names(node), True),
@@ -418,7 +418,10 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
             self._metadata_handler.write(epoch=epoch)
 
     def get_resume_from_epoch_id(self, user_epoch: int | None = None) -> int | None:
-        """``user_epoch``, or with a metadata handler, the epoch it says to resume from."""
+        """``user_epoch``, or with a metadata handler, the epoch it says to resume from. Asking
+        starts a new run: this manager's earlier run and its view of the prefix are over."""
+        if self._files is not None or self._param_nodes:
+            self.current().end()
         if self._metadata_handler is None:
             return user_epoch
         if not self._param_nodes and self._files is not None:  # bound by init() alone
@@ -480,8 +483,3 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
             parent = None if newest is None else (newest.epoch, newest.generation)
         return self.current().start(parent, writer)
 
-
-def _lazy_lineage(current: CurrentRun) -> Iterator[Save]:
-    from caffe2ckpt.history.scan import family_history
-
-    return family_history(current.store, current.nodes).lineage()

@@ -161,14 +161,23 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
             return self._current.family().current()
         return self._others
 
+    def _listed(self) -> set[int]:
+        """The committed steps and, as in Orbax, the step an async save is writing."""
+        steps = set(self._steps)
+        if self._pending is not None:
+            steps.add(self._pending[0])
+        return steps
+
     def all_steps(self, read: bool = False) -> list[int]:
-        """Committed steps, oldest first (``read=True`` re-reads the prefix first)."""
+        """Committed steps and the step in flight, oldest first (``read=True`` re-reads the
+        prefix first)."""
         if read:
             self.reload()
-        return sorted(self._steps)
+        return sorted(self._listed())
 
     def latest_step(self) -> int | None:
-        return max(self._steps, default=None)
+        """The newest step: committed, or being saved in the background."""
+        return max(self._listed(), default=None)
 
     def best_step(self) -> int | None:
         """The best step by ``options.best_fn`` (the latest without one; None if none scored)."""
@@ -182,7 +191,10 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
         return pick(scored, key=lambda se: (se[0], -se[1] if pick is min else se[1]))[1]
 
     def _step(self, step: int) -> Save:
+        """The committed save of ``step`` (a step in flight is waited for first)."""
         step = check_epoch(step)
+        if self._pending is not None and self._pending[0] == step:
+            self.wait_until_finished()
         if step not in self._steps:
             self.reload()
         if step not in self._steps:
@@ -289,7 +301,8 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
                 blobs: Sequence[str] | None = None) -> dict[str, dict[str, np.ndarray]]:
         """Read and verify ``step`` (default: the latest): ``{node: {blob: array}}`` for all its
         nodes or ``nodes``, all blobs or only ``blobs``. The step is then protected from
-        retention (a run resumed from it)."""
+        retention (a run resumed from it). A background save is waited for first."""
+        self.wait_until_finished()
         if step is None:
             step = self.latest_step()
             if step is None:

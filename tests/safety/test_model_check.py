@@ -46,8 +46,7 @@ sequence ``caffe2ckpt verify``'s exit code.
 
 Runs share no manager unless an operation says ``"reuse"``: ``"new"`` keeps a new
 ``MultiNodeCheckpointManager`` for the family from then on, ``"keep"`` uses it again right after
-(a retry with the same manager). A manager kept while other writers change the prefix is a known
-bug (below), so the default generator only keeps one across consecutive runs.
+(a retry with the same manager, or the same manager after other writers).
 
 Default (CI): 36 seeds x 30 operations on memory:// and 4 seeds x 30 on a local folder: about
 1 minute on 2 cores busy with other work (load 4-5). A longer run is one command (200 x 60
@@ -58,9 +57,7 @@ memory, 10 x 60 local)::
         tests/safety/test_model_check.py
 
 (seeds ``0..N-1`` on memory, ``1000..`` on a local folder; ``CAFFE2CKPT_MODEL_CHECK_FIRST_SEED``
-shifts both). ``CAFFE2CKPT_MODEL_CHECK_KNOWN_BUGS=1`` lets the generator also produce the
-patterns of the known bugs (``test_known_bug``: async step saves without waiting, managers kept
-across other writers), so many sequences fail until those are fixed.
+shifts both).
 
 A failure prints the seed, every operation so far (a Python list of dicts) and the expected and
 actual values. Replay it with ``replay(seed, steps)`` or an explicit list with ``run_ops(ops)``
@@ -114,7 +111,6 @@ SEEDS = int(os.environ.get("CAFFE2CKPT_MODEL_CHECK_SEEDS", "36"))
 LOCAL_SEEDS = int(os.environ.get("CAFFE2CKPT_MODEL_CHECK_LOCAL_SEEDS", "4"))
 FIRST_SEED = int(os.environ.get("CAFFE2CKPT_MODEL_CHECK_FIRST_SEED", "0"))
 OPS = int(os.environ.get("CAFFE2CKPT_MODEL_CHECK_OPS", "30"))
-KNOWN_BUGS = os.environ.get("CAFFE2CKPT_MODEL_CHECK_KNOWN_BUGS", "") not in ("", "0")
 
 FAMILIES: dict[str, tuple[str, ...]] = {"A": ("trainer_0", "trainer_1"), "B": ("solo_0",)}
 COUNT = "epoch_limiter.0/epochs_done"  # epoch_limiter's checkpointed count (on the first node)
@@ -727,12 +723,12 @@ class Harness:
             if (previous["mode"] == "fresh") != (mode == "fresh"):
                 op["mode"] = mode = previous["mode"] if previous["mode"] == "fresh" else "auto"
         if retry or rng.random() < 0.25:
-            # a manager used by the previous operation is kept ("keep"); else a new one is
-            # kept from now on ("new"): a manager kept while others wrote is a known bug
+            # a manager used by the previous operation is kept ("keep"), also across other
+            # writers; else a new one is kept from now on ("new")
             key = (fam, op["async"], mode != "fresh")
             same = previous.get("reuse") and key == (previous["fam"], previous["async"],
                                                      previous["mode"] != "fresh")
-            op["reuse"] = "keep" if same or KNOWN_BUGS else "new"
+            op["reuse"] = "keep" if same or rng.random() < 0.5 else "new"
         base = newest.epoch if newest is not None else 0
         if mode == "explicit":
             lineage = [s.epoch for s in model.lineage(fam)]
@@ -773,9 +769,6 @@ class Harness:
             kinds += ["restore", "below", "noforce", "delete"]
             weights += [0.3, 0.2, 0.07, 0.08]
         kind = rng.choices(kinds, weights)[0]
-        if asynchronous and pending is not None and not KNOWN_BUGS and kind in (
-                "restore", "noforce"):
-            return ["wait"]  # the known async bugs (see the xfail tests): wait first
         if kind == "above":
             step = min(MAX_EPOCH, (latest if latest is not None else -1) + rng.randint(1, 3))
             return ["save", step, rng.random() < 0.5]
@@ -963,68 +956,58 @@ def test_model_check_local(seed):
 
 
 # =================================================================================================
-# Library bugs the model check found (minimal operation sequences): each fails until fixed
+# Library bugs the model check found (minimal operation sequences), each fixed since
 # =================================================================================================
 
-ASYNC_STEPS = ("caffe2ckpt/steps/manager.py: with enable_async_checkpointing, latest_step(), "
-               "all_steps(), should_save() and restore() read the lineage view without the save "
-               "in flight (it joins the view only in wait_until_finished), so the manager acts "
-               "as if the step it just saved did not exist (the sync manager does not)")
-STALE_MANAGER = ("caffe2ckpt/manager/_base.py + history/current.py: a checkpoint manager keeps "
-                 "its CurrentRun (lineage view and _looked_up cache) across JobRunner.train calls "
-                 "and nothing re-reads it when a new run starts, so after another writer (a run "
-                 "of another manager, a StepCheckpointManager) the reused manager resumes from "
-                 "a stale or superseded save")
+# - async StepCheckpointManager: latest_step(), all_steps(), should_save() and restore() ignored
+#   the step in flight, so the manager acted as if the step it had just saved did not exist
+#   (now the step in flight is listed, as in Orbax, and waited for before it is read);
+# - a checkpoint manager reused across JobRunner.train calls kept its lineage view, so after
+#   another writer it resumed from a stale or superseded save (now asking where to resume, or
+#   loading, ends the manager's run and its view).
 
-KNOWN_BUGS_SEQUENCES = [
+FOUND_BUGS = [
     pytest.param(  # sync: save(0) again returns False (0 is the latest step), as in Orbax
         [{"op": "steps", "fam": "A", "async": True, "count": 2,
           "acts": [["save", 0, False], ["save", 0, False]]}],
-        id="async-steps-save-of-the-step-in-flight-is-not-refused",
-        marks=pytest.mark.xfail(strict=True, raises=ModelCheckFailure, reason=ASYNC_STEPS)),
+        id="async-steps-save-of-the-step-in-flight-is-not-refused"),
     pytest.param(  # sync: restore(0) below the latest (1) makes save(2) supersede step 1
         [{"op": "steps", "fam": "A", "async": True, "count": 4,
           "acts": [["save", 0, False], ["save", 1, False], ["restore", 0], ["save", 2, True]]}],
-        id="async-steps-restore-below-the-step-in-flight-does-not-branch",
-        marks=pytest.mark.xfail(strict=True, raises=ModelCheckFailure, reason=ASYNC_STEPS)),
+        id="async-steps-restore-below-the-step-in-flight-does-not-branch"),
     pytest.param(  # sync: restore() restores the latest step, 1
         [{"op": "steps", "fam": "A", "async": True, "count": 3,
           "acts": [["save", 0, False], ["save", 1, False], ["restore", None]]}],
-        id="async-steps-restore-latest-restores-an-older-step",
-        marks=pytest.mark.xfail(strict=True, raises=ModelCheckFailure, reason=ASYNC_STEPS)),
+        id="async-steps-restore-latest-restores-an-older-step"),
     pytest.param(  # the reused manager resumes from 2 (not 3) and supersedes the committed 3
         [{"op": "run", "fam": "A", "mode": "auto", "limit": 2, "async": False, "reuse": "new",
           "keep_last": 10},
          {"op": "run", "fam": "A", "mode": "auto", "limit": 3, "async": False},
          {"op": "run", "fam": "A", "mode": "auto", "limit": 4, "async": False, "reuse": "keep"}],
-        id="reused-manager-resumes-from-an-older-epoch",
-        marks=pytest.mark.xfail(strict=True, raises=ModelCheckFailure, reason=STALE_MANAGER)),
+        id="reused-manager-resumes-from-an-older-epoch"),
     pytest.param(  # ... from the superseded epoch 4 of its own old run (not 5)
         [{"op": "run", "fam": "A", "mode": "auto", "limit": 4, "async": False, "reuse": "new",
           "keep_last": 10},
          {"op": "run", "fam": "A", "mode": "explicit", "epoch": 2, "limit": 3, "async": False},
          {"op": "run", "fam": "A", "mode": "auto", "limit": 5, "async": False},
          {"op": "run", "fam": "A", "mode": "auto", "limit": 6, "async": False, "reuse": "keep"}],
-        id="reused-manager-resumes-from-a-superseded-save",
-        marks=pytest.mark.xfail(strict=True, raises=ModelCheckFailure, reason=STALE_MANAGER)),
+        id="reused-manager-resumes-from-a-superseded-save"),
     pytest.param(  # resumes from epoch 1 but loads the superseded save of epoch 1 (its own)
         [{"op": "run", "fam": "A", "mode": "auto", "limit": 2, "async": False, "reuse": "new"},
          {"op": "run", "fam": "A", "mode": "explicit", "epoch": 0, "limit": 1, "async": False},
          {"op": "run", "fam": "A", "mode": "auto", "limit": 3, "async": False, "reuse": "keep"}],
-        id="reused-manager-loads-the-data-of-a-superseded-save",
-        marks=pytest.mark.xfail(strict=True, raises=ModelCheckFailure, reason=STALE_MANAGER)),
+        id="reused-manager-loads-the-data-of-a-superseded-save"),
     pytest.param(  # a StepCheckpointManager's save in between: epoch 3 is overwritten by a rerun
         [{"op": "run", "fam": "A", "mode": "auto", "limit": 2, "async": False, "reuse": "new",
           "keep_last": 1},
          {"op": "steps", "fam": "A", "async": False, "count": 1, "acts": [["save", 3, False]]},
          {"op": "run", "fam": "A", "mode": "auto", "limit": 4, "async": False, "reuse": "keep"}],
-        id="reused-manager-ignores-a-step-saved-in-between",
-        marks=pytest.mark.xfail(strict=True, raises=ModelCheckFailure, reason=STALE_MANAGER)),
+        id="reused-manager-ignores-a-step-saved-in-between"),
 ]
 
 
-@pytest.mark.parametrize("ops", KNOWN_BUGS_SEQUENCES)
-def test_known_bug(ops):
+@pytest.mark.parametrize("ops", FOUND_BUGS)
+def test_a_sequence_that_found_a_bug(ops):
     run_ops(ops)
 
 
