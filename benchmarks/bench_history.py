@@ -28,8 +28,10 @@ MultiNodeCheckpointManager(prefix)).train(LocalSession())``, every epoch saved, 
    requests and time, early and late, are printed too); then, counted with s3wire.py, a fresh
    ``ZarrMetadataHandler(storage_options=...)``: ``set_params(...)`` + ``last_epoch()``, and a fresh
    manager's ``set_params(nodes)`` + ``get_resume_from_epoch_id()``, each on a new s3fs client
-   (``skip_instance_cache``: nothing cached from the saves, like a new process); last, the
-   requests of a resume of the finished job there.
+   (``skip_instance_cache``: nothing cached from the saves, like a new process); then the
+   requests of a resume of the finished job there; last, the handler's lookup once more, after
+   that resume (a run that claimed the prefix and saved nothing: the hint's save is no longer
+   the newest run's).
 """
 
 from __future__ import annotations
@@ -164,6 +166,9 @@ def local_part(args, root: Path) -> None:
           f"{statistics.median(resumes):.3f} s (median of {args.repeats}, fastest "
           f"{min(resumes):.3f} s; target <= 0.5 s); its latest-epoch lookup alone "
           f"(ZarrMetadataHandler.last_epoch): {ms(statistics.median(lookups))} ms")
+    print(f"  each resume in order (s): {' '.join(f'{t:.3f}' for t in resumes)} (the first "
+          "finds the hint its last save wrote; each later one follows a resume that claimed a "
+          "run and saved nothing)")
     sys.stdout.flush()
 
 
@@ -199,6 +204,14 @@ def s3_part(args) -> None:
     print(f"latest-epoch lookup requests on S3 at {small} and {large} committed epochs: "
           f"{a['handler'][1]:g} and {b['handler'][1]:g} (target: the same small number); keys "
           f"listed {a['handler'][3]:g} and {b['handler'][3]:g} (a LIST page holds 1,000)")
+    for epochs, r in rows:
+        print(f"  requests by phase at {epochs} epochs (s3wire.phase): lookup: "
+              f"{r['lookup_phases']}; resume: {r['resume_phases']}")
+    a, b = rows[0][1]["after_resume"], rows[-1][1]["after_resume"]
+    print(f"latest-epoch lookup on S3 after a resume that saved nothing (the finished job's: "
+          f"a newer run than the hint's save, which committed nothing) at {small} and {large} "
+          f"committed epochs: {a[0]:g} and {b[0]:g} requests, keys listed {a[1]:g} and {b[1]:g}, "
+          f"{ms(a[2])} and {ms(b[2])} ms (by phase at {large}: {b[3]})")
     if errors:
         print(f"note: the server failed {errors} requests with an exception (moto's LIST/DELETE "
               "race between the two nodes' saves: a 500 that the client retried)")
@@ -259,9 +272,21 @@ def s3_history(server, epochs: int, args) -> dict:
                 raise SystemExit(f"{key} lookup on S3 found epoch {latest}, not {epochs}")
             results.append((wire.counts, seconds))
         out[key] = _summary(results)
+        if key == "handler":
+            last_lookup = results[-1][0]
     with s3wire.WireCounter() as wire:  # once: it adds a run to the prefix
         seconds = resume(url, epochs, storage_options=fresh)
     out["resume"] = (wire.counts.by_op(), wire.counts.requests, seconds, wire.counts.listed)
+    out["resume_phases"] = wire.counts.by_phase()
+    out["lookup_phases"] = last_lookup.by_phase()
+    with s3wire.WireCounter() as wire:  # the resume claimed a run and saved nothing
+        start = time.perf_counter()
+        latest = handler_lookup()
+        seconds = time.perf_counter() - start
+    if latest != epochs:
+        raise SystemExit(f"lookup after the resume found epoch {latest}, not {epochs}")
+    out["after_resume"] = (wire.counts.requests, wire.counts.listed, seconds,
+                           wire.counts.by_phase())
     admin.rm(bucket, recursive=True)
     return out
 

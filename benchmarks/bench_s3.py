@@ -47,15 +47,32 @@ Methods, per repetition (order alternates, new keys every time):
 
 One untimed warm-up repetition runs first (``--warmup``; none with ``--smoke``). ``--trace``
 prints every request of caffe2ckpt's last save, restore init and restore in order, with start and
-end times (ms), bytes sent, and which PUTs were conditional (``If-None-Match``).
+end times (ms), the protocol phase its key says (``s3wire.phase``: hint, group zarr.json, array
+zarr.json, chunks, fence check, record, claim, listings), bytes sent, and which PUTs were
+conditional (``If-None-Match``).
+
+Garbage collection: ``gc.collect()`` runs before every timed step of both methods (``--gc
+step``, the default), so each starts with empty young generations and a full collection falls
+in a window only if the step's own allocations set it off; the full collections inside the
+windows are counted and printed. Why: on W3 a caffe2ckpt restore allocates ~30,000 GC-tracked
+objects (the parsed manifest of 10,000 blobs) and, after the save's and the restore init's
+allocations, set off a full collection in every restore when only the save was preceded by a
+collection (``--gc save``); in this process (~200,000 tracked objects, most of them botocore's
+service models) one takes 0.1-0.2 s, which turned a 0.06 s restore into 0.25-0.45 s (measured
+at git 68eeaad). raw (``np.frombuffer``) allocates almost no tracked objects.
 
 Arrays are verified after each restore (untimed). Columns: medians (fastest in brackets); MB/s
 = 1e6 payload bytes/s; "x raw" = raw_time / time (> 1: faster than raw); "client CPU s" = this
 process's CPU time (all threads) in the step; "server CPU s" = the server process's (child
 process mode only). Wire counts (s3wire.py) are per caffe2ckpt node-save and restore: requests
-by S3 operation (medians over the repetitions), "data objects" = the objects under the saved
-group ``cm.get_ckpt_db_name(node, epoch)`` listed after the save (outside the counted window),
-bytes uploaded / payload, bytes downloaded.
+by S3 operation (medians over the repetitions), "data objects" = the objects under the group
+the save wrote, listed after the save (outside the counted window): storage model 3 writes each
+save at a path of its own, ``<node>.<epoch>/`` for an epoch's first save and
+``<node>.<epoch>.<save id>/`` for a re-save, and the save's commit record
+(``_commits/<epoch>.<node>.<save id>.json``) names it in its ``path`` field, which is what is
+listed (checked against ``cm.get_ckpt_db_name(node, epoch)``); requests - data objects = what the
+protocol adds to writing the group (hint, fence check, commit record); bytes uploaded / payload,
+bytes downloaded.
 """
 
 from __future__ import annotations
@@ -112,14 +129,36 @@ def _cpu_of(pid: int) -> float:
         return float("nan")
 
 
+class _FullCollections:
+    """Counts this process's full (generation-2) garbage collections and their seconds."""
+
+    def __init__(self):
+        self.count, self.seconds, self._start = 0, 0.0, 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase, info):
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.count += 1
+            self.seconds += time.perf_counter() - self._start
+
+
+FULL_GC = _FullCollections()
+
+
 def timed(fn, server):
-    """(result, wall s, client CPU s, server CPU s or nan) of ``fn()``."""
+    """(result, wall s, client CPU s, server CPU s or nan, full GCs, their s) of ``fn()``."""
     other = server.mode == "process"
     s0 = _cpu_of(server.pid) if other else float("nan")
+    g0, gs0 = FULL_GC.count, FULL_GC.seconds
     start, cpu = time.perf_counter(), time.process_time()
     out = fn()
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
-    return out, wall, cpu, (_cpu_of(server.pid) - s0) if other else float("nan")
+    return (out, wall, cpu, (_cpu_of(server.pid) - s0) if other else float("nan"),
+            FULL_GC.count - g0, FULL_GC.seconds - gs0)
 
 
 # -- methods ----------------------------------------------------------------------------------
@@ -206,9 +245,30 @@ class Caffe2Ckpt:
         self.rsession.run(self.rcm.load(epoch))
         return self.rsession.workspace(NODE)
 
+    def group(self, epoch):
+        """The group the save of ``epoch`` wrote, relative to the prefix: the ``path`` of its
+        newest commit record ``_commits/<epoch:012d>.<node>.<save id>.json`` (storage model 3:
+        ``<node>.<epoch>`` for the epoch's first save, ``<node>.<epoch>.<save id>`` for a
+        re-save; records of formats 1-2 have no path and commit ``<node>.<epoch>``)."""
+        import json
+
+        root = self.url.split("://", 1)[1]
+        stem = f"{epoch:012d}.{NODE}."
+        names = [n for n in self.listing.ls(f"{root}/_commits", detail=False, refresh=True)
+                 if n.rsplit("/", 1)[-1].startswith(stem) and n.endswith(".json")]
+        if not names:
+            raise SystemExit(f"no commit record of node {NODE!r} epoch {epoch} under {self.url}")
+        records = [json.loads(self.listing.cat_file(n)) for n in names]
+        newest = max(records, key=lambda r: r.get("created", 0))
+        group = newest.get("path") or f"{NODE}.{epoch}"
+        named = self.cm.get_ckpt_db_name(NODE, epoch).split("://", 1)[-1].rstrip("/")
+        if named != f"{root}/{group}":  # the manager must name the group its record commits
+            raise SystemExit(f"get_ckpt_db_name says {named!r}, the commit record {group!r}")
+        return group
+
     def objects(self, epoch):
-        group = self.cm.get_ckpt_db_name(NODE, epoch)
-        return len(self.listing.find(group.split("://", 1)[1].rstrip("/") + "/"))
+        root = self.url.split("://", 1)[1]
+        return len(self.listing.find(f"{root}/{self.group(epoch)}/"))
 
     def cleanup(self, epoch):  # epochs stay (the next save runs on the same history)
         self.rsession = self.rcm = None
@@ -223,7 +283,7 @@ def run_workload(wl, args, server, *, quiet=False):
     admin = server.filesystem()
     admin.mkdir(bucket)
     methods = [Raw(server, bucket, ws), Caffe2Ckpt(server, bucket, ws)]
-    keys = ("save", "load", "save_cpu", "load_cpu", "save_srv", "load_srv")
+    keys = ("save", "load", "save_cpu", "load_cpu", "save_srv", "load_srv", "save_gc", "load_gc")
     res = {m.name: {k: [] for k in keys} for m in methods}
     wire = {m.name: {"save": [], "prep": [], "load": [], "objects": []} for m in methods}
     for rep in range(-args.warmup, args.repeats):
@@ -231,17 +291,19 @@ def run_workload(wl, args, server, *, quiet=False):
         for m in methods[rep % 2:] + methods[:rep % 2]:  # alternate which goes first
             gc.collect()
             with s3wire.WireCounter() as ws_wire:
-                _, ts, cs, ss = timed(lambda m=m, e=epoch: m.save(ws, e), server)
+                _, ts, cs, ss, gs, _ = timed(lambda m=m, e=epoch: m.save(ws, e), server)
             objects = m.objects(epoch)
             with s3wire.WireCounter() as prep_wire:
                 m.prepare(epoch)
+            if args.gc == "step":
+                gc.collect()
             with s3wire.WireCounter() as load_wire:
-                out, tl, cl, sl = timed(lambda m=m, e=epoch: m.restore(e), server)
+                out, tl, cl, sl, gl, _ = timed(lambda m=m, e=epoch: m.restore(e), server)
             verify(ws, out, m.name)
             del out
             m.cleanup(epoch)
             if rep >= 0:
-                for key, value in zip(keys, (ts, tl, cs, cl, ss, sl)):
+                for key, value in zip(keys, (ts, tl, cs, cl, ss, sl, gs, gl)):
                     res[m.name][key].append(value)
                 for key, value in (("save", ws_wire.counts), ("prep", prep_wire.counts),
                                    ("load", load_wire.counts), ("objects", objects)):
@@ -283,6 +345,11 @@ def print_table(wl, count, nbytes, args, server, res):
                  f"{_med(r['load_cpu']):.3f}", f"{_med(r['load_srv']):.3f}")
         print("| " + " | ".join(cells) + " |")
     c = res["caffe2ckpt"]
+    print(f"{wl} full (generation-2) garbage collections inside the timed steps, total over "
+          f"{args.repeats} repetitions: " + "; ".join(
+              f"{label[name]} save {sum(r['save_gc'])}, restore {sum(r['load_gc'])}"
+              for name, r in res.items())
+          + f" (gc.collect() before each {'timed step' if args.gc == 'step' else 'save'})")
     print(f"{wl} caffe2ckpt x raw: save {raw_s / _med(c['save']):.2f}, restore "
           f"{raw_l / _med(c['load']):.2f} (target >= {0.9 if wl == 'W1' else 0.5}); fastest "
           f"against fastest: save {min(res['raw']['save']) / min(c['save']):.2f}, restore "
@@ -314,6 +381,7 @@ def print_wire(wl, nbytes, wire, first):
     lists = _med([x.ops["ListObjectsV2"] + x.ops["ListObjects"] for x in c["save"]])
     listed = _med([x.listed for x in c["save"]])
     print(f"\n{wl} S3 requests per node-save (caffe2ckpt, medians of {n}): {ops}")
+    print(f"  by phase (the last save): {c['save'][-1].by_phase()}")
     print(f"  total {total:g}{spread}; data objects {objects:g}; requests - data objects "
           f"{total - objects:g} (target <= 3); LIST requests {lists:g} (target 0), returning {listed:g} "
           f"keys")
@@ -330,7 +398,8 @@ def print_wire(wl, nbytes, wire, first):
           f"{total - objects:g}; downloaded {down / MiB:.2f} MiB = {down / nbytes:.2f} x payload; "
           f"uploaded {_med([x.up for x in c['load']]):g} B")
     ops, total, spread = _median_counts(c["prep"])
-    print(f"  before it, untimed cm.init(retrieve_from_epoch=...): {ops} (total {total:g})")
+    print(f"  before it, untimed cm.init(retrieve_from_epoch=...): {ops} (total {total:g}; "
+          f"by phase: {c['prep'][-1].by_phase()})")
     rops, rtotal, _ = _median_counts(raw["save"])
     lops, ltotal, _ = _median_counts(raw["load"])
     print(f"{wl} raw, for reference: save {rtotal:g} requests ({rops}), "
@@ -402,6 +471,10 @@ def main():
                     help="measure both server modes (smaller workloads) instead")
     ap.add_argument("--trace", action="store_true",
                     help="list every S3 request of caffe2ckpt's last save and restore")
+    ap.add_argument("--gc", choices=("step", "save"), default="step",
+                    help="gc.collect() before every timed step (default) or only before each "
+                         "save (a restore may then pay a full collection set off by the save's "
+                         "and the restore init's allocations)")
     ap.add_argument("--dir", help="ignored (run.py passes it to every benchmark)")
     args = ap.parse_args()
     s3wire.require_s3()

@@ -193,17 +193,79 @@ class Counts:
 
     def trace(self) -> str:
         """One line per request, in the order they were issued: start and end (ms from the
-        window's start), operation, key, bytes up, conditional (If-None-Match) or failed."""
+        window's start), the protocol phase its key and operation say (:func:`phase`),
+        operation, key, bytes up, conditional (If-None-Match) or failed."""
         calls = sorted(self.calls, key=lambda call: call[5])
         return "\n".join(
-            f"{t0 * 1e3:8.1f} {t1 * 1e3:8.1f}  {op:22s} {path}" + (f"  ({n} B up)" if n else "")
-            + ("  If-None-Match" if cond else "") + ("  FAILED" if failed else "")
+            f"{t0 * 1e3:8.1f} {t1 * 1e3:8.1f}  {phase(op, path, failed):15s} {op:16s} {path}"
+            + (f"  ({n} B up)" if n else "") + ("  If-None-Match" if cond else "")
+            + ("  FAILED" if failed else "")
             for op, path, n, failed, cond, t0, t1 in calls)
+
+    def by_phase(self) -> str:
+        """``"chunks 8, array zarr.json 8, fence check 2, ..."``: requests by :func:`phase`."""
+        count = collections.Counter(phase(op, path, failed)
+                                    for op, path, _n, failed, *_ in self.calls)
+        return ", ".join(f"{name} {n}" for name, n in count.most_common()) or "none"
 
     def by_op(self) -> str:
         """``"PutObject 11, GetObject 6 (1 failed), ..."``, most frequent first."""
         return ", ".join(f"{op} {n}" + (f" ({self.errors[op]} failed)" if self.errors[op] else "")
                          for op, n in self.ops.most_common()) or "none"
+
+
+def phase(op: str, key: str, failed: bool = False) -> str:
+    """Which step of caffe2ckpt's storage model 3 a request belongs to, from its key (layout:
+    caffe2ckpt/store/layout.py), its operation and whether it failed:
+
+    - ``_hints/...``: "hint"; ``_commits/...``: "record", a LIST of ``_commits/``: "record
+      listing";
+    - ``_runs/...``: a PUT is the "claim"; a LIST of ``_runs/`` the "run log listing"; a HEAD,
+      a failed GET or a LIST of ``<entry>/`` the "fence check" (the next run's entry, missing
+      unless fenced; s3fs's ``exists()`` is a HEAD and, for a missing key, a LIST of
+      ``<key>/``); a GET that finds an entry: "run entry read";
+    - ``_claims/...``: "model-2 claims"; the bucket alone: "bucket check";
+    - ``<node>.<epoch>[.<save id>]/zarr.json``: "group zarr.json" (created with If-None-Match,
+      it takes the save's path); another ``zarr.json``: "array zarr.json"; ``c.*`` or
+      ``c/...``: "chunks"; any other LIST: "listing"; anything else: "other".
+    """
+    parts = [p for p in key.split("/") if p]
+    names = parts[1:]  # the bucket first
+    if not names:
+        return "bucket check"  # e.g. s3fs's makedirs before the first write of a client
+    top = next((i for i, p in enumerate(names) if p.startswith("_") and p != "_packed"), None)
+    if top is not None:
+        where, rest = names[top], names[top + 1:]
+        listing = op.startswith("List")
+        if where == "_hints":
+            return "hint"
+        if where == "_commits":
+            return "record listing" if listing and not rest else "record"
+        if where == "_runs":
+            if op == "PutObject":
+                return "claim"
+            if listing and not rest:
+                return "run log listing"
+            # a fence check asks for the next run's entry, which is missing unless fenced
+            return "fence check" if failed or listing or op == "HeadObject" else "run entry read"
+        if where == "_claims":
+            return "model-2 claims"
+        return where
+    if names and names[-1] == "zarr.json":  # <node>.<epoch>[.<save id>]/zarr.json or an array's
+        return ("group zarr.json" if len(names) >= 2 and _is_group(names[-2])
+                else "array zarr.json")
+    if names and (names[-1].startswith("c.") or "c" in names[:-1]):
+        return "chunks"
+    if op.startswith("List"):
+        return "listing"
+    return "other"
+
+
+def _is_group(name: str) -> bool:
+    """``<node>.<digits>`` or ``<node>.<digits>.g<n>-<hex>``: a group's directory name."""
+    import re
+
+    return re.fullmatch(r".+\.[0-9]{1,12}(\.g[0-9]{1,18}-[0-9a-f]{8,64})?", name) is not None
 
 
 def _body_len(body: Any) -> int:
