@@ -1,6 +1,8 @@
 """Every benchmark in one run: checkpoint save/restore (W1, W2, W3) against raw files and peers,
-async-save blocking time, latest-epoch lookup, Prefect's per-epoch overhead, and DaskSession's
-save throughput and per-epoch overhead (when distributed is installed).
+async-save blocking time, latest-epoch lookup, per-epoch cost and resume time as history grows,
+save/restore on an S3 server against raw s3fs with every request counted (when moto and s3fs
+are installed: the "test" extra), Prefect's per-epoch overhead, and DaskSession's save
+throughput and per-epoch overhead (when distributed is installed).
 
     python benchmarks/run.py [--dir DIR] [--smoke]
 
@@ -30,7 +32,13 @@ def main() -> int:
     runs = [
         ["bench_checkpoint.py", "--workloads", "W1,W2,W3", *where, *smoke],
         ["bench_extras.py", *where, *smoke],
+        ["bench_history.py", *where, *smoke],
     ]
+    if all(importlib.util.find_spec(m) is not None for m in ("moto", "flask", "s3fs")):
+        runs.append(["bench_s3.py", *smoke])
+    else:
+        print('# bench_s3.py skipped: it needs moto\'s S3 server and s3fs (the "test" extra): '
+              'pip install "moto[s3]>=5.1" flask flask-cors s3fs', flush=True)
     if not args.smoke:
         runs.append(["bench_prefect.py"])
     if importlib.util.find_spec("distributed") is not None:
