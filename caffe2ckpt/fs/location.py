@@ -193,7 +193,13 @@ class Location:
         raise NotImplementedError
 
     def exists(self, path: str) -> bool:
+        """Whether ``path`` exists, as a file or a directory."""
         raise NotImplementedError
+
+    def file_exists(self, path: str) -> bool:
+        """Whether file ``path`` exists (the fence check and record checks: one request on
+        object stores, where :meth:`exists` of a missing key also lists ``<path>/``)."""
+        return self.exists(path)
 
     def modified(self, path: str) -> float | None:
         """When file ``path`` was last written, as a POSIX timestamp by the filesystem's (or

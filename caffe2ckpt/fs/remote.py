@@ -184,6 +184,13 @@ class ObjectStoreLocation(FsspecLocation):
 
     _bucket_checked = False
 
+    def file_exists(self, path: str) -> bool:
+        try:  # a GET of the first byte: a missing key is one 404, never a listing
+            self._read_head(path, 1)
+        except FileNotFoundError:
+            return False
+        return True
+
     def makedirs(self, path: str, *, batch: localio.SyncBatch | None = None) -> list[str]:
         if not self._bucket_checked:
             self._guard(self.fs.makedirs, path, exist_ok=True)

@@ -185,7 +185,7 @@ def _recorded(store: CheckpointStore, group: str, save_id: str) -> bool:
     """Whether a record of the save ``save_id`` of ``group`` exists now (one check)."""
     parsed = parse_group_name(group)
     ref = RecordRef(epoch=parsed.epoch, node=parsed.node, save_id=save_id)  # type: ignore[union-attr]
-    return store.location.exists(record_path(store.location, ref))
+    return store.location.file_exists(record_path(store.location, ref))
 
 
 def remove_leftovers(store: CheckpointStore, leftovers: Sequence[Leftover], *,

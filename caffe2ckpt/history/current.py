@@ -51,6 +51,7 @@ class CurrentRun:
         self._last_epoch: int | None = None  # the newest epoch the current run saved
         self._family: Family | None = None  # the lineage view, once read
         self._looked_up: dict[int, Save | None] = {}
+        self._ended = False  # ended, and no run started since
 
     # -- runs ------------------------------------------------------------------------------------
 
@@ -63,14 +64,37 @@ class CurrentRun:
         run = runs.claim(self.store.location, nodes=sorted(self.nodes), parent=parent,
                          writer=writer)
         self.run, self._next_parent, self._last_epoch = run, _UNSET, None
+        self._ended = False
+        if parent is not None:
+            self._vouch(parent, run.generation)
         self._branch(parent)
         return run
 
+    def _vouch(self, parent: tuple[int, int], generation: int) -> None:
+        """Until the new run ``generation`` saves, its parent is the family's newest save:
+        say so in the family's hint (on the run's behalf, so the next lookup stays O(1)), when
+        this writer knows that save's id. Only a hint: lookups check it, and ask the records
+        when it cannot be written."""
+        known = [*self._looked_up.values(), *(self._family.saves() if self._family else ())]
+        save = next((s for s in known if s is not None and (s.epoch, s.generation) == parent),
+                    None)
+        if save is None:
+            return
+        try:
+            self.store.write_hint(sorted(self.nodes), save.epoch, save.save_id, run=generation)
+        except OSError as exc:
+            logger.debug("cannot refresh the hint of %s: %s", sorted(self.nodes), exc)
+
     def end(self) -> None:
         """The run is over (a new one is about to choose where to resume): forget it and the
-        lineage view, which other writers may have changed since; the next save claims again."""
+        lineage view, which other writers may have changed since; the next save claims again.
+        Ending again before a new run starts keeps what was read since (one resume reads the
+        prefix once)."""
+        if self._ended:
+            return
         self.run, self._next_parent, self._last_epoch = None, _UNSET, None
         self.forget()
+        self._ended = True
 
     def set_parent(self, parent: tuple[int, int] | None) -> None:
         """Let the next save start a new run from ``parent`` (a step manager restored it)."""

@@ -139,26 +139,38 @@ def family_history(store: CheckpointStore, nodes: Iterable[str]) -> History:
 
 def newest_save(store: CheckpointStore, nodes: Iterable[str]) -> Save | None:
     """The newest save of the family's lineage (:meth:`History.newest`), in a few requests when
-    the family's hint names it: the hint's run must be the newest run (no entry after it) and
-    every node's record of the hinted save must be there; else the records decide."""
+    the family's hint names it (:func:`_hinted`); else the records decide."""
     family = frozenset(nodes)
+    hinted = _hinted(store, family)
+    return hinted if hinted is not None else family_history(store, family).newest()
+
+
+def _hinted(store: CheckpointStore, family: frozenset[str]) -> Save | None:
+    """The save the family's hint names, if the hint holds: the run vouching for it is the
+    newest run (no entry after it) and is either the save's own run or one that started from
+    that save (its run log entry says so), and every node's record of the save is there."""
     hint = store.read_hint(sorted(family))
-    if hint is not None:
-        epoch, save_id = hint
-        generation = save_generation(save_id)
-        if generation and not runs.fenced(store.location, generation):
-            records = {}
-            for node in family:
-                ref = RecordRef(epoch=epoch, node=node, save_id=save_id)
-                try:
-                    records[node] = store.read_record(ref)
-                except CheckpointError:
-                    break
-            else:
-                save = Save(epoch, save_id, records)
-                if save.nodes == family:
-                    return save
-    return family_history(store, family).newest()
+    if hint is None:
+        return None
+    epoch, save_id, run = hint
+    generation = save_generation(save_id)
+    if not generation or runs.fenced(store.location, run):
+        return None
+    if run != generation:
+        try:
+            entry = runs.read_run(store.location, run)
+        except CheckpointError:
+            return None
+        if entry.parent != (epoch, generation) or frozenset(entry.nodes) != family:
+            return None
+    records = {}
+    for node in family:
+        try:
+            records[node] = store.read_record(RecordRef(epoch=epoch, node=node, save_id=save_id))
+        except CheckpointError:
+            return None
+    save = Save(epoch, save_id, records)
+    return save if save.nodes == family else None
 
 
 def _read_all(store: CheckpointStore, refs: Sequence[RecordRef]) -> list[CommitRecord | str]:

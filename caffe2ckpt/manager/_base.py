@@ -242,8 +242,9 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
         return (save.epoch for save in self.lineage())
 
     def lineage(self) -> Iterator[Save]:
-        """The committed saves of the current lineage, newest first (read lazily)."""
-        return iter(self.current().lineage())
+        """The committed saves of the current lineage, newest first (read lazily: nothing is
+        read until the first save is asked for)."""
+        yield from self.current().lineage()
 
     # -- Caffe2 API ------------------------------------------------------------------------------
 

@@ -147,14 +147,21 @@ class CheckpointStore:
 
     # -- hints -----------------------------------------------------------------------------------
 
-    def write_hint(self, nodes: list[str], epoch: int, save_id: str) -> None:
+    def write_hint(self, nodes: list[str], epoch: int, save_id: str,
+                   run: int | None = None) -> None:
         """Say that the save ``save_id`` of ``epoch`` is about to commit for the family
-        ``nodes``: written before its records, so a hint never lags behind a commit."""
-        data = json.dumps({"nodes": sorted(nodes), "epoch": epoch, "save_id": save_id}).encode()
-        self.location.replace_file(self.location.path(HINTS_DIR, hint_name(nodes)), data)
+        ``nodes``: written before its records, so a hint never lags behind a commit. With
+        ``run``: that run, which resumed from that committed save, is newer than it and has
+        saved nothing yet (written right after the run's claim)."""
+        hint = {"nodes": sorted(nodes), "epoch": epoch, "save_id": save_id}
+        if run is not None:
+            hint["run"] = run
+        self.location.replace_file(self.location.path(HINTS_DIR, hint_name(nodes)),
+                                   json.dumps(hint).encode())
 
-    def read_hint(self, nodes: list[str]) -> tuple[int, str] | None:
-        """The (epoch, save id) of the family's newest save as its hint says, or None when
+    def read_hint(self, nodes: list[str]) -> tuple[int, str, int] | None:
+        """The (epoch, save id) of the family's newest save as its hint says, and the run
+        that vouches for it (the save's own, or a newer run that resumed from it), or None when
         there is no usable hint (the caller then asks the records)."""
         try:
             raw = self.location.read_bytes(self.location.path(HINTS_DIR, hint_name(nodes)),
@@ -164,7 +171,10 @@ class CheckpointStore:
             if (data["nodes"] != sorted(nodes) or type(epoch) is not int
                     or not isinstance(save_id, str)):
                 return None
-            return check_epoch(epoch), save_id
+            run = data.get("run", save_generation(save_id))
+            if type(run) is not int or run < save_generation(save_id):
+                return None
+            return check_epoch(epoch), save_id, run
         except (CheckpointError, ValueError, KeyError, TypeError):
             return None
 

@@ -172,7 +172,7 @@ def read_run(location: Location, generation: int) -> Run:
 
 def fenced(location: Location, generation: int) -> bool:
     """Whether a run newer than ``generation`` has claimed the prefix."""
-    return location.exists(_path(location, generation + 1))
+    return location.file_exists(_path(location, generation + 1))
 
 
 def check_fence(location: Location, generation: int, doing: str) -> None:

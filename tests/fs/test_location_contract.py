@@ -64,6 +64,7 @@ class LocationContract:
                 call(location.path("missing"))
         assert location.list_names(location.path("missing")) == []
         assert location.exists(path) and not location.exists(location.path("missing"))
+        assert location.file_exists(path) and not location.file_exists(location.path("missing"))
 
     def test_replace_file_replaces_it_whole(self, location):
         path = location.path("_hints", "h.json")

@@ -221,3 +221,53 @@ def test_a_record_name_with_a_non_ascii_digit_is_not_a_record(prefix):
     assert newest_epoch(MultiNodeCheckpointManager(prefix).store, ["n"]) == 1
     with StepCheckpointManager(prefix, handle_preemption=False) as mgr:
         assert mgr.all_steps() == [1]
+
+
+# -- the hint: the newest save in O(1) requests, never trusted blindly ----------------------------
+
+def _counting_store(prefix: str):
+    from caffe2ckpt.fs.location import Location
+    from caffe2ckpt.store.protocol import CheckpointStore
+    from tests.faultfs import FaultyFileSystem
+
+    fs, root = fsspec.core.url_to_fs(prefix)
+    counter = FaultyFileSystem(fs)
+    return counter, CheckpointStore(Location(root, filesystem=counter))
+
+
+@pytest.mark.parametrize("prefix", ["memory", "local"], indirect=True)
+def test_after_a_resume_that_saved_nothing_the_newest_save_is_found_without_listing(prefix):
+    """A run that resumes and saves nothing (its job had finished) vouches for the save it
+    resumed from in the family's hint, so the next lookup reads a few files and lists nothing."""
+    from caffe2ckpt.history.scan import family_history, newest_save
+
+    train(prefix, 3)
+    runner, _, final = train(prefix, 3)
+    assert final == 3 and runner.resumed_from == 3 and runner.saved_epochs == []
+    counter, store = _counting_store(prefix)
+    newest = newest_save(store, NODES)
+    assert newest == family_history(store, NODES).newest() and newest.epoch == 3
+    counter.reset()
+    newest_save(store, NODES)
+    assert counter.counts["list"] == 0 and counter.counts["read"] <= 4, counter.counts
+
+
+@pytest.mark.parametrize("prefix", ["memory", "local"], indirect=True)
+def test_a_hint_that_does_not_hold_is_ignored(prefix):
+    """Hints that name a superseded save on behalf of the newest run, or a run that does not
+    exist, or a save of an older run, never decide: the records do."""
+    from caffe2ckpt.history.scan import newest_save
+    from caffe2ckpt.store.layout import HINTS_DIR, hint_name
+
+    go_back_to_2(prefix)  # lineage 0, 1, 2, 3 (the second run's); the first run's 3..5 superseded
+    counter, store = _counting_store(prefix)
+    truth = newest_save(store, NODES)
+    assert truth.epoch == 3 and truth.generation == 2
+    superseded = max(scan(store, NODES).families[frozenset(NODES)].superseded,
+                     key=lambda s: s.epoch)
+    assert superseded.epoch == 5 and superseded.generation == 1
+    path = store.location.path(HINTS_DIR, hint_name(NODES))
+    for forged in ({"run": 2}, {"run": 3}, {"run": 10**6}, {}):  # {}: its own, older run
+        hint = {"nodes": NODES, "epoch": 5, "save_id": superseded.save_id, **forged}
+        store.location.replace_file(path, json.dumps(hint).encode())
+        assert newest_save(store, NODES) == truth, forged

@@ -2,12 +2,11 @@
 mode, started once per session by tests/conftest.py) on 127.0.0.1, reached through s3fs.
 
 Besides the S3 variants of the storage, resume, corruption, fencing, concurrency and hostile-input
-modules (their ``prefix`` fixture includes ``s3``), this module shows that a save and its commit
-issue no rename, move or server-side copy at all on S3 (only a re-save of a committed epoch moves
-its new group into place, by copying through the client), that commit records and claims are
-created exclusively (a conditional ``If-None-Match`` PUT; racing creators get exactly one winner),
-and it runs the save / re-save fault matrix of tests/test_faults.py against S3 on one fault per
-class of S3 operation.
+modules (their ``prefix`` fixture includes ``s3``), this module shows that saves issue no rename,
+move, copy, delete or listing on S3 and upload each byte once (every group is written once at a
+path of its own), that commit records and run entries are created exclusively (a conditional
+``If-None-Match`` PUT; racing creators get exactly one winner), and it runs the save / re-save
+fault matrix of tests/safety/test_faults.py against S3 on one fault per class of S3 request.
 """
 
 from __future__ import annotations
@@ -85,6 +84,53 @@ def test_saves_on_s3_write_each_object_once_and_delete_nothing(s3, monkeypatch):
     puts = [p for m, p in writes if m != "makedirs" and "/_hints/" not in p]
     assert len(puts) == len(set(puts)), "an object was written twice"
     assert newest_epoch(manager(options, url).store, NODES) == 3
+
+
+def test_a_save_on_s3_sends_puts_and_one_fence_check_and_nothing_else(s3, monkeypatch):
+    """What a node's save costs on the wire (counted where s3fs calls S3, in aiobotocore): its
+    group's objects and its record, each one PUT, plus the hint PUT and one request for the
+    fence check (a GET of the next run's entry: 404); a second save of an epoch also tries the
+    path the first one took (a conditional PUT refused); no LIST, HEAD, DELETE or COPY, nothing
+    downloaded, and the bytes uploaded for the group's chunks are the payload's."""
+    import numpy as np
+    from aiobotocore.client import AioBaseClient
+
+    from caffe2ckpt.store import runs
+    from caffe2ckpt.store.layout import new_save_id
+    from caffe2ckpt.store.protocol import CheckpointStore, SaveInfo
+
+    options, bucket = s3
+    store = CheckpointStore(Location(f"s3://{bucket}/wire", options))
+    run = runs.claim(store.location, nodes=["n"], parent=None)
+    blobs = {"w": np.arange(1 << 18, dtype=np.float32), "v": np.ones(3000)}
+    calls: list[tuple[str, str, int]] = []
+    real = AioBaseClient._make_api_call
+
+    async def counted(client, operation, params):
+        body = params.get("Body", b"")
+        calls.append((operation, params.get("Key", params.get("Prefix", "")),
+                      len(body) if isinstance(body, bytes | bytearray | memoryview) else -1))
+        return await real(client, operation, params)
+    monkeypatch.setattr(AioBaseClient, "_make_api_call", counted)
+    for taken in (False, True):  # a first save of epoch 1, then a second one
+        calls.clear()
+        epoch = 1
+        save_id = new_save_id(run.generation)
+        store.write_hint(["n"], epoch, save_id)
+        record = store.save_node("n", epoch, blobs, SaveInfo(save_id=save_id, nodes=["n"]))
+        ops = [op for op, _key, _n in calls]
+        assert set(ops) == {"PutObject", "GetObject"} and ops.count("GetObject") == 1, calls
+        (fence,) = [key for op, key, _n in calls if op == "GetObject"]
+        assert fence.endswith(runs.run_name(run.generation + 1)), fence
+        group = f"wire/{record.group}/"
+        data = [(key, n) for op, key, n in calls if op == "PutObject" and key.startswith(group)
+                and not key.endswith("zarr.json")]
+        payload = sum(b.nbytes for b in blobs.values())  # "v" is packed, "w" its own array
+        assert sum(n for _key, n in data) == payload + 4 * len(data), data  # + a CRC32C each
+        in_group = [key for op, key, _n in calls if op == "PutObject" and key.startswith(group)]
+        assert len(in_group) == 2 * len(data) + 1, in_group  # arrays' metadata, the group's
+        # + the record and the hint; a second save first tries Caffe2's path (412: taken)
+        assert ops.count("PutObject") == len(in_group) + 2 + taken, calls
 
 
 def _forbidden(name):
