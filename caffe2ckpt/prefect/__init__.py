@@ -8,8 +8,9 @@
 - :func:`temporary_server` runs a block on Prefect's temporary server, stopped even on SIGKILL.
 
 caffe2ckpt's own log lines reach the flow run logs: importing this package adds ``caffe2ckpt``
-to ``PREFECT_LOGGING_EXTRA_LOGGERS`` when prefect has not been imported yet (import
-``caffe2ckpt.prefect`` before ``prefect`` in flow files, or set the variable yourself). It also
+to ``PREFECT_LOGGING_EXTRA_LOGGERS`` (for processes started from this one) and gives the
+``caffe2ckpt`` logger the handlers Prefect gives its extra loggers, whichever of prefect and
+this package was imported first. It also
 turns off the analytics of a temporary server started from this process, unless
 ``PREFECT_SERVER_ANALYTICS_ENABLED`` is set.
 """
@@ -39,10 +40,17 @@ from caffe2ckpt.prefect.flow import (  # noqa: E402
 from caffe2ckpt.prefect.localserver import temporary_server  # noqa: E402
 from caffe2ckpt.prefect.session import PrefectSession, in_flow_run  # noqa: E402
 
-# Prefect hands its handlers to extra loggers but not its level; without this, caffe2ckpt's
-# INFO lifecycle lines ("Resuming from epoch 6 ...") would be filtered out by the root level.
-if logging.getLogger("caffe2ckpt").level == logging.NOTSET:
-    logging.getLogger("caffe2ckpt").setLevel(logging.getLogger("prefect.extra").getEffectiveLevel())
+# Prefect hands the handlers of "prefect.extra" (the flow run log shipper among them) to the
+# extra loggers when it sets up logging, at its import: if prefect was imported before this
+# package, caffe2ckpt was not among them yet, so hand them over here (once each). It does not
+# hand over the level; without it caffe2ckpt's INFO lifecycle lines ("Resuming from epoch 6
+# ...") would be filtered out by the root level.
+_ours, _extra_logger = logging.getLogger("caffe2ckpt"), logging.getLogger("prefect.extra")
+for _handler in _extra_logger.handlers:
+    if _handler not in _ours.handlers:
+        _ours.addHandler(_handler)
+if _ours.level == logging.NOTSET:
+    _ours.setLevel(_extra_logger.getEffectiveLevel())
 
 __all__ = [
     "AttemptLimitExceeded",

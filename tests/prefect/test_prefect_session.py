@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from typing import Any
 from uuid import UUID
 
@@ -365,3 +366,25 @@ def test_throttled_table_is_uploaded_while_the_next_epoch_runs(tmp_path, client)
 
     slow_last_epoch()
     assert seen == [[0, 1, 2, 3]]
+
+
+@pytest.mark.parametrize("first", ["prefect.flows", "caffe2ckpt.prefect"])
+def test_caffe2ckpt_logs_reach_prefect_whichever_is_imported_first(first):
+    """The flow run log shipper is among the handlers Prefect gives its extra loggers when it
+    sets up logging at import; caffe2ckpt's logger gets them too when prefect came first (a flow
+    file that imports prefect before caffe2ckpt.prefect: its "Resuming from epoch" lines were
+    missing from the flow run logs)."""
+    import subprocess
+    import sys
+
+    code = (f"import importlib, logging; importlib.import_module({first!r}); "
+            "import caffe2ckpt.prefect; "
+            "from prefect.logging.handlers import APILogHandler; "
+            "ours = logging.getLogger('caffe2ckpt'); "
+            "assert any(isinstance(h, APILogHandler) for h in ours.handlers), ours.handlers; "
+            "assert ours.getEffectiveLevel() <= logging.INFO, ours.getEffectiveLevel(); "
+            "print(len(ours.handlers))")
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_LOGGING_EXTRA_LOGGERS"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]

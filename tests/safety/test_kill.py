@@ -1,10 +1,13 @@
 """SIGKILL at pseudo-random instants: a 2-node job checkpointing to a local prefix (with fsync)
 is killed again and again and restarted until it exits 0; the result must be bit-identical to an
-uninterrupted run, and every committed epoch must hold exactly the reference run's data.
+uninterrupted run, and every committed epoch must hold exactly the reference run's data. The job
+runs with synchronous saves, with async saves, and with retention after every commit (kills then
+land in its deletions too); and ``caffe2ckpt gc --yes`` is killed at random instants of its run:
+nothing it keeps may be lost, and what is left must load bit-exact.
 
-The job runs in a subprocess (the script below, written to ``tmp_path``): per node one 2.4 MB
-float64 blob and 50 small int32 blobs, 10 epochs, deterministic (every epoch's randomness is
-seeded by node and step), resumed automatically through ``ZarrMetadataHandler``. It prints
+The job runs in a subprocess (the script below, written to a temporary folder): per node one
+16 MB float64 blob and 200 small int32 blobs, 12 epochs, deterministic (every epoch's randomness
+is seeded by node and step), resumed automatically through ``ZarrMetadataHandler``. It prints
 ``ready`` once imported and logs ``save-start`` / ``save-end`` around every checkpoint save to an
 event file, so the test knows where each kill landed.
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,7 +30,14 @@ import pytest
 
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.store.protocol import CheckpointStore
-from tests.stores import epochs_with_records, load, newest_epoch, records_at
+from tests.stores import (
+    committed_epochs,
+    epochs_with_records,
+    find_leftovers,
+    load,
+    newest_epoch,
+    records_at,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -43,7 +54,7 @@ SCRIPT = textwrap.dedent('''
     import numpy as np
 
     from caffe2ckpt import Job, JobRunner, LocalSession, MultiNodeCheckpointManager, Node, Task
-    from caffe2ckpt import epoch_limiter
+    from caffe2ckpt import StepManagerOptions, epoch_limiter
     from caffe2ckpt.metadata import ZarrMetadataHandler
 
     NODES = ["trainer_0", "trainer_1"]
@@ -91,6 +102,8 @@ SCRIPT = textwrap.dedent('''
 
     prefix, out, epochs, EVENTS = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
     ASYNC = sys.argv[5] == "async"
+    # "retention": every commit is followed by a retention pass (kills land in deletions too)
+    OPTIONS = StepManagerOptions(max_to_keep=3, keep_period=4) if sys.argv[5] == "retention" else None
     with Job(name="kill-test") as job:
         for i, node in enumerate(NODES):
             with Node(node):
@@ -100,7 +113,7 @@ SCRIPT = textwrap.dedent('''
         epoch_limiter(job, epochs)
     cm = MultiNodeCheckpointManager(prefix, metadata_handler=ZarrMetadataHandler(),
                                     async_save=ASYNC)
-    runner = JobRunner(job, cm, on_save_error="raise")
+    runner = JobRunner(job, cm, on_save_error="raise", options=OPTIONS)
     session = LoggingSession()
     log("ready")
     print("ready", flush=True)
@@ -113,10 +126,10 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
-def start(script: Path, prefix: Path, out: Path, events: Path, stderr) -> subprocess.Popen:
+def start(script: Path, prefix: Path, out: Path, events: Path, stderr,
+          mode: str = "sync") -> subprocess.Popen:
     proc = subprocess.Popen(
-        [sys.executable, str(script), str(prefix), str(out), str(EPOCHS), str(events),
-         script.stem.rsplit("-", 1)[1]],
+        [sys.executable, str(script), str(prefix), str(out), str(EPOCHS), str(events), mode],
         stdout=subprocess.PIPE, stderr=stderr, text=True,
     )
     line = proc.stdout.readline()  # blocks until the script is imported and about to train
@@ -124,9 +137,10 @@ def start(script: Path, prefix: Path, out: Path, events: Path, stderr) -> subpro
     return proc
 
 
-def run_to_completion(script: Path, prefix: Path, out: Path, events: Path, log: Path) -> None:
+def run_to_completion(script: Path, prefix: Path, out: Path, events: Path, log: Path,
+                      mode: str = "sync") -> None:
     with open(log, "a") as stderr:
-        proc = start(script, prefix, out, events, stderr)
+        proc = start(script, prefix, out, events, stderr, mode)
         rc = proc.wait(timeout=120)
         proc.stdout.close()
     assert rc == 0, f"job exited with {rc}: {log.read_text()[-3000:]}"
@@ -163,17 +177,34 @@ def differences(actual: dict[str, np.ndarray], expected: dict[str, np.ndarray]) 
     return out
 
 
-@pytest.mark.parametrize(("mode", "kills"), [("sync", KILLS), ("async", KILLS // 2)])
-def test_sigkill_at_random_instants_loses_nothing(tmp_path, mode, kills):
-    """With ``async``, the saves write in a background thread while the next epoch runs: the
-    kills then land mostly in the middle of those background writes."""
-    script = tmp_path / f"job-{mode}.py"
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[Path, Path, Path]:
+    """(the job script, the uninterrupted run's prefix with every epoch, its final state)."""
+    tmp = tmp_path_factory.mktemp("kill-reference")
+    script = tmp / "job.py"
     script.write_text(SCRIPT)
-    log = tmp_path / "stderr.log"
+    ref_prefix, ref_out = tmp / "reference", tmp / "reference.npz"
+    run_to_completion(script, ref_prefix, ref_out, tmp / "reference.events", tmp / "stderr.log")
+    return script, ref_prefix, ref_out
 
-    # the uninterrupted reference run
-    ref_prefix, ref_out = tmp_path / "reference", tmp_path / "reference.npz"
-    run_to_completion(script, ref_prefix, ref_out, tmp_path / "reference.events", log)
+
+def check_epochs(store: CheckpointStore, ref_store: CheckpointStore, epochs: list[int]) -> None:
+    """Each of ``epochs`` is committed in ``store`` and holds exactly the reference's data."""
+    for epoch in epochs:
+        for node in NODES:
+            problems = differences(load(store, node, epoch), load(ref_store, node, epoch))
+            assert not problems, f"{node} epoch {epoch} differs from the reference: {problems}"
+
+
+@pytest.mark.parametrize(("mode", "kills"), [("sync", KILLS), ("async", KILLS // 2),
+                                             ("retention", KILLS // 2)])
+def test_sigkill_at_random_instants_loses_nothing(tmp_path, reference, mode, kills):
+    """With ``async``, the saves write in a background thread while the next epoch runs: the
+    kills then land mostly in the middle of those background writes. With ``retention``, every
+    commit is followed by a retention pass (``max_to_keep=3, keep_period=4``): kills land in
+    its deletions too."""
+    script, ref_prefix, ref_out = reference
+    log = tmp_path / "stderr.log"
 
     # the killed run: SIGKILL after a random delay, restart, until a run exits 0
     prefix, out, events = tmp_path / "killed", tmp_path / "killed.npz", tmp_path / "killed.events"
@@ -183,7 +214,7 @@ def test_sigkill_at_random_instants_loses_nothing(tmp_path, mode, kills):
     while landed.total() < kills:
         runs += 1
         with open(log, "a") as stderr:
-            proc = start(script, prefix, out, events, stderr)
+            proc = start(script, prefix, out, events, stderr, mode)
             if rng.random() < 0.5:  # any instant of the run's first ~quarter second
                 time.sleep(rng.uniform(0.01, 0.25))
             else:  # an instant inside a save, however slow resuming is on a loaded machine
@@ -203,7 +234,7 @@ def test_sigkill_at_random_instants_loses_nothing(tmp_path, mode, kills):
                 "metadata)", "ready": "while resuming/before the first save"}.get(
                     where, f"after {where}")] += 1
     else:
-        run_to_completion(script, prefix, out, events, log)
+        run_to_completion(script, prefix, out, events, log, mode)
         runs += 1
     print(f"\n{runs} runs, {landed.total()} kills: {dict(landed)}")
     assert "done" in events.read_text()
@@ -212,7 +243,7 @@ def test_sigkill_at_random_instants_loses_nothing(tmp_path, mode, kills):
     problems = differences(load_npz(out), load_npz(ref_out))
     assert not problems, f"final workspaces differ after {landed.total()} kills: {problems}"
 
-    # every epoch is committed in both prefixes and holds exactly the reference data
+    # every epoch kept is committed and holds exactly the reference data
     ref_store = CheckpointStore(Location(str(ref_prefix)))
     store = CheckpointStore(Location(str(prefix)))
     assert epochs_with_records(ref_store, NODES) == list(range(EPOCHS + 1))
@@ -220,6 +251,13 @@ def test_sigkill_at_random_instants_loses_nothing(tmp_path, mode, kills):
     candidates = epochs_with_records(store, NODES)
     uncommitted = [e for e in candidates if records_at(store, NODES, e) is None]
     assert not uncommitted, f"epochs with records that do not commit: {uncommitted}"
+    if mode == "retention":  # the newest 3, every 4th, and the epoch the last run resumed from
+        resumed = events.read_text().rsplit("resumed_from=", 1)[1].split()[0]
+        kept = {EPOCHS, EPOCHS - 1, EPOCHS - 2, *range(0, EPOCHS + 1, 4)}
+        kept |= set() if resumed == "None" else {int(resumed)}
+        assert sorted(candidates) == sorted(kept), f"committed epochs: {candidates}"
+        check_epochs(store, ref_store, candidates)
+        return
     assert sorted(candidates) == list(range(EPOCHS + 1)), f"committed epochs: {candidates}"
     previous: dict[str, dict[str, np.ndarray]] = {}
     for epoch in sorted(candidates):
@@ -233,3 +271,70 @@ def test_sigkill_at_random_instants_loses_nothing(tmp_path, mode, kills):
             previous[node] = want
     if mode == "sync":  # async saves return after the snapshot: the events cannot tell
         assert landed["during a save"] >= 1, f"no kill landed during a save: {dict(landed)}"
+
+
+GC_SCRIPT = textwrap.dedent('''
+    import sys
+
+    from caffe2ckpt.cli import main
+
+    print("ready", flush=True)
+    sys.exit(main(sys.argv[1:]))
+''')
+GC_KEPT = [0, 5, 10, 11, 12]  # --keep-last 3 --keep-every 5 over epochs 0..12
+
+
+def test_sigkill_during_gc_loses_nothing_kept(tmp_path, reference):
+    """``caffe2ckpt gc --keep-last 3 --keep-every 5 --yes`` over the reference run's 13 epochs
+    (it removes 8 saves of 2 nodes) is SIGKILLed at a random instant of its run, on a fresh copy
+    of the prefix each time: every epoch still committed loads bit-exact, the epochs gc keeps
+    are all there, and a gc run to completion then leaves exactly them and no leftovers."""
+    _, ref_prefix, _ = reference
+    ref_store = CheckpointStore(Location(str(ref_prefix)))
+    script = tmp_path / "gc.py"
+    script.write_text(GC_SCRIPT)
+    args = ["--keep-last", "3", "--keep-every", "5", "--min-age", "0", "--yes"]
+
+    def copy(name: str) -> Path:  # hard links: gc only unlinks, the reference stays whole
+        target = tmp_path / name
+        shutil.copytree(ref_prefix, target, copy_function=os.link)
+        return target
+
+    def gc(prefix: Path) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, str(script), "gc", str(prefix), *args],
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        assert proc.stdout.readline() == "ready\n"
+        return proc
+
+    began = time.monotonic()  # how long a whole gc takes once imported
+    proc = gc(copy("timing"))
+    ready = time.monotonic()
+    assert proc.wait(timeout=120) == 0
+    proc.stdout.close()
+    duration = time.monotonic() - ready
+    assert committed_epochs(CheckpointStore(Location(str(tmp_path / "timing"))), NODES) == GC_KEPT
+    rng = random.Random(SEED)
+    landed = Counter()
+    for trial in range(KILLS):
+        prefix = copy(f"trial-{trial}")
+        proc = gc(prefix)
+        time.sleep(rng.uniform(0.0, duration))
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=120)
+        proc.stdout.close()
+        store = CheckpointStore(Location(str(prefix)))
+        survivors = committed_epochs(store, NODES)
+        landed["before any removal" if len(survivors) == EPOCHS + 1 else
+               "after the last removal" if survivors == GC_KEPT else "between removals"] += 1
+        assert set(GC_KEPT) <= set(survivors), f"trial {trial}: committed {survivors}"
+        assert newest_epoch(store, NODES) == EPOCHS
+        check_epochs(store, ref_store, survivors)
+        proc = gc(prefix)
+        assert proc.wait(timeout=120) == 0
+        proc.stdout.close()
+        assert committed_epochs(store, NODES) == GC_KEPT
+        assert find_leftovers(store, min_age=0) == []
+        check_epochs(store, ref_store, GC_KEPT)
+    print(f"\ngc took {duration:.3f} s after import ({ready - began:.2f} s to import); "
+          f"{KILLS} kills: {dict(landed)}")
+    assert landed["before any removal"] < KILLS, f"no kill landed after gc began removing: {landed}"
