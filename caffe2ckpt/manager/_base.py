@@ -361,8 +361,6 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
         info = SaveInfo(save_id=save_id, nodes=self.file_nodes(), stop=bool(stop),
                         stop_conditions=tuple(stop_conditions), metrics=metrics, writer=writer,
                         parent=run.parent)
-        with writing(f"saving epoch {epoch} to {self.url!r}", epoch):
-            self._store.write_hint(self.file_nodes(), epoch, save_id)
         record = self._record_save(epoch, save_id, into)
 
         def collect(node: str, file_node: str, result: Timed | None) -> None:

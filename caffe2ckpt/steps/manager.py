@@ -248,8 +248,6 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
         save_id = new_save_id(run.generation)
         info = SaveInfo(save_id=save_id, nodes=sorted(blobs), metrics=values, writer=_writer(),
                         parent=run.parent)
-        with writing(f"saving step {step} to {self._store.location.display()!r}", step):
-            self._store.write_hint(sorted(blobs), step, save_id)
         self._last_save_time = time.monotonic()
         if self._background is None:
             records = {node: self._save_node(step, node, b, info) for node, b in blobs.items()}

@@ -5,6 +5,8 @@ A save never moves, rewrites or shares a path, so no remover can ever mistake it
 else and no reader can see a mix of two saves. :meth:`CheckpointStore.save_node` runs its
 phases in this order (each named after what it does):
 
+0. **hint** (beside phases 1-4): the family's hint (:meth:`CheckpointStore.write_hint`) is
+   rewritten to name this save; it must be written, durably, before phase 6;
 1. **plan**: the manifest and the group's ``zarr.json`` are computed in memory;
 2. **take a path**: the group's ``zarr.json`` — which names the save — is its first object,
    created exclusively: at ``<node>.<epoch>`` (Caffe2's ``db_name``) if no save ever took that
@@ -106,10 +108,11 @@ class CheckpointStore:
         check_node_name(node)
         check_epoch(epoch)
         started, start = time.time(), time.perf_counter()
-        plan = plan_group(node=node, epoch=epoch, save_id=info.save_id, blobs=blobs,
-                          pack_threshold=self.pack_threshold)
+        hint = pool().submit(self.write_hint, list(info.nodes), epoch, info.save_id)
         batch = self.location.sync_batch()
         try:
+            plan = plan_group(node=node, epoch=epoch, save_id=info.save_id, blobs=blobs,
+                              pack_threshold=self.pack_threshold)
             path = self._take_path(node, epoch, info.save_id, plan, batch)
             crcs = write_arrays(self.location, self.location.path(path), plan, batch)
             self.location.make_durable(batch, [], pool())
@@ -117,6 +120,10 @@ class CheckpointStore:
             if batch is not None:
                 batch.close()  # no descriptor outlives a failed save
             raise
+        finally:
+            hint_error = hint.exception()  # waited for on every path: nothing outlives the save
+        if hint_error is not None:
+            raise hint_error
         runs.check_fence(self.location, info.generation, f"commit epoch {epoch} of node {node!r}")
         record = CommitRecord(
             epoch=epoch, node=node, save_id=info.save_id, nodes=list(info.nodes),
@@ -150,7 +157,8 @@ class CheckpointStore:
     def write_hint(self, nodes: list[str], epoch: int, save_id: str,
                    run: int | None = None) -> None:
         """Say that the save ``save_id`` of ``epoch`` is about to commit for the family
-        ``nodes``: written before its records, so a hint never lags behind a commit. With
+        ``nodes``: every node's save writes it (durably, beside its data) before its record, so
+        a hint never lags behind a commit. With
         ``run``: that run, which resumed from that committed save, is newer than it and has
         saved nothing yet (written right after the run's claim)."""
         hint = {"nodes": sorted(nodes), "epoch": epoch, "save_id": save_id}

@@ -88,7 +88,7 @@ def test_saves_on_s3_write_each_object_once_and_delete_nothing(s3, monkeypatch):
 
 def test_a_save_on_s3_sends_puts_and_one_fence_check_and_nothing_else(s3, monkeypatch):
     """What a node's save costs on the wire (counted where s3fs calls S3, in aiobotocore): its
-    group's objects and its record, each one PUT, plus the hint PUT and one request for the
+    group's objects and its record, each one PUT, plus its hint PUT and one request for the
     fence check (a GET of the next run's entry: 404); a second save of an epoch also tries the
     path the first one took (a conditional PUT refused); no LIST, HEAD, DELETE or COPY, nothing
     downloaded, and the bytes uploaded for the group's chunks are the payload's."""
@@ -116,7 +116,6 @@ def test_a_save_on_s3_sends_puts_and_one_fence_check_and_nothing_else(s3, monkey
         calls.clear()
         epoch = 1
         save_id = new_save_id(run.generation)
-        store.write_hint(["n"], epoch, save_id)
         record = store.save_node("n", epoch, blobs, SaveInfo(save_id=save_id, nodes=["n"]))
         ops = [op for op, _key, _n in calls]
         assert set(ops) == {"PutObject", "GetObject"} and ops.count("GetObject") == 1, calls
