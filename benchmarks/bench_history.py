@@ -330,6 +330,7 @@ def main() -> None:
           f"{', '.join(versions)}; loadavg {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
           + ", smoke" * args.smoke)
     args.dir = args.dir or tempfile.gettempdir()
+    os.makedirs(args.dir, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="bench-history-", dir=args.dir))
     try:
         local_part(args, root)
