@@ -1,0 +1,39 @@
+"""What importing :mod:`caffe2ckpt.prefect` changes in the process: one function, run once."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+
+def apply() -> None:
+    """Set caffe2ckpt's Prefect defaults, then make caffe2ckpt's log lines flow run logs.
+
+    - ``PREFECT_LOGGING_EXTRA_LOGGERS`` gains ``caffe2ckpt`` (for this process's Prefect and for
+      the processes it starts);
+    - ``PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW=ignore`` unless set: caffe2ckpt also runs
+      outside flows (``LocalSession``), where its log lines are not flow run logs;
+    - ``PREFECT_SERVER_ANALYTICS_ENABLED=false`` unless set: a temporary server started from
+      this process inherits the environment, and its analytics service otherwise logs an ERROR
+      on every start offline ("Failed to send telemetry") and can hold a new database's lock
+      during a first run ("database is locked"). Set it to "true" to keep Prefect's analytics;
+    - the ``caffe2ckpt`` logger gets the handlers Prefect gives its extra loggers (the flow run
+      log shipper among them) and their level. Prefect hands them over when it sets up logging,
+      on its first import: if prefect was imported before this package, caffe2ckpt was not
+      among its extra loggers yet. Prefect does not hand over the level; without it the INFO
+      lifecycle lines ("Resuming from epoch 6 ...") would be filtered out by the root level.
+    """
+    extra = [n for n in os.environ.get("PREFECT_LOGGING_EXTRA_LOGGERS", "").split(",") if n]
+    if "caffe2ckpt" not in extra:
+        os.environ["PREFECT_LOGGING_EXTRA_LOGGERS"] = ",".join([*extra, "caffe2ckpt"])
+    os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+    import prefect.main  # noqa: F401 - sets Prefect's logging up (unless it was already)
+
+    ours, shared = logging.getLogger("caffe2ckpt"), logging.getLogger("prefect.extra")
+    for handler in shared.handlers:
+        if handler not in ours.handlers:
+            ours.addHandler(handler)
+    if ours.level == logging.NOTSET:
+        ours.setLevel(shared.getEffectiveLevel())
