@@ -19,9 +19,10 @@ def apply() -> None:
       during a first run ("database is locked"). Set it to "true" to keep Prefect's analytics;
     - the ``caffe2ckpt`` logger gets the handlers Prefect gives its extra loggers (the flow run
       log shipper among them) and their level. Prefect hands them over when it sets up logging,
-      on its first import: if prefect was imported before this package, caffe2ckpt was not
-      among its extra loggers yet. Prefect does not hand over the level; without it the INFO
-      lifecycle lines ("Resuming from epoch 6 ...") would be filtered out by the root level.
+      on its first import; if prefect was imported before this package, caffe2ckpt was not
+      among its extra loggers yet, so they are handed over here, for records inside flow and
+      task runs only (:class:`_InRuns`). Prefect does not hand over the level; without it the
+      INFO lifecycle lines ("Resuming from epoch 6 ...") would be filtered out by the root level.
     """
     extra = [n for n in os.environ.get("PREFECT_LOGGING_EXTRA_LOGGERS", "").split(",") if n]
     if "caffe2ckpt" not in extra:
@@ -32,8 +33,24 @@ def apply() -> None:
     import prefect.main  # noqa: F401 - sets Prefect's logging up (unless it was already)
 
     ours, shared = logging.getLogger("caffe2ckpt"), logging.getLogger("prefect.extra")
-    for handler in shared.handlers:
-        if handler not in ours.handlers:
-            ours.addHandler(handler)
+    if not ours.handlers:  # prefect came first: its settings predate the defaults above
+        for handler in shared.handlers:
+            ours.addHandler(_InRuns(handler))
     if ours.level == logging.NOTSET:
         ours.setLevel(shared.getEffectiveLevel())
+
+
+class _InRuns(logging.Handler):
+    """Hands records to one of Prefect's handlers inside flow and task runs only: outside them
+    Prefect's API log handler would warn on every line (``PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW``
+    was read before this package could set it)."""
+
+    def __init__(self, target: logging.Handler) -> None:
+        super().__init__()
+        self.target = target
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from prefect.context import FlowRunContext, TaskRunContext
+
+        if FlowRunContext.get() is not None or TaskRunContext.get() is not None:
+            self.target.handle(record)

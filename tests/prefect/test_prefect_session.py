@@ -371,9 +371,10 @@ def test_throttled_table_is_uploaded_while_the_next_epoch_runs(tmp_path, client)
 @pytest.mark.parametrize("first", ["prefect.flows", "caffe2ckpt.prefect"])
 def test_caffe2ckpt_logs_reach_prefect_whichever_is_imported_first(first):
     """The flow run log shipper is among the handlers Prefect gives its extra loggers when it
-    sets up logging at import; caffe2ckpt's logger gets them too when prefect came first (a flow
-    file that imports prefect before caffe2ckpt.prefect: its "Resuming from epoch" lines were
-    missing from the flow run logs)."""
+    sets up logging; caffe2ckpt's logger reaches it too when prefect came first (a flow file
+    that imports prefect before caffe2ckpt.prefect: its "Resuming from epoch" lines were
+    missing from the flow run logs), and logging outside a run then warns about nothing (the
+    suite turns warnings into errors)."""
     import subprocess
     import sys
 
@@ -381,10 +382,12 @@ def test_caffe2ckpt_logs_reach_prefect_whichever_is_imported_first(first):
             "import caffe2ckpt.prefect; "
             "from prefect.logging.handlers import APILogHandler; "
             "ours = logging.getLogger('caffe2ckpt'); "
-            "assert any(isinstance(h, APILogHandler) for h in ours.handlers), ours.handlers; "
+            "assert any(isinstance(getattr(h, 'target', h), APILogHandler) "
+            "for h in ours.handlers), ours.handlers; "
             "assert ours.getEffectiveLevel() <= logging.INFO, ours.getEffectiveLevel(); "
-            "print(len(ours.handlers))")
-    env = {k: v for k, v in os.environ.items() if k != "PREFECT_LOGGING_EXTRA_LOGGERS"}
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=120, env=env)
+            "logging.getLogger('caffe2ckpt.runner').warning('outside any run')")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PREFECT_LOGGING_EXTRA_LOGGERS", "PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW")}
+    result = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True,
+                            text=True, timeout=120, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
