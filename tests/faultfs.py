@@ -202,6 +202,9 @@ class _Deferred(io.BytesIO):
         fs, path, mode, kwargs = self._args
         data = self.getvalue()
         super().close()
-        fs._count("write", f"open({mode})", path, torn_data=data)
+        # an exclusive create of a file that exists fails before writing anything (O_EXCL):
+        # an injected fault there must not tear the existing file
+        taken = "x" in mode and fs.inner.exists(path)
+        fs._count("write", f"open({mode})", path, torn_data=None if taken else data)
         with fs.inner.open(path, mode, **kwargs) as f:
             f.write(data)

@@ -326,3 +326,22 @@ def test_faults_of_a_save(inner, sc: Scenario, fault: Fault):
     assert not failures, (f"{len(failures)} of {len(numbers)} faults ({kind} ops of the save: "
                           f"{total}) broke the protocol:\n" + "\n".join(failures))
     assert len(outcomes) == len(numbers)
+
+
+def test_a_full_disk_at_each_exclusive_create_tears_nothing(inner):
+    """A re-save's exclusive create at the first save's path fails (the path is taken): on a
+    full disk that create, and every exclusive create after it, fails; the committed save found
+    there stays whole and every other check of :func:`run_case` holds."""
+    fs_inner, root = inner
+    template = f"{root}/template-exclusive"
+    train(FaultyFileSystem(fs_inner), template, RESAVE.setup_epochs)
+    probe = f"{root}/probe-exclusive"
+    clone(fs_inner, template, probe)
+    counter = FaultyFileSystem(fs_inner)
+    train(counter, probe, SAVED, resume=RESAVE.resume, hook=counter.reset)
+    creates = [p for m, p in counter.ops("write") if m == "open(xb)"]
+    assert any(p.endswith(f"/{NODES[0]}.{SAVED}/zarr.json") for p in creates), creates
+    fault = Fault("write", errno.ENOSPC, sticky=True, torn=True, label="exclusive",
+                  match=lambda method, _path: method == "open(xb)")
+    for n in range(1, len(creates) + 1):
+        run_case(fs_inner, root, template, RESAVE, fault, n)
