@@ -92,7 +92,11 @@ class LocalLocation(Location):
             return []
 
     def exists(self, path: str) -> bool:
-        return os.path.lexists(path)
+        try:  # not os.path.lexists, which answers False on EIO or EACCES
+            os.lstat(path)
+        except _MISSING:
+            return False
+        return True
 
     def modified(self, path: str) -> float | None:
         try:

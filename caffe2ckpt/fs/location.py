@@ -193,7 +193,9 @@ class Location:
         raise NotImplementedError
 
     def exists(self, path: str) -> bool:
-        """Whether ``path`` exists, as a file or a directory."""
+        """Whether ``path`` exists, as a file or a directory. Only "no such file" answers
+        False: any other error (EIO, EACCES, a timeout) is raised, since callers decide on it
+        (a fence check that cannot see the fence must not read as "not fenced")."""
         raise NotImplementedError
 
     def file_exists(self, path: str) -> bool:

@@ -89,7 +89,11 @@ class FsspecLocation(Location):
         return [posixpath.basename(e.rstrip("/")) for e in entries]
 
     def exists(self, path: str) -> bool:
-        return self._guard(self.fs.exists, path)
+        try:  # not fs.exists, which answers False on any error
+            self._guard(self.fs.info, path)
+        except _MISSING:
+            return False
+        return True
 
     def modified(self, path: str) -> float | None:
         try:
@@ -187,7 +191,7 @@ class ObjectStoreLocation(FsspecLocation):
     def file_exists(self, path: str) -> bool:
         try:  # a GET of the first byte: a missing key is one 404, never a listing
             self._read_head(path, 1)
-        except FileNotFoundError:
+        except _MISSING:
             return False
         return True
 
@@ -209,6 +213,6 @@ class MemoryLocation(FsspecLocation):
                          batch: localio.SyncBatch | None = None) -> None:
         self.makedirs(posixpath.dirname(path))
         with _MEMORY_CREATES:
-            if self.fs.exists(path):
+            if self.exists(path):
                 raise FileExistsError(errno.EEXIST, "file exists", path)
             self.fs.pipe_file(path, data)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import errno
+import os
 
 import fsspec
 import numpy as np
 import pytest
+from fsspec import AbstractFileSystem
 
 from caffe2ckpt import (
     CheckpointCorruptedError,
@@ -19,6 +21,7 @@ from caffe2ckpt.example import build_job
 from caffe2ckpt.metadata import ZarrMetadataHandler
 from caffe2ckpt.steps import StepCheckpointManager
 from caffe2ckpt.store import runs
+from caffe2ckpt.store.layout import run_name
 from tests.faultfs import FaultyFileSystem
 from tests.stores import epochs_with_records, load, newest_epoch
 
@@ -155,3 +158,45 @@ def test_a_save_that_cannot_claim_fails_instead_of_saving_unfenced(prefix):
     with pytest.raises(CheckpointWriteError, match="highest number a run may have"):
         session.run(cm.save(1))
     assert epochs_with_records(cm.store, ["n"]) == []
+
+
+class _FsspecExists(FaultyFileSystem):
+    """A filesystem that keeps fsspec's own ``exists`` (which answers False on any error)."""
+
+    exists = AbstractFileSystem.exists
+
+
+@pytest.mark.parametrize("backend", ["fsspec", "local"])
+def test_an_io_error_on_the_fence_check_fails_the_save(backend, tmp_path, memory_fs,
+                                                        monkeypatch):
+    """The fence check asks whether a newer run's entry exists: an I/O error there (EIO,
+    EACCES, a timeout) must fail the save, never read as "not fenced" (found by review:
+    fsspec's exists() and os.path.lexists() answer False on errors)."""
+    newer = run_name(2)
+    if backend == "fsspec":
+        fs = _FsspecExists(fsspec.filesystem("memory"))
+        old, new = (MultiNodeCheckpointManager("/fence-io", filesystem=fs) for _ in range(2))
+    else:
+        old, new = (MultiNodeCheckpointManager(str(tmp_path / "ckpt")) for _ in range(2))
+    session = LocalSession()
+    session.workspace("n")["w"] = np.arange(4.0)
+    for cm in (old, new):
+        session.run(cm.init(["n"]))
+    old_claim, new_claim = old.claim({"run": "old"}), new.claim({"run": "new"})
+    assert new_claim.generation == 2
+    if backend == "fsspec":
+        fs.arm("stat", 1, errno.EIO, sticky=True, match=lambda _m, path: path.endswith(newer))
+    else:
+        real_lstat = os.lstat
+
+        def lstat(path, *args, **kwargs):
+            if str(path).endswith(newer):
+                raise OSError(errno.EIO, "injected", path)
+            return real_lstat(path, *args, **kwargs)
+        monkeypatch.setattr(os, "lstat", lstat)
+    with pytest.raises(OSError) as info:
+        session.run(old.save(1, claim=old_claim))
+    assert not isinstance(info.value, CheckpointFencedError)
+    assert "epoch 1" in str(info.value) and newer in str(info.value), info.value
+    monkeypatch.undo()
+    assert epochs_with_records(old.store, ["n"]) == []
