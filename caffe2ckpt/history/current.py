@@ -10,11 +10,13 @@ what retention removes are decided here once:
   above the run's newest save; otherwise it starts a new run whose parent is the newest lineage
   save below it (:meth:`CurrentRun.run_for`): along a lineage epochs only grow, so "newest" is
   one thing everywhere.
-* The lineage view is read once (:func:`caffe2ckpt.history.scan.scan`) when something needs it,
-  then follows the run's own commits, branches and removals: while the run owns the head nobody
-  else can add to the lineage (a newer run would fence it), so a save or a retention pass costs
-  the same with ten or ten thousand committed epochs. When the run is over
-  (:meth:`CurrentRun.end`: a writer is about to choose where to resume) the view goes with it.
+* While a run is held, the lineage view is read once (:func:`caffe2ckpt.history.scan.scan`)
+  when something needs it, then follows the run's own commits, branches and removals: while the
+  run owns the head nobody else can add to the lineage (a newer run would fence it), so a save
+  or a retention pass costs the same with ten or ten thousand committed epochs. Without a run
+  (before the first claim, after :meth:`CurrentRun.end`) nothing read is kept from one call to
+  the next: any writer may change the prefix meanwhile, and the family's hint keeps the common
+  lookups at a few requests.
 * Retention is :func:`~caffe2ckpt.history.retention.plan_retention` on that view, carried out by
   :func:`~caffe2ckpt.history.cleanup.remove_saves`, fenced by the run's generation.
 """
@@ -50,8 +52,8 @@ class CurrentRun:
         self._next_parent: Any = _UNSET  # the parent the next run starts from, once given
         self._last_epoch: int | None = None  # the newest epoch the current run saved
         self._family: Family | None = None  # the lineage view, once read
-        self._looked_up: dict[int, Save | None] = {}
-        self._ended = False  # ended, and no run started since
+        self._looked_up: dict[int, Save | None] = {}  # lineage saves by epoch, while held
+        self._resolved: Save | None = None  # the last save a lookup gave (for _vouch only)
 
     # -- runs ------------------------------------------------------------------------------------
 
@@ -64,41 +66,41 @@ class CurrentRun:
         run = runs.claim(self.store.location, nodes=sorted(self.nodes), parent=parent,
                          writer=writer)
         self.run, self._next_parent, self._last_epoch = run, _UNSET, None
-        self._ended = False
-        if parent is not None:
-            self._vouch(parent, run.generation)
         self._branch(parent)
+        if parent is not None and not self._vouch(parent, run.generation):
+            # a hint PUT that failed may still land later, naming a save older than the run's
+            # own: drop the run, so the next save claims a newer one and that hint is ignored
+            self.run, self._next_parent = None, parent
         return run
 
-    def _vouch(self, parent: tuple[int, int], generation: int) -> None:
+    def _vouch(self, parent: tuple[int, int], generation: int) -> bool:
         """Until the new run ``generation`` saves, its parent is the family's newest save:
         say so in the family's hint (on the run's behalf, so the next lookup stays O(1)), when
         this writer knows that save's id. Only a hint: lookups check it, and ask the records
-        when it cannot be written."""
-        known = [*self._looked_up.values(), *(self._family.saves() if self._family else ())]
+        when it is not there. False if writing it failed."""
+        known = [self._resolved, *(self._family.saves() if self._family else ())]
         save = next((s for s in known if s is not None and (s.epoch, s.generation) == parent),
                     None)
         if save is None:
-            return
+            return True
         try:
             self.store.write_hint(sorted(self.nodes), save.epoch, save.save_id, run=generation)
         except OSError as exc:
             logger.debug("cannot refresh the hint of %s: %s", sorted(self.nodes), exc)
+            return False
+        return True
 
     def end(self) -> None:
         """The run is over (a new one is about to choose where to resume): forget it and the
-        lineage view, which other writers may have changed since; the next save claims again.
-        Ending again before a new run starts keeps what was read since (one resume reads the
-        prefix once)."""
-        if self._ended:
-            return
+        lineage view, which other writers may change from now on; the next save claims
+        again."""
         self.run, self._next_parent, self._last_epoch = None, _UNSET, None
         self.forget()
-        self._ended = True
 
     def set_parent(self, parent: tuple[int, int] | None) -> None:
         """Let the next save start a new run from ``parent`` (a step manager restored it)."""
-        self.run, self._next_parent = None, parent
+        self.end()
+        self._next_parent = parent
 
     def run_for(self, epoch: int, writer: dict[str, Any] | None = None) -> runs.Run:
         """The run a save of ``epoch`` belongs to: the current one if the epoch is above its
@@ -146,45 +148,54 @@ class CurrentRun:
     # -- the lineage -----------------------------------------------------------------------------
 
     def family(self) -> Family:
-        """The family's lineage and superseded saves (read once, then kept up to date)."""
-        if self._family is None:
+        """The family's lineage and superseded saves (while a run is held: read once, then
+        kept up to date; else read now)."""
+        family = self._family if self.run is not None else None
+        if family is None:
             found = scan(self.store, self.nodes).families.get(self.nodes)
-            self._family = found or Family(self.nodes, [], [])
-        return self._family
+            family = found or Family(self.nodes, [], [])
+            if self.run is not None:
+                self._family = family
+        return family
 
     def forget(self) -> None:
         """Read the prefix again when next asked (it may have changed outside this run)."""
         self._family, self._looked_up = None, {}
 
+    def _held(self) -> Family | None:
+        """The lineage view, if one is held (only while a run is: see the module docstring)."""
+        if self.run is None:
+            self.forget()
+        return self._family
+
     def lineage(self) -> Iterable[Save]:
         """The lineage's committed saves, newest first (read lazily when no view is held)."""
-        if self._family is not None:
-            return self._family.lineage
+        family = self._held()
+        if family is not None:
+            return family.lineage
         return family_history(self.store, self.nodes).lineage()
 
     def newest(self) -> Save | None:
         """The newest save of the lineage (a few requests when the family's hint is good)."""
-        if self._family is not None:
-            return self._family.newest
-        save = newest_save(self.store, self.nodes)
-        if save is not None:
-            self._looked_up.setdefault(save.epoch, save)
+        family = self._held()
+        save = family.newest if family is not None else newest_save(self.store, self.nodes)
+        self._resolved = save or self._resolved
         return save
 
     def lineage_save(self, epoch: int) -> Save | None:
         """The lineage's committed save of ``epoch`` (None: not committed, or superseded)."""
-        if self._family is not None:
-            return self._family.lineage_save(epoch)
+        family = self._held()
+        if family is not None:
+            return family.lineage_save(epoch)
         if epoch not in self._looked_up:
-            newest = self.newest()
-            if newest is not None and newest.epoch == epoch:
-                return newest
-            found = None
-            for save in self.lineage():  # newest first: epochs only go down
-                if save.epoch <= epoch:
-                    found = save if save.epoch == epoch else None
-                    break
-            self._looked_up[epoch] = found
+            found = self.newest()
+            if found is None or found.epoch != epoch:
+                found = next((s for s in self.lineage() if s.epoch <= epoch), None)
+                found = found if found is not None and found.epoch == epoch else None
+            if self.run is not None:
+                self._looked_up[epoch] = found
+            self._resolved = found or self._resolved
+            return found
         return self._looked_up[epoch]
 
     def save_of(self, epoch: int) -> Save | None:
@@ -192,12 +203,15 @@ class CurrentRun:
         newest superseded one of that epoch (a run that resumes from it on purpose makes its
         history current again); None when no save of ``epoch`` is committed."""
         save = self.lineage_save(epoch)
-        if save is not None:
-            return save
-        if self._family is not None:
-            return next((s for s in sorted(self._family.superseded, key=lambda s: -s.generation)
-                         if s.epoch == epoch), None)
-        return next(iter(family_history(self.store, self.nodes).saves_at(epoch)), None)
+        if save is None:
+            if self._family is not None:
+                save = next((s for s in sorted(self._family.superseded,
+                                               key=lambda s: -s.generation)
+                             if s.epoch == epoch), None)
+            else:
+                save = next(iter(family_history(self.store, self.nodes).saves_at(epoch)), None)
+        self._resolved = save or self._resolved
+        return save
 
     # -- removal ---------------------------------------------------------------------------------
 
@@ -217,10 +231,10 @@ class CurrentRun:
         """
         if options is None or not options.has_retention:
             return []
-        plan = plan_retention(self.family(), options, protect)
-        removed = remove_saves(self.store, plan.delete, fence=self._fence(),
-                               doing="apply retention")
-        self._family = self.family().without(removed)
+        family = self.family()
+        removed = remove_saves(self.store, plan_retention(family, options, protect).delete,
+                               fence=self._fence(), doing="apply retention")
+        self._family = family.without(removed) if self.run is not None else None
         self._looked_up = {}
         return removed
 

@@ -420,7 +420,7 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
         """``user_epoch``, or with a metadata handler, the epoch it says to resume from. Asking
         starts a new run: this manager's earlier run and its view of the prefix are over."""
         if self._files is not None or self._param_nodes:
-            self.current().end()
+            self.end_run()
         if self._metadata_handler is None:
             return user_epoch
         if not self._param_nodes and self._files is not None:  # bound by init() alone
@@ -466,6 +466,12 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
 
     # -- beyond Caffe2: runs ---------------------------------------------------------------------
 
+    def end_run(self) -> None:
+        """End this manager's run on the prefix (a new attempt of the job starts): what it
+        read is forgotten, and the next save, resume or :meth:`claim` decides from the prefix
+        as it is then."""
+        self.current().end()
+
     def claim(self, writer: dict[str, Any] | None = None, *,
               parent: Any = NEWEST) -> Run:
         """Start a run (its entry in the run log; older runs are fenced off) for the saves that
@@ -478,6 +484,7 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
             raise JobDefinitionError(f"{type(self).__name__}.claim() needs the nodes its run "
                                      "saves: call init() or set_params() first")
         if parent is NEWEST:
+            self.end_run()  # the newest save as the prefix is now, not as this run saw it
             newest = self.current().newest()
             parent = None if newest is None else (newest.epoch, newest.generation)
         return self.current().start(parent, writer)

@@ -105,6 +105,7 @@ def _started_from(checkpoint_manager: BaseCheckpointManager) -> int | None:
     this_run = flow_run.id
     if this_run is None:
         return None
+    checkpoint_manager.end_run()  # an attempt starts: read the prefix as it is now
     first = None
     for save in checkpoint_manager.lineage():  # newest first: this run's saves, then older
         writer = next(iter(save.records.values())).writer or {}

@@ -5,8 +5,9 @@ A save never moves, rewrites or shares a path, so no remover can ever mistake it
 else and no reader can see a mix of two saves. :meth:`CheckpointStore.save_node` runs its
 phases in this order (each named after what it does):
 
-0. **hint** (beside phases 1-4): the family's hint (:meth:`CheckpointStore.write_hint`) is
-   rewritten to name this save; it must be written, durably, before phase 6;
+0. **hint** (beside phases 1-4, by the first of the save's nodes in sorted order): the family's
+   hint (:meth:`CheckpointStore.write_hint`) is rewritten to name this save; it must be
+   written, durably, before that node's phase 6, so before the save is committed;
 1. **plan**: the manifest and the group's ``zarr.json`` are computed in memory;
 2. **take a path**: the group's ``zarr.json`` — which names the save — is its first object,
    created exclusively: at ``<node>.<epoch>`` (Caffe2's ``db_name``) if no save ever took that
@@ -108,9 +109,12 @@ class CheckpointStore:
         check_node_name(node)
         check_epoch(epoch)
         started, start = time.time(), time.perf_counter()
-        hint = pool().submit(self.write_hint, list(info.nodes), epoch, info.save_id)
-        batch = self.location.sync_batch()
+        hint = None  # one PUT per save: object stores limit the updates of one object
+        if node == min(info.nodes):
+            hint = pool().submit(self.write_hint, list(info.nodes), epoch, info.save_id)
+        batch = None
         try:
+            batch = self.location.sync_batch()
             plan = plan_group(node=node, epoch=epoch, save_id=info.save_id, blobs=blobs,
                               pack_threshold=self.pack_threshold)
             path = self._take_path(node, epoch, info.save_id, plan, batch)
@@ -121,7 +125,8 @@ class CheckpointStore:
                 batch.close()  # no descriptor outlives a failed save
             raise
         finally:
-            hint_error = hint.exception()  # waited for on every path: nothing outlives the save
+            # waited for on every path: nothing outlives the save
+            hint_error = None if hint is None else hint.exception()
         if hint_error is not None:
             raise hint_error
         runs.check_fence(self.location, info.generation, f"commit epoch {epoch} of node {node!r}")
@@ -157,8 +162,8 @@ class CheckpointStore:
     def write_hint(self, nodes: list[str], epoch: int, save_id: str,
                    run: int | None = None) -> None:
         """Say that the save ``save_id`` of ``epoch`` is about to commit for the family
-        ``nodes``: every node's save writes it (durably, beside its data) before its record, so
-        a hint never lags behind a commit. With
+        ``nodes``: the save's first node writes it (durably, beside its data) before its
+        record, so a hint never lags behind a commit. With
         ``run``: that run, which resumed from that committed save, is newer than it and has
         saved nothing yet (written right after the run's claim)."""
         hint = {"nodes": sorted(nodes), "epoch": epoch, "save_id": save_id}

@@ -21,6 +21,7 @@ from caffe2ckpt.cli import main as cli_main
 from caffe2ckpt.example import InjectedFailure, build_job
 from caffe2ckpt.history.lineage import History
 from caffe2ckpt.history.scan import scan
+from caffe2ckpt.store import runs
 from caffe2ckpt.store.layout import new_save_id
 from caffe2ckpt.store.records import CommitRecord, RecordRef
 from tests.stores import newest_epoch
@@ -267,7 +268,41 @@ def test_a_hint_that_does_not_hold_is_ignored(prefix):
                      key=lambda s: s.epoch)
     assert superseded.epoch == 5 and superseded.generation == 1
     path = store.location.path(HINTS_DIR, hint_name(NODES))
-    for forged in ({"run": 2}, {"run": 3}, {"run": 10**6}, {}):  # {}: its own, older run
-        hint = {"nodes": NODES, "epoch": 5, "save_id": superseded.save_id, **forged}
-        store.location.replace_file(path, json.dumps(hint).encode())
+    forgeries = [{"epoch": 5, "save_id": superseded.save_id, **run}  # {}: its own, older run
+                 for run in ({"run": 2}, {"run": 3}, {"run": 10**6}, {})]
+    forgeries.append({"epoch": 4, "save_id": new_save_id(2), "run": 2})  # no record of it
+    other = runs.claim(store.location, nodes=["other"], parent=(truth.epoch, truth.generation))
+    # the newest run is another family's, which says it started from this family's save
+    forgeries.append({"epoch": truth.epoch, "save_id": truth.save_id, "run": other.generation})
+    for forged in forgeries:
+        store.location.replace_file(path, json.dumps({"nodes": NODES, **forged}).encode())
+        counter.reset()
         assert newest_save(store, NODES) == truth, forged
+        assert counter.counts["list"] > 0, forged  # the records decided, not the hint
+
+
+@pytest.mark.parametrize("prefix", ["memory", "local"], indirect=True)
+def test_a_run_that_cannot_write_its_hint_is_dropped(prefix):
+    """A run that resumed vouches for its parent in the hint; if that write fails it may still
+    land later, after the run's own saves: the run is dropped and its first save claims a newer
+    one, so such a late hint speaks for a fenced run and is ignored."""
+    from caffe2ckpt.history.scan import newest_save
+    from caffe2ckpt.store.layout import HINTS_DIR, hint_name
+    from caffe2ckpt.store.protocol import CheckpointStore
+    from tests.faultfs import FaultyFileSystem
+
+    train(prefix, 3)
+    fs, root = fsspec.core.url_to_fs(prefix, auto_mkdir=True)
+    faulty = FaultyFileSystem(fs)
+    faulty.arm("write", 1, match=lambda _method, path: "/_hints/" in path)
+    cm = MultiNodeCheckpointManager(root, filesystem=faulty)
+    runner = JobRunner(build_job(5), cm)
+    runner.train(LocalSession())
+    assert faulty.failed and runner.resumed_from == 3 and runner.saved_epochs == [4, 5]
+    store = CheckpointStore(cm.store.location)
+    late = {"nodes": NODES, "epoch": 3, "save_id": cm.save_of(3).save_id,
+            "run": cm.run.generation - 1}  # the dropped run's vouch, landing now
+    store.location.replace_file(store.location.path(HINTS_DIR, hint_name(NODES)),
+                                json.dumps(late).encode())
+    assert cm.run.parent == (3, 1) and runs.read_run(store.location, late["run"]).parent == (3, 1)
+    assert newest_save(store, NODES).epoch == 5
