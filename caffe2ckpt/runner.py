@@ -137,7 +137,8 @@ class JobRunner:
         else:
             epoch, finished, parent = self._resume(session, cm, resume,
                                                    automatic=self.resume_from_epoch is None)
-            self._start_run(session, cm, parent)
+            if self._start_run(session, cm, parent):
+                self._retain(session, cm)  # completes a pass a crash cut short
             if finished:
                 logger.info("Job %r had finished at epoch %d (its stop condition held): no "
                             "epoch to run", job.name, epoch)
@@ -197,13 +198,16 @@ class JobRunner:
             epoch=epoch, committed=committed(), signal=signal_name)
 
     @staticmethod
-    def _start_run(session: Session, cm: BaseCheckpointManager, parent: tuple[int, int] | None) -> None:
+    def _start_run(session: Session, cm: BaseCheckpointManager, parent: tuple[int, int] | None) -> bool:
         """Start this run on the prefix (only once it is known to be valid: a refused run
-        writes nothing); ``parent`` is the save it resumed from, None for a fresh start."""
+        writes nothing); ``parent`` is the save it resumed from, None for a fresh start.
+        False when the prefix could not be claimed."""
         try:
             cm.claim(_writer(session), parent=parent)
         except OSError as exc:  # an unreachable prefix: the saves will report it
             logger.warning("cannot claim checkpoint prefix %r: %s", cm.url, exc)
+            return False
+        return True
 
     def _notify(self, session: Session, kind: str, epoch: int, **info: Any) -> None:
         notify(session, RunEvent(kind=kind, job=self.job.name, epoch=epoch,  # type: ignore[arg-type]

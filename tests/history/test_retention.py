@@ -4,6 +4,7 @@ a cleanup (faults injected through a filesystem wrapper)."""
 
 from __future__ import annotations
 
+import errno
 import itertools
 import math
 
@@ -193,6 +194,24 @@ def test_the_epoch_a_run_resumed_from_is_never_deleted(prefix):
     assert runner.resumed_from == 3
     assert committed(prefix) == [3, 7, 8]
     assert_loads(prefix, 3)
+
+
+def test_a_retention_pass_cut_short_is_completed_by_the_next_run(faulty):
+    """Every deletion of a run fails (or a kill lands between its final commit and its
+    retention pass): the next run of the job, even one that finds the job finished and runs
+    no epoch, applies retention (found by review: the kill suite's exact check could fail)."""
+    fs, root = faulty
+    keep = options(2, 4, None)
+    fs.arm("delete", 1, errno.EIO, sticky=True)
+    JobRunner(loss_job(10), MultiNodeCheckpointManager(root, filesystem=fs),
+              options=keep).train(LocalSession())
+    store = CheckpointStore(Location(root, filesystem=fs.inner))
+    assert lineage(store) == EPOCHS  # every pass failed: nothing deleted
+    fs.reset()
+    runner = JobRunner(loss_job(10), MultiNodeCheckpointManager(root, filesystem=fs),
+                       options=keep)
+    assert runner.train(LocalSession()) == 10 and runner.saved_epochs == []
+    assert lineage(store) == [0, 4, 8, 9, 10]
 
 
 def test_jobrunner_saves_by_policy_and_resumes_from_the_last_saved_epoch(prefix):

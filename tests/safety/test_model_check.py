@@ -9,7 +9,8 @@ Each sequence (one seed) starts on an empty prefix and applies operations chosen
 * ``run``: a ``JobRunner`` training to a limit: automatic resume, an explicit
   ``resume_from_epoch=k`` (a lineage epoch, a superseded one, or one that is not committed and
   must be refused), or a fresh start (``auto_resume=False``); sync or ``async_save=True``; with or
-  without retention (``max_to_keep``/``keep_period``) and a save policy
+  without retention (``max_to_keep``/``keep_period``: after a resume and after every commit)
+  and a save policy
   (``save_interval_steps``); optionally crashing (a task raises at epoch c: what it committed
   stays);
 * ``steps``: one ``StepCheckpointManager`` (``nodes=`` the family, sometimes with retention or
@@ -503,6 +504,8 @@ class Harness:
         start = plan.start
         parent = None if start is None else start.key
         gen = model.claim(fam, parent)
+        if start is not None:  # a resume applies retention once, before any epoch
+            model.retain(fam, op.get("keep_last"), op.get("keep_every"), {start.epoch})
         first = 0 if start is None else start.epoch + 1
         ran = [e for e in range(max(first, 1), plan.final + 1) if crash is None or e < crash]
         saved = [0] if start is None else []
