@@ -123,6 +123,7 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
         self._background = BackgroundSaves() if self.options.enable_async_checkpointing else None
         # the step in flight: its save id, its run and its nodes
         self._pending: tuple[int, str, CurrentRun, list[str]] | None = None
+        self._failed: Exception | None = None  # a background save's error, not raised yet
         # the run this manager saves in, and its family's lineage view (with ``nodes``, known
         # from the start; else from the first save)
         self._current = None if self._nodes is None else CurrentRun(self._store, self._nodes)
@@ -299,8 +300,16 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
                 blobs: Sequence[str] | None = None) -> dict[str, dict[str, np.ndarray]]:
         """Read and verify ``step`` (default: the latest): ``{node: {blob: array}}`` for all its
         nodes or ``nodes``, all blobs or only ``blobs``. The step is then protected from
-        retention (a run resumed from it). A background save is waited for first."""
-        self.wait_until_finished()
+        retention (a run resumed from it). A background save is waited for first; if it failed,
+        its error is raised here only when it was the step asked for, else by the next save,
+        :meth:`wait_until_finished` or :meth:`close`."""
+        pending = self._pending
+        try:
+            self.wait_until_finished()
+        except Exception as exc:
+            if pending is None or step is None or check_epoch(step) == pending[0]:
+                raise
+            self._failed = exc
         if step is None:
             step = self.latest_step()
             if step is None:
@@ -405,6 +414,9 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
         Raises:
             CheckpointWriteError: the background save failed (raised once, never dropped).
         """
+        if self._failed is not None:
+            failed, self._failed = self._failed, None
+            raise failed
         if self._background is None or self._pending is None:
             return
         step, save_id, current, nodes = self._pending
@@ -419,7 +431,8 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
 
     def check_for_errors(self) -> None:
         """Raise the error of a background save that has already failed (does not block)."""
-        if self._background is not None and self._pending and self._background.done():
+        if self._failed is not None or (self._background is not None and self._pending
+                                        and self._background.done()):
             self.wait_until_finished()
 
     def close(self) -> None:

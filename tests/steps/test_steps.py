@@ -226,6 +226,25 @@ def test_async_saves_commit_in_the_background_and_report_errors(prefix):
 
 
 
+def test_restoring_another_step_leaves_a_failed_background_save_to_be_raised_later(memory_fs):
+    """restore(k) waits for the save in flight, but that save's failure is its own error:
+    raised by restore only for that step, else once by the next wait (found by review)."""
+    fs = FaultyFileSystem(memory_fs)
+    mgr = StepCheckpointManager("/async", filesystem=fs, handle_preemption=False,
+                                options=StepManagerOptions(enable_async_checkpointing=True))
+    mgr.save(1, items(1))
+    mgr.wait_until_finished()
+    fs.arm("write", 3, sticky=True)
+    assert mgr.save(2, items(2))
+    assert_same(mgr.restore(1), items(1))
+    fs.reset()
+    with pytest.raises(CheckpointWriteError, match="epoch 2"):
+        mgr.wait_until_finished()
+    mgr.check_for_errors()  # raised once
+    assert mgr.all_steps(read=True) == [1]
+    mgr.close()
+
+
 def test_a_failed_background_save_is_raised_once_and_commits_nothing(memory_fs):
     fs = FaultyFileSystem(memory_fs)
     mgr = StepCheckpointManager("/async", filesystem=fs, handle_preemption=False,
