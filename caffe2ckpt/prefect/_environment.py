@@ -33,8 +33,9 @@ def apply() -> None:
     import prefect.main  # noqa: F401 - sets Prefect's logging up (unless it was already)
 
     ours, shared = logging.getLogger("caffe2ckpt"), logging.getLogger("prefect.extra")
-    if not ours.handlers:  # prefect came first: its settings predate the defaults above
-        for handler in shared.handlers:
+    present = {getattr(h, "target", h) for h in ours.handlers}  # handed over, or forwarded
+    for handler in shared.handlers:
+        if handler not in present:  # prefect came first: its settings predate the defaults above
             ours.addHandler(_InRuns(handler))
     if ours.level == logging.NOTSET:
         ours.setLevel(shared.getEffectiveLevel())

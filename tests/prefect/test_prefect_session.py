@@ -368,17 +368,22 @@ def test_throttled_table_is_uploaded_while_the_next_epoch_runs(tmp_path, client)
     assert seen == [[0, 1, 2, 3]]
 
 
+@pytest.mark.parametrize("user_handler", [False, True])
 @pytest.mark.parametrize("first", ["prefect.flows", "caffe2ckpt.prefect"])
-def test_caffe2ckpt_logs_reach_prefect_whichever_is_imported_first(first):
+def test_caffe2ckpt_logs_reach_prefect_whichever_is_imported_first(first, user_handler):
     """The flow run log shipper is among the handlers Prefect gives its extra loggers when it
     sets up logging; caffe2ckpt's logger reaches it too when prefect came first (a flow file
     that imports prefect before caffe2ckpt.prefect: its "Resuming from epoch" lines were
     missing from the flow run logs), and logging outside a run then warns about nothing (the
-    suite turns warnings into errors)."""
+    suite turns warnings into errors). A handler the user gave the logger first changes
+    nothing of that."""
     import subprocess
     import sys
 
-    code = (f"import importlib, logging; importlib.import_module({first!r}); "
+    code = ("import importlib, logging; "
+            + ("logging.getLogger('caffe2ckpt').addHandler(logging.NullHandler()); "
+               if user_handler else "")
+            + f"importlib.import_module({first!r}); "
             "import caffe2ckpt.prefect; "
             "from prefect.logging.handlers import APILogHandler; "
             "ours = logging.getLogger('caffe2ckpt'); "
