@@ -86,7 +86,7 @@ class FaultyFileSystem(AbstractFileSystem):
             torn: bool = False, match: Callable[[str, str], bool] | None = None) -> None:
         """Fail the ``n``-th op of ``kind`` from now on (and all later ones if ``sticky``). With
         ``match``, only the ops for which ``match(method, path)`` is true are counted towards
-        ``n`` (and fail): e.g. the first write under ``_staging/``, whichever thread does it."""
+        ``n`` (and fail): e.g. the first exclusive create, whichever thread does it."""
         with self._lock:
             self._fault = InjectedFault(kind, n, errno, sticky, torn, match)
             self._base = self.counts[kind]
