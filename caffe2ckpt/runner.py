@@ -135,10 +135,11 @@ class JobRunner:
                 self._start_run(session, cm, parent=None)
                 self.save_checkpoints(0, session)
         else:
-            epoch, finished, parent = self._resume(session, cm, resume,
-                                                   automatic=self.resume_from_epoch is None)
-            if self._start_run(session, cm, parent):
-                self._retain(session, cm)  # completes a pass a crash cut short
+            with cm.resuming():  # what is loaded and what the run continues: one save
+                epoch, finished, parent = self._resume(session, cm, resume,
+                                                       automatic=self.resume_from_epoch is None)
+                if self._start_run(session, cm, parent):
+                    self._retain(session, cm)  # completes a pass a crash cut short
             if finished:
                 logger.info("Job %r had finished at epoch %d (its stop condition held): no "
                             "epoch to run", job.name, epoch)

@@ -16,7 +16,9 @@ what retention removes are decided here once:
   or a retention pass costs the same with ten or ten thousand committed epochs. Without a run
   (before the first claim, after :meth:`CurrentRun.end`) nothing read is kept from one call to
   the next: any writer may change the prefix meanwhile, and the family's hint keeps the common
-  lookups at a few requests.
+  lookups at a few requests. The one exception is a resume (:meth:`CurrentRun.resuming`): its
+  questions (which save an epoch means, whether it is on the lineage, the run's parent) are
+  answered from one reading, so what is loaded and what the new run continues are one save.
 * Retention is :func:`~caffe2ckpt.history.retention.plan_retention` on that view, carried out by
   :func:`~caffe2ckpt.history.cleanup.remove_saves`, fenced by the run's generation.
 """
@@ -24,7 +26,8 @@ what retention removes are decided here once:
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from caffe2ckpt.history.cleanup import remove_saves
@@ -54,6 +57,7 @@ class CurrentRun:
         self._family: Family | None = None  # the lineage view, once read
         self._looked_up: dict[int, Save | None] = {}  # lineage saves by epoch, while held
         self._resolved: Save | None = None  # the last save a lookup gave (for _vouch only)
+        self._resuming = False  # inside resuming(): what is read is kept, run or not
 
     # -- runs ------------------------------------------------------------------------------------
 
@@ -95,7 +99,26 @@ class CurrentRun:
         lineage view, which other writers may change from now on; the next save claims
         again."""
         self.run, self._next_parent, self._last_epoch = None, _UNSET, None
-        self.forget()
+        if not self._resuming:
+            self.forget()
+
+    @contextmanager
+    def resuming(self) -> Iterator[None]:
+        """One resume: the current run ends, the prefix is read afresh, and what is read is
+        kept until the end of the block (then kept on only if the block started a run)."""
+        self.end()
+        self._resuming = True
+        try:
+            yield
+        finally:
+            self._resuming = False
+            if self.run is None:
+                self.forget()
+
+    def _keeps(self) -> bool:
+        """Whether what is read now may be kept for the next question (see the module
+        docstring)."""
+        return self.run is not None or self._resuming
 
     def set_parent(self, parent: tuple[int, int] | None) -> None:
         """Let the next save start a new run from ``parent`` (a step manager restored it)."""
@@ -150,11 +173,11 @@ class CurrentRun:
     def family(self) -> Family:
         """The family's lineage and superseded saves (while a run is held: read once, then
         kept up to date; else read now)."""
-        family = self._family if self.run is not None else None
+        family = self._family if self._keeps() else None
         if family is None:
             found = scan(self.store, self.nodes).families.get(self.nodes)
             family = found or Family(self.nodes, [], [])
-            if self.run is not None:
+            if self._keeps():
                 self._family = family
         return family
 
@@ -163,8 +186,9 @@ class CurrentRun:
         self._family, self._looked_up = None, {}
 
     def _held(self) -> Family | None:
-        """The lineage view, if one is held (only while a run is: see the module docstring)."""
-        if self.run is None:
+        """The lineage view, if one is held (while a run is, or in a resume: see the module
+        docstring)."""
+        if not self._keeps():
             self.forget()
         return self._family
 
@@ -192,7 +216,7 @@ class CurrentRun:
             if found is None or found.epoch != epoch:
                 found = next((s for s in self.lineage() if s.epoch <= epoch), None)
                 found = found if found is not None and found.epoch == epoch else None
-            if self.run is not None:
+            if self._keeps():
                 self._looked_up[epoch] = found
             self._resolved = found or self._resolved
             return found
@@ -234,7 +258,7 @@ class CurrentRun:
         family = self.family()
         removed = remove_saves(self.store, plan_retention(family, options, protect).delete,
                                fence=self._fence(), doing="apply retention")
-        self._family = family.without(removed) if self.run is not None else None
+        self._family = family.without(removed) if self._keeps() else None
         self._looked_up = {}
         return removed
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Collection, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -471,6 +472,15 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
         read is forgotten, and the next save, resume or :meth:`claim` decides from the prefix
         as it is then."""
         self.current().end()
+
+    def resuming(self) -> AbstractContextManager[None]:
+        """A block for one resume (``init(retrieve_from_epoch=...)``, ``load``, the questions
+        about the loaded save and the :meth:`claim` that continues it): this manager's run
+        ends, and within the block the prefix is read once, so what is loaded and what the new
+        run continues are the same save even if another writer re-saves that epoch meanwhile.
+        Outside such a block, a manager without a run reads the prefix again for each
+        question."""
+        return self.current().resuming()
 
     def claim(self, writer: dict[str, Any] | None = None, *,
               parent: Any = NEWEST) -> Run:

@@ -81,3 +81,24 @@ def test_claim_continues_the_newest_save_as_the_prefix_is_now(prefix):
     JobRunner(build_job(5), MultiNodeCheckpointManager(prefix)).train(LocalSession())  # 4, 5
     run = cm.claim()  # by default: continue the lineage's newest save
     assert run.parent == newest(cm.store) == (5, 2)
+
+
+def test_a_resume_continues_the_save_it_loaded(prefix):
+    """Another writer re-saves the epoch being resumed from just after it was loaded: the new
+    run's parent is still the save whose data it loaded (one reading per resume)."""
+    JobRunner(build_job(3), MultiNodeCheckpointManager(prefix)).train(LocalSession())
+
+    class ResavedAfterLoading(LocalSession):
+        def run(self, runnable):
+            result = super().run(runnable)
+            if getattr(runnable, "name", None) == "checkpoint_load":
+                go_back_and_resave(prefix, 2, 3)
+            return result
+
+    cm = MultiNodeCheckpointManager(prefix)
+    runner = JobRunner(build_job(5), cm)
+    runner.train(ResavedAfterLoading())
+    assert runner.resumed_from == 3
+    assert cm.run.parent == (3, 1)  # the first run's epoch 3, which it loaded
+    assert [(s.epoch, s.generation) for s in cm.lineage()] == [
+        (5, 3), (4, 3), (3, 1), (2, 1), (1, 1), (0, 1)]
