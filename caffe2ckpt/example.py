@@ -157,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--epochs", type=positive_int, default=10)
     parser.add_argument("--nodes", type=positive_int, default=2)
     parser.add_argument("--batches-per-epoch", type=positive_int, default=16)
-    parser.add_argument("--fail-at-epoch", type=int, default=None,
+    parser.add_argument("--fail-at-epoch", type=positive_int, default=None,
                         help="raise in this epoch (to demonstrate resuming)")
     parser.add_argument("--save-every", type=positive_int, default=None, metavar="N",
                         help="checkpoint every N-th epoch (epoch 0 and the last always)")

@@ -14,10 +14,10 @@ from caffe2ckpt.errors import (
     CheckpointNotFoundError,
 )
 from caffe2ckpt.fs.location import Location
-from caffe2ckpt.history.cleanup import Leftover
+from caffe2ckpt.history.cleanup import Leftover, is_checkpoint_prefix
 from caffe2ckpt.history.lineage import Save
 from caffe2ckpt.history.scan import PrefixScan, scan
-from caffe2ckpt.store.layout import parse_group_name
+from caffe2ckpt.store.layout import COMMITS_DIR, RUNS_DIR, parse_group_name
 from caffe2ckpt.store.manifest import Manifest
 from caffe2ckpt.store.protocol import CheckpointStore
 from caffe2ckpt.store.records import CommitRecord, list_records
@@ -85,6 +85,9 @@ def open_prefix(ctx: Context, url: str) -> tuple[CheckpointStore, PrefixScan]:
         else:
             why = "it is empty"
         raise CLIError(f"no checkpoints at {location.display()!r}: {why}", EXIT_NOT_FOUND)
+    if not is_checkpoint_prefix(store):  # e.g. the folder above the prefix
+        raise CLIError(f"{location.display()!r} does not look like a checkpoint prefix (it has "
+                       f"no {COMMITS_DIR}/ or {RUNS_DIR}/ directory)", EXIT_NOT_FOUND)
     return store, scan(store)
 
 

@@ -33,7 +33,6 @@ from caffe2ckpt.cli._context import (
 from caffe2ckpt.errors import CheckpointError, CheckpointFencedError, JobDefinitionError
 from caffe2ckpt.history.cleanup import (
     find_leftovers,
-    is_checkpoint_prefix,
     remove_leftovers,
     remove_saves,
 )
@@ -41,7 +40,6 @@ from caffe2ckpt.history.lineage import Save
 from caffe2ckpt.history.retention import RetentionPlan, plan_retention
 from caffe2ckpt.history.scan import Family, PrefixScan
 from caffe2ckpt.policy import StepManagerOptions
-from caffe2ckpt.store.layout import COMMITS_DIR, RUNS_DIR
 from caffe2ckpt.store.protocol import CheckpointStore
 
 __all__ = ["cmd_gc"]
@@ -98,10 +96,6 @@ def _plan(store: CheckpointStore, found: PrefixScan, family: Family, options: St
 def cmd_gc(ctx: Context, args: argparse.Namespace) -> tuple[Document, int]:
     store, found = open_prefix(ctx, args.prefix)
     location = store.location
-    if not is_checkpoint_prefix(store):
-        raise CLIError(f"{location.display()!r} does not look like a checkpoint prefix (it has "
-                       f"no {COMMITS_DIR}/ or {RUNS_DIR}/ directory); gc removes nothing there",
-                       EXIT_NOT_FOUND)
     options = retention_options(args)
     wanted = set(args.node) if args.node else None
     if wanted is not None:

@@ -123,8 +123,8 @@ def render_ls(doc: dict[str, Any]) -> str:
     committed = [e for e in epochs if e["state"] in ("committed", "superseded")]
     current = [e for e in committed if e["state"] == "committed"]
     superseded = len(committed) - len(current)
-    out = [f"{doc['prefix']}: {plural(len(committed), 'committed epoch')}"
-           + (f" ({superseded} superseded)" if superseded else "")
+    out = [f"{doc['prefix']}: {plural(len(current), 'committed epoch')}"
+           + (f" (+ {plural(superseded, 'superseded save')})" if superseded else "")
            + (f", newest {current[-1]['epoch']}" if current else "")
            + f", {human_bytes(sum(e['bytes'] for e in committed))} committed"]
     rows = []

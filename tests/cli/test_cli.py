@@ -428,10 +428,14 @@ def test_gc_node_never_splits_an_epoch_saved_with_other_nodes(tree, capsys):
     assert files(tree) == before
 
 
-def test_gc_refuses_a_folder_that_is_not_a_checkpoint_prefix(tmp_path, capsys):
+@pytest.mark.parametrize("command", ["gc", "ls", "show", "verify"])
+def test_a_folder_that_is_not_a_checkpoint_prefix_is_refused(tmp_path, capsys, command):
+    """e.g. the folder above the prefix: gc removes nothing there, and ls does not report
+    "0 committed epochs" as if it were an empty prefix."""
     (tmp_path / "python3.11").mkdir()
     (tmp_path / "python3.11" / "os.py").write_text("x")
-    code, out, err = run(capsys, "gc", tmp_path, "--min-age", 0, "--yes")
+    extra = ["--min-age", 0, "--yes"] if command == "gc" else []
+    code, out, err = run(capsys, command, tmp_path, *extra)
     assert code == 3 and out == ""
     assert "does not look like a checkpoint prefix" in err and str(tmp_path) in err
     assert (tmp_path / "python3.11" / "os.py").exists()
