@@ -138,8 +138,12 @@ class JobRunner:
             with cm.resuming():  # what is loaded and what the run continues: one save
                 epoch, finished, parent = self._resume(session, cm, resume,
                                                        automatic=self.resume_from_epoch is None)
-                if self._start_run(session, cm, parent):
-                    self._retain(session, cm)  # completes a pass a crash cut short
+                # a pass a crash cut short is completed now, when the run continues the newest
+                # save; going back, what it supersedes stays until the run's first commit
+                head = next(cm.lineage(), None) if self._has_retention() else None
+                at_head = head is not None and (head.epoch, head.generation) == parent
+                if self._start_run(session, cm, parent) and at_head:
+                    self._retain(session, cm)
             if finished:
                 logger.info("Job %r had finished at epoch %d (its stop condition held): no "
                             "epoch to run", job.name, epoch)
@@ -341,6 +345,9 @@ class JobRunner:
         self._notify(session, "saved", outcome.epoch, records=outcome.records)
         if self.options is not None and self.options.has_retention:
             self._retain(session, cm)
+
+    def _has_retention(self) -> bool:
+        return self.options is not None and self.options.has_retention
 
     def _retain(self, session: Session, cm: BaseCheckpointManager) -> None:
         """Apply retention; a failure only leaves unreferenced files (``caffe2ckpt gc``). A

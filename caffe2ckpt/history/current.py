@@ -16,9 +16,13 @@ what retention removes are decided here once:
   or a retention pass costs the same with ten or ten thousand committed epochs. Without a run
   (before the first claim, after :meth:`CurrentRun.end`) nothing read is kept from one call to
   the next: any writer may change the prefix meanwhile, and the family's hint keeps the common
-  lookups at a few requests. The one exception is a resume (:meth:`CurrentRun.resuming`): its
+  lookups at a few requests. The exceptions: a resume (:meth:`CurrentRun.resuming`), whose
   questions (which save an epoch means, whether it is on the lineage, the run's parent) are
-  answered from one reading, so what is loaded and what the new run continues are one save.
+  answered from one reading, so what is loaded and what the new run continues are one save;
+  and a step manager's view (``steady=True``), kept until it is told to read again, as an
+  Orbax ``CheckpointManager`` caches its steps until ``reload()``. A view read before a claim
+  still decides safely after it: the new run's lineage is its parent's ancestry, which never
+  changes, and what the view held as superseded stays superseded.
 * Retention is :func:`~caffe2ckpt.history.retention.plan_retention` on that view, carried out by
   :func:`~caffe2ckpt.history.cleanup.remove_saves`, fenced by the run's generation.
 """
@@ -48,7 +52,8 @@ _UNSET: Any = object()
 class CurrentRun:
     """A writer's run on the family ``nodes`` under ``store`` (see the module docstring)."""
 
-    def __init__(self, store: CheckpointStore, nodes: Iterable[str]) -> None:
+    def __init__(self, store: CheckpointStore, nodes: Iterable[str], *,
+                 steady: bool = False) -> None:
         self.store = store
         self.nodes = frozenset(nodes)
         self.run: runs.Run | None = None
@@ -58,6 +63,7 @@ class CurrentRun:
         self._looked_up: dict[int, Save | None] = {}  # lineage saves by epoch, while held
         self._resolved: Save | None = None  # the last save a lookup gave (for _vouch only)
         self._resuming = False  # inside resuming(): what is read is kept, run or not
+        self._steady = steady  # what is read is kept until forget(), run or not
 
     # -- runs ------------------------------------------------------------------------------------
 
@@ -65,34 +71,37 @@ class CurrentRun:
               ) -> runs.Run:
         """Start a new run from ``parent`` ((epoch, generation) of the committed save it
         resumed from; None: a fresh start, which supersedes the whole history). If claiming
-        fails the error is raised and the next save claims again with the same parent."""
+        fails the error is raised, no run is held, and the next save claims again with the
+        same parent."""
         self.run, self._next_parent = None, parent
-        run = runs.claim(self.store.location, nodes=sorted(self.nodes), parent=parent,
-                         writer=writer)
+        run = self._claim(parent, writer)
+        try:
+            self._vouch(parent, run.generation)
+        except OSError as exc:
+            # that hint may still land later, naming the parent for a run that has saved since:
+            # claim once more, which fences that run and so its late hint
+            logger.debug("cannot write the hint of %s: %s", sorted(self.nodes), exc)
+            run = self._claim(parent, writer)
+            self._vouch(parent, run.generation)  # failing twice: the claim fails
         self.run, self._next_parent, self._last_epoch = run, _UNSET, None
         self._branch(parent)
-        if parent is not None and not self._vouch(parent, run.generation):
-            # a hint PUT that failed may still land later, naming a save older than the run's
-            # own: drop the run, so the next save claims a newer one and that hint is ignored
-            self.run, self._next_parent = None, parent
         return run
 
-    def _vouch(self, parent: tuple[int, int], generation: int) -> bool:
+    def _claim(self, parent: tuple[int, int] | None, writer: dict[str, Any] | None
+               ) -> runs.Run:
+        return runs.claim(self.store.location, nodes=sorted(self.nodes), parent=parent,
+                          writer=writer)
+
+    def _vouch(self, parent: tuple[int, int] | None, generation: int) -> None:
         """Until the new run ``generation`` saves, its parent is the family's newest save:
         say so in the family's hint (on the run's behalf, so the next lookup stays O(1)), when
         this writer knows that save's id. Only a hint: lookups check it, and ask the records
-        when it is not there. False if writing it failed."""
+        when it is not there."""
         known = [self._resolved, *(self._family.saves() if self._family else ())]
         save = next((s for s in known if s is not None and (s.epoch, s.generation) == parent),
                     None)
-        if save is None:
-            return True
-        try:
+        if save is not None:
             self.store.write_hint(sorted(self.nodes), save.epoch, save.save_id, run=generation)
-        except OSError as exc:
-            logger.debug("cannot refresh the hint of %s: %s", sorted(self.nodes), exc)
-            return False
-        return True
 
     def end(self) -> None:
         """The run is over (a new one is about to choose where to resume): forget it and the
@@ -118,7 +127,7 @@ class CurrentRun:
     def _keeps(self) -> bool:
         """Whether what is read now may be kept for the next question (see the module
         docstring)."""
-        return self.run is not None or self._resuming
+        return self.run is not None or self._resuming or self._steady
 
     def set_parent(self, parent: tuple[int, int] | None) -> None:
         """Let the next save start a new run from ``parent`` (a step manager restored it)."""

@@ -126,7 +126,8 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
         self._failed: Exception | None = None  # a background save's error, not raised yet
         # the run this manager saves in, and its family's lineage view (with ``nodes``, known
         # from the start; else from the first save)
-        self._current = None if self._nodes is None else CurrentRun(self._store, self._nodes)
+        self._current = None if self._nodes is None else CurrentRun(self._store, self._nodes,
+                                                                    steady=True)
         self._last_save_time: float | None = None
         self._protected: set[int] = set()
         self._others: dict[int, Save] = {}  # without ``nodes`` and before a save: every family
@@ -265,7 +266,7 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
     def _run_of(self, nodes: list[str]) -> CurrentRun:
         """The run (and lineage view) of the family ``nodes``: this manager's family."""
         if self._current is None or self._current.nodes != frozenset(nodes):
-            self._current = CurrentRun(self._store, nodes)
+            self._current = CurrentRun(self._store, nodes, steady=True)
         return self._current
 
     def _save_node(self, step: int, node: str, blobs: dict[str, np.ndarray],
@@ -303,11 +304,12 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
         retention (a run resumed from it). A background save is waited for first; if it failed,
         its error is raised here only when it was the step asked for, else by the next save,
         :meth:`wait_until_finished` or :meth:`close`."""
+        step = None if step is None else check_epoch(step)
         pending = self._pending
         try:
-            self.wait_until_finished()
+            self._finish_pending()
         except Exception as exc:
-            if pending is None or step is None or check_epoch(step) == pending[0]:
+            if step is None or step == pending[0]:  # type: ignore[index]
                 raise
             self._failed = exc
         if step is None:
@@ -417,6 +419,10 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
         if self._failed is not None:
             failed, self._failed = self._failed, None
             raise failed
+        self._finish_pending()
+
+    def _finish_pending(self) -> None:
+        """Wait for the save in flight, if any; commit it in the cache or raise its error."""
         if self._background is None or self._pending is None:
             return
         step, save_id, current, nodes = self._pending

@@ -282,10 +282,10 @@ def test_a_hint_that_does_not_hold_is_ignored(prefix):
 
 
 @pytest.mark.parametrize("prefix", ["memory", "local"], indirect=True)
-def test_a_run_that_cannot_write_its_hint_is_dropped(prefix):
+def test_a_run_that_cannot_write_its_hint_claims_again(prefix):
     """A run that resumed vouches for its parent in the hint; if that write fails it may still
-    land later, after the run's own saves: the run is dropped and its first save claims a newer
-    one, so such a late hint speaks for a fenced run and is ignored."""
+    land later, after the run's own saves: the run claims once more, so such a late hint
+    speaks for a fenced run and is ignored."""
     from caffe2ckpt.history.scan import newest_save
     from caffe2ckpt.store.layout import HINTS_DIR, hint_name
     from caffe2ckpt.store.protocol import CheckpointStore
@@ -301,7 +301,7 @@ def test_a_run_that_cannot_write_its_hint_is_dropped(prefix):
     assert faulty.failed and runner.resumed_from == 3 and runner.saved_epochs == [4, 5]
     store = CheckpointStore(cm.store.location)
     late = {"nodes": NODES, "epoch": 3, "save_id": cm.save_of(3).save_id,
-            "run": cm.run.generation - 1}  # the dropped run's vouch, landing now
+            "run": cm.run.generation - 1}  # the first claim's vouch, landing now
     store.location.replace_file(store.location.path(HINTS_DIR, hint_name(NODES)),
                                 json.dumps(late).encode())
     assert cm.run.parent == (3, 1) and runs.read_run(store.location, late["run"]).parent == (3, 1)

@@ -9,7 +9,8 @@ Each sequence (one seed) starts on an empty prefix and applies operations chosen
 * ``run``: a ``JobRunner`` training to a limit: automatic resume, an explicit
   ``resume_from_epoch=k`` (a lineage epoch, a superseded one, or one that is not committed and
   must be refused), or a fresh start (``auto_resume=False``); sync or ``async_save=True``; with or
-  without retention (``max_to_keep``/``keep_period``: after a resume and after every commit)
+  without retention (``max_to_keep``/``keep_period``: after every commit, and after a resume
+  of the newest save)
   and a save policy
   (``save_interval_steps``); optionally crashing (a task raises at epoch c: what it committed
   stays);
@@ -503,8 +504,10 @@ class Harness:
         # the claim (at the start of train, also when no epoch runs), then the saves
         start = plan.start
         parent = None if start is None else start.key
+        head = next(iter(model.lineage(fam)), None)
+        at_head = start is not None and head is not None and head.key == start.key
         gen = model.claim(fam, parent)
-        if start is not None:  # a resume applies retention once, before any epoch
+        if at_head:  # a resume of the newest save applies retention once, before any epoch
             model.retain(fam, op.get("keep_last"), op.get("keep_every"), {start.epoch})
         first = 0 if start is None else start.epoch + 1
         ran = [e for e in range(max(first, 1), plan.final + 1) if crash is None or e < crash]

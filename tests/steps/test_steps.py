@@ -237,6 +237,7 @@ def test_restoring_another_step_leaves_a_failed_background_save_to_be_raised_lat
     fs.arm("write", 3, sticky=True)
     assert mgr.save(2, items(2))
     assert_same(mgr.restore(1), items(1))
+    assert_same(mgr.restore(1), items(1))  # the failure is not this step's either
     fs.reset()
     with pytest.raises(CheckpointWriteError, match="epoch 2"):
         mgr.wait_until_finished()
@@ -369,4 +370,22 @@ def test_a_synchronous_save_failure_names_step_and_node(tmp_path, memory_fs, whe
     with pytest.raises(CheckpointWriteError, match=match) as info:
         mgr.save(1, {"trainer_0": {"w": np.ones(2)}})
     assert isinstance(info.value.__cause__, OSError)
+    mgr.close()
+
+
+def test_questions_after_a_restore_read_the_prefix_once(memory_fs):
+    """A step manager keeps its view of the steps until reload(), as Orbax's does: questions
+    after a restore (which starts a new run) read the prefix once, not once per question
+    (found by review: every should_save re-read every record)."""
+    fs = FaultyFileSystem(memory_fs)
+    with StepCheckpointManager("/steady", filesystem=fs, handle_preemption=False) as mgr:
+        for step in range(20):
+            mgr.save(step, items(step))
+    mgr = StepCheckpointManager("/steady", filesystem=fs, handle_preemption=False)
+    mgr.restore(19)
+    fs.reset()
+    for step in range(20, 30):
+        assert mgr.should_save(step) and mgr.latest_step() == 19
+        assert mgr.all_steps() == list(range(20))
+    assert fs.counts["list"] <= 3, fs.ops("list")
     mgr.close()
