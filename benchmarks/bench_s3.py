@@ -239,10 +239,16 @@ class Caffe2Ckpt:
     def prepare(self, epoch):
         self.rsession = self.c2.LocalSession()
         self.rcm = self.c2.MultiNodeCheckpointManager(self.url, storage_options=self.fresh)
+        self.rcm.set_params(nodes=[NODE])
+        self.resume = self.rcm.resuming()  # as JobRunner resumes: init and load, one reading
+        self.resume.__enter__()
         self.rsession.run(self.rcm.init([NODE], retrieve_from_epoch=epoch))
 
     def restore(self, epoch):
-        self.rsession.run(self.rcm.load(epoch))
+        try:
+            self.rsession.run(self.rcm.load(epoch))
+        finally:
+            self.resume.__exit__(None, None, None)
         return self.rsession.workspace(NODE)
 
     def group(self, epoch):

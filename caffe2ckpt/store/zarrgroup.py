@@ -366,13 +366,21 @@ def _copy_target(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     memory of its own, not ``np.empty``, which advises MADV_HUGEPAGE on allocations of 4 MiB
     and more; where the kernel's THP defrag is "madvise" (a common default) the first touch of
     such memory may compact memory synchronously (measured: ~0.5 s of system time per 256 MiB
-    restored from S3 in a process whose heap the HTTP client had fragmented). Local reads keep
-    :func:`aligned_empty`: O_DIRECT into huge pages costs less CPU there."""
+    restored from S3 in a process whose heap the HTTP client had fragmented). Its pages are
+    populated when it is mapped (``MAP_POPULATE``, where the OS has it): one call instead of a
+    page fault per 4 KiB taken by eight copying threads at once (W1 from S3: restore 0.80-0.86x
+    raw faulting, 1.01-1.04x populated, in one run). Local reads keep :func:`aligned_empty`:
+    O_DIRECT into huge pages costs less CPU there."""
     count = math.prod(shape)
     nbytes = count * dtype.itemsize
     if nbytes < (4 << 20):
         return np.empty(shape, dtype)
-    return np.frombuffer(mmap.mmap(-1, nbytes), dtype, count).reshape(shape)
+    if hasattr(mmap, "MAP_POPULATE"):
+        memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+                           | mmap.MAP_POPULATE)
+    else:
+        memory = mmap.mmap(-1, nbytes)
+    return np.frombuffer(memory, dtype, count).reshape(shape)
 
 
 class _Span(NamedTuple):
