@@ -43,7 +43,8 @@ Methods, per repetition (order alternates, new keys every time):
   epoch 0, which also claims the prefix), a new epoch per repetition; restore: a new session and
   manager (on a new s3fs client, ``skip_instance_cache``, as in a new process: nothing cached
   from the save), untimed ``cm.init([node], retrieve_from_epoch=epoch)``, which opens the
-  client's first connections, timed ``cm.load(epoch)``. Raw's client is opened once, untimed.
+  client's first connections, timed ``cm.load(epoch)``; both in one ``cm.resuming()`` block, as
+  ``JobRunner`` resumes (the load uses the save ``init`` found, without looking it up again). Raw's client is opened once, untimed.
 
 One untimed warm-up repetition runs first (``--warmup``; none with ``--smoke``). ``--trace``
 prints every request of caffe2ckpt's last save, restore init and restore in order, with start and
