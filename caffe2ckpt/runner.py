@@ -261,18 +261,24 @@ class JobRunner:
         )
 
     def _still_finished(self, records: dict[str, Any], session: Session) -> bool:
-        """Did the job already stop at the loaded epoch, and does that still hold?"""
+        """Does the job stop at the loaded epoch? Yes if a stop condition that can be checked
+        on the restored workspace holds there (e.g. an epoch limit at or below the loaded
+        epoch, also when the run that saved it allowed more), or if the save met a condition
+        that cannot be checked again."""
+        for cond in self.job.stop_conditions:
+            if cond.still_stopped is not None:
+                try:
+                    if cond.still_stopped(session.workspace(cond.task.node)):
+                        return True
+                except KeyError:  # the blob it reads was not checkpointed: cannot tell
+                    pass
         met = {k for r in records.values() if r.stop for k in r.stop_conditions}
-        if not met:
-            return False
         by_key = {c.key: c for c in self.job.stop_conditions}
-        for key in met:
-            cond = by_key.get(key)
-            if cond is None or cond.still_stopped is None:
-                return True
-            if cond.still_stopped(session.workspace(cond.task.node)):
-                return True
-        logger.info("The checkpoint met its stop condition, but the job now allows more epochs")
+        if any(by_key.get(key) is None or by_key[key].still_stopped is None for key in met):
+            return True
+        if met:
+            logger.info("The checkpoint met its stop condition, but the job now allows more "
+                        "epochs")
         return False
 
     def load_blobs_from_checkpoints(self, blob_names: list[str], epoch: int,

@@ -77,6 +77,19 @@ def test_finished_job_runs_no_epoch_and_larger_limit_continues(prefix, tmp_path_
     assert workspaces(session) == reference(tmp_path_factory, 5)
 
 
+@pytest.mark.parametrize("prefix", ["memory", "local"], indirect=True)
+@pytest.mark.parametrize(("limit", "back_to"), [(10, 10), (9, 9), (8, 9)])
+def test_going_back_to_an_epoch_at_or_past_the_limit_trains_nothing(prefix, limit, back_to):
+    """A run never goes past its epochs, also when the save it goes back to was not its
+    job's last (a longer run wrote it): it stops at the loaded epoch, saving nothing
+    (issue 21, item 1: resuming from 9 with epochs=9 trained epoch 10)."""
+    run(prefix, 12)
+    cm = MultiNodeCheckpointManager(prefix)
+    runner = JobRunner(build_job(limit), cm, resume_from_epoch=back_to)
+    assert runner.train(LocalSession()) == back_to
+    assert runner.resumed_from == back_to and runner.saved_epochs == []
+
+
 def test_records_carry_stop_decision_and_writer(prefix):
     runner, _, _ = run(prefix, 2)
     location = runner.checkpoint_manager.store.location

@@ -335,8 +335,9 @@ def plan_run(model: Model, op: dict[str, Any]) -> RunPlan:
         start = model.save_of(fam, op["epoch"])
         if start is None:
             return RunPlan(error=CheckpointNotFoundError)
-    finished = start.stop and start.epoch >= limit  # epoch_limiter's count is the epoch
-    final = start.epoch if finished else max(limit, start.epoch + 1)
+    # epoch_limiter's count is the epoch: a resume at or past the limit runs no epoch
+    finished = start.epoch >= limit
+    final = start.epoch if finished else limit
     return RunPlan(start=start, final=final, finished=finished)
 
 
