@@ -275,9 +275,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default: ``sys.argv[1:]``); return the exit code."""
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
     except SystemExit as exc:  # --help, --version, or a usage error (exit 2)
         return int(exc.code or 0)
+    if extra:  # named with its command, not after the whole program's usage
+        hint = (f": an epoch is given as --epoch {extra[0]}"
+                if extra[0].isdigit() and args.command in ("show", "verify") else "")
+        return _usage(args, f"unrecognized arguments: {' '.join(extra)}{hint}")
     if args.command == "gc":
         if args.keep_best is not None and not args.metric:
             return _usage(args, "--keep-best needs --metric NAME (the metric to rank by)")

@@ -535,6 +535,9 @@ def test_diff_of_identical_epochs_and_of_damaged_data(tree, capsys):
     (["ls", "P", "--storage-options", "{bad"], "--storage-options: not valid JSON"),
     (["--storage-options", "[1]", "ls", "P"], "must be a JSON object"),
     (["ls", "foo://x"], "Protocol not known: foo"),
+    (["show", "P", "999"], "caffe2ckpt show: error: unrecognized arguments: 999: an epoch is "
+                           "given as --epoch 999"),
+    (["ls", "P", "--bogus"], "caffe2ckpt ls: error: unrecognized arguments: --bogus"),
 ])
 def test_wrong_arguments_exit_2_with_a_message(memory_fs, capsys, argv, message):
     tree = "memory://wrong-args"
@@ -544,6 +547,8 @@ def test_wrong_arguments_exit_2_with_a_message(memory_fs, capsys, argv, message)
     code, out, err = run(capsys, *argv)
     assert code == 2, (out, err)
     assert message in err and "Traceback" not in err
+    if argv and argv[0] in ("ls", "show", "verify", "gc", "diff"):  # the command's usage only
+        assert "COMMAND ..." not in err, err
     assert files(tree) == before
 
 
