@@ -6,6 +6,7 @@ instead of starting a temporary server of its own."""
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -21,13 +22,19 @@ REPO = Path(__file__).resolve().parents[2]
 
 def python_blocks() -> dict[str, str]:
     """``{"<section heading> #<n>": code}`` for every ```python block, numbered per section."""
+    return readme_blocks("python")
+
+
+def readme_blocks(language: str) -> dict[str, str]:
+    """``{"<section heading> #<n>": code}`` for every ```<language> block, numbered per
+    section."""
     blocks: dict[str, str] = {}
     section = "(top)"
     lines = iter((REPO / "README.md").read_text().splitlines())
     for line in lines:
         if line.startswith("#"):
             section = line.lstrip("#").strip()
-        elif line.strip() == "```python":
+        elif line.strip() == f"```{language}":
             code = []
             for body in lines:
                 if body.strip() == "```":
@@ -78,3 +85,20 @@ def test_readme_python_block_runs_as_written(name, tmp_path):
     noise = [line for line in (out.stdout + out.stderr).splitlines()
              if "ERROR" in line or "Traceback" in line]
     assert not noise, f"README block {name!r} succeeded but printed errors: {noise}"
+
+
+def test_the_command_line_block_runs_in_order(tmp_path):
+    """The README's ``caffe2ckpt`` lines, top to bottom, on what the first command leaves
+    (the S3 line needs a bucket and is left out): each exits 0 (before, ``gc --yes`` deleted
+    the epochs the next line compared)."""
+    regression_checkpoints(tmp_path)
+    block = readme_blocks("bash")["Command line #1"]
+    lines = [line.split("#")[0].strip() for line in block.splitlines()]
+    commands = [line for line in lines if line.startswith("caffe2ckpt ") and "s3://" not in line]
+    assert len(commands) >= 7, commands
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for line in commands:
+        out = subprocess.run([sys.executable, "-m", "caffe2ckpt.cli", *shlex.split(line)[1:]],
+                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+                             check=False)
+        assert out.returncode == 0, f"{line!r} exited {out.returncode}:\n{out.stderr}"
