@@ -226,15 +226,21 @@ def test_async_saves_commit_in_the_background_and_report_errors(prefix):
 
 
 
-def test_restoring_another_step_leaves_a_failed_background_save_to_be_raised_later(memory_fs):
-    """restore(k) waits for the save in flight, but that save's failure is its own error:
-    raised by restore only for that step, else once by the next wait (found by review)."""
+def step_1_then_failing_writes(memory_fs) -> tuple[FaultyFileSystem, StepCheckpointManager]:
+    """An async manager with step 1 committed, and every write from the third on failing."""
     fs = FaultyFileSystem(memory_fs)
     mgr = StepCheckpointManager("/async", filesystem=fs, handle_preemption=False,
                                 options=StepManagerOptions(enable_async_checkpointing=True))
     mgr.save(1, items(1))
     mgr.wait_until_finished()
     fs.arm("write", 3, sticky=True)
+    return fs, mgr
+
+
+def test_restoring_another_step_leaves_a_failed_background_save_to_be_raised_later(memory_fs):
+    """restore(k) waits for the save in flight, but that save's failure is its own error:
+    raised by restore only for that step, else once by the next wait (found by review)."""
+    fs, mgr = step_1_then_failing_writes(memory_fs)
     assert mgr.save(2, items(2))
     assert_same(mgr.restore(1), items(1))
     assert_same(mgr.restore(1), items(1))  # the failure is not this step's either
@@ -247,12 +253,7 @@ def test_restoring_another_step_leaves_a_failed_background_save_to_be_raised_lat
 
 
 def test_a_failed_background_save_is_raised_once_and_commits_nothing(memory_fs):
-    fs = FaultyFileSystem(memory_fs)
-    mgr = StepCheckpointManager("/async", filesystem=fs, handle_preemption=False,
-                                options=StepManagerOptions(enable_async_checkpointing=True))
-    mgr.save(1, items(1))
-    mgr.wait_until_finished()
-    fs.arm("write", 3, sticky=True)
+    fs, mgr = step_1_then_failing_writes(memory_fs)
     assert mgr.save(2, items(2))  # returns after the snapshot; the writes fail later
     with pytest.raises(CheckpointWriteError, match="epoch 2") as err:
         mgr.wait_until_finished()
