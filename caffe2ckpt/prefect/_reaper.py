@@ -1,8 +1,11 @@
 """``python -I -S _reaper.py``: stop processes when the process that started us dies.
 
 Reads process ids from stdin, one per line. A ``release`` line ends it without stopping anything
-(the parent stopped them itself). End of input without it means the parent is gone: each process
-gets SIGTERM, and SIGKILL if it is still there after a grace period.
+(the parent stopped them itself). End of input without it means the parent is gone: after a
+short pause (the server records what the parent sent last) each process gets SIGKILL. Not
+SIGTERM: a server told to shut down cancels its services mid-write, and each of them prints an
+ERROR traceback ("Error flushing 1 events") into the terminal the parent was started from, after
+the user's prompt is back. Its SQLite database survives a kill like any crash.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import signal
 import sys
 import time
 
-GRACE_SECONDS = 10.0
+SETTLE_SECONDS = 2.0
 
 
 def _alive(pid: int) -> bool:
@@ -42,11 +45,8 @@ def main() -> int:
             return 0
         if word.isdigit() and int(word) > 1:
             pids.add(int(word))
-    _signal(pids, signal.SIGTERM)
-    deadline = time.monotonic() + GRACE_SECONDS
-    while (alive := {p for p in pids if _alive(p)}) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    _signal(alive, signal.SIGKILL)
+    time.sleep(SETTLE_SECONDS)
+    _signal({p for p in pids if _alive(p)}, signal.SIGKILL)
     return 0
 
 

@@ -1,12 +1,14 @@
 """Flow runs whose process is gone: run without a deployment, killed, and left *Running*.
 
-A deployment's run has a worker (and the crash-retry automation) to notice that its process
-died. A flow called directly (``python flows/regression.py``) has nobody: killed with SIGKILL,
-it stays *Running* in the UI forever. So :func:`run_job` notes in each such run which process
-runs it (``infrastructure_pid`` = ``<host>:<pid>``, the field workers fill for theirs), and the
-next run of the same flow on the same host marks every *Running* run whose process no longer
-exists *Crashed*. Runs on other hosts are left alone (their processes cannot be checked from
-here); so is a run whose process id was reused by a live process (it stays *Running*).
+A deployment's run has a worker (and the crash-retry automation) to notice that its process died. A
+flow called directly (``python flows/regression.py``) has nobody: killed with SIGKILL, it stays
+*Running* in the UI forever. So :func:`run_job` notes in each such run which process runs it
+(``infrastructure_pid`` = ``<host>:<pid>``, the field workers fill for theirs), and the next run of
+the same flow on the same host marks every *Running* run whose process no longer exists *Crashed*,
+with its task runs that never finished (submitted or running at the kill; the ones never started
+keep Prefect's generic names, ``epoch_group-1de``). Runs on other hosts are left alone (their
+processes cannot be checked from here); so is a run whose process id was reused by a live process
+(it stays *Running*).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from typing import Any
 
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import (
@@ -24,8 +27,11 @@ from prefect.client.schemas.filters import (
     FlowRunFilterId,
     FlowRunFilterState,
     FlowRunFilterStateType,
+    TaskRunFilter,
+    TaskRunFilterState,
+    TaskRunFilterStateType,
 )
-from prefect.client.schemas.objects import StateType
+from prefect.client.schemas.objects import TERMINAL_STATES, StateType
 from prefect.runtime import deployment, flow_run
 from prefect.states import Crashed
 
@@ -79,7 +85,23 @@ def claim_and_sweep() -> list[str]:
             message = (f"caffe2ckpt: the process that ran this flow run ({run.infrastructure_pid})"
                        f" is gone; marked Crashed by flow run {flow_run.name} ({flow_run.id})")
             client.set_flow_run_state(run.id, Crashed(message=message), force=True)
+            tasks = _crash_unfinished_tasks(client, run.id, message)
             logger.warning("flow run %s (%s) was left Running by process %s, which is gone: "
-                           "marked it Crashed", run.name, run.id, run.infrastructure_pid)
+                           "marked it and %d unfinished task run(s) Crashed", run.name, run.id,
+                           run.infrastructure_pid, tasks)
             crashed.append(run.name)
     return crashed
+
+
+def _crash_unfinished_tasks(client: Any, run_id: Any, message: str) -> int:
+    """Mark the task runs of flow run ``run_id`` that are not in a final state *Crashed*."""
+    unfinished = TaskRunFilter(state=TaskRunFilterState(type=TaskRunFilterStateType(
+        any_=[t for t in StateType if t not in TERMINAL_STATES])))
+    done: set[Any] = set()
+    while tasks := [t for t in client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])),
+            task_run_filter=unfinished, limit=200) if t.id not in done]:
+        for task_run in tasks:  # pages of 200: each one marked leaves the filter
+            client.set_task_run_state(task_run.id, Crashed(message=message), force=True)
+            done.add(task_run.id)
+    return len(done)

@@ -1,7 +1,8 @@
-"""``kill -9`` of ``python flows/regression.py``: its temporary Prefect server goes with it, and
-the next run of the flow marks the killed run *Crashed* (it would show *Running* forever). That
-next run, a successful one of 100 epochs, logs no error (no telemetry, database-lock or flush
-errors) and leaves every one of its task runs recorded as finished."""
+"""``kill -9`` of ``python flows/regression.py``: its temporary Prefect server goes with it,
+silently, and the next run of the flow marks the killed run and its unfinished task runs
+*Crashed* (they would show *Running* or *Pending* forever). That next run, a successful one of
+100 epochs, logs no error (no telemetry, database-lock or flush errors) and leaves every one of
+its task runs recorded as finished."""
 
 from __future__ import annotations
 
@@ -75,12 +76,18 @@ def test_kill_9_stops_the_temporary_server_and_the_next_run_marks_the_run_crashe
         assert len(servers) == 1, [p.cmdline() for p in psutil.Process(first.pid).children()]
         os.kill(first.pid, signal.SIGKILL)
         first.wait(timeout=10)
+        at_kill = (tmp_path / "first.log").stat().st_size
         gone, alive = psutil.wait_procs(servers, timeout=30)
         assert not alive, f"the temporary server {servers[0].pid} outlived its killed parent"
     finally:
         stop_tree(first)
+    # the dying server writes to the user's terminal: nothing, once its parent is gone
+    after_kill = (tmp_path / "first.log").read_bytes()[at_kill:].decode(errors="replace")
+    assert after_kill == "", after_kill
     killed = f"{socket.gethostname()}:{first.pid}"
     assert runs(tmp_path)[killed][0] == "RUNNING"  # what the UI showed, forever
+    unfinished = sum(n for state, n in task_run_states(tmp_path, killed).items()
+                     if state not in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"))
 
     # enough epochs that the server's task-run recorder lags behind the flow at its end
     second = start(tmp_path, tmp_path / "other", SECOND_EPOCHS, "second.log")
@@ -91,6 +98,10 @@ def test_kill_9_stops_the_temporary_server_and_the_next_run_marks_the_run_crashe
     log = (tmp_path / "second.log").read_text()
     state, message = runs(tmp_path)[killed]
     assert state == "CRASHED" and killed in message, (state, message)
+    # its task runs that never finished (submitted or running at the kill) are Crashed too
+    left = task_run_states(tmp_path, killed)
+    assert set(left) <= {"COMPLETED", "CRASHED"}, left
+    assert left.get("CRASHED", 0) == unfinished, (left, unfinished)
     assert f"left Running by process {killed}, which is gone" in log
     assert "ERROR" not in log and "Traceback" not in log and "Error" not in log, log
     assert runs(tmp_path)[f"{socket.gethostname()}:{second.pid}"][0] == "COMPLETED"
