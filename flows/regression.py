@@ -22,6 +22,7 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 from caffe2ckpt.prefect import (  # before prefect: routes caffe2ckpt logs
     PrefectSession,
     plan_run,
+    planned_failures,
     run_job,
     temporary_server,
 )
@@ -30,7 +31,7 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from caffe2ckpt import MultiNodeCheckpointManager
-from caffe2ckpt.example import build_job, epoch_number, node_names, positive_int
+from caffe2ckpt.example import InjectedFailure, build_job, epoch_number, node_names, positive_int
 from caffe2ckpt.metadata import ZarrMetadataHandler
 
 
@@ -118,8 +119,9 @@ if __name__ == "__main__":
             parser.error(f"--fail-at-epoch (the failure demo) does not take {', '.join(given)}")
     with temporary_server():  # without PREFECT_API_URL: Prefect's, but it dies with us
         if args.fail_at_epoch is not None:
-            final = regression_failure_demo(args.fail_at_epoch, args.checkpoint_url,
-                                            args.epochs, args.nodes)
+            with planned_failures(InjectedFailure):  # one WARNING, not ERRORs and tracebacks
+                final = regression_failure_demo(args.fail_at_epoch, args.checkpoint_url,
+                                                args.epochs, args.nodes)
         else:
             final = regression(args.checkpoint_url, args.epochs, args.nodes,
                                epochs_per_run=args.epochs_per_run,

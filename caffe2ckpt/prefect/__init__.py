@@ -5,7 +5,8 @@
 - :func:`plan_run` says where a flow run starts and where it stops (e.g. N more epochs per run);
 - :class:`CheckpointArtifacts` keeps the checkpoint table, progress and summary artifacts;
 - :func:`create_crash_retry_automation` re-schedules crashed runs of a deployment;
-- :func:`temporary_server` runs a block on Prefect's temporary server, stopped even on SIGKILL.
+- :func:`temporary_server` runs a block on Prefect's temporary server, stopped even on SIGKILL;
+- :func:`planned_failures` logs a planned failure (a demo, a drill) as one WARNING.
 
 Importing this package makes caffe2ckpt's own log lines flow run logs (whichever of prefect and
 this package is imported first) and turns off the analytics of a temporary server started from
@@ -26,6 +27,7 @@ from caffe2ckpt.prefect.flow import (  # noqa: E402
     run_job,
 )
 from caffe2ckpt.prefect.localserver import temporary_server  # noqa: E402
+from caffe2ckpt.prefect.planned import planned_failures  # noqa: E402
 from caffe2ckpt.prefect.session import PrefectSession, in_flow_run  # noqa: E402
 
 __all__ = [
@@ -37,6 +39,7 @@ __all__ = [
     "create_crash_retry_automation",
     "in_flow_run",
     "plan_run",
+    "planned_failures",
     "run_job",
     "temporary_server",
 ]

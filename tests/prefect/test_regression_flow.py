@@ -112,6 +112,13 @@ def test_command_line_options_and_the_failure_demo(tmp_path):
 
     out = run("--epochs", "3", "--fail-at-epoch", "2")
     assert out.returncode == 0 and "final epoch: 3" in out.stdout, out.stderr
+    # the planned failure reads as one: a WARNING naming it and the retry, no ERROR, no traceback
+    log = out.stdout + out.stderr
+    assert "ERROR" not in log and "Traceback" not in log, log
+    warnings = [line for line in log.splitlines() if "WARNING" in line]
+    assert len(warnings) == 1, warnings
+    assert ("Planned failure (InjectedFailure: injected failure on trainer_0 in epoch 2); "
+            "Prefect retries the flow run: attempt 2 of 3") in warnings[0], warnings
     saves = lineage(url, NODES[:1])
     assert [s.epoch for s in saves] == [3, 2, 1, 0]
     assert {writer(s)["flow_name"] for s in saves} == {"regression-failure-demo"}
