@@ -49,8 +49,14 @@ def die_before_commit(marker: str, node: str = "trainer_1", epoch: int = 3) -> N
     protocol.write_record = dying
 
 
-def undo_die_before_commit() -> None:
-    """Run on every worker: undo :func:`die_before_commit` (on the workers it did not kill)."""
+def _undo_die_before_commit() -> None:
     from caffe2ckpt.store import protocol
 
     protocol.write_record = getattr(protocol.write_record, "original", protocol.write_record)
+
+
+def undo_die_before_commit(client) -> None:
+    """Undo :func:`die_before_commit` on the workers it did not kill. The killed one may still be
+    on the scheduler's list, its connection reset ("Connection reset by peer" failed a test):
+    errors are ignored, and its restarted process never had the patch."""
+    client.run(_undo_die_before_commit, on_error="ignore")

@@ -225,7 +225,7 @@ def test_a_node_lost_in_the_final_save_fails_train_and_a_new_session_resumes(
         assert runner.saved_epochs == [0, 1, 2]
         assert newest_epoch(CheckpointStore(Location(url)), NODES) == 2
     finally:
-        dask_client.run(undo_die_before_commit)  # the worker that was not killed
+        undo_die_before_commit(dask_client)
     dask_client.wait_for_workers(2, timeout=60)
     with DaskSession(dask_client) as session:  # a new session resumes from the newest commit
         runner = JobRunner(build_job(3), MultiNodeCheckpointManager(url, async_save=async_save))
@@ -365,5 +365,5 @@ def test_a_node_lost_beside_another_nodes_save_failure_is_what_train_raises(
         assert info.value.node == "trainer_1" and not marker.exists()
         assert runner.saved_epochs == [0, 1, 2] and runner.failed_saves == [3]
     finally:
-        dask_client.run(undo_die_before_commit)  # the worker that was not killed
+        undo_die_before_commit(dask_client)
     dask_client.wait_for_workers(2, timeout=60)

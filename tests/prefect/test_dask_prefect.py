@@ -150,7 +150,7 @@ def test_a_killed_worker_fails_the_attempt_and_the_retry_resumes(tmp_path, dask_
     store = CheckpointStore(Location(url))
     assert newest_epoch(store, NODES) == 5
     if where == "mid-save":
-        dask_client.run(undo_die_before_commit)  # the worker that was not killed
+        undo_die_before_commit(dask_client)
 
 
 def test_a_node_lost_in_the_final_save_fails_the_flow_run_and_the_retry_resumes(tmp_path,
@@ -178,7 +178,7 @@ def test_a_node_lost_in_the_final_save_fails_the_flow_run_and_the_retry_resumes(
     try:
         state = retrying(return_state=True)
     finally:
-        dask_client.run(undo_die_before_commit)  # the worker that was not killed
+        undo_die_before_commit(dask_client)
     assert not marker.exists()  # the kill happened
     assert len(attempts) == 1 and "NodeLostError" in attempts[0][1], attempts
     assert "trainer_1" in attempts[0][1], attempts
