@@ -148,6 +148,12 @@ class Location:
         """The filesystem path of ``parts`` under the prefix."""
         return posixpath.join(self.root, *parts)
 
+    @property
+    def canonical_url(self) -> str:
+        """The prefix as one URL whatever form it was given in (a relative path, ``file://``,
+        a trailing slash): the filesystem's protocol and the prefix's path on it."""
+        return self.fs.unstrip_protocol(self.root)
+
     def display(self, *parts: str) -> str:
         """A user-facing URL for ``parts`` under the prefix, or for one filesystem path under
         it (for messages and artifacts)."""

@@ -31,10 +31,11 @@ from prefect.utilities.urls import url_for
 from caffe2ckpt.store.records import CommitRecord
 from caffe2ckpt.units import human_bytes
 
-__all__ = ["COLUMNS", "checkpoint_row", "checkpoint_table", "epoch_ranges", "failed_row",
+__all__ = ["COLUMNS", "COMMITTED", "DELETED", "SUPERSEDED", "checkpoint_row", "checkpoint_table", "epoch_ranges", "failed_row",
            "format_metric", "md_text", "run_id", "run_link", "writer_cell"]
 
 COLUMNS = ["epoch", "status", "nodes", "bytes", "seconds", "MB/s", "written by", "path"]
+COMMITTED, SUPERSEDED, DELETED = "committed", "superseded", "deleted (retention)"  # statuses
 METRICS_AFTER = "status"  # metric columns go right after this one
 _MARKDOWN = re.compile(r"([\\`*\[\]<>|#])")  # links, images, HTML, code, emphasis, tables
 _SPACE = re.compile(r"[\x00-\x1f\x7f-\x9f\s\u200b-\u200f\u202a-\u202e\u2060-\u206f\ufeff]+")
@@ -131,6 +132,18 @@ def epoch_ranges(epochs: Iterable[int]) -> str:
 
 # -- rows --------------------------------------------------------------------------------------
 
+def _mean_metrics(records: Mapping[str, CommitRecord]) -> dict[str, float]:
+    """Each metric's mean over the nodes that report it (for charts); NaN if any is NaN."""
+    by_name: dict[str, list[float]] = {}
+    for record in records.values():
+        for name, value in (getattr(record, "metrics", None) or {}).items():
+            try:
+                by_name.setdefault(str(name), []).append(float(value))
+            except (TypeError, ValueError):  # a hand-written record: not a number
+                continue
+    return {name: math.fsum(values) / len(values) for name, values in by_name.items()}
+
+
 def _epoch_metrics(records: Mapping[str, CommitRecord]) -> dict[str, str]:
     """One text per metric name; nodes that disagree are listed as ``node: value``."""
     by_name: dict[str, dict[str, str]] = {}
@@ -144,15 +157,17 @@ def _epoch_metrics(records: Mapping[str, CommitRecord]) -> dict[str, str]:
 
 def checkpoint_row(epoch: int, records: Mapping[str, CommitRecord],
                    this_run: str | None = None) -> dict[str, Any]:
-    """The table row of a committed epoch, as seen by flow run ``this_run`` (its metrics under
-    ``"metrics"``, the writer's record under ``"writer"``: neither is a column)."""
+    """The table row of a committed epoch, as seen by flow run ``this_run`` (its metrics as
+    text under ``"metrics"`` and as numbers under ``"values"``, the writer's record under
+    ``"writer"``: none is a column)."""
     nbytes = sum(r.nbytes for r in records.values())
     seconds = max((r.seconds for r in records.values()), default=0.0)
     writer = _writer(records)
     return {
         "epoch": epoch,
-        "status": "committed",
+        "status": COMMITTED,
         "metrics": _epoch_metrics(records),
+        "values": _mean_metrics(records),
         "writer": writer,
         "nodes": ", ".join(sorted(records)),
         "bytes": human_bytes(nbytes),
@@ -165,8 +180,8 @@ def checkpoint_row(epoch: int, records: Mapping[str, CommitRecord],
 
 def failed_row(epoch: int, error: str | None) -> dict[str, Any]:
     """The row of a save that failed."""
-    return {c: "" for c in COLUMNS} | {"epoch": epoch, "status": f"FAILED: {error}",
-                                       "metrics": {}, "writer": None}
+    return {c: "" for c in COLUMNS} | {"epoch": epoch, "status": f"FAILED: {_plain(error, 120)}",
+                                       "metrics": {}, "values": {}, "writer": None}
 
 
 def checkpoint_table(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -23,6 +23,7 @@ import yaml
 from caffe2ckpt import JobRunner, LocalSession, MultiNodeCheckpointManager
 from caffe2ckpt.example import build_job
 from caffe2ckpt.fs.location import Location
+from caffe2ckpt.prefect import artifact_key
 from caffe2ckpt.store.protocol import CheckpointStore
 from caffe2ckpt.store.records import list_records, read_record
 from tests.procs import stop_tree
@@ -206,7 +207,10 @@ def test_deploy_kill_and_automatic_retry(server, tmp_path):
                 if "Resuming from epoch" in log["message"] and run_id in log["message"]]
 
     # the flow process may send its last log batch after the run is already Completed
-    wait_for(resumed, 60, "the retry's 'Resuming from epoch ... <flow run id>' log line")
+    try:
+        wait_for(resumed, 60, "the retry's 'Resuming from epoch ... <flow run id>' log line")
+    except AssertionError as exc:  # say whether the flow process logged it and what went wrong
+        raise AssertionError(f"{exc}\n{_log_evidence(tmp_path)}") from None
     def task_runs(name_filter: dict) -> set[str]:  # a run has more task runs than one page
         found = post(api, "/task_runs/filter", {"flow_runs": {"id": {"any_": [run_id]}},
                                                 "task_runs": {"name": name_filter}})
@@ -217,9 +221,26 @@ def test_deploy_kill_and_automatic_retry(server, tmp_path):
     wait_for(lambda: task_runs({"any_": sorted(final)}) == final, 60, f"task runs {final}")
     assert task_runs({"like_": "checkpoint_load[trainer_0]"})
     artifacts = post(api, "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [run_id]}}})
-    keyed = [a for a in artifacts if a["key"]]
-    assert sorted(a["key"] for a in keyed) == [
-        "regression-checkpoints", "regression-progress", "regression-summary"]
-    table = json.loads(next(a for a in keyed if a["key"] == "regression-checkpoints")["data"])
-    assert [row["epoch"] for row in table] == list(range(EPOCHS + 1))
+    keys = {what: artifact_key("regression", what, location.canonical_url)
+            for what in ("checkpoints", "progress", "summary")}
+    keyed = {a["key"]: a for a in artifacts if a["key"]}
+    assert sorted(keyed) == sorted(keys.values())
+    table = json.loads(keyed[keys["checkpoints"]]["data"])
+    assert [row["epoch"] for row in table] == list(range(EPOCHS, -1, -1))  # newest first
     assert np.all([row["status"] == "committed" for row in table])
+    # the summary says why attempt 2 ran: attempt 1 crashed, the automation put it back
+    summary = keyed[keys["summary"]]["data"]
+    assert "a retry: attempt 1 ended **Crashed**" in summary, summary
+    assert "put back by: caffe2ckpt: retrying a crashed run" in summary, summary
+
+
+def _log_evidence(tmp_path: Path) -> str:
+    """The worker's and the server's lines that tell a lost log batch from a line never
+    logged: the flow processes' console output reaches the worker's log."""
+    wanted = ("Resuming from epoch", "Error logging to API", "ERROR", "locked", "Traceback")
+    parts = []
+    for name in ("worker.log", "server.log"):
+        lines = (tmp_path / name).read_text(errors="replace").splitlines()
+        parts.append(f"--- {name} ({len(lines)} lines), matching {wanted}:")
+        parts += [line for line in lines if any(w in line for w in wanted)][-40:]
+    return "\n".join(parts)

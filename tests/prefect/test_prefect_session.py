@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from typing import Any
 from uuid import UUID
 
@@ -22,6 +23,7 @@ from prefect.settings import PREFECT_UI_URL
 
 from caffe2ckpt import Job, JobRunner, LocalSession, MultiNodeCheckpointManager, Node, Task
 from caffe2ckpt.example import build_job
+from caffe2ckpt.fs.location import Location
 from caffe2ckpt.job import epoch_limiter
 from caffe2ckpt.metadata import ZarrMetadataHandler
 from caffe2ckpt.prefect import AttemptLimitExceeded, PrefectSession, artifact_key, run_job
@@ -133,16 +135,21 @@ def test_retry_resumes_from_last_committed_epoch_bit_identical(tmp_path, client)
     for artifact in artifacts:
         if artifact.key is not None:  # key-less ones are Prefect's own (persisted results)
             by_key.setdefault(artifact.key, []).append(artifact)
-    keys = {artifact_key("regression", k) for k in ("checkpoints", "progress", "summary")}
+    keys = {key_of("regression", k, url) for k in ("checkpoints", "progress", "summary")}
     assert set(by_key) == keys and all(len(v) == 1 for v in by_key.values())
-    rows = json.loads(by_key["regression-checkpoints"][0].data)
+    rows = json.loads(by_key[key_of("regression", "checkpoints", url)][0].data)[::-1]
     assert [r["epoch"] for r in rows] == [0, 1, 2, 3, 4, 5]
     assert all(r["status"] == "committed" and r["nodes"] == "trainer_0, trainer_1" for r in rows)
     # a retry is the same flow run: its first attempt's epochs are this run's too
     assert [r["written by"] for r in rows] == ["this run, attempt 1"] * 3 + ["this run, attempt 2"] * 3
     assert [r["path"] for r in rows] == [f"trainer_0.{e}, trainer_1.{e}" for e in range(6)]
-    assert by_key["regression-progress"][0].data == 100.0
-    summary = by_key["regression-summary"][0].data
+    progress = by_key[key_of("regression", "progress", url)][0]
+    assert progress.data == 100.0 and progress.description == "Job 'regression': Epoch 5 of 5 (finished)"
+    summary = by_key[key_of("regression", "summary", url)][0].data
+    # why attempt 2 ran: Prefect's retry after the first attempt failed in epoch 3
+    assert ("- **Attempt 2** of this flow run, a retry: attempt 1 **failed** (Flow run "
+            "encountered an exception: InjectedFailure: injected failure on trainer_0 in epoch 3)"
+            " and Prefect retried the flow run\n" in summary), summary
     assert "Resumed** from epoch 2, written by this run, attempt 1\n" in summary
     assert "Finished at epoch **5**" in summary
     assert "- this run, attempt 1: epochs 0-2\n- this run, attempt 2: epochs 3-5" in summary
@@ -164,16 +171,17 @@ def test_a_resuming_flow_run_shows_which_run_wrote_each_epoch(tmp_path, client, 
     second, _ = resumable.with_options(flow_run_name="second-run")(5)  # resumes at 3: 4, 5
     assert first_name == name
 
-    rows = read_table(client, first, "regression-checkpoints")
+    key = key_of("regression", "checkpoints", url)
+    rows = read_table(client, first, key)
     assert [r["written by"] for r in rows] == ["this run, attempt 1"] * 4
-    rows = read_table(client, second, "regression-checkpoints")
+    rows = read_table(client, second, key)
     assert [r["epoch"] for r in rows] == [0, 1, 2, 3, 4, 5]
     assert [r["written by"] for r in rows] == (
         [f"{shown} ({first[:8]}), attempt 1"] * 4 + ["this run, attempt 1"] * 2)
 
     summaries = client.read_artifacts(artifact_filter=ArtifactFilter(
         flow_run_id=ArtifactFilterFlowRunId(any_=[UUID(second)])))
-    summary = next(a.data for a in summaries if a.key == "regression-summary")
+    summary = next(a.data for a in summaries if a.key == key_of("regression", "summary", url))
     link = f"[{shown} ({first[:8]})]({PREFECT_UI_URL.value()}/runs/flow-run/{first})"
     assert f"- **Resumed** from epoch 3, written by {link}, attempt 1\n" in summary
     assert (f"- This run: [second-run ({second[:8]})]({PREFECT_UI_URL.value()}/runs/flow-run/"
@@ -300,12 +308,19 @@ def metrics_job(epochs: int) -> Job:
     return job
 
 
+def key_of(job: str, what: str, url: str) -> str:
+    return artifact_key(job, what, Location(url).canonical_url)
+
+
 def read_table(client, run_id: str, key: str) -> list[dict]:
+    """The checkpoint table artifact ``key`` of the flow run, oldest epoch first."""
     artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
         flow_run_id=ArtifactFilterFlowRunId(any_=[UUID(run_id)])))
     found = [a for a in artifacts if a.key == key]
-    assert len(found) == 1
-    return json.loads(found[0].data)
+    assert len(found) == 1, [a.key for a in artifacts]
+    rows = json.loads(found[0].data)
+    assert [r["epoch"] for r in rows] == sorted((r["epoch"] for r in rows), reverse=True)
+    return rows[::-1]  # the table is newest first
 
 
 @ON_LOCAL_DISK
@@ -317,7 +332,7 @@ def test_checkpoint_table_artifact_shows_the_metrics_of_each_save(prefix, client
         JobRunner(metrics_job(3), MultiNodeCheckpointManager(prefix)).train(session)
         return flow_run.id
 
-    rows = read_table(client, with_metrics(), artifact_key("metrics job", "checkpoints"))
+    rows = read_table(client, with_metrics(), key_of("metrics job", "checkpoints", prefix))
     assert [r["epoch"] for r in rows] == [0, 1, 2, 3]
     assert [(r["loss"], r["lr"]) for r in rows] == [
         ("", ""), ("1", "0.1"), ("NaN", "0.1"), ("0.3333", "0.1")]
@@ -336,7 +351,8 @@ def test_throttled_artifacts_reach_the_server_when_the_flow_fails(tmp_path, clie
     state = failing(return_state=True)
     assert state.is_failed()
     # no "finished" event and a long interval: the failing task run uploads epochs 1-3
-    rows = read_table(client, str(state.state_details.flow_run_id), "regression-checkpoints")
+    rows = read_table(client, str(state.state_details.flow_run_id),
+                      key_of("regression", "checkpoints", url))
     assert [r["epoch"] for r in rows] == [0, 1, 2, 3]
     assert [r["loss"] != "" for r in rows] == [False, True, True, True]
 
@@ -346,12 +362,12 @@ def test_throttled_table_is_uploaded_while_the_next_epoch_runs(tmp_path, client)
 
     @flow(name="slow-last-epoch")
     def slow_last_epoch() -> None:
-        run_id = flow_run.id
+        run_id, url = flow_run.id, str(tmp_path / "ckpt")
 
         def step(ws):  # epochs 1-3 take no time; epoch 4 waits for the timer's upload
             ws["e"] = ws["e"] + 1
             if int(ws["e"]) == 4:
-                rows = poll(lambda: read_table(client, run_id, "slow-checkpoints"),
+                rows = poll(lambda: read_table(client, run_id, key_of("slow", "checkpoints", url)),
                             lambda rs: len(rs) == 4, timeout=15)
                 seen.append([r["epoch"] for r in rows])
 
@@ -361,8 +377,7 @@ def test_throttled_table_is_uploaded_while_the_next_epoch_runs(tmp_path, client)
                     Task(lambda ws: ws.update(e=np.int64(0)), name="init")
                 Task(step, name="step")
             epoch_limiter(job, 4)
-        cm = MultiNodeCheckpointManager(str(tmp_path / "ckpt"))
-        JobRunner(job, cm).train(PrefectSession(artifacts_interval=1.0))
+        JobRunner(job, MultiNodeCheckpointManager(url)).train(PrefectSession(artifacts_interval=1.0))
 
     slow_last_epoch()
     assert seen == [[0, 1, 2, 3]]
@@ -396,3 +411,17 @@ def test_caffe2ckpt_logs_reach_prefect_whichever_is_imported_first(first, user_h
     result = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True,
                             text=True, timeout=120, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_artifact_keys_tell_checkpoint_folders_apart(tmp_path, monkeypatch):
+    """Runs of one job that write to two folders get artifacts of their own; every spelling of
+    one folder (relative, with a trailing slash, as a file:// URL) gets the same key."""
+    monkeypatch.chdir(tmp_path)
+    one, other = tmp_path / "a" / "regression", tmp_path / "b" / "regression"
+    key = key_of("regression", "summary", str(one))
+    assert re.fullmatch(r"regression-regression-[0-9a-f]{6}-summary", key), key
+    assert key != key_of("regression", "summary", str(other))
+    assert {key_of("regression", "summary", spelling) for spelling in (
+        "a/regression", f"{one}/", f"file://{one}")} == {key}
+    assert key_of("Job: nightly!", "progress", "memory://ckpt/run 1").startswith(
+        "job-nightly-run-1-")

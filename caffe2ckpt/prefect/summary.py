@@ -1,0 +1,134 @@
+"""The summary artifact's markdown: why this attempt runs, where it started, how far it is, a
+chart of the epochs, where the checkpoints are and which flow run wrote which epochs.
+
+Pure functions of what :class:`~caffe2ckpt.prefect.artifacts.CheckpointArtifacts` keeps (the
+table's rows, keyed by epoch) and of the flow run's state history (:func:`attempt_reason`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+from uuid import UUID
+
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.objects import StateType
+
+from caffe2ckpt.naming import db_name
+from caffe2ckpt.prefect.chart import Series, chart_markdown
+from caffe2ckpt.prefect.table import COMMITTED, DELETED, epoch_ranges, md_text, writer_cell
+
+__all__ = ["CHARTED", "Summary", "attempt_reason", "chart_series", "summary_markdown"]
+
+CHARTED = (COMMITTED, DELETED)  #: the statuses of the rows of the run's history, charted
+_METRIC_PANELS = 4  # at most this many metrics are charted (the table has them all)
+_MESSAGE_LIMIT = 200
+
+
+@dataclass
+class Summary:
+    """What the summary says besides the rows."""
+
+    job: str
+    this_run: dict[str, Any]  # flow_run_id, flow_run_name, run_count
+    start: int  # the epoch the attempt started from (0: fresh)
+    target: int | None  # the job's epoch limit
+    resumed: tuple[int, Any] | None = None  # (epoch, writer of the save it resumed from)
+    reason: str | None = None  # why this attempt runs (a retry), see attempt_reason
+    url: str | None = None
+    file_node: str | None = None
+
+
+def attempt_reason(flow_run_id: str, run_count: int) -> str | None:
+    """Markdown: why attempt ``run_count`` of the flow run runs, from the states recorded
+    between the previous attempt's *Running* and this one's; None for attempt 1.
+
+    A flow retry (``@flow(retries=N)``) records no *Failed* state: the server turns the
+    proposed one into *AwaitingRetry*, which keeps its message. A killed process leaves
+    *Crashed*, and the crash-retry automation's *AwaitingRetry* says who put the run back."""
+    if run_count <= 1:
+        return None
+    with get_client(sync_client=True) as client:
+        states = sorted(client.read_flow_run_states(UUID(flow_run_id)),
+                        key=lambda s: s.timestamp)
+    running = [i for i, s in enumerate(states) if s.type == StateType.RUNNING]
+    head = f"**Attempt {run_count}** of this flow run, a retry"
+    if len(running) < 2:
+        return f"{head} (no earlier attempt on record)"
+    between = states[running[-2] + 1:running[-1]]
+    ended = next((s for s in reversed(between)
+                  if s.type in (StateType.FAILED, StateType.CRASHED)), None)
+    back = next((s for s in reversed(between) if s.type == StateType.SCHEDULED), None)
+    previous = f"attempt {run_count - 1}"
+    if ended is not None:
+        text = f"{head}: {previous} ended **{md_text(ended.name)}**" + _message(ended)
+        if back is not None and back.message and back.message != ended.message:
+            text += f"; put back by: {md_text(back.message, _MESSAGE_LIMIT)}"
+        return text
+    if back is not None:
+        return f"{head}: {previous} **failed**{_message(back)} and Prefect retried the flow run"
+    return f"{head} (how {previous} ended is not on record)"
+
+
+def _message(state: Any) -> str:
+    return f" ({md_text(state.message, _MESSAGE_LIMIT)})" if state.message else ""
+
+
+def chart_series(rows: Mapping[int, dict[str, Any]]) -> list[Series]:
+    """Panels for the run's history (rows in :data:`CHARTED`): each metric (the first
+    ``_METRIC_PANELS`` names), then the save seconds and the save MB/s per epoch."""
+    kept = [(e, rows[e]) for e in sorted(rows) if rows[e]["status"] in CHARTED]
+    names = list(dict.fromkeys(n for _, r in kept for n in r.get("values", {})))
+    series = [Series(name, [(e, r["values"][name]) for e, r in kept if name in r.get("values", {})])
+              for name in names[:_METRIC_PANELS]]
+    series.append(Series("save seconds", [(e, r["seconds"]) for e, r in kept]))
+    series.append(Series("save MB/s", [(e, r["MB/s"]) for e, r in kept if r["MB/s"] is not None]))
+    return series if kept else []
+
+
+def _writers(rows: Mapping[int, dict[str, Any]], this_run: str | None) -> list[str]:
+    """Markdown lines: which flow run (linked) and attempt wrote which epochs of the table."""
+    epochs: dict[str, list[int]] = {}
+    for epoch, row in sorted(rows.items()):
+        if row.get("writer") is not None:  # None: a failed save
+            epochs.setdefault(writer_cell(row["writer"], this_run, link=True), []).append(epoch)
+    return (["", "Written by (epochs in the checkpoints table):", ""]
+            + [f"- {who}: epochs {epoch_ranges(es)}" for who, es in epochs.items()]
+            if epochs else [])
+
+
+def summary_markdown(summary: Summary, rows: Mapping[int, dict[str, Any]], *,
+                     epoch: int, final: bool) -> str:
+    """The summary at ``epoch`` (the newest the attempt reached; its end when ``final``)."""
+    run = summary.this_run
+    lines = [f"# Job `{md_text(summary.job)}`", ""]
+    if summary.reason is not None:
+        lines.append(f"- {summary.reason}")
+    if summary.resumed is not None:
+        resumed, writer = summary.resumed
+        lines.append(f"- **Resumed** from epoch {resumed}, written by "
+                     f"{writer_cell(writer, run['flow_run_id'], link=True)}")
+    else:
+        lines.append("- **Fresh start** (no committed checkpoint to resume from)")
+    lines.append(f"- This run: {writer_cell(run, None, link=True)}")
+    target = f" of {summary.target}" if summary.target is not None else ""
+    statuses = {e: r["status"] for e, r in sorted(rows.items())}
+    if final:
+        failed = [e for e, status in statuses.items() if status.startswith("FAILED")]
+        committed = sum(status == COMMITTED for status in statuses.values())
+        lines.append(f"- Finished at epoch **{epoch}**{target}; {committed} committed checkpoints"
+                     + (f"; **failed saves: {failed}**" if failed else ""))
+    else:
+        lines.append(f"- Training: at epoch **{epoch}**{target}, started from epoch "
+                     f"{summary.start}")
+    chart = chart_markdown(chart_series(rows), "metrics, save seconds and save MB/s per epoch")
+    if chart:
+        lines += ["", "## Epochs", "", chart]
+    if summary.url is not None and summary.file_node is not None:
+        path = db_name(epoch, summary.file_node, summary.url)
+        lines += ["", f"Checkpoints: `{summary.url}`", "", "Inspect them with:", "", "```python",
+                  "import zarr", f"g = zarr.open_group({path!r}, mode='r')",
+                  "m = g.attrs['caffe2ckpt']", "print(list(m['arrays']), m['packed']['names'])",
+                  "```"]
+    return "\n".join(lines + _writers(rows, run["flow_run_id"]))

@@ -1,0 +1,73 @@
+"""The summary's chart: an SVG image (a data URL in markdown) of the run's history per epoch."""
+
+from __future__ import annotations
+
+import base64
+import math
+import xml.etree.ElementTree as ET
+
+from caffe2ckpt.prefect.chart import CHART_ID, MAX_POINTS, Series, chart_markdown, chart_svg
+from caffe2ckpt.prefect.summary import chart_series
+
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+def points_of(svg: str) -> list[list[tuple[float, float]]]:
+    """Each panel's polyline as (x, y) pixel pairs."""
+    root = ET.fromstring(svg)
+    return [[tuple(map(float, p.split(","))) for p in line.get("points").split()]
+            for line in root.iter(f"{SVG}polyline")]
+
+
+def test_each_series_is_a_panel_with_its_finite_values():
+    svg = chart_svg([Series("loss", [(1, 4.0), (2, math.nan), (3, 2.0), (4, math.inf), (5, 1.0)]),
+                     Series("save seconds", [(0, 0.5), (1, 0.25)])])
+    root = ET.fromstring(svg)
+    assert root.get("id") == CHART_ID
+    loss, seconds = points_of(svg)
+    assert len(loss) == 3 and len(seconds) == 2  # NaN and inf are left out
+    xs, ys = zip(*loss)
+    assert xs == tuple(sorted(xs)) and ys == tuple(sorted(ys))  # falling loss: y grows downwards
+    texts = [t.text for t in root.iter(f"{SVG}text")]
+    assert "loss" in texts and "epoch 1" in texts and "epoch 5" in texts and "4" in texts
+
+
+def test_a_loss_over_orders_of_magnitude_is_drawn_on_a_log_scale():
+    wide = chart_svg([Series("loss", [(e, 10.0 ** -e) for e in range(5)])])
+    narrow = chart_svg([Series("loss", [(e, 1.0 + e) for e in range(5)])])
+    assert "loss (log scale)" in wide and "log scale" not in narrow
+    ys = [y for _, y in points_of(wide)[0]]
+    gaps = [b - a for a, b in zip(ys, ys[1:])]
+    assert max(gaps) - min(gaps) < 0.2  # evenly spaced decades
+
+
+def test_long_series_are_thinned_and_text_is_escaped():
+    svg = chart_svg([Series("<script>alert(1)</script>", [(e, float(e)) for e in range(5000)])])
+    root = ET.fromstring(svg)  # still well-formed
+    assert not list(root.iter(f"{SVG}script"))
+    (line,) = points_of(svg)
+    assert len(line) == MAX_POINTS and line[-1][0] > line[-2][0]  # the last epoch is kept
+
+
+def test_the_markdown_is_an_image_with_an_svg_data_url():
+    text = chart_markdown([Series("loss", [(1, 1.0), (2, 0.5)])], "per epoch ] [x](y)\nz")
+    alt, _, url = text.partition("](data:image/svg+xml;base64,")
+    assert alt == f"![{CHART_ID}: per epoch  x(y)z"
+    assert base64.b64decode(url.rstrip(")")).decode() == chart_svg([Series("loss", [(1, 1.0), (2, 0.5)])])
+    assert chart_markdown([], "nothing") == ""
+
+
+def test_the_chart_shows_the_runs_history_only():
+    def row(status, loss, seconds=0.1, mbs=10.0):
+        return {"status": status, "values": {} if loss is None else {"loss": loss},
+                "seconds": seconds, "MB/s": mbs}
+
+    rows = {0: row("committed", None), 1: row("deleted (retention)", 1.0),
+            2: row("committed", 0.5, mbs=None), 3: row("superseded", 9.0),
+            4: {"status": "FAILED: disk full", "values": {}, "seconds": "", "MB/s": ""}}
+    series = chart_series(rows)
+    assert [s.title for s in series] == ["loss", "save seconds", "save MB/s"]
+    assert [list(s.points) for s in series] == [[(1, 1.0), (2, 0.5)],
+                                                [(0, 0.1), (1, 0.1), (2, 0.1)],
+                                                [(0, 10.0), (1, 10.0)]]
+    assert chart_series({3: row("superseded", 1.0)}) == []
