@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 from prefect.settings import PREFECT_API_URL
 
@@ -102,3 +105,59 @@ def test_the_command_line_block_runs_in_order(tmp_path):
                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
                              check=False)
         assert out.returncode == 0, f"{line!r} exited {out.returncode}:\n{out.stderr}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_the_deployment_block_runs_in_order(tmp_path):
+    """The "Scheduled deployments" block, top to bottom, as a user's shell runs it (job
+    control on: a script's background jobs would ignore SIGINT, which Prefect's worker turns
+    SIGTERM into) from a copy of the repo's prefect.yaml and flows/, with its own
+    PREFECT_HOME and a free port for 4200: the server starts, the deployment run completes,
+    and the last line stops the worker and then the server."""
+    block = readme_blocks("bash")["Scheduled deployments and the Prefect UI #1"]
+    assert "prefect worker start" in block and block.rstrip().endswith("# when you are done")
+    shutil.copy(REPO / "prefect.yaml", tmp_path)
+    shutil.copytree(REPO / "flows", tmp_path / "flows")
+    port = str(free_port())
+    (tmp_path / "block.sh").write_text("set -em\n" + block.replace("4200", port))
+    venv_bin = str(Path(sys.executable).parent)  # `prefect` and `python` of this environment
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(tmp_path / "home"), PATH=f"{venv_bin}:{env.get('PATH', '')}")
+    try:
+        out = subprocess.run(["bash", "block.sh"], cwd=tmp_path, env=env, capture_output=True,
+                             text=True, timeout=540, check=False)
+    finally:
+        leftovers = _stop_leftovers(tmp_path, env)
+    assert out.returncode == 0, (out.returncode, out.stdout[-3000:], out.stderr[-3000:])
+    assert "Flow run finished successfully in 'Completed'" in out.stdout
+    assert "Server stopped!" in out.stdout and not leftovers, leftovers
+    cm = MultiNodeCheckpointManager(str(tmp_path / "checkpoints" / "regression"))
+    cm.set_params(nodes=["trainer_0", "trainer_1"])
+    assert cm.get_resume_from_epoch_id() == 2  # --param epochs_per_run=2 on a first run
+
+
+def _stop_leftovers(tmp_path: Path, env: dict) -> list[str]:
+    """Stop what the block left running (stopping takes a moment: 15 s of grace); the command
+    lines of those that had to be killed."""
+    ours = []
+    for proc in psutil.process_iter(["environ"]):
+        try:
+            if (proc.info["environ"] or {}).get("PREFECT_HOME") == env["PREFECT_HOME"]:
+                ours.append(proc)
+        except psutil.Error:
+            continue
+    _, alive = psutil.wait_procs(ours, timeout=15)
+    found = []
+    for proc in alive:
+        try:
+            found.append(" ".join(proc.cmdline()))
+            proc.kill()
+        except psutil.Error:
+            continue
+    return found
