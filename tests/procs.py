@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 
 import psutil
@@ -52,3 +53,10 @@ def stop_tree(proc: subprocess.Popen, grace: float = 15.0) -> list[int]:
     proc.wait(timeout=10)
     assert not still, f"processes survived SIGKILL: {[p.pid for p in still]}"
     return [p.pid for p in alive]
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -13,11 +13,11 @@ per metric the commit records carry (``CommitRecord.metrics``, 4 significant dig
 ``inf`` as such), ``nodes``, ``bytes`` (``12.3 MiB``), ``seconds``, ``MB/s``, ``written by``
 (``this run, attempt 2`` or another run's name, short id and attempt) and ``path`` (relative to the
 checkpoint root, which the table's description names). The progress bar is the epoch against the
-job's epoch limit, and its description says both. The summary (:mod:`caffe2ckpt.prefect.summary`)
-says why the attempt runs (a retry after which failure), where it started from, how far it is,
-charts the metrics and the save seconds and MB/s per epoch, and links every flow run that wrote
-epochs of the table to its page in the Prefect UI (table cells get no links: the default UI of
-Prefect 3.8 shows them as plain text).
+run's epoch limit (the job's ``max_epochs``), and its description says both. The summary
+(:mod:`caffe2ckpt.prefect.summary`) says why the attempt runs (a retry after which failure), where
+it started from, how far it is, charts the metrics and the save seconds and MB/s per epoch, and
+links every flow run that wrote epochs of the table to its page in the Prefect UI (table cells get
+no links: the default UI of Prefect 3.8 shows them as plain text).
 
 Uploads are throttled. Updating the table, the progress bar and the summary takes three API calls
 and sends the whole table, which grows with the epochs (~90 ms for 500 rows on a busy local
@@ -112,6 +112,7 @@ class CheckpointArtifacts:
         self._rows: dict[int, dict[str, Any]] = {}
         self._ids: dict[str, UUID] = {}
         self._summary: Summary | None = None
+        self._epoch = 0  # the newest epoch reached: started or resumed from, saved, or failed
         self._lock = threading.Lock()  # rows, pending uploads, timer
         self._upload_lock = threading.RLock()  # one upload at a time, newest snapshot last
         self._pending: dict[str, Callable[[], ArtifactUpdate]] = {}  # key -> update, rendered late
@@ -143,13 +144,14 @@ class CheckpointArtifacts:
                 rows = self._committed_rows(cm)
                 with self._lock:
                     self._rows = rows
-            self._summary = self._new_summary(event)
+            self._summary, self._epoch = self._new_summary(event), event.epoch
             self._create_or_update(event, final=False)
         elif event.kind in ("saved", "save_failed"):
             row = (checkpoint_row(event.epoch, event.records, flow_run.id)
                    if event.kind == "saved" else failed_row(event.epoch, event.error))
             with self._lock:
                 self._rows[event.epoch] = row
+                self._epoch = event.epoch
                 if event.kind == "saved":  # this run went on from an earlier epoch: rows of
                     for epoch in self._rows:  # later epochs belong to a superseded run
                         if epoch > event.epoch and self._rows[epoch]["status"] == COMMITTED:
@@ -165,7 +167,7 @@ class CheckpointArtifacts:
         elif event.kind == "preempted":  # the job stops now, without a "finished" event
             self.flush()
         elif event.kind == "finished":
-            self.flush()
+            self._epoch = event.epoch
             self._create_or_update(event, final=True)
 
     def _new_summary(self, event: RunEvent) -> Summary:
@@ -184,23 +186,26 @@ class CheckpointArtifacts:
 
     # -- what each artifact shows ----------------------------------------------------------------
 
-    def _table_update(self) -> ArtifactUpdate:
+    def _table_rows(self) -> list[dict[str, Any]]:
         """The table, newest epoch first (the caller holds ``_lock``)."""
-        rows = checkpoint_table(self._rows[e] for e in sorted(self._rows, reverse=True))
-        return ArtifactUpdate(data=json.dumps(rows))
+        return checkpoint_table(self._rows[e] for e in sorted(self._rows, reverse=True))
+
+    def _table_update(self) -> ArtifactUpdate:
+        return ArtifactUpdate(data=json.dumps(self._table_rows()))
 
     def _progress_update(self, event: RunEvent, *, done: bool = False) -> ArtifactUpdate:
-        limit = event.max_epochs
-        value = 100.0 if done else (min(100.0, 100.0 * event.epoch / limit) if limit else 0.0)
-        text = f"Epoch {event.epoch}" + (f" of {limit}" if limit else "")
+        """The newest epoch against this run's epoch limit (the job's ``max_epochs``)."""
+        limit, epoch = event.max_epochs, self._epoch
+        value = 100.0 if done else (min(100.0, 100.0 * epoch / limit) if limit else 0.0)
+        text = f"Epoch {epoch}" + (f" of {limit}" if limit else "")
         start = self._summary.start if self._summary is not None else 0
         text += (" (finished)" if done else f" (this run started from epoch {start})")
         return ArtifactUpdate(data=value, description=f"Job {event.job!r}: {text}")
 
-    def _summary_update(self, event: RunEvent, *, final: bool) -> ArtifactUpdate:
+    def _summary_update(self, *, final: bool) -> ArtifactUpdate:
         """The summary (the caller holds ``_lock``; the summary is made)."""
         assert self._summary is not None
-        return ArtifactUpdate(data=summary_markdown(self._summary, self._rows, epoch=event.epoch,
+        return ArtifactUpdate(data=summary_markdown(self._summary, self._rows, epoch=self._epoch,
                                                     final=final))
 
     # -- throttled uploads ---------------------------------------------------------------------
@@ -213,8 +218,7 @@ class CheckpointArtifacts:
         bar = self._progress_update(event) if progress else None
         with self._lock:
             self._pending[self.key(event, "checkpoints")] = self._table_update
-            self._pending[self.key(event, "summary")] = lambda: self._summary_update(
-                event, final=False)
+            self._pending[self.key(event, "summary")] = lambda: self._summary_update(final=False)
             if bar is not None:
                 self._pending[self.key(event, "progress")] = lambda: bar
             if not urgent:
@@ -304,12 +308,12 @@ class CheckpointArtifacts:
             with self._lock:
                 for what in _KINDS:
                     self._pending.pop(self.key(event, what), None)
-                table = self._table_update()
-                summary = self._summary_update(event, final=final)
+                rows = self._table_rows()
+                summary = self._summary_update(final=final)
             bar = self._progress_update(event, done=final)
             creators = {
                 "checkpoints": lambda key: create_table_artifact(
-                    json.loads(table.data), key=key,
+                    rows, key=key,
                     description=f"Checkpoints of job {event.job!r}{where}, newest first. "
                                 f"Status: {_STATUSES}"),
                 "progress": lambda key: create_progress_artifact(
@@ -317,7 +321,8 @@ class CheckpointArtifacts:
                 "summary": lambda key: create_markdown_artifact(
                     summary.data, key=key, description=f"Summary of job {event.job!r}"),
             }
-            updates = {"checkpoints": table, "progress": bar, "summary": summary}
+            updates = {"checkpoints": ArtifactUpdate(data=json.dumps(rows)), "progress": bar,
+                       "summary": summary}
             for what in _KINDS:
                 key = self.key(event, what)
                 artifact_id = self._existing(key)

@@ -8,8 +8,10 @@ light and dark themes; as an image it cannot run scripts, and every text in it i
 
 A chart stacks one panel per series (a metric, the save seconds, the save MB/s): the values
 over the epochs as a line (with dots when there are few), the lowest and highest value on the
-left, the first and last epoch below, the last value on the right. A series whose positive
-values span more than ``LOG_RATIO`` is drawn on a log scale (a loss falling from 1 to 0.001).
+left, the first and last epoch below, the last value on the right. A series whose values are
+all positive and span more than ``LOG_RATIO`` is drawn on a log scale (a loss falling from 1 to
+0.001). A long series is thinned to about a point per pixel; the lowest and highest values and
+the scale are those of every point.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import math
 from collections.abc import Sequence
 from typing import NamedTuple
 from xml.sax.saxutils import escape
+
+from caffe2ckpt.prefect.table import plain_text
 
 __all__ = ["CHART_ID", "Series", "chart_markdown", "chart_svg"]
 
@@ -53,11 +57,12 @@ def _fmt(value: float) -> str:
 
 def _panel(series: Series, top: int, color: str) -> list[str]:
     """The SVG elements of one panel whose frame starts ``top`` pixels down."""
-    points = _thin(_finite(series.points))
+    every = _finite(series.points)
+    points = _thin(every)
     height = PANEL - TOP - BOTTOM
-    values = [v for _, v in points]
+    values = [v for _, v in every]
     log = bool(values) and min(values) > 0 and max(values) / min(values) > LOG_RATIO
-    title = escape(series.title) + (" (log scale)" if log else "")
+    title = escape(plain_text(series.title, 60)) + (" (log scale)" if log else "")
     out = [f'<text x="{LEFT}" y="{top + 17}" font-weight="bold">{title}</text>',
            f'<rect x="{LEFT}" y="{top + TOP}" width="{WIDTH - LEFT - RIGHT}" height="{height}" '
            'fill="none" stroke="#c8c8c8"/>']

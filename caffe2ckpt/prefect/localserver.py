@@ -21,15 +21,16 @@ from pathlib import Path
 from typing import IO, Any
 
 import httpx
-from prefect.client.schemas.objects import TERMINAL_STATES, StateType
 from prefect.server.api.server import SubprocessASGIServer
 from prefect.settings import PREFECT_API_URL
+
+from caffe2ckpt.prefect.orphans import NOT_FINAL
 
 __all__ = ["temporary_server"]
 
 logger = logging.getLogger(__name__)
 
-_NOT_FINAL = sorted(t.value for t in StateType if t not in TERMINAL_STATES)
+_NOT_FINAL = sorted(t.value for t in NOT_FINAL)
 
 
 class _GuardedServer(SubprocessASGIServer):

@@ -32,6 +32,8 @@ from prefect.client.schemas.filters import (
     TaskRunFilterStateType,
 )
 from prefect.client.schemas.objects import TERMINAL_STATES, StateType
+
+NOT_FINAL = [t for t in StateType if t not in TERMINAL_STATES]  #: a run in one may still change
 from prefect.runtime import deployment, flow_run
 from prefect.states import Crashed
 
@@ -96,7 +98,7 @@ def claim_and_sweep() -> list[str]:
 def _crash_unfinished_tasks(client: Any, run_id: Any, message: str) -> int:
     """Mark the task runs of flow run ``run_id`` that are not in a final state *Crashed*."""
     unfinished = TaskRunFilter(state=TaskRunFilterState(type=TaskRunFilterStateType(
-        any_=[t for t in StateType if t not in TERMINAL_STATES])))
+        any_=NOT_FINAL)))
     done: set[Any] = set()
     while tasks := [t for t in client.read_task_runs(
             flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])),

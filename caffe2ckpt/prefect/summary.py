@@ -7,7 +7,8 @@ table's rows, keyed by epoch) and of the flow run's state history (:func:`attemp
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
@@ -19,7 +20,10 @@ from caffe2ckpt.naming import db_name
 from caffe2ckpt.prefect.chart import Series, chart_markdown
 from caffe2ckpt.prefect.table import COMMITTED, DELETED, epoch_ranges, md_text, writer_cell
 
-__all__ = ["CHARTED", "Summary", "attempt_reason", "chart_series", "summary_markdown"]
+__all__ = ["CHARTED", "Summary", "attempt_reason", "chart_series", "reason_from_states",
+           "summary_markdown"]
+
+logger = logging.getLogger(__name__)
 
 CHARTED = (COMMITTED, DELETED)  #: the statuses of the rows of the run's history, charted
 _METRIC_PANELS = 4  # at most this many metrics are charted (the table has them all)
@@ -41,34 +45,49 @@ class Summary:
 
 
 def attempt_reason(flow_run_id: str, run_count: int) -> str | None:
-    """Markdown: why attempt ``run_count`` of the flow run runs, from the states recorded
-    between the previous attempt's *Running* and this one's; None for attempt 1.
+    """Markdown: why attempt ``run_count`` of the flow run runs, from its state history: the
+    last *Failed* or *Crashed* state before this attempt's *Running*, and the *AwaitingRetry*
+    that put the run back. None for attempt 1, or when the history cannot be read (the
+    summary is a view: it says nothing rather than fail).
 
     A flow retry (``@flow(retries=N)``) records no *Failed* state: the server turns the
     proposed one into *AwaitingRetry*, which keeps its message. A killed process leaves
-    *Crashed*, and the crash-retry automation's *AwaitingRetry* says who put the run back."""
+    *Crashed*, and the crash-retry automation's *AwaitingRetry* says who put the run back.
+    Prefect may report one crash twice and start two attempts for it: the later one then finds
+    the crash before the other attempt's *Running*."""
     if run_count <= 1:
         return None
-    with get_client(sync_client=True) as client:
-        states = sorted(client.read_flow_run_states(UUID(flow_run_id)),
-                        key=lambda s: s.timestamp)
+    try:
+        with get_client(sync_client=True) as client:
+            states = sorted(client.read_flow_run_states(UUID(flow_run_id)),
+                            key=lambda s: s.timestamp)
+    except Exception as exc:  # noqa: BLE001 - a view: never a reason to fail the artifacts
+        logger.warning("could not read the state history of flow run %s: %s", flow_run_id, exc)
+        return None
+    return reason_from_states(states, run_count)
+
+
+def reason_from_states(states: Sequence[Any], run_count: int) -> str:
+    """:func:`attempt_reason` of a flow run's states, oldest first."""
     running = [i for i, s in enumerate(states) if s.type == StateType.RUNNING]
-    head = f"**Attempt {run_count}** of this flow run, a retry"
-    if len(running) < 2:
-        return f"{head} (no earlier attempt on record)"
-    between = states[running[-2] + 1:running[-1]]
-    ended = next((s for s in reversed(between)
+    before = states[:running[-1]] if running else states  # up to this attempt's Running
+    retries = [i for i, s in enumerate(before) if s.name == "AwaitingRetry"]
+    back = before[retries[-1]] if retries else None
+    # what ended the attempt before: a state between the Running before `back` and `back`
+    since = max([i for i in running if back is not None and i < retries[-1]], default=-1)
+    window = before[since + 1:retries[-1]] if back is not None else before
+    ended = next((s for s in reversed(window)
                   if s.type in (StateType.FAILED, StateType.CRASHED)), None)
-    back = next((s for s in reversed(between) if s.type == StateType.SCHEDULED), None)
-    previous = f"attempt {run_count - 1}"
+    head = f"**Attempt {run_count}** of this flow run, a retry"
     if ended is not None:
-        text = f"{head}: {previous} ended **{md_text(ended.name)}**" + _message(ended)
+        text = f"{head} after the run ended **{md_text(ended.name)}**{_message(ended)}"
         if back is not None and back.message and back.message != ended.message:
             text += f"; put back by: {md_text(back.message, _MESSAGE_LIMIT)}"
         return text
     if back is not None:
-        return f"{head}: {previous} **failed**{_message(back)} and Prefect retried the flow run"
-    return f"{head} (how {previous} ended is not on record)"
+        return (f"{head}: attempt {run_count - 1} **failed**{_message(back)} and Prefect "
+                "retried the flow run")
+    return f"{head} (how the attempt before it ended is not on record)"
 
 
 def _message(state: Any) -> str:
@@ -102,7 +121,7 @@ def summary_markdown(summary: Summary, rows: Mapping[int, dict[str, Any]], *,
                      epoch: int, final: bool) -> str:
     """The summary at ``epoch`` (the newest the attempt reached; its end when ``final``)."""
     run = summary.this_run
-    lines = [f"# Job `{md_text(summary.job)}`", ""]
+    lines = [f"# Job {md_text(summary.job)}", ""]
     if summary.reason is not None:
         lines.append(f"- {summary.reason}")
     if summary.resumed is not None:

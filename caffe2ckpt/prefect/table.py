@@ -31,8 +31,9 @@ from prefect.utilities.urls import url_for
 from caffe2ckpt.store.records import CommitRecord
 from caffe2ckpt.units import human_bytes
 
-__all__ = ["COLUMNS", "COMMITTED", "DELETED", "SUPERSEDED", "checkpoint_row", "checkpoint_table", "epoch_ranges", "failed_row",
-           "format_metric", "md_text", "run_id", "run_link", "writer_cell"]
+__all__ = ["COLUMNS", "COMMITTED", "DELETED", "SUPERSEDED", "checkpoint_row", "checkpoint_table",
+           "epoch_ranges", "failed_row", "format_metric", "md_text", "plain_text", "run_id",
+           "run_link", "writer_cell"]
 
 COLUMNS = ["epoch", "status", "nodes", "bytes", "seconds", "MB/s", "written by", "path"]
 COMMITTED, SUPERSEDED, DELETED = "committed", "superseded", "deleted (retention)"  # statuses
@@ -42,7 +43,7 @@ _SPACE = re.compile(r"[\x00-\x1f\x7f-\x9f\s\u200b-\u200f\u202a-\u202e\u2060-\u20
 _NAME_LIMIT = 60  # characters of a writer field shown
 
 
-def _plain(value: Any, limit: int | None = None) -> str:
+def plain_text(value: Any, limit: int | None = None) -> str:
     """``value`` as one line: whitespace, control and bidi/invisible format characters become
     one space, lone surrogates ``?`` (not UTF-8); with ``limit`` cut to that many characters
     (ending in ``…``)."""
@@ -52,10 +53,10 @@ def _plain(value: Any, limit: int | None = None) -> str:
 
 
 def md_text(value: Any, limit: int | None = None) -> str:
-    """``value`` as one line (:func:`_plain`) that markdown shows as written: ``\\ ` * [ ] < > |
+    """``value`` as one line (:func:`plain_text`) that markdown shows as written: ``\\ ` * [ ] < > |
     #`` get a backslash, so no link, image, HTML, code span or table can come out of it.
     Underscores stay: inside words (``trainer_0``) they are text. Escape once, at the end."""
-    return _MARKDOWN.sub(r"\\\1", _plain(value, limit))
+    return _MARKDOWN.sub(r"\\\1", plain_text(value, limit))
 
 
 def format_metric(value: float) -> str:
@@ -87,13 +88,13 @@ def run_id(writer: Mapping[str, Any]) -> str | None:
 def _run_label(writer: Mapping[str, Any]) -> str:
     """``crimson-otter (1a2b3c4d)``, ``flow run 1a2b3c4d`` or what the writer is (plain text)."""
     rid, raw = run_id(writer), writer.get("flow_run_id")
-    short = rid[:8] if rid else _plain(raw, 12) if raw not in (None, "") else ""
-    name = _plain(writer.get("flow_run_name") or "", _NAME_LIMIT)
+    short = rid[:8] if rid else plain_text(raw, 12) if raw not in (None, "") else ""
+    name = plain_text(writer.get("flow_run_name") or "", _NAME_LIMIT)
     if name or short:
         return f"{name} ({short})" if name and short else name or f"flow run {short}"
     session, host = writer.get("session"), writer.get("host")
-    return ("no flow run (" + (f"{_plain(session, 20)} session" if session else "unknown writer")
-            + (f" on {_plain(host, 40)}" if host else "") + ")")
+    return ("no flow run (" + (f"{plain_text(session, 20)} session" if session else "unknown writer")
+            + (f" on {plain_text(host, 40)}" if host else "") + ")")
 
 
 def writer_cell(writer: Mapping[str, Any], this_run: str | None, *, link: bool = False) -> str:
@@ -103,7 +104,7 @@ def writer_cell(writer: Mapping[str, Any], this_run: str | None, *, link: bool =
     if not isinstance(writer, Mapping):
         writer = {}
     rid, count = run_id(writer), writer.get("run_count")
-    text = md_text if link else _plain
+    text = md_text if link else plain_text
     if rid is not None and rid == this_run:
         who = "this run"
     else:
@@ -133,7 +134,8 @@ def epoch_ranges(epochs: Iterable[int]) -> str:
 # -- rows --------------------------------------------------------------------------------------
 
 def _mean_metrics(records: Mapping[str, CommitRecord]) -> dict[str, float]:
-    """Each metric's mean over the nodes that report it (for charts); NaN if any is NaN."""
+    """Each metric's mean over the nodes that report it (for charts); NaN if any is NaN, or
+    when the mean is not a number (inf and -inf)."""
     by_name: dict[str, list[float]] = {}
     for record in records.values():
         for name, value in (getattr(record, "metrics", None) or {}).items():
@@ -141,7 +143,14 @@ def _mean_metrics(records: Mapping[str, CommitRecord]) -> dict[str, float]:
                 by_name.setdefault(str(name), []).append(float(value))
             except (TypeError, ValueError):  # a hand-written record: not a number
                 continue
-    return {name: math.fsum(values) / len(values) for name, values in by_name.items()}
+    return {name: _mean(values) for name, values in by_name.items()}
+
+
+def _mean(values: list[float]) -> float:
+    try:
+        return math.fsum(v / len(values) for v in values)  # divided first: no overflow
+    except ValueError:  # inf and -inf
+        return math.nan
 
 
 def _epoch_metrics(records: Mapping[str, CommitRecord]) -> dict[str, str]:
@@ -180,7 +189,7 @@ def checkpoint_row(epoch: int, records: Mapping[str, CommitRecord],
 
 def failed_row(epoch: int, error: str | None) -> dict[str, Any]:
     """The row of a save that failed."""
-    return {c: "" for c in COLUMNS} | {"epoch": epoch, "status": f"FAILED: {_plain(error, 120)}",
+    return {c: "" for c in COLUMNS} | {"epoch": epoch, "status": f"FAILED: {plain_text(error, 120)}",
                                        "metrics": {}, "values": {}, "writer": None}
 
 

@@ -7,7 +7,7 @@ import math
 import xml.etree.ElementTree as ET
 
 from caffe2ckpt.prefect.chart import CHART_ID, MAX_POINTS, Series, chart_markdown, chart_svg
-from caffe2ckpt.prefect.summary import chart_series
+from caffe2ckpt.prefect.summary import chart_series, reason_from_states
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -71,3 +71,57 @@ def test_the_chart_shows_the_runs_history_only():
                                                 [(0, 0.1), (1, 0.1), (2, 0.1)],
                                                 [(0, 10.0), (1, 10.0)]]
     assert chart_series({3: row("superseded", 1.0)}) == []
+
+
+def test_the_reason_for_an_attempt_is_read_from_the_state_history():
+    from prefect.states import AwaitingRetry, Crashed, Running
+
+    def history(*states):  # oldest first, as read from the server
+        return list(states)
+
+    fail = "Flow run encountered an exception: InjectedFailure: in epoch 7"
+    put_back = "caffe2ckpt: retrying a crashed run"
+    in_process = history(Running(), AwaitingRetry(message=fail), Running())
+    assert reason_from_states(in_process, 2) == (
+        f"**Attempt 2** of this flow run, a retry: attempt 1 **failed** ({fail}) and Prefect "
+        "retried the flow run")
+    crashed = history(Running(), Crashed(message="exit code -9"), AwaitingRetry(message=put_back),
+                      Running())
+    assert reason_from_states(crashed, 2) == (
+        "**Attempt 2** of this flow run, a retry after the run ended **Crashed** (exit code -9); "
+        f"put back by: {put_back}")
+    # one crash reported twice: two attempts start; the later one still finds the crash
+    twice = history(Running(), Crashed(message="exit code -9"), AwaitingRetry(message=put_back),
+                    AwaitingRetry(message=put_back), Running(), Running())
+    assert reason_from_states(twice, 3) == reason_from_states(crashed, 2).replace(
+        "Attempt 2", "Attempt 3")
+    # a crash, then a failure retried in the process: the failure is the reason now
+    both = history(*crashed, AwaitingRetry(message=fail), Running())
+    assert reason_from_states(both, 3).startswith(
+        f"**Attempt 3** of this flow run, a retry: attempt 2 **failed** ({fail})")
+    assert "not on record" in reason_from_states(history(Running(), Running()), 2)
+
+
+def test_thinning_keeps_the_extremes_and_the_scale():
+    points = [(e, 1.0) for e in range(1500)]
+    points[8] = (8, 0.001)  # a dip that thinning may drop: still the lowest value, log scale
+    svg = chart_svg([Series("loss", points)])
+    texts = [t.text for t in ET.fromstring(svg).iter(f"{SVG}text")]
+    assert "0.001" in texts and "loss (log scale)" in texts
+
+
+def test_a_control_character_in_a_metric_name_keeps_the_svg_well_formed():
+    root = ET.fromstring(chart_svg([Series("lo\x01ss\u202e", [(1, 1.0), (2, 0.5)])]))
+    assert "lo ss" in [t.text for t in root.iter(f"{SVG}text")]
+
+
+def test_the_mean_of_opposite_infinities_is_nan_not_an_error():
+    from caffe2ckpt.prefect.table import checkpoint_row
+    from caffe2ckpt.store.records import CommitRecord
+
+    def rec(node, loss):
+        return CommitRecord(epoch=1, node=node, save_id="s", nodes=["a", "b"], nbytes=1,
+                            blob_count=1, seconds=0.1, metrics={"loss": loss, "big": 1e308})
+
+    row = checkpoint_row(1, {"a": rec("a", math.inf), "b": rec("b", -math.inf)})
+    assert math.isnan(row["values"]["loss"]) and row["values"]["big"] == 1e308

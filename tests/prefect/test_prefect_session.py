@@ -425,3 +425,30 @@ def test_artifact_keys_tell_checkpoint_folders_apart(tmp_path, monkeypatch):
         "a/regression", f"{one}/", f"file://{one}")} == {key}
     assert key_of("Job: nightly!", "progress", "memory://ckpt/run 1").startswith(
         "job-nightly-run-1-")
+
+
+def test_with_retention_the_summary_reports_the_newest_epoch_not_the_deleted_one(tmp_path, client):
+    """Retention deletes epoch e-2 right after epoch e is saved: the deletion must not make the
+    summary and the progress bar say the job is at e-2 (seen after a failure, which uploads
+    the pending artifacts as they are)."""
+    from caffe2ckpt.policy import StepManagerOptions
+
+    url = str(tmp_path / "ckpt")
+
+    @flow(name="retained")
+    def retained() -> None:
+        cm = MultiNodeCheckpointManager(url, metadata_handler=ZarrMetadataHandler())
+        JobRunner(build_job(6, fail_at_epoch=5), cm, options=StepManagerOptions(max_to_keep=2)
+                  ).train(PrefectSession(artifacts_interval=3600))
+
+    state = retained(return_state=True)
+    assert state.is_failed()
+    run_id = UUID(str(state.state_details.flow_run_id))
+    artifacts = {a.key: a for a in client.read_artifacts(artifact_filter=ArtifactFilter(
+        flow_run_id=ArtifactFilterFlowRunId(any_=[run_id])))}
+    summary = artifacts[key_of("regression", "summary", url)].data
+    assert "- Training: at epoch **4** of 6, started from epoch 0" in summary, summary
+    progress = artifacts[key_of("regression", "progress", url)]
+    assert progress.description == "Job 'regression': Epoch 4 of 6 (this run started from epoch 0)"
+    rows = read_table(client, str(run_id), key_of("regression", "checkpoints", url))
+    assert [r["status"] for r in rows] == ["deleted (retention)"] * 3 + ["committed"] * 2

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ from prefect.settings import PREFECT_API_URL
 
 from caffe2ckpt import JobRunner, LocalSession, MultiNodeCheckpointManager
 from caffe2ckpt.example import build_job
+from tests.procs import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -107,12 +107,6 @@ def test_the_command_line_block_runs_in_order(tmp_path):
         assert out.returncode == 0, f"{line!r} exited {out.returncode}:\n{out.stderr}"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_the_deployment_block_runs_in_order(tmp_path):
     """The "Scheduled deployments" block, top to bottom, as a user's shell runs it (job
@@ -129,14 +123,22 @@ def test_the_deployment_block_runs_in_order(tmp_path):
     venv_bin = str(Path(sys.executable).parent)  # `prefect` and `python` of this environment
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update(PREFECT_HOME=str(tmp_path / "home"), PATH=f"{venv_bin}:{env.get('PATH', '')}")
+    log = tmp_path / "block.log"
     try:
-        out = subprocess.run(["bash", "block.sh"], cwd=tmp_path, env=env, capture_output=True,
-                             text=True, timeout=540, check=False)
+        with open(log, "wb") as out:
+            code = subprocess.run(["bash", "-x", "block.sh"], cwd=tmp_path, env=env, stdout=out,
+                                  stderr=subprocess.STDOUT, timeout=240, check=False).returncode
+    except subprocess.TimeoutExpired:
+        code = "timed out after 240 s"
     finally:
         leftovers = _stop_leftovers(tmp_path, env)
-    assert out.returncode == 0, (out.returncode, out.stdout[-3000:], out.stderr[-3000:])
-    assert "Flow run finished successfully in 'Completed'" in out.stdout
-    assert "Server stopped!" in out.stdout and not leftovers, leftovers
+    text = log.read_text(errors="replace")
+    worker = tmp_path / "worker.log"
+    evidence = (f"{text[-4000:]}\n--- worker.log:\n"
+                + (worker.read_text(errors="replace")[-3000:] if worker.exists() else "(none)"))
+    assert code == 0, f"the block exited {code}:\n{evidence}"
+    assert "Flow run finished successfully in 'Completed'" in text, evidence
+    assert "Server stopped!" in text and not leftovers, (leftovers, evidence)
     cm = MultiNodeCheckpointManager(str(tmp_path / "checkpoints" / "regression"))
     cm.set_params(nodes=["trainer_0", "trainer_1"])
     assert cm.get_resume_from_epoch_id() == 2  # --param epochs_per_run=2 on a first run
