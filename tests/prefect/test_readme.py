@@ -122,7 +122,8 @@ def test_the_deployment_block_runs_in_order(tmp_path):
     (tmp_path / "block.sh").write_text("set -em\n" + block.replace("4200", port))
     venv_bin = str(Path(sys.executable).parent)  # `prefect` and `python` of this environment
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env.update(PREFECT_HOME=str(tmp_path / "home"), PATH=f"{venv_bin}:{env.get('PATH', '')}")
+    env.update(PREFECT_HOME=str(tmp_path / "home"), PATH=f"{venv_bin}:{env.get('PATH', '')}",
+               PYTHONUNBUFFERED="1")  # the worker's log as it goes, also if it hangs
     log = tmp_path / "block.log"
     try:
         with open(log, "wb") as out:
@@ -135,7 +136,7 @@ def test_the_deployment_block_runs_in_order(tmp_path):
     text = log.read_text(errors="replace")
     worker = tmp_path / "worker.log"
     evidence = (f"{text[-4000:]}\n--- worker.log:\n"
-                + (worker.read_text(errors="replace")[-3000:] if worker.exists() else "(none)"))
+                + (worker.read_text(errors="replace")[-6000:] if worker.exists() else "(none)"))
     assert code == 0, f"the block exited {code}:\n{evidence}"
     assert "Flow run finished successfully in 'Completed'" in text, evidence
     assert "Server stopped!" in text and not leftovers, (leftovers, evidence)
