@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -109,9 +110,9 @@ def test_the_command_line_block_runs_in_order(tmp_path):
 
 @pytest.mark.slow
 def test_the_deployment_block_runs_in_order(tmp_path):
-    """The "Scheduled deployments" block, top to bottom, as a user's shell runs it (job
-    control on: a script's background jobs would ignore SIGINT, which Prefect's worker turns
-    SIGTERM into) from a copy of the repo's prefect.yaml and flows/, with its own
+    """The "Scheduled deployments" block, top to bottom, as a user's terminal runs it (job
+    control on and SIGINT not ignored: a script's background jobs would ignore SIGINT, which
+    Prefect's worker turns SIGTERM into) from a copy of the repo's prefect.yaml and flows/, with its own
     PREFECT_HOME and a free port for 4200: the server starts, the deployment run completes,
     and the last line stops the worker and then the server."""
     block = readme_blocks("bash")["Scheduled deployments and the Prefect UI #1"]
@@ -128,7 +129,8 @@ def test_the_deployment_block_runs_in_order(tmp_path):
     try:
         with open(log, "wb") as out:
             code = subprocess.run(["bash", "-x", "block.sh"], cwd=tmp_path, env=env, stdout=out,
-                                  stderr=subprocess.STDOUT, timeout=240, check=False).returncode
+                                  stderr=subprocess.STDOUT, timeout=240, check=False,
+                                  preexec_fn=_as_from_a_terminal).returncode
     except subprocess.TimeoutExpired:
         code = "timed out after 240 s"
     finally:
@@ -143,6 +145,14 @@ def test_the_deployment_block_runs_in_order(tmp_path):
     cm = MultiNodeCheckpointManager(str(tmp_path / "checkpoints" / "regression"))
     cm.set_params(nodes=["trainer_0", "trainer_1"])
     assert cm.get_resume_from_epoch_id() == 2  # --param epochs_per_run=2 on a first run
+
+
+def _as_from_a_terminal() -> None:
+    """SIGINT as a terminal's shell has it. A suite started in the background of a script
+    inherits it ignored, and a shell cannot undo that for its jobs: Prefect's worker turns
+    SIGTERM into a SIGINT to itself, which then does nothing, and ``kill %1; wait`` hangs (seen
+    in CI: "Received SIGTERM. Sending SIGINT to the process worker", then nothing)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _stop_leftovers(tmp_path: Path, env: dict) -> list[str]:
