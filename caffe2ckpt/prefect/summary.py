@@ -144,8 +144,9 @@ def summary_markdown(summary: Summary, rows: Mapping[int, dict[str, Any]], *,
     chart = chart_markdown(chart_series(rows), "metrics, save seconds and save MB/s per epoch")
     if chart:
         lines += ["", "## Epochs", "", chart]
-    if summary.url is not None and summary.file_node is not None:
-        path = db_name(epoch, summary.file_node, summary.url)
+    newest = max((e for e, r in rows.items() if r["status"] == COMMITTED), default=None)
+    if summary.url is not None and summary.file_node is not None and newest is not None:
+        path = db_name(newest, summary.file_node, summary.url)  # not a failed or deleted epoch
         lines += ["", f"Checkpoints: `{summary.url}`", "", "Inspect them with:", "", "```python",
                   "import zarr", f"g = zarr.open_group({path!r}, mode='r')",
                   "m = g.attrs['caffe2ckpt']", "print(list(m['arrays']), m['packed']['names'])",

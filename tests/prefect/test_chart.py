@@ -125,3 +125,19 @@ def test_the_mean_of_opposite_infinities_is_nan_not_an_error():
 
     row = checkpoint_row(1, {"a": rec("a", math.inf), "b": rec("b", -math.inf)})
     assert math.isnan(row["values"]["loss"]) and row["values"]["big"] == 1e308
+
+
+def test_the_summary_opens_the_newest_committed_epoch_not_a_failed_one():
+    from caffe2ckpt.prefect.summary import Summary, summary_markdown
+
+    def row(status):
+        return {"status": status, "values": {}, "seconds": 0.1, "MB/s": 1.0, "writer": None}
+
+    summary = Summary(job="j", this_run={"flow_run_id": None, "run_count": 1}, start=0,
+                      target=9, url="/ckpt", file_node="trainer_0")
+    rows = {3: row("committed"), 4: row("committed"), 5: row("FAILED: disk full")}
+    text = summary_markdown(summary, rows, epoch=5, final=False)
+    assert "- Training: at epoch **5** of 9, started from epoch 0" in text
+    assert "zarr.open_group('/ckpt/trainer_0.4', mode='r')" in text
+    assert "open_group" not in summary_markdown(summary, {5: row("FAILED: x")}, epoch=5,
+                                                final=False)
