@@ -90,11 +90,16 @@ class CheckpointWriteError(CheckpointError, OSError):
 
     Attributes:
         epoch: the epoch whose save failed, or None when not known.
+        maybe_committed: the save's commit record may have been stored even so (its answer
+            was lost and taking it back failed too): ask the records before calling the epoch
+            failed (:class:`~caffe2ckpt.JobRunner` does).
     """
 
-    def __init__(self, *args: object, epoch: int | None = None) -> None:
+    def __init__(self, *args: object, epoch: int | None = None,
+                 maybe_committed: bool = False) -> None:
         super().__init__(*args)
         self.epoch = epoch
+        self.maybe_committed = maybe_committed
 
 
 @contextmanager
@@ -105,6 +110,10 @@ def writing(what: str, epoch: int | None = None) -> Iterator[None]:
     """
     try:
         yield
+    except CheckpointWriteError as exc:
+        if exc.epoch is None:
+            exc.epoch = epoch
+        raise
     except CheckpointError:
         raise
     except Exception as exc:

@@ -124,45 +124,64 @@ class JobRunner:
             nodes = [check_node_name(n) for n in job.nodes_to_checkpoint()]
             cm.set_params(nodes=nodes)
             resume = cm.get_resume_from_epoch_id(self.resume_from_epoch)
-        finished = False
         if resume is None:
-            logger.info("Starting job %r from scratch", job.name)
-            self._notify(session, "started", 0)
-            session.run(job.init_group)
-            epoch = 0
-            if cm is not None:
-                session.run(cm.init(job.nodes_to_checkpoint()))
-                self._start_run(session, cm, parent=None)
-                self.save_checkpoints(0, session)
+            epoch, finished = self._start_fresh(session), False
         else:
-            with cm.resuming():  # what is loaded and what the run continues: one save
-                epoch, finished, parent = self._resume(session, cm, resume,
-                                                       automatic=self.resume_from_epoch is None)
-                # a pass a crash cut short is completed now, when the run continues the newest
-                # save; going back, what it supersedes stays until the run's first commit
-                head = next(cm.lineage(), None) if self._has_retention() else None
-                at_head = head is not None and (head.epoch, head.generation) == parent
-                if self._start_run(session, cm, parent) and at_head:
-                    self._retain(session, cm)
-            if finished:
-                logger.info("Job %r had finished at epoch %d (its stop condition held): no "
-                            "epoch to run", job.name, epoch)
+            epoch, finished = self._start_resumed(session, resume)
+        epoch = self._loop(session, preemption, epoch, finished)
+        self._stop_if_preempted(epoch, session, preemption)
+        if self.upload_task_group_builder is not None:
+            session.run(self.upload_task_group_builder.build(epoch, cm))
+        session.run(job.download_group)
+        session.run(job.exit_group)
+        self._stop_if_preempted(epoch, session, preemption)
+        if self.failed_saves:
+            logger.warning("job %r finished at epoch %d; checkpoints of epochs %s were NOT saved",
+                           job.name, epoch, self.failed_saves)
+        self._notify(session, "finished", epoch)
+        return epoch
+
+    def _start_fresh(self, session: Session) -> int:
+        """Run the init group and save epoch 0 (a fresh start); return 0."""
+        job, cm = self.job, self.checkpoint_manager
+        logger.info("Starting job %r from scratch", job.name)
+        self._notify(session, "started", 0)
+        session.run(job.init_group)
+        if cm is not None:
+            session.run(cm.init(job.nodes_to_checkpoint()))
+            self._start_run(session, cm, parent=None)
+            self.save_checkpoints(0, session)
+        return 0
+
+    def _start_resumed(self, session: Session, resume: int) -> tuple[int, bool]:
+        """Load epoch ``resume`` (or, chosen automatically and damaged, an older one) and start
+        this run from it; return the epoch loaded and whether the job had finished there."""
+        cm = self.checkpoint_manager
+        assert cm is not None
+        with cm.resuming():  # what is loaded and what the run continues: one save
+            epoch, finished, parent = self._resume(session, cm, resume,
+                                                   automatic=self.resume_from_epoch is None)
+            # a pass a crash cut short is completed now, when the run continues the newest
+            # save; going back, what it supersedes stays until the run's first commit
+            head = next(cm.lineage(), None) if self._has_retention() else None
+            at_head = head is not None and (head.epoch, head.generation) == parent
+            if self._start_run(session, cm, parent) and at_head:
+                self._retain(session, cm)
+        if finished:
+            logger.info("Job %r had finished at epoch %d (its stop condition held): no "
+                        "epoch to run", self.job.name, epoch)
+        return epoch, finished
+
+    def _loop(self, session: Session, preemption: PreemptionWatch | None, epoch: int,
+              finished: bool) -> int:
+        """Run epochs after ``epoch`` until a stop condition holds (or a preemption stops the
+        job); return the final epoch, its save finished (committed or failed)."""
+        cm = self.checkpoint_manager
         try:
             while not finished:
-                if preemption is not None and preemption.requested:
-                    self._preempted(epoch, session, preemption.signal_name)
+                self._stop_if_preempted(epoch, session, preemption)
                 epoch += 1
-                logger.info("Running epoch %d of job %r", epoch, job.name)
-                self._notify(session, "epoch", epoch)
-                session.run(job.epoch_group)
-                met = [c.key for c in job.stop_conditions if bool(np.any(c.fetch()))]
-                finished = bool(met)
-                preempted = preemption is not None and preemption.requested
-                if cm is not None and (preempted or should_save(
-                        self.options, epoch, final=finished,
-                        last_save_time=self._last_save_time, now=time.monotonic())):
-                    self.save_checkpoints(epoch, session, stop=finished, stop_conditions=met,
-                                          metrics=job.fetch_metrics())
+                finished = self._run_epoch(epoch, session, preemption)
         except BaseException:
             if cm is not None and cm.pending_epoch is not None:  # let it commit, then fail
                 try:
@@ -172,35 +191,54 @@ class JobRunner:
             raise
         if cm is not None:
             self._finish_background(session, cm)
-        if self.upload_task_group_builder is not None:
-            session.run(self.upload_task_group_builder.build(epoch, cm))
-        session.run(job.download_group)
-        session.run(job.exit_group)
-        if self.failed_saves:
-            logger.warning("job %r finished at epoch %d; checkpoints of epochs %s were NOT saved",
-                           job.name, epoch, self.failed_saves)
-        self._notify(session, "finished", epoch)
         return epoch
 
+    def _run_epoch(self, epoch: int, session: Session,
+                   preemption: PreemptionWatch | None) -> bool:
+        """Run ``epoch``'s group and save it if the policy (or a preemption) says so; return
+        whether a stop condition held."""
+        job, cm = self.job, self.checkpoint_manager
+        logger.info("Running epoch %d of job %r", epoch, job.name)
+        self._notify(session, "epoch", epoch)
+        session.run(job.epoch_group)
+        met = [c.key for c in job.stop_conditions if bool(np.any(c.fetch()))]
+        finished = bool(met)
+        preempted = preemption is not None and preemption.requested
+        if cm is not None and (preempted or should_save(
+                self.options, epoch, final=finished,
+                last_save_time=self._last_save_time, now=time.monotonic())):
+            self.save_checkpoints(epoch, session, stop=finished, stop_conditions=met,
+                                  metrics=job.fetch_metrics())
+        return finished
+
+    def _committed_epoch(self, epoch: int) -> bool:
+        """Whether ``epoch`` is committed by (or was resumed by) this train() call."""
+        return self.checkpoint_manager is not None and (
+            epoch in self.saved_epochs or epoch == self.resumed_from)
+
+    def _stop_if_preempted(self, epoch: int, session: Session,
+                           preemption: PreemptionWatch | None) -> None:
+        if preemption is not None and preemption.requested:
+            self._preempted(epoch, session, preemption.signal_name)
+
     def _preempted(self, epoch: int, session: Session, signal_name: str) -> None:
-        """Make sure ``epoch`` is checkpointed, then stop with :class:`JobPreemptedError`. The
-        epoch a run resumed from is committed already: it is never saved again."""
+        """Make sure ``epoch`` is checkpointed, then stop with :class:`JobPreemptedError`. An
+        epoch committed already (by this run, also in the background, or the one it resumed
+        from) is never saved again."""
         cm = self.checkpoint_manager
-
-        def committed() -> bool:
-            return cm is not None and (epoch in self.saved_epochs or epoch == self.resumed_from)
-
         if cm is not None:
-            if not committed() and epoch not in self.failed_saves:
+            self._finish_background(session, cm)  # first: it may be this very epoch's save
+            if not self._committed_epoch(epoch) and epoch not in self.failed_saves:
                 self.save_checkpoints(epoch, session, metrics=self.job.fetch_metrics())
-            self._finish_background(session, cm)
+                self._finish_background(session, cm)
+        committed = self._committed_epoch(epoch)
         self._notify(session, "preempted", epoch)
         where = f"under {cm.url!r}" if cm is not None else "(no checkpoint manager)"
         raise JobPreemptedError(
             f"job {self.job.name!r} was stopped by {signal_name} after epoch {epoch}; its "
             + (f"checkpoint is committed {where}: run the job again to resume from it"
-               if committed() else f"checkpoint was NOT committed {where}"),
-            epoch=epoch, committed=committed(), signal=signal_name)
+               if committed else f"checkpoint was NOT committed {where}"),
+            epoch=epoch, committed=committed, signal=signal_name)
 
     @staticmethod
     def _start_run(session: Session, cm: BaseCheckpointManager, parent: tuple[int, int] | None) -> bool:
@@ -307,6 +345,9 @@ class JobRunner:
         if cm is None:
             raise JobDefinitionError("Checkpoint manager is None")
         self._finish_background(session, cm)
+        if epoch in self.saved_epochs:  # a committed epoch is never saved twice by one run
+            logger.debug("epoch %d is committed already: not saving it again", epoch)
+            return
         try:
             if not cm.cp_accessible(epoch=epoch):
                 cause = cm.access_error
@@ -370,6 +411,15 @@ class JobRunner:
             self._notify(session, "deleted", save.epoch)
 
     def _save_failed(self, epoch: int, session: Session, exc: Exception) -> None:
+        """``epoch``'s save raised ``exc``: unless every node's record of it is there after all
+        (an answer lost on the way back), the epoch failed."""
+        cm = self.checkpoint_manager
+        outcome = _recheck_failed(cm, epoch, exc) if cm is not None else None
+        if outcome is not None:
+            self._committed(outcome, session, cm)  # type: ignore[arg-type]
+            if isinstance(exc, NodeLostError):
+                raise exc
+            return
         self.failed_saves.append(epoch)
         self._notify(session, "save_failed", epoch, error=f"{type(exc).__name__}: {exc}")
         if isinstance(exc, NodeLostError):  # the node's workspace is gone: the run must fail
@@ -380,6 +430,19 @@ class JobRunner:
             raise CheckpointWriteError(f"checkpoint of epoch {epoch} failed: {exc}",
                                        epoch=epoch) from exc
         logger.warning("Unable to write checkpoint for epoch %d. Error=%s", epoch, exc)
+
+
+def _recheck_failed(cm: BaseCheckpointManager, epoch: int, exc: Exception) -> SaveOutcome | None:
+    """The outcome of ``epoch``'s save if, although it raised ``exc``, it is committed."""
+    try:
+        outcome = cm.recheck_save(epoch)
+    except Exception as check:  # noqa: BLE001 - the save's own failure is what is reported
+        logger.debug("cannot re-check the save of epoch %d: %s", epoch, check)
+        return None
+    if outcome is not None:
+        logger.warning("the save of epoch %d reported %s: %s, but every node's commit record is "
+                       "there: the epoch is committed", epoch, type(exc).__name__, exc)
+    return outcome
 
 
 def _writer(session: Session) -> dict[str, Any] | None:

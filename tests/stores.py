@@ -18,14 +18,25 @@ from caffe2ckpt.history.scan import family_history, newest_save, scan
 from caffe2ckpt.store import runs
 from caffe2ckpt.store.protocol import CheckpointStore
 from caffe2ckpt.store.records import CommitRecord, list_records
+from caffe2ckpt.store.tombstone import is_tombstone
 
 __all__ = ["committed_epochs", "delete_epoch", "epochs_with_records", "find_leftovers",
-           "lineage_epochs", "load", "newest_epoch", "open_store", "record_of", "records_at",
-           "remove_leftovers", "retain", "save_at"]
+           "gone", "lineage_epochs", "load", "newest_epoch", "open_store", "record_of",
+           "records_at", "remove_leftovers", "retain", "save_at"]
 
 
 def open_store(url: str, **options: Any) -> CheckpointStore:
     return CheckpointStore(Location(url, options or None))
+
+
+def gone(location: Location, group: str) -> bool:
+    """Whether the group at ``group`` (relative to the prefix) was removed: nothing is there,
+    or (at ``<node>.<epoch>``, a path never freed) only its tombstone."""
+    path = location.path(group)
+    if not location.exists(path):
+        return True
+    raw = location.read_bytes(f"{path}/zarr.json", limit=4096)
+    return location.list_names(path) == ["zarr.json"] and is_tombstone(raw)
 
 
 def newest_epoch(store: CheckpointStore, nodes: Iterable[str]) -> int | None:

@@ -157,7 +157,7 @@ def leftover_bytes(location: Location, item: Leftover) -> int | None:
 def leftover_doc(location: Location, item: Leftover) -> Document:
     return {"kind": item.kind, "path": item.path, "url": location.display(item.path),
             "age_seconds": None if math.isinf(item.age) else round(item.age, 3),
-            "bytes": leftover_bytes(location, item)}
+            "bytes": leftover_bytes(location, item), "live": item.live}
 
 
 def known_nodes(location: Location) -> set[str]:

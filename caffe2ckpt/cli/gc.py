@@ -6,7 +6,8 @@ Arguments become :class:`~caffe2ckpt.policy.StepManagerOptions`; what to keep an
 ``StepCheckpointManager`` apply the same plans), what is left over is
 :func:`caffe2ckpt.history.cleanup.find_leftovers`, and removal is
 :func:`~caffe2ckpt.history.cleanup.remove_saves` / ``remove_leftovers``: by save id, records
-first, fenced by the newest run ``gc`` listed (if a run starts meanwhile, ``gc`` stops). On top,
+first, fenced by the newest run ``gc`` listed (if a run starts meanwhile, ``gc`` stops, and its
+report marks what it did not reach as skipped). On top,
 with ``--node`` a family with nodes not given is left alone (deleting some nodes' records of one
 save would uncommit the others' epoch), and no save of a family is deleted when its newest one
 fails verification.
@@ -15,6 +16,7 @@ fails verification.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 from caffe2ckpt.cli._context import (
     EXIT_DAMAGED,
@@ -93,11 +95,10 @@ def _plan(store: CheckpointStore, found: PrefixScan, family: Family, options: St
     return plan, None
 
 
-def cmd_gc(ctx: Context, args: argparse.Namespace) -> tuple[Document, int]:
-    store, found = open_prefix(ctx, args.prefix)
-    location = store.location
-    options = retention_options(args)
-    wanted = set(args.node) if args.node else None
+def _check_arguments(location, args: argparse.Namespace, found: PrefixScan,
+                     wanted: set[str] | None) -> list[Family]:
+    """The families ``gc`` acts on; :class:`CLIError` for nodes or a metric that are not
+    there."""
     if wanted is not None:
         unknown = sorted(wanted - known_nodes(location))
         if unknown:
@@ -110,6 +111,13 @@ def cmd_gc(ctx: Context, args: argparse.Namespace) -> tuple[Document, int]:
         raise CLIError(f"metric {args.metric!r} is in no committed epoch's metrics under "
                        f"{location.display()!r} (metrics found: {', '.join(names) or 'none'})",
                        EXIT_USAGE)
+    return families
+
+
+def _plans(store: CheckpointStore, found: PrefixScan, families: list[Family],
+           options: StepManagerOptions, wanted: set[str] | None
+           ) -> tuple[list[Document], list[tuple[Save, Document]], list[str]]:
+    """What each family keeps (with reasons), what it deletes, and why deletion is refused."""
     keep: list[Document] = []
     delete: list[tuple[Save, Document]] = []
     refusals = []
@@ -119,45 +127,72 @@ def cmd_gc(ctx: Context, args: argparse.Namespace) -> tuple[Document, int]:
             refusals.append(refusal)
         keep += [{**_entry(s, found), "reasons": why} for s, why in plan.keep]
         delete += [(s, _entry(s, found)) for s in plan.delete]
-    items = find_leftovers(store, found, min_age=args.min_age, nodes=wanted)
+    return keep, delete, refusals
+
+
+def _skipped(found: PrefixScan, wanted: set[str] | None) -> list[Document]:
     damaged = {ref.save_id for ref, _ in found.unreadable}
-    skipped = [{"kind": "partial save", "epoch": p.epoch,
-                "path": ", ".join(r.group for r in p.records.values()),
-                "reason": "another record of this save is unreadable; inspect it with "
-                          "`caffe2ckpt verify` first"}
-               for p in found.partial if p.save_id in damaged
-               and (wanted is None or set(p.have) <= wanted)]
-    leftovers = [(item, leftover_doc(location, item)) for item in items]
+    return [{"kind": "partial save", "epoch": p.epoch,
+             "path": ", ".join(r.group for r in p.records.values()),
+             "reason": "another record of this save is unreadable; inspect it with "
+                       "`caffe2ckpt verify` first"}
+            for p in found.partial if p.save_id in damaged
+            and (wanted is None or set(p.have) <= wanted)]
+
+
+def _carry_out(ctx: Context, work: list[tuple[Document, Callable[[], bool]]]) -> int:
+    """Do each action in turn, marking its document ``done`` (true: it removed what it names;
+    false with ``kept``: it found it in use), ``error``, or ``skipped`` (not reached: a run
+    started and ``gc`` stopped); return the exit code."""
+    code = EXIT_OK
+    ctx.progress.start("gc", len(work), unit="items")
+    for index, (doc, action) in enumerate(work):
+        try:
+            doc["done"] = action()
+            if not doc["done"]:
+                doc["kept"] = "in use again when gc came to it (committed or taken meanwhile)"
+        except CheckpointFencedError as exc:  # a run started: its view decides from now on
+            doc["error"], doc["done"], code = str(exc), False, EXIT_IO
+            for later, _ in work[index + 1:]:
+                later["done"], later["skipped"] = False, "gc stopped: a run started (see error)"
+            break
+        except (OSError, CheckpointError) as exc:
+            doc["error"], doc["done"], code = str(exc) or type(exc).__name__, False, EXIT_IO
+        finally:
+            ctx.progress.advance(1, doc.get("path") or f"epoch {doc.get('epoch')}")
+    ctx.progress.close()
+    return code
+
+
+def cmd_gc(ctx: Context, args: argparse.Namespace) -> tuple[Document, int]:
+    store, found = open_prefix(ctx, args.prefix)
+    location = store.location
+    options = retention_options(args)
+    wanted = set(args.node) if args.node else None
+    families = _check_arguments(location, args, found, wanted)
+    keep, delete, refusals = _plans(store, found, families, options, wanted)
+    items = find_leftovers(store, found, min_age=args.min_age, nodes=wanted, live=True)
+    leftovers = [(item, leftover_doc(location, item)) for item in items if not item.live]
+    in_use = [{"kind": item.kind, "path": item.path,
+               "reason": "a save of a run that no newer run of its job has overtaken: it may "
+                         "still be writing it"} for item in items if item.live]
     code = EXIT_OK
     if args.yes:
-        ctx.progress.start("gc", len(leftovers) + len(delete), unit="items")
         fence = found.newest_generation
-        work = [(doc, lambda i=item: remove_leftovers(store, [i], fence=fence))
+        work = [(doc, lambda i=item: bool(remove_leftovers(store, [i], fence=fence)))
                 for item, doc in leftovers]
-        work += [(doc, lambda s=save: remove_saves(store, [s], fence=fence, doing="gc"))
+        work += [(doc, lambda s=save: bool(remove_saves(store, [s], fence=fence, doing="gc")))
                  for save, doc in delete]
-        for doc, action in work:
-            try:
-                action()
-            except CheckpointFencedError as exc:  # a run started: its view decides from now on
-                doc["error"] = str(exc)
-                code = EXIT_IO
-                break
-            except (OSError, CheckpointError) as exc:
-                doc["error"] = str(exc) or type(exc).__name__
-                code = EXIT_IO
-            finally:
-                ctx.progress.advance(1, doc.get("path") or f"epoch {doc.get('epoch')}")
-        ctx.progress.close()
+        code = _carry_out(ctx, work)
     delete_docs = [doc for _, doc in delete]
     left_docs = [doc for _, doc in leftovers]
-    freed = sum(d["bytes"] for d in delete_docs if not d.get("error")) + sum(
-        d["bytes"] or 0 for d in left_docs if not d.get("error"))
+    freed = sum(d["bytes"] or 0 for d in (*delete_docs, *left_docs)  # planned, or done
+                if d.get("done", not args.yes))
     doc = {"prefix": location.display(), "dry_run": not args.yes,
            "min_age_seconds": args.min_age, "nodes": sorted(wanted) if wanted else None,
            "retention": {"keep_last": args.keep_last, "keep_every": args.keep_every,
                          "keep_best": args.keep_best, "metric": args.metric, "mode": args.mode},
-           "leftovers": left_docs, "skipped": skipped,
+           "leftovers": left_docs, "skipped": _skipped(found, wanted) + in_use,
            "delete": sorted(delete_docs, key=lambda d: (d["epoch"], d["save_id"])),
            "keep": sorted(keep, key=lambda d: (d["epoch"], d["save_id"])),
            "bytes_freed": freed, **({"refused": "; ".join(refusals)} if refusals else {})}

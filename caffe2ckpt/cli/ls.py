@@ -77,7 +77,7 @@ def cmd_ls(ctx: Context, args: argparse.Namespace) -> tuple[Document, int]:
                     | {"nodes": [node]})
     order = {"committed": 0, "superseded": 0, "partial": 1, "damaged record": 2}
     rows.sort(key=lambda r: (r["epoch"], order[r["state"]], r["save_ids"]))
-    items = find_leftovers(store, found, min_age=0)
+    items = find_leftovers(store, found, min_age=0, live=True)
     leftovers = [leftover_doc(location, x) for x in items
                  if x.kind != "partial save"]  # partial saves are rows above
     doc = {"prefix": location.display(), "epochs": rows, "leftovers": leftovers,

@@ -147,7 +147,8 @@ def render_ls(doc: dict[str, Any]) -> str:
         out += ["", ("Uncommitted leftovers (`caffe2ckpt gc --yes` removes those older than "
                     "--min-age):"),
                 table(["KIND", "AGE", "BYTES", "PATH"],
-                      [[x["kind"], human_age(x["age_seconds"]), human_bytes(x["bytes"]), x["path"]]
+                      [[x["kind"] + (" (its run may still be writing it)" if x.get("live") else ""),
+                        human_age(x["age_seconds"]), human_bytes(x["bytes"]), x["path"]]
                        for x in doc["leftovers"]], right=["AGE", "BYTES"])]
     return "\n".join(out)
 
@@ -211,23 +212,29 @@ def packed_note(error: dict[str, Any]) -> str:
 
 
 def render_gc(doc: dict[str, Any]) -> str:
-    dry = doc["dry_run"]
-    remove_word = "would remove" if dry else "removed"
+    remove_word = "would remove" if doc["dry_run"] else "removed"
     out = [f"REFUSED: {doc['refused']}", ""] if doc.get("refused") else []
     if doc["leftovers"]:
         out += [(f"Uncommitted leftovers older than {human_age(doc['min_age_seconds'])} "
                 f"({remove_word}):"),
                 table(["KIND", "AGE", "BYTES", "PATH", "RESULT"],
                       [[x["kind"], human_age(x["age_seconds"]), human_bytes(x["bytes"]), x["path"],
-                        x.get("error") or remove_word] for x in doc["leftovers"]],
+                        _gc_result(x, remove_word)] for x in doc["leftovers"]],
                       right=["AGE", "BYTES"]), ""]
     if doc["skipped"]:
         out += ["Left alone:"] + [f"  {x['path']}: {x['reason']}" for x in doc["skipped"]] + [""]
+    out += _gc_epochs(doc, remove_word)
+    out.append(_gc_outcome(doc))
+    return "\n".join(out)
+
+
+def _gc_epochs(doc: dict[str, Any], remove_word: str) -> list[str]:
+    out = []
     if doc["delete"]:
         out += [f"Epochs outside the retention policy ({remove_word}):",
                 table(["EPOCH", "NODES", "BYTES", "METRICS", "RESULT"],
                       [[d["epoch"], ",".join(d["nodes"]), human_bytes(d["bytes"]),
-                        metrics_text(d["metrics"]), d.get("error") or remove_word]
+                        metrics_text(d["metrics"]), _gc_result(d, remove_word)]
                        for d in doc["delete"]], right=["EPOCH", "BYTES"]), ""]
     if doc["keep"]:
         out += ["Epochs kept:",
@@ -235,16 +242,35 @@ def render_gc(doc: dict[str, Any]) -> str:
                       [[k["epoch"], ",".join(k["nodes"]), human_bytes(k["bytes"]),
                         ", ".join(k["reasons"])] for k in doc["keep"]],
                       right=["EPOCH", "BYTES"]), ""]
-    freed = doc["bytes_freed"]
-    n_epochs, n_left = len(doc["delete"]), len(doc["leftovers"])
-    if dry:
-        out.append(f"Dry run: {plural(n_epochs, 'epoch')} and {plural(n_left, 'leftover')} "
-                   f"({human_bytes(freed)}) would be removed; run again with --yes to remove them.")
-    else:
-        failed = [x for x in doc["delete"] + doc["leftovers"] if x.get("error")]
-        out.append(f"Removed {plural(n_epochs, 'epoch')} and {plural(n_left, 'leftover')} "
-                   f"({human_bytes(freed)})" + (f"; {len(failed)} failed" if failed else "") + ".")
-    return "\n".join(out)
+    return out
+
+
+def _gc_outcome(doc: dict[str, Any]) -> str:
+    """The last line: what was (or would be) removed, and what failed or was not reached."""
+    freed = human_bytes(doc["bytes_freed"])
+    if doc["dry_run"]:
+        return (f"Dry run: {plural(len(doc['delete']), 'epoch')} and "
+                f"{plural(len(doc['leftovers']), 'leftover')} ({freed}) would be removed; run "
+                "again with --yes to remove them.")
+    items = doc["delete"] + doc["leftovers"]
+    failed = sum(1 for x in items if x.get("error"))
+    missed = sum(1 for x in items if x.get("skipped"))
+    epochs = sum(1 for d in doc["delete"] if d.get("done"))
+    left = sum(1 for x in doc["leftovers"] if x.get("done"))
+    return (f"Removed {plural(epochs, 'epoch')} and {plural(left, 'leftover')} ({freed})"
+            + (f"; {failed} failed" if failed else "")
+            + (f"; {missed} not reached" if missed else "") + ".")
+
+
+def _gc_result(item: dict[str, Any], remove_word: str) -> str:
+    """What ``gc`` did with one epoch or leftover, for its table."""
+    if item.get("error"):
+        return item["error"]
+    if item.get("skipped"):
+        return f"not reached: {item['skipped']}"
+    if item.get("done") is False:
+        return f"kept: {item.get('kept', 'in use')}"
+    return remove_word
 
 
 def render_diff(doc: dict[str, Any]) -> str:

@@ -16,27 +16,38 @@ from caffe2ckpt.cli._context import (
     require_nodes,
     require_save,
 )
+from caffe2ckpt.history.scan import PrefixScan
+from caffe2ckpt.store.protocol import CheckpointStore
+from caffe2ckpt.store.records import CommitRecord, RecordRef
 
 __all__ = ["cmd_verify"]
 
 
-def cmd_verify(ctx: Context, args: argparse.Namespace) -> tuple[Document, int]:
-    store, found = open_prefix(ctx, args.prefix)
-    wanted = set(args.node or ())
+def _matches(args: argparse.Namespace, wanted: set[str], epoch: int, nodes) -> bool:
+    """Whether something of ``epoch`` with ``nodes`` is what ``--epoch`` / ``--node`` ask for."""
+    return (args.epoch is None or epoch == args.epoch) and (not wanted or bool(wanted & set(nodes)))
+
+
+def _selected(store: CheckpointStore, found: PrefixScan, args: argparse.Namespace,
+              wanted: set[str]) -> tuple[list[CommitRecord], list[tuple[RecordRef, str]]]:
+    """The node checkpoints to check and the unreadable records to report (CLIError when
+    ``--epoch`` / ``--node`` name nothing there)."""
     bad_records = [(ref, msg) for ref, msg in found.unreadable
-                   if (args.epoch is None or ref.epoch == args.epoch)
-                   and (not wanted or ref.node in wanted)]
-    saves = sorted(found.saves(), key=lambda s: (s.epoch, s.save_id))
-    if args.epoch is not None:
-        saves = [s for s in saves if s.epoch == args.epoch]
-        if not saves and not bad_records:
-            require_save(store, found, args.epoch)
-        if saves and wanted:
-            require_nodes(store, saves[0], sorted(wanted))
+                   if _matches(args, wanted, ref.epoch, [ref.node])]
+    saves = [s for s in sorted(found.saves(), key=lambda s: (s.epoch, s.save_id))
+             if args.epoch is None or s.epoch == args.epoch]
+    if args.epoch is not None and not saves and not bad_records:
+        require_save(store, found, args.epoch)
+    if args.epoch is not None and saves and wanted:
+        require_nodes(store, saves[0], sorted(wanted))
     todo = [s.records[n] for s in saves for n in sorted(s.records) if not wanted or n in wanted]
     if not todo and not bad_records:
         raise CLIError(f"no committed checkpoint of node(s) {', '.join(sorted(wanted))} under "
                        f"{store.location.display()!r}", EXIT_NOT_FOUND)
+    return todo, bad_records
+
+
+def _check_all(ctx: Context, store: CheckpointStore, todo: list[CommitRecord]) -> list[Document]:
     ctx.progress.start("verify", sum(r.nbytes for r in todo))
     results = []
     for record in todo:
@@ -46,6 +57,14 @@ def cmd_verify(ctx: Context, args: argparse.Namespace) -> tuple[Document, int]:
                         "blobs": record.blob_count, "bytes": record.nbytes,
                         "errors": check.errors})
     ctx.progress.close()
+    return results
+
+
+def cmd_verify(ctx: Context, args: argparse.Namespace) -> tuple[Document, int]:
+    store, found = open_prefix(ctx, args.prefix)
+    wanted = set(args.node or ())
+    todo, bad_records = _selected(store, found, args, wanted)
+    results = _check_all(ctx, store, todo)
     summary = {"checked": len(results), "bytes": sum(r["bytes"] for r in results),
                **{k: sum(r["status"] == k for r in results) for k in ("ok", "damaged", "error")}}
     doc = {
@@ -54,9 +73,7 @@ def cmd_verify(ctx: Context, args: argparse.Namespace) -> tuple[Document, int]:
                                 "error": msg} for ref, msg in bad_records],
         "partial": [{"epoch": p.epoch, "save_id": p.save_id, "nodes": p.have,
                      "missing_nodes": p.missing}
-                    for p in found.partial
-                    if (args.epoch is None or p.epoch == args.epoch)
-                    and (not wanted or wanted & set(p.have))],
+                    for p in found.partial if _matches(args, wanted, p.epoch, p.have)],
     }
     failed = summary["damaged"] or summary["error"] or bad_records
     return doc, EXIT_DAMAGED if failed else EXIT_OK

@@ -198,6 +198,11 @@ class Location:
         """Base names of the entries directly under ``path`` ([] if it does not exist)."""
         raise NotImplementedError
 
+    def list_names_after(self, path: str, after: str) -> list[str]:
+        """Base names of the files directly under ``path`` that sort after ``after``, sorted
+        (object stores: one listing that starts there, whatever came before)."""
+        return sorted(n for n in self.list_names(path) if n > after)
+
     def exists(self, path: str) -> bool:
         """Whether ``path`` exists, as a file or a directory. Only "no such file" answers
         False: any other error (EIO, EACCES, a timeout) is raised, since callers decide on it

@@ -5,15 +5,20 @@ Every removal names saves, never "whatever sits at epoch e", and is fenced:
 
 * a save is removed by its records first (exact names: its epoch, nodes and save id), then by
   the groups those records name, each only after its ``zarr.json`` says it is that save's, file
-  by file as its manifest lists them (no listing, no pattern), the ``zarr.json`` last. A crash
-  in between leaves only unreferenced files, which ``gc`` finds later;
-* before each save it removes, the remover checks that no run newer than the one it acts for
-  has claimed the prefix (:func:`caffe2ckpt.store.runs.check_fence`): a fenced run removes
-  nothing, and ``gc``, which acts for the newest run it listed, stops when another run starts;
-* leftovers are found by reachability: a group no readable record names, a partial save, or
-  a model-2 staged copy; each is removed only when it is older than a grace period counted
-  from the save's start (its ``zarr.json``, the first object a save writes), after checking
-  again that no record of it appeared meanwhile.
+  by file as its manifest lists them (no listing, no pattern), the ``zarr.json`` last. At
+  ``<node>.<epoch>`` the ``zarr.json`` is replaced by a tombstone instead
+  (:mod:`caffe2ckpt.store.tombstone`): that path is never freed, so no later save can be met
+  there by a remover that checked the old one. A crash in between leaves only unreferenced
+  files, which ``gc`` finds later;
+* before each save it removes, the remover checks that no newer run has claimed the prefix
+  (:func:`caffe2ckpt.store.runs.check_fence`; a run's own removals: no newer run of its family;
+  ``gc``: no run started since it listed): a fenced run removes nothing, and ``gc`` stops;
+* leftovers are found by reachability: a group no readable record names, a partial save, a
+  temporary file of an interrupted create, or a model-2 staged copy; each is removed only when
+  it is older than a grace period counted from the save's start (its ``zarr.json``, the first
+  object a save writes), after checking again that no record of it appeared meanwhile. A save of
+  a run that no newer run of its family has overtaken is never a leftover, however old: that
+  run may still be writing it (or be about to commit it).
 """
 
 from __future__ import annotations
@@ -21,8 +26,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
 
 from caffe2ckpt.errors import CheckpointError, CheckpointNotFoundError
 from caffe2ckpt.history.lineage import Save
@@ -30,20 +35,26 @@ from caffe2ckpt.history.scan import PrefixScan
 from caffe2ckpt.store import runs
 from caffe2ckpt.store.layout import (
     COMMITS_DIR,
+    HINTS_DIR,
     LEGACY_CLAIMS_DIR,
     LEGACY_STAGING_DIR,
     RUNS_DIR,
     parse_group_name,
+    save_generation,
 )
 from caffe2ckpt.store.manifest import Manifest
 from caffe2ckpt.store.protocol import CheckpointStore
 from caffe2ckpt.store.records import RecordRef, delete_record, record_path
+from caffe2ckpt.store.tombstone import is_tombstone, tombstone
 from caffe2ckpt.store.zarrgroup import GROUP_FILE, parse_manifest
 
 __all__ = ["Leftover", "find_leftovers", "is_checkpoint_prefix", "remove_leftovers",
            "remove_saves"]
 
 logger = logging.getLogger(__name__)
+
+TEMPORARY_PREFIX = ".tmp-"  # local exclusive creates and replacements write these first
+_TEMPORARY_DIRS = ("", COMMITS_DIR, RUNS_DIR, HINTS_DIR)
 
 
 def is_checkpoint_prefix(store: CheckpointStore) -> bool:
@@ -53,38 +64,57 @@ def is_checkpoint_prefix(store: CheckpointStore) -> bool:
                for d in (COMMITS_DIR, RUNS_DIR, LEGACY_CLAIMS_DIR))
 
 
-def _identity(store: CheckpointStore, group: str) -> Manifest | None:
-    """The manifest of the group at ``group`` (relative path), if its ``zarr.json`` reads as
-    one: it names the save the group belongs to."""
+TOMBSTONE = "tombstone"
+
+
+def _identity(store: CheckpointStore, group: str) -> Manifest | str | None:
+    """What the ``zarr.json`` of the group at ``group`` (relative path) says: the manifest of
+    the save it belongs to, :data:`TOMBSTONE` (a removed save's path), or None (missing or
+    unreadable)."""
     parsed = parse_group_name(group.rpartition("/")[2])
     if parsed is None:
         return None
     try:
         raw = store.location.read_bytes(f"{store.location.path(group)}/{GROUP_FILE}",
                                         limit=64 << 20)
-        return parse_manifest(raw, group, node=parsed.node, epoch=parsed.epoch)
     except (CheckpointError, ValueError):
+        return None
+    if is_tombstone(raw):
+        return TOMBSTONE
+    try:
+        return parse_manifest(raw, group, node=parsed.node, epoch=parsed.epoch)
+    except CheckpointError:
         return None
 
 
 def _remove_group(store: CheckpointStore, group: str, save_id: str) -> bool:
     """Remove the group at ``group`` if it is save ``save_id``'s: exactly the files its
-    manifest lists. A group of another save, or one that cannot say whose it is, stays (a
-    leftover of a path of its own is removed whole by :func:`remove_leftovers`)."""
+    manifest lists, and its ``zarr.json`` (at ``<node>.<epoch>``: replaced by a tombstone). A
+    group of another save, or one that cannot say whose it is, stays."""
     manifest = _identity(store, group)
-    if manifest is None or manifest.save_id != save_id:
-        if store.location.exists(store.location.path(group)):
+    location = store.location
+    if not isinstance(manifest, Manifest) or manifest.save_id != save_id:
+        if manifest != TOMBSTONE and location.exists(location.path(group)):
             logger.warning("left %s in place: it is not (or no longer says it is) save %s",
-                           store.location.display(group), save_id)
+                           location.display(group), save_id)
         return False
-    store.location.remove_files(store.location.path(group), manifest.files())
+    parsed = parse_group_name(group.rpartition("/")[2])
+    if parsed is not None and parsed.save_id is None:  # <node>.<epoch>: never freed
+        location.remove_files(location.path(group),
+                              [f for f in manifest.files() if f != GROUP_FILE])
+        location.replace_file(f"{location.path(group)}/{GROUP_FILE}",
+                              tombstone(parsed.node, parsed.epoch, save_id))
+    else:
+        location.remove_files(location.path(group), manifest.files())
     return True
 
 
 def remove_saves(store: CheckpointStore, saves: Iterable[Save], *, fence: int,
+                 nodes: Collection[str] | None = None,
                  doing: str = "remove checkpoints") -> list[Save]:
-    """Remove ``saves`` (records first, then their groups), each after checking that no run
-    newer than ``fence`` (a generation) has claimed the prefix. Returns those removed.
+    """Remove ``saves`` (records first, then their groups), each after checking that no run of
+    the family ``nodes`` (None: of any family) newer than ``fence`` (a generation) has claimed
+    the prefix. Returns those removed.
 
     Raises:
         CheckpointFencedError: a newer run claimed the prefix; the saves not removed yet stay.
@@ -92,7 +122,7 @@ def remove_saves(store: CheckpointStore, saves: Iterable[Save], *, fence: int,
     removed = []
     for save in saves:
         runs.check_fence(store.location, fence, f"{doing} (epoch {save.epoch}, save "
-                         f"{save.save_id})")
+                         f"{save.save_id})", nodes)
         for record in save.records.values():
             delete_record(store.location, record.ref)
         for record in save.records.values():
@@ -107,11 +137,13 @@ def remove_saves(store: CheckpointStore, saves: Iterable[Save], *, fence: int,
 class Leftover:
     """Something under a prefix that no commit record references."""
 
-    kind: str  # "uncommitted save", "partial save", "unidentified data", "staged copy"
+    kind: str  # "uncommitted save", "partial save", "unidentified data", "temporary file",
+    #            "staged copy"
     path: str  # relative to the prefix (a partial save: its groups, comma-separated)
     age: float  # seconds since the save started (inf if the filesystem does not say)
     save_id: str | None = None
     records: tuple[RecordRef, ...] = ()  # the records of a partial save
+    live: bool = False  # a save of a run no newer run has overtaken: never removed
 
 
 def _age(store: CheckpointStore, path: str, now: float) -> float:
@@ -141,18 +173,37 @@ def _save_age(store: CheckpointStore, group: str, now: float) -> float:
     return math.inf if stamp is None else now - stamp
 
 
-def find_leftovers(store: CheckpointStore, found: PrefixScan, *, min_age: float = 3600.0,
-                   nodes: Iterable[str] | None = None) -> list[Leftover]:
-    """What :func:`remove_leftovers` would remove: data no record references, older than
-    ``min_age`` seconds. Only under a caffe2ckpt prefix (:func:`is_checkpoint_prefix`); a save
-    one of whose records is unreadable is left for a person to inspect."""
-    if not is_checkpoint_prefix(store):
-        return []
-    now, location = time.time(), store.location
-    wanted = None if nodes is None else set(nodes)
-    damaged = {ref.save_id for ref, _ in found.unreadable}
+class _Runs:
+    """Which runs may still be writing: those no newer run of their family has overtaken (or
+    whose entry cannot be read). Asked once per generation."""
+
+    def __init__(self, store: CheckpointStore) -> None:
+        self.location = store.location
+        self._live: dict[int, bool] = {}
+
+    def live(self, save_id: str | None) -> bool:
+        generation = save_generation(save_id or "")
+        if not generation:
+            return False  # a save of no run (format 1): only its age counts
+        if generation not in self._live:
+            self._live[generation] = self._ask(generation)
+        return self._live[generation]
+
+    def _ask(self, generation: int) -> bool:
+        try:
+            run = runs.read_run(self.location, generation)
+        except CheckpointNotFoundError:
+            return False  # a model-2 run: only its age counts
+        except CheckpointError:
+            return True  # cannot tell: left for a person to inspect
+        return runs.fenced_by(self.location, generation, run.nodes) is None
+
+
+def _group_leftovers(store: CheckpointStore, found: PrefixScan, now: float,
+                     keep: set[str], wanted: set[str] | None) -> Iterator[Leftover]:
+    """Groups no readable record names (``keep``: save ids left for a person or a live run)."""
+    location = store.location
     partial_groups = {r.group for p in found.partial for r in p.records.values()}
-    items: list[Leftover] = []
     for name in sorted(location.list_names(location.root)):
         parsed = parse_group_name(name)
         if (parsed is None or name in found.referenced or name in partial_groups
@@ -160,55 +211,115 @@ def find_leftovers(store: CheckpointStore, found: PrefixScan, *, min_age: float 
                 or not location.fs.isdir(location.path(name))):
             continue
         manifest = _identity(store, name)
-        save_id = manifest.save_id if manifest is not None else parsed.save_id
-        if save_id is not None and save_id in damaged:
+        if manifest == TOMBSTONE:
             continue
-        kind = "uncommitted save" if manifest is not None else "unidentified data"
-        items.append(Leftover(kind, name, _save_age(store, name, now), save_id))
+        save_id = manifest.save_id if isinstance(manifest, Manifest) else parsed.save_id
+        if save_id in keep:
+            continue
+        kind = "uncommitted save" if isinstance(manifest, Manifest) else "unidentified data"
+        yield Leftover(kind, name, _save_age(store, name, now), save_id)
+
+
+def _partial_leftovers(found: PrefixScan, now: float, keep: set[str],
+                       wanted: set[str] | None) -> Iterator[Leftover]:
     for part in found.partial:
-        if (wanted and not set(part.have) <= wanted) or part.save_id in damaged:
+        if (wanted and not set(part.have) <= wanted) or part.save_id in keep:
             continue
-        items.append(Leftover("partial save",
-                              ", ".join(part.records[n].group for n in part.have),
-                              now - part.started, part.save_id,
-                              tuple(r.ref for r in part.records.values())))
+        yield Leftover("partial save", ", ".join(part.records[n].group for n in part.have),
+                       now - part.started, part.save_id,
+                       tuple(r.ref for r in part.records.values()))
+
+
+def _temporary_leftovers(store: CheckpointStore, now: float) -> Iterator[Leftover]:
+    """Temporary files of exclusive creates and replacements that were interrupted."""
+    location = store.location
+    for directory in _TEMPORARY_DIRS:
+        for name in location.list_names(location.path(directory) if directory
+                                        else location.root):
+            if name.startswith(TEMPORARY_PREFIX):
+                path = f"{directory}/{name}" if directory else name
+                yield Leftover("temporary file", path, _age(store, location.path(path), now))
+
+
+def _staged_leftovers(store: CheckpointStore, now: float,
+                      wanted: set[str] | None) -> Iterator[Leftover]:
+    location = store.location
     for name in sorted(location.list_names(location.path(LEGACY_STAGING_DIR))):
         parsed = parse_group_name(name.rpartition(".")[0])
         if parsed is None or (wanted and parsed.node not in wanted):
             continue
         path = f"{LEGACY_STAGING_DIR}/{name}"
-        items.append(Leftover("staged copy", path, _age(store, location.path(path), now)))
-    return [item for item in items if item.age >= min_age]
+        yield Leftover("staged copy", path, _age(store, location.path(path), now))
+
+
+def find_leftovers(store: CheckpointStore, found: PrefixScan, *, min_age: float = 3600.0,
+                   nodes: Iterable[str] | None = None, live: bool = False) -> list[Leftover]:
+    """What :func:`remove_leftovers` would remove: data no record references, older than
+    ``min_age`` seconds. Only under a caffe2ckpt prefix (:func:`is_checkpoint_prefix`). Left
+    alone: a save one of whose records is unreadable (for a person to inspect), and every save
+    of a run no newer run of its family has overtaken (it may still be writing): with ``live``
+    those are listed too, marked ``live`` (``ls`` shows them; nothing removes them)."""
+    if not is_checkpoint_prefix(store):
+        return []
+    now = time.time()
+    wanted = None if nodes is None else set(nodes)
+    damaged = {ref.save_id for ref, _ in found.unreadable}
+    items = [*_group_leftovers(store, found, now, damaged, wanted),
+             *_partial_leftovers(found, now, damaged, wanted),
+             *(_temporary_leftovers(store, now) if wanted is None else ()),
+             *_staged_leftovers(store, now, wanted)]
+    runs_now = _Runs(store)
+    items = [replace(item, live=True) if runs_now.live(item.save_id) else item
+             for item in items if item.age >= min_age]
+    return [item for item in items if live or not item.live]
 
 
 def _recorded(store: CheckpointStore, group: str, save_id: str) -> bool:
-    """Whether a record of the save ``save_id`` of ``group`` exists now (one check)."""
+    """Whether a record of the save ``save_id`` naming the group at ``group`` exists now (a
+    record of that save naming another path does not reference this one)."""
     parsed = parse_group_name(group)
     ref = RecordRef(epoch=parsed.epoch, node=parsed.node, save_id=save_id)  # type: ignore[union-attr]
-    return store.location.file_exists(record_path(store.location, ref))
+    try:
+        return store.read_record(ref).group == group
+    except CheckpointNotFoundError:
+        return False
+    except CheckpointError:
+        return True  # unreadable: it may name this group; left for a person to inspect
+
+
+def _remove_leftover(store: CheckpointStore, item: Leftover) -> bool:
+    location = store.location
+    if item.kind == "partial save":
+        for ref in item.records:
+            delete_record(location, ref)
+        for group in item.path.split(", "):
+            _remove_group(store, group, item.save_id)  # type: ignore[arg-type]
+        return True
+    if item.kind == "uncommitted save":
+        if _recorded(store, item.path, item.save_id):  # type: ignore[arg-type]
+            logger.info("kept %s: it was committed meanwhile", location.display(item.path))
+            return False
+        return _remove_group(store, item.path, item.save_id)  # type: ignore[arg-type]
+    if item.kind == "unidentified data" and _identity(store, item.path) is not None:
+        return False  # it says whose it is now: a save started writing there meanwhile
+    location.remove(location.path(item.path))
+    return True
 
 
 def remove_leftovers(store: CheckpointStore, leftovers: Sequence[Leftover], *,
-                     fence: int) -> None:
+                     fence: int) -> list[Leftover]:
     """Remove what :func:`find_leftovers` found, each after checking the fence (no run newer
     than ``fence`` claimed the prefix) and, for a save's group, that it still is the save's and
-    that no record of it appeared meanwhile."""
-    location = store.location
+    that no record of it appeared meanwhile. Returns the leftovers removed.
+
+    Raises:
+        CheckpointFencedError: a run started; the leftovers not removed yet stay.
+    """
+    removed = []
     for item in leftovers:
-        runs.check_fence(location, fence, f"remove leftover {item.path}")
-        if item.kind == "partial save":
-            for ref in item.records:
-                delete_record(location, ref)
-            for group in item.path.split(", "):
-                _remove_group(store, group, item.save_id)  # type: ignore[arg-type]
-        elif item.kind == "uncommitted save":
-            if _recorded(store, item.path, item.save_id):  # type: ignore[arg-type]
-                logger.info("kept %s: it was committed meanwhile", location.display(item.path))
-                continue
-            if not _remove_group(store, item.path, item.save_id):  # type: ignore[arg-type]
-                continue
-        elif item.kind == "unidentified data" and _identity(store, item.path) is not None:
-            continue  # it says whose it is now: a save started writing there meanwhile
-        else:
-            location.remove(location.path(item.path))
-        logger.info("removed %s %s under %s", item.kind, item.path, location.display())
+        runs.check_fence(store.location, fence, f"remove leftover {item.path}")
+        if _remove_leftover(store, item):
+            removed.append(item)
+            logger.info("removed %s %s under %s", item.kind, item.path,
+                        store.location.display())
+    return removed

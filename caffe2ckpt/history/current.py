@@ -9,22 +9,22 @@ what retention removes are decided here once:
   (:mod:`caffe2ckpt.store.runs`). A save joins the current run only above the run's parent and
   above the run's newest save; otherwise it starts a new run whose parent is the newest lineage
   save below it (:meth:`CurrentRun.run_for`): along a lineage epochs only grow, so "newest" is
-  one thing everywhere.
-* While a run is held, the lineage view is read once (:func:`caffe2ckpt.history.scan.scan`)
-  when something needs it, then follows the run's own commits, branches and removals: while the
-  run owns the head nobody else can add to the lineage (a newer run would fence it), so a save
-  or a retention pass costs the same with ten or ten thousand committed epochs. Without a run
-  (before the first claim, after :meth:`CurrentRun.end`) nothing read is kept from one call to
-  the next: any writer may change the prefix meanwhile, and the family's hint keeps the common
-  lookups at a few requests. The exceptions: a resume (:meth:`CurrentRun.resuming`), whose
-  questions (which save an epoch means, whether it is on the lineage, the run's parent) are
-  answered from one reading, so what is loaded and what the new run continues are one save;
-  and a step manager's view (``steady=True``), kept until it is told to read again, as an
-  Orbax ``CheckpointManager`` caches its steps until ``reload()``. A view read before a claim
-  still decides safely after it: the new run's lineage is its parent's ancestry, which never
-  changes, and what the view held as superseded stays superseded.
-* Retention is :func:`~caffe2ckpt.history.retention.plan_retention` on that view, carried out by
-  :func:`~caffe2ckpt.history.cleanup.remove_saves`, fenced by the run's generation.
+  one thing everywhere. A new run takes over the family's history once it commits: until then
+  what it would supersede stays current (:mod:`caffe2ckpt.history.lineage`).
+* **Views list; decisions read.** A *view* of the lineage (:meth:`CurrentRun.family`) is kept
+  while a run is held (then it follows the run's own commits and removals, so a retention pass
+  costs the same with ten or ten thousand committed epochs) and, for a step manager, until it
+  is told to read again (``steady=True``, as an Orbax ``CheckpointManager`` caches its steps).
+  Views answer listings only. Every decision that writes, loads or deletes reads the prefix as
+  it is now: where a new run starts (:meth:`CurrentRun.parent_below`), which save an epoch
+  means to a loader (:meth:`CurrentRun.lineage_save`, :meth:`CurrentRun.save_of`), the newest
+  save (through the family's hint, a few requests). The one exception is a resume
+  (:meth:`CurrentRun.resuming`): its questions are answered from one reading, so what is loaded
+  and what the new run continues are one save.
+* Retention is :func:`~caffe2ckpt.history.retention.plan_retention` on the view, carried out by
+  :func:`~caffe2ckpt.history.cleanup.remove_saves`, fenced by the run's generation; before it
+  deletes anything it checks that the saves it keeps still stand (every record is there), and
+  reads the prefix again if one does not.
 """
 
 from __future__ import annotations
@@ -35,12 +35,13 @@ from contextlib import contextmanager
 from typing import Any
 
 from caffe2ckpt.history.cleanup import remove_saves
-from caffe2ckpt.history.lineage import Save
-from caffe2ckpt.history.retention import plan_retention
+from caffe2ckpt.history.lineage import History, Save
+from caffe2ckpt.history.retention import RetentionPlan, plan_retention
 from caffe2ckpt.history.scan import Family, family_history, newest_save, scan
 from caffe2ckpt.policy import StepManagerOptions
 from caffe2ckpt.store import runs
 from caffe2ckpt.store.protocol import CheckpointStore
+from caffe2ckpt.store.records import record_path
 
 __all__ = ["CurrentRun"]
 
@@ -60,19 +61,19 @@ class CurrentRun:
         self._next_parent: Any = _UNSET  # the parent the next run starts from, once given
         self._last_epoch: int | None = None  # the newest epoch the current run saved
         self._family: Family | None = None  # the lineage view, once read
-        self._looked_up: dict[int, Save | None] = {}  # lineage saves by epoch, while held
-        self._resolved: Save | None = None  # the last save a lookup gave (for _vouch only)
-        self._resuming = False  # inside resuming(): what is read is kept, run or not
-        self._steady = steady  # what is read is kept until forget(), run or not
+        self._reading: History | None = None  # the one reading of a resume
+        self._resolved: Save | None = None  # the last save a decision gave (for _vouch only)
+        self._resuming = False  # inside resuming()
+        self._steady = steady  # the view is kept until forget(), run or not
 
     # -- runs ------------------------------------------------------------------------------------
 
     def start(self, parent: tuple[int, int] | None, writer: dict[str, Any] | None = None
               ) -> runs.Run:
         """Start a new run from ``parent`` ((epoch, generation) of the committed save it
-        resumed from; None: a fresh start, which supersedes the whole history). If claiming
-        fails the error is raised, no run is held, and the next save claims again with the
-        same parent."""
+        resumed from; None: a fresh start, which supersedes the whole history once the run
+        commits). If claiming fails the error is raised, no run is held, and the next save
+        claims again with the same parent."""
         self.run, self._next_parent = None, parent
         run = self._claim(parent, writer)
         try:
@@ -84,7 +85,6 @@ class CurrentRun:
             run = self._claim(parent, writer)
             self._vouch(parent, run.generation)  # failing twice: the claim fails
         self.run, self._next_parent, self._last_epoch = run, _UNSET, None
-        self._branch(parent)
         return run
 
     def _claim(self, parent: tuple[int, int] | None, writer: dict[str, Any] | None
@@ -93,14 +93,16 @@ class CurrentRun:
                           writer=writer)
 
     def _vouch(self, parent: tuple[int, int] | None, generation: int) -> None:
-        """Until the new run ``generation`` saves, its parent is the family's newest save:
-        say so in the family's hint (on the run's behalf, so the next lookup stays O(1)), when
-        this writer knows that save's id. Only a hint: lookups check it, and ask the records
-        when it is not there."""
-        known = [self._resolved, *(self._family.saves() if self._family else ())]
-        save = next((s for s in known if s is not None and (s.epoch, s.generation) == parent),
-                    None)
-        if save is not None:
+        """Until the new run ``generation`` saves, its parent stays the family's newest save
+        if it was the newest: say so in the family's hint (on the run's behalf, so the next
+        lookup stays O(1)). Only a hint: lookups check it, and ask the records when it is not
+        there. A run that goes back vouches for nothing: until it commits, the newest save is
+        still the one above."""
+        save = self._resolved
+        if parent is None or save is None or (save.epoch, save.generation) != parent:
+            return
+        newest = self.newest()
+        if newest is not None and (newest.epoch, newest.save_id) == (save.epoch, save.save_id):
             self.store.write_hint(sorted(self.nodes), save.epoch, save.save_id, run=generation)
 
     def end(self) -> None:
@@ -114,18 +116,18 @@ class CurrentRun:
     @contextmanager
     def resuming(self) -> Iterator[None]:
         """One resume: the current run ends, the prefix is read afresh, and what is read is
-        kept until the end of the block (then kept on only if the block started a run)."""
+        kept until the end of the block (the view kept on only if the block started a run)."""
         self.end()
         self._resuming = True
         try:
             yield
         finally:
-            self._resuming = False
+            self._resuming, self._reading = False, None
             if self.run is None:
                 self.forget()
 
     def _keeps(self) -> bool:
-        """Whether what is read now may be kept for the next question (see the module
+        """Whether the lineage view may be kept for the next listing (see the module
         docstring)."""
         return self.run is not None or self._resuming or self._steady
 
@@ -146,18 +148,41 @@ class CurrentRun:
             parent = self.parent_below(epoch)
         return self.start(parent, writer)
 
-    def parent_below(self, epoch: int) -> tuple[int, int] | None:
-        """Where a run that saves ``epoch`` without having resumed continues from: the newest
-        lineage save below ``epoch`` (None: a fresh start)."""
-        save = next((s for s in self.lineage() if s.epoch < epoch), None)
-        return None if save is None else (save.epoch, save.generation)
+    def supersedes_above(self) -> int | None:
+        """While the held run has not committed yet: the epoch above which its first commit
+        will supersede the lineage (-1: a fresh start supersedes it all); else None."""
+        if self.run is None or self._last_epoch is not None:
+            return None
+        return -1 if self.run.parent is None else self.run.parent[0]
+
+    def committed(self, save: Save) -> None:
+        """``save`` was committed: by the current run, or (an explicit claim) by another one,
+        after which the view is read again when needed. The run's first commit marks it in the
+        run log: from then on it has taken over the family's history."""
+        if self.run is None or save.generation != self.run.generation:
+            self.forget()
+            return
+        first = self._last_epoch is None
+        self._last_epoch = save.epoch if first else max(self._last_epoch, save.epoch)
+        if first:
+            self._mark(save)
+            self._branch(self.run.parent)
+        if self._family is not None:
+            self._family = self._family.with_newest(save)
+
+    def _mark(self, save: Save) -> None:
+        try:
+            runs.mark_committed(self.store.location, save.generation, save.epoch, save.save_id)
+        except OSError as exc:  # its committed save says the same while it stands
+            logger.warning("cannot mark run %d of %s as committed: %s", save.generation,
+                           self.store.location.display(), exc)
 
     def _branch(self, parent: tuple[int, int] | None) -> None:
-        """The view after a run started from ``parent``: the lineage above it is superseded."""
-        self._looked_up = {}
-        if self._family is None:
-            return
+        """The view once a run from ``parent`` has committed: the lineage above it is
+        superseded."""
         family = self._family
+        if family is None:
+            return
         if parent is not None and not any((s.epoch, s.generation) == parent
                                           for s in family.lineage):
             self._family = None  # started from a save the view does not hold: read again
@@ -166,22 +191,11 @@ class CurrentRun:
         self._family = Family(family.nodes, [s for s in family.lineage if s.epoch <= limit],
                               [*family.superseded, *(s for s in family.lineage if s.epoch > limit)])
 
-    def committed(self, save: Save) -> None:
-        """``save`` was committed: by the current run, or (an explicit claim) by another one,
-        after which the view is read again when needed."""
-        if self.run is None or save.generation != self.run.generation:
-            self.forget()
-            return
-        self._last_epoch = save.epoch
-        self._looked_up[save.epoch] = save
-        if self._family is not None:
-            self._family = self._family.with_newest(save)
-
-    # -- the lineage -----------------------------------------------------------------------------
+    # -- views (listing) -------------------------------------------------------------------------
 
     def family(self) -> Family:
-        """The family's lineage and superseded saves (while a run is held: read once, then
-        kept up to date; else read now)."""
+        """The family's lineage and superseded saves, for listing (a kept view while a run is
+        held or the view is steady; else read now)."""
         family = self._family if self._keeps() else None
         if family is None:
             found = scan(self.store, self.nodes).families.get(self.nodes)
@@ -192,44 +206,45 @@ class CurrentRun:
 
     def forget(self) -> None:
         """Read the prefix again when next asked (it may have changed outside this run)."""
-        self._family, self._looked_up = None, {}
-
-    def _held(self) -> Family | None:
-        """The lineage view, if one is held (while a run is, or in a resume: see the module
-        docstring)."""
-        if not self._keeps():
-            self.forget()
-        return self._family
+        self._family = None
 
     def lineage(self) -> Iterable[Save]:
-        """The lineage's committed saves, newest first (read lazily when no view is held)."""
-        family = self._held()
-        if family is not None:
-            return family.lineage
-        return family_history(self.store, self.nodes).lineage()
+        """The lineage's committed saves, newest first (the kept view if there is one, else
+        read lazily now)."""
+        if self._family is not None and self._keeps():
+            return self._family.lineage
+        return self._history().lineage()
 
-    def newest(self) -> Save | None:
-        """The newest save of the lineage (a few requests when the family's hint is good)."""
-        family = self._held()
-        save = family.newest if family is not None else newest_save(self.store, self.nodes)
+    # -- decisions (read now) --------------------------------------------------------------------
+
+    def _history(self) -> History:
+        """The family's history as it is now (within a resume: one reading for all of it)."""
+        if self._resuming and self._reading is not None:
+            return self._reading
+        history = family_history(self.store, self.nodes)
+        if self._resuming:
+            self._reading = history
+        return history
+
+    def _resolve(self, save: Save | None) -> Save | None:
         self._resolved = save or self._resolved
         return save
 
+    def newest(self) -> Save | None:
+        """The newest save of the lineage as it is now (a few requests when the family's hint
+        is good)."""
+        if self._resuming:
+            return self._resolve(self._history().newest())
+        return self._resolve(newest_save(self.store, self.nodes))
+
     def lineage_save(self, epoch: int) -> Save | None:
-        """The lineage's committed save of ``epoch`` (None: not committed, or superseded)."""
-        family = self._held()
-        if family is not None:
-            return family.lineage_save(epoch)
-        if epoch not in self._looked_up:
-            found = self.newest()
-            if found is None or found.epoch != epoch:
-                found = next((s for s in self.lineage() if s.epoch <= epoch), None)
-                found = found if found is not None and found.epoch == epoch else None
-            if self._keeps():
-                self._looked_up[epoch] = found
-            self._resolved = found or self._resolved
-            return found
-        return self._looked_up[epoch]
+        """The lineage's committed save of ``epoch`` as it is now (None: not committed, or
+        superseded)."""
+        found = self.newest()
+        if found is None or found.epoch != epoch:
+            found = next((s for s in self._history().lineage() if s.epoch <= epoch), None)
+            found = found if found is not None and found.epoch == epoch else None
+        return self._resolve(found)
 
     def save_of(self, epoch: int) -> Save | None:
         """The committed save an explicitly chosen ``epoch`` means: the lineage's, else the
@@ -237,26 +252,31 @@ class CurrentRun:
         history current again); None when no save of ``epoch`` is committed."""
         save = self.lineage_save(epoch)
         if save is None:
-            if self._family is not None:
-                save = next((s for s in sorted(self._family.superseded,
-                                               key=lambda s: -s.generation)
-                             if s.epoch == epoch), None)
-            else:
-                save = next(iter(family_history(self.store, self.nodes).saves_at(epoch)), None)
-        self._resolved = save or self._resolved
-        return save
+            save = next(iter(self._history().saves_at(epoch)), None)
+        return self._resolve(save)
+
+    def parent_below(self, epoch: int) -> tuple[int, int] | None:
+        """Where a run that saves ``epoch`` without having resumed continues from: the newest
+        lineage save below ``epoch`` as it is now (None: a fresh start)."""
+        save = self.newest()
+        if save is None or save.epoch >= epoch:
+            save = next((s for s in self._history().lineage() if s.epoch < epoch), None)
+        save = self._resolve(save)
+        return None if save is None else (save.epoch, save.generation)
 
     # -- removal ---------------------------------------------------------------------------------
 
-    def _fence(self) -> int:
-        """The generation removals act for: this run's, or (a reader that never saved) the
-        newest run's now."""
-        return self.run.generation if self.run is not None else (
-            runs.newest_generation(self.store.location))
+    def _fence(self) -> tuple[int, frozenset[str] | None]:
+        """The generation (and family) removals act for: this run's, or (a reader that never
+        saved) the newest run's now, of any family."""
+        if self.run is not None:
+            return self.run.generation, self.nodes
+        return runs.newest_generation(self.store.location), None
 
     def retain(self, options: StepManagerOptions | None,
                protect: Collection[int] = ()) -> list[Save]:
-        """Apply ``options``' retention to the lineage; return the saves removed.
+        """Apply ``options``' retention to the lineage; return the saves removed. Nothing is
+        removed unless the saves the plan keeps still stand (read again once if not).
 
         Raises:
             CheckpointFencedError: a newer run claimed the prefix (this run removes nothing
@@ -265,15 +285,38 @@ class CurrentRun:
         if options is None or not options.has_retention:
             return []
         family = self.family()
-        removed = remove_saves(self.store, plan_retention(family, options, protect).delete,
-                               fence=self._fence(), doing="apply retention")
+        plan = plan_retention(family, options, protect)
+        if plan.delete and not self._stands(family, plan):
+            logger.info("a save retention keeps under %s is gone: reading the prefix again",
+                        self.store.location.display())
+            self.forget()
+            family = self.family()
+            plan = plan_retention(family, options, protect)
+            if plan.delete and not self._stands(family, plan):
+                logger.warning("retention under %s deletes nothing this time: the saves it "
+                               "would keep keep changing", self.store.location.display())
+                return []
+        generation, nodes = self._fence()
+        removed = remove_saves(self.store, plan.delete, fence=generation, nodes=nodes,
+                               doing="apply retention")
         self._family = family.without(removed) if self._keeps() else None
-        self._looked_up = {}
         return removed
+
+    def _stands(self, family: Family, plan: RetentionPlan) -> bool:
+        """Whether every record of the lineage saves ``plan`` keeps newer than the oldest
+        lineage save it deletes (at least the newest save) is still there: a view may hold a
+        save someone else removed, and deleting on its account could leave no checkpoint."""
+        oldest = min((s.epoch for s in plan.delete if s in family.lineage), default=None)
+        kept = [s for s, _ in plan.keep if oldest is not None and s.epoch > oldest]
+        if family.newest is not None and family.newest not in kept:
+            kept.append(family.newest)
+        location = self.store.location
+        return all(location.file_exists(record_path(location, r.ref))
+                   for s in kept for r in s.records.values())
 
     def remove(self, saves: Iterable[Save]) -> list[Save]:
         """Remove ``saves`` (fenced like retention)."""
-        removed = remove_saves(self.store, list(saves), fence=self._fence())
+        generation, nodes = self._fence()
+        removed = remove_saves(self.store, list(saves), fence=generation, nodes=nodes)
         self._family = self.family().without(removed) if self._family is not None else None
-        self._looked_up = {}
         return removed

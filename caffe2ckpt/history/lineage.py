@@ -12,11 +12,13 @@ definition that resume, retention, the step manager, the CLI and the Prefect tab
   generation in each of its save ids), its family and its **parent**, the committed save it
   started from (or a fresh start). Runs of storage model 2 have no entry: the records of their
   saves say where they started.
-* The **lineage** of a family starts at its **head**, the newest run of the family (whether or
-  not it has committed anything yet): that run's committed saves, then those of the run it
-  started from up to the epoch it started from, and so on back to a fresh start. Every run
-  saves only above where it started, so along the lineage epochs grow with time and the
-  **newest** save is the lineage's first (and its highest epoch).
+* The **lineage** of a family starts at its **head**, the newest run of the family that has
+  committed a save (its committed mark in the run log, or a committed save of it, says so; a run
+  whose entry is of format 1 counts from its claim): that run's committed saves, then those of
+  the run it started from up to the epoch it started from, and so on back to a fresh start.
+  Every run saves only above where it started, so along the lineage epochs grow with time and
+  the **newest** save is the lineage's first (and its highest epoch). A run that commits nothing
+  changes no history: going back supersedes only once the run commits.
 * A committed save outside the lineage is **superseded**: a later run went back to an earlier
   epoch (or started fresh). A superseded save is never a resume point, never restored, never
   kept by retention; nothing brings it back.
@@ -108,6 +110,7 @@ class History:
             record, so finding the newest save reads only the records it needs.
         read_run: reads one run log entry (None: no entry, e.g. a model-2 run).
         runs: the generations in the run log.
+        marked: the runs the run log marks as having committed a save.
     """
 
     refs: Iterable[RecordRef]
@@ -115,6 +118,7 @@ class History:
     read: RecordReader
     read_run: RunReader
     runs: Collection[int] = ()
+    marked: Collection[int] = ()
     _saves: dict[tuple[int, str], dict[str, RecordRef]] = field(init=False)
     _checked: dict[tuple[int, str], Save | None] = field(init=False, default_factory=dict)
     _records: dict[RecordRef, CommitRecord | str] = field(init=False, default_factory=dict)
@@ -125,6 +129,7 @@ class History:
         for ref in self.refs:
             saves.setdefault((ref.epoch, ref.save_id), {})[ref.node] = ref
         self.nodes = frozenset(self.nodes)
+        self.runs, self.marked = frozenset(self.runs), frozenset(self.marked)
         # a save with a record for one of the family's nodes may be the family's; whether it
         # is (its records name exactly the family) is known once a record is read
         self._saves = {key: refs for key, refs in saves.items() if self.nodes & set(refs)}
@@ -187,13 +192,21 @@ class History:
             gens.setdefault(save_generation(key[1]), []).append(key)
         return gens
 
+    def _took_over(self, generation: int, run: Run, gens: dict[int, list[tuple[int, str]]]
+                   ) -> bool:
+        """Whether run ``generation`` of this family has taken over its history (see the module
+        docstring)."""
+        return (run.supersedes_at_claim or generation in self.marked
+                or any(self.committed(*k) is not None for k in gens.get(generation, ())))
+
     def head(self) -> int | None:
-        """The generation of the family's newest run: the newest entry of the run log for this
-        family, or the newest run with a committed save (model 2, or an unreadable entry)."""
-        newest = next((g for g in sorted(self.runs, reverse=True)
-                       if (run := self.run(g)) is not None and set(run.nodes) == self.nodes),
-                      None)
+        """The generation of the family's newest run that took over its history: the newest
+        entry of the run log for this family that did, or the newest run with a committed save
+        (model 2, or an unreadable entry)."""
         gens = self._by_generation()
+        newest = next((g for g in sorted(self.runs, reverse=True)
+                       if (run := self.run(g)) is not None and set(run.nodes) == self.nodes
+                       and self._took_over(g, run, gens)), None)
         for generation in sorted(gens, reverse=True):
             if newest is not None and generation <= newest:
                 break

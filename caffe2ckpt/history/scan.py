@@ -16,7 +16,7 @@ from typing import NamedTuple
 from caffe2ckpt.errors import CheckpointError, CheckpointNotFoundError
 from caffe2ckpt.history.lineage import History, Save
 from caffe2ckpt.store import runs
-from caffe2ckpt.store.layout import save_generation
+from caffe2ckpt.store.layout import COMMITS_DIR, save_generation
 from caffe2ckpt.store.protocol import CheckpointStore
 from caffe2ckpt.store.records import CommitRecord, RecordRef, list_records
 
@@ -133,8 +133,9 @@ def _read_or_warn(store: CheckpointStore):
 def family_history(store: CheckpointStore, nodes: Iterable[str]) -> History:
     """The history of the family ``nodes`` (one listing of records and one of the run log;
     records and entries are read lazily)."""
+    run_log = runs.listing(store.location)
     return History(list_records(store.location), frozenset(nodes), _read_or_warn(store),
-                   _run_reader(store), runs.list_runs(store.location))
+                   _run_reader(store), run_log.numbers, run_log.committed)
 
 
 def newest_save(store: CheckpointStore, nodes: Iterable[str]) -> Save | None:
@@ -147,18 +148,20 @@ def newest_save(store: CheckpointStore, nodes: Iterable[str]) -> Save | None:
 
 def _hinted(store: CheckpointStore, family: frozenset[str]) -> Save | None:
     """The save the family's hint names, if the hint holds: the run vouching for it is the
-    newest run (no entry after it) and is either the save's own run or one that started from
-    that save (its run log entry says so), and every node's record of the save is there."""
+    family's newest run and is either the save's own run or one that started from that save
+    (its run log entry says so), every node's record of the save is there, and neither run has
+    a record of a newer save (records decide; a hint only shortcuts)."""
     hint = store.read_hint(sorted(family))
     if hint is None:
         return None
     epoch, save_id, run = hint
     generation = save_generation(save_id)
-    if not generation or runs.fenced(store.location, run):
+    location = store.location
+    if not generation or runs.fenced_by(location, run, family) is not None:
         return None
     if run != generation:
         try:
-            entry = runs.read_run(store.location, run)
+            entry = runs.read_run(location, run)
         except CheckpointError:
             return None
         if entry.parent != (epoch, generation) or frozenset(entry.nodes) != family:
@@ -170,7 +173,19 @@ def _hinted(store: CheckpointStore, family: frozenset[str]) -> Save | None:
         except CheckpointError:
             return None
     save = Save(epoch, save_id, records)
-    return save if save.nodes == family else None
+    if save.nodes != family or _newer_record(store, save, {generation, run}):
+        return None
+    return save
+
+
+def _newer_record(store: CheckpointStore, save: Save, generations: set[int]) -> bool:
+    """Whether a record of a save of the runs ``generations`` newer than ``save`` exists (a
+    later epoch, or the same epoch made later): one listing from ``save``'s epoch on."""
+    names = store.location.list_names_after(store.location.path(COMMITS_DIR),
+                                            f"{save.epoch:012d}")  # records of that epoch on
+    refs = (RecordRef.parse(name) for name in names)
+    return any(ref is not None and ref.node in save.nodes and ref.generation in generations
+               and (ref.epoch, ref.save_id) > (save.epoch, save.save_id) for ref in refs)
 
 
 def _read_all(store: CheckpointStore, refs: Sequence[RecordRef]) -> list[CommitRecord | str]:
@@ -186,12 +201,34 @@ def scan(store: CheckpointStore, nodes: Iterable[str] | None = None) -> PrefixSc
     With ``nodes``, only that family (saves of other nodes are ignored)."""
     location = store.location
     wanted = None if nodes is None else frozenset(nodes)
-    generation = runs.newest_generation(location)
+    run_log = runs.listing(location)
+    generation = runs.newest_generation(location, run_log.numbers)
     refs = list_records(location)
     if wanted is not None:  # the saves involving the wanted nodes, with all of their nodes
         keys = {(r.epoch, r.save_id) for r in refs if r.node in wanted}
         refs = [r for r in refs if (r.epoch, r.save_id) in keys]
     read = dict(zip(refs, _read_all(store, refs)))
+    by_save, unreadable = _sorted_records(read)
+    families = {frozenset(r.nodes) | {r.node} for recs in by_save.values()
+                for r in recs.values()} if wanted is None else {wanted}
+    run_reader = _run_reader(store)
+    found: dict[frozenset[str], Family] = {}
+    for family_nodes in families:
+        history = History(refs, family_nodes, read.__getitem__, run_reader, run_log.numbers,
+                          run_log.committed)
+        lineage = list(history.lineage())
+        superseded = history.superseded(lineage)
+        if lineage or superseded:
+            found[family_nodes] = Family(family_nodes, lineage, superseded)
+    referenced = frozenset(r.group for recs in by_save.values() for r in recs.values())
+    return PrefixScan(found, _partial_saves(by_save, found, wanted), unreadable, generation,
+                      referenced)
+
+
+def _sorted_records(read: dict[RecordRef, CommitRecord | str]
+                    ) -> tuple[dict[tuple[int, str], dict[str, CommitRecord]],
+                               list[tuple[RecordRef, str]]]:
+    """The readable records by save (epoch, save id) and node, and the unreadable ones."""
     by_save: dict[tuple[int, str], dict[str, CommitRecord]] = {}
     unreadable: list[tuple[RecordRef, str]] = []
     for ref, record in read.items():
@@ -199,18 +236,14 @@ def scan(store: CheckpointStore, nodes: Iterable[str] | None = None) -> PrefixSc
             unreadable.append((ref, record))
         else:
             by_save.setdefault((ref.epoch, ref.save_id), {})[ref.node] = record
-    families = {frozenset(r.nodes) | {r.node} for recs in by_save.values()
-                for r in recs.values()} if wanted is None else {wanted}
-    run_reader, generations = _run_reader(store), runs.list_runs(location)
-    found: dict[frozenset[str], Family] = {}
-    committed: set[tuple[int, str]] = set()
-    for family_nodes in families:
-        history = History(refs, family_nodes, read.__getitem__, run_reader, generations)
-        lineage = list(history.lineage())
-        superseded = history.superseded(lineage)
-        if lineage or superseded:
-            found[family_nodes] = Family(family_nodes, lineage, superseded)
-        committed.update((s.epoch, s.save_id) for s in (*lineage, *superseded))
+    return by_save, unreadable
+
+
+def _partial_saves(by_save: dict[tuple[int, str], dict[str, CommitRecord]],
+                   families: dict[frozenset[str], Family],
+                   wanted: frozenset[str] | None) -> list[PartialSave]:
+    """Saves with readable records that are not committed (some node's record is missing)."""
+    committed = {(s.epoch, s.save_id) for f in families.values() for s in f.saves()}
     partial = []
     for (epoch, save_id), records in sorted(by_save.items()):
         if (epoch, save_id) in committed:
@@ -220,5 +253,4 @@ def scan(store: CheckpointStore, nodes: Iterable[str] | None = None) -> PrefixSc
             continue
         partial.append(PartialSave(epoch, save_id, sorted(records),
                                    sorted(expected - set(records)), records))
-    referenced = frozenset(r.group for recs in by_save.values() for r in recs.values())
-    return PrefixScan(found, partial, unreadable, generation, referenced)
+    return partial

@@ -24,6 +24,7 @@ from typing import Any
 
 from caffe2ckpt.background import ClosedOnExit
 from caffe2ckpt.errors import (
+    CheckpointError,
     CheckpointNotFoundError,
     CheckpointWriteError,
     InvalidLocationError,
@@ -43,7 +44,7 @@ from caffe2ckpt.policy import StepManagerOptions
 from caffe2ckpt.session import Session
 from caffe2ckpt.store.layout import new_save_id
 from caffe2ckpt.store.protocol import CheckpointStore, SaveInfo
-from caffe2ckpt.store.records import CommitRecord, list_records
+from caffe2ckpt.store.records import CommitRecord, RecordRef, list_records
 from caffe2ckpt.store.runs import Run
 from caffe2ckpt.store.zarrgroup import DEFAULT_PACK_THRESHOLD
 from caffe2ckpt.workspace import WorkspaceType
@@ -99,6 +100,7 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
         self._stats: dict[str, int] = {}
         self._param_nodes: list[str] = []
         self._runs: dict[tuple[str, frozenset[str]], CurrentRun] = {}
+        self._attempt: tuple[int, str] | None = None  # the last save begun: epoch, save id
         self._init_async(async_save)
 
     # -- properties ------------------------------------------------------------------------------
@@ -359,6 +361,7 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
                     f"run {run.generation} started from epoch {run.parent[0]}: it cannot save "
                     f"epoch {epoch} (a run saves only above where it started)")
         save_id = new_save_id(run.generation)
+        self._attempt = (epoch, save_id)
         info = SaveInfo(save_id=save_id, nodes=self.file_nodes(), stop=bool(stop),
                         stop_conditions=tuple(stop_conditions), metrics=metrics, writer=writer,
                         parent=run.parent)
@@ -398,6 +401,23 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
         if epoch is None:
             return None
         return self._outcome(epoch, self.wait_until_finished())
+
+    def recheck_save(self, epoch: int) -> SaveOutcome | None:
+        """The outcome of the last save of ``epoch`` if every node's commit record of it is
+        there, although the save raised (its answer lost on the way back, a take-back that
+        failed, a worker that committed and died): None if it is not committed."""
+        if self._attempt is None or self._attempt[0] != epoch:
+            return None
+        save_id = self._attempt[1]
+        records = {}
+        for node in self.file_nodes():
+            try:
+                records[node] = self._store.read_record(
+                    RecordRef(epoch=epoch, node=node, save_id=save_id))
+            except CheckpointError:
+                return None
+        self.current().committed(Save(epoch, save_id, records))
+        return SaveOutcome(epoch, records)
 
     def _outcome(self, epoch: int, records: dict[str, CommitRecord]) -> SaveOutcome:
         nodes = self.file_nodes()

@@ -164,10 +164,14 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
         return self._others
 
     def _listed(self) -> set[int]:
-        """The committed steps and, as in Orbax, the step an async save is writing."""
+        """The committed steps and, as in Orbax, the step an async save is writing (listed as
+        it will be once committed: the first save of a run that went back supersedes the steps
+        above where it started)."""
         steps = set(self._steps)
         if self._pending is not None:
-            steps.add(self._pending[0])
+            step, _, current, _ = self._pending
+            limit = current.supersedes_above()
+            steps = {s for s in steps if limit is None or s <= limit} | {step}
         return steps
 
     def all_steps(self, read: bool = False) -> list[int]:
@@ -193,17 +197,24 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
         return pick(scored, key=lambda se: (se[0], -se[1] if pick is min else se[1]))[1]
 
     def _step(self, step: int) -> Save:
-        """The committed save of ``step`` (a step in flight is waited for first)."""
+        """The committed save of ``step`` as the prefix holds it now (a step in flight is
+        waited for first): listings may come from this manager's view, but what is restored,
+        described or deleted is read afresh, so another writer's saves and deletions since the
+        view was read count."""
         step = check_epoch(step)
         if self._pending is not None and self._pending[0] == step:
             self.wait_until_finished()
-        if step not in self._steps:
-            self.reload()
-        if step not in self._steps:
+        if self._current is not None:
+            save = self._current.lineage_save(step)
+        else:
+            save = scan(self._store).current().get(step)
+        if save is None or self._steps.get(step) != save:
+            self.reload()  # the view was out of date: listings follow what was read
+        if save is None:
             raise CheckpointNotFoundError(
                 f"step {step} is not committed under {self._store.location.display()!r}; "
                 f"committed steps: {sorted(self._steps)}")
-        return self._steps[step]
+        return save
 
     # -- saving ----------------------------------------------------------------------------------
 
@@ -334,7 +345,9 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
                     f"no blobs {missing}")
         self._protected = {info.epoch}
         current = self._run_of(sorted(info.nodes))
-        if current.run is None or info.epoch < max(self._steps):
+        newest = current.newest()
+        own = current.run is not None and info.generation == current.run.generation
+        if not own or newest is None or info.epoch < newest.epoch:
             # saves from now on continue from this step; going back below the newest step
             # starts a new run (a new claim and generation) that supersedes the later ones
             current.set_parent((info.epoch, info.generation))

@@ -7,14 +7,16 @@
       <node>.<epoch>.<save id>/        a later save of the same epoch: a path of its own
       _commits/<epoch:012d>.<node>.<save id>.json   commit records (the source of truth)
       _runs/<generation:012d>.json     the run log: one entry per run, never edited
+      _runs/<generation:012d>.committed.json   written once a run's first save committed
       _hints/<family>.json             the newest save of a job family (a hint only)
       _metadata.json                   root metadata of a StepCheckpointManager
       _claims/, _staging/              storage model 2: claims still give generations,
                                        ``gc`` sweeps staged leftovers
 
 A **save id** is ``g<generation>-<hex>``: the generation is the claim number of the run that
-wrote it (its entry in ``_runs/``), so a listing orders saves by run. Ids of another form
-(records of format 1) are generation 0.
+wrote it (its entry in ``_runs/``), so a listing orders saves by run; within a run the hex starts
+with the save's creation time, so two saves of one epoch in one run sort in the order they were
+made. Ids of another form (records of format 1) are generation 0.
 
 Node names never start with ``_`` (:func:`caffe2ckpt.naming.check_node_name`), so no group can
 collide with the directories above; a save id always contains ``g`` and ``-``, so a later
@@ -26,6 +28,8 @@ from __future__ import annotations
 
 import hashlib
 import re
+import threading
+import time
 import uuid
 from typing import NamedTuple
 
@@ -48,6 +52,8 @@ __all__ = [
     "parse_group_name",
     "parse_run_name",
     "run_name",
+    "committed_name",
+    "parse_committed_name",
     "save_generation",
 ]
 
@@ -60,13 +66,25 @@ LEGACY_STAGING_DIR = "_staging"
 MAX_GENERATION = 10**18 - 1  # a generation is at most 18 digits in a save id
 _SAVE_ID = re.compile(r"g([0-9]{1,18})-[0-9a-f]{8,64}")
 _RUN = re.compile(r"([0-9]{12,18})\.json")
+_COMMITTED = re.compile(r"([0-9]{12,18})\.committed\.json")
+_last_stamp = 0
+_stamp_lock = threading.Lock()
+
+
+def _creation_stamp() -> int:
+    """Nanoseconds since the epoch, strictly increasing within this process."""
+    global _last_stamp
+    with _stamp_lock:
+        _last_stamp = max(time.time_ns(), _last_stamp + 1)
+        return _last_stamp
 
 
 def new_save_id(generation: int) -> str:
-    """A fresh save id for a save of run ``generation`` (0 for a save of no run)."""
+    """A fresh save id for a save of run ``generation`` (0 for a save of no run): the creation
+    time (16 hex digits, so ids of one run sort by it), then 8 random ones."""
     if not 0 <= generation <= MAX_GENERATION:
         raise ValueError(f"generation {generation} does not fit a save id")
-    return f"g{generation}-{uuid.uuid4().hex[:16]}"
+    return f"g{generation}-{_creation_stamp():016x}{uuid.uuid4().hex[:8]}"
 
 
 def save_generation(save_id: str) -> int:
@@ -119,6 +137,18 @@ def run_name(generation: int) -> str:
 def parse_run_name(name: str) -> int | None:
     """The generation a run log entry's name gives, or None for anything else."""
     match = _RUN.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+def committed_name(generation: int) -> str:
+    """The run log's mark that run ``generation`` has committed a save:
+    ``<generation:012d>.committed.json``."""
+    return f"{generation:012d}.committed.json"
+
+
+def parse_committed_name(name: str) -> int | None:
+    """The generation a committed mark's name gives, or None for anything else."""
+    match = _COMMITTED.fullmatch(name)
     return int(match.group(1)) if match else None
 
 

@@ -16,8 +16,8 @@ phases in this order (each named after what it does):
 3. **write** every array (metadata and chunks, concurrently) and 4. **make durable**: on local
    disks every file is flushed on the descriptor it was written through and every directory
    the save created an entry in is fsync'ed (:mod:`caffe2ckpt.fs.localio`);
-5. **check the fence**: a run overtaken by a newer one (:mod:`caffe2ckpt.store.runs`) stops
-   here with :class:`CheckpointFencedError`;
+5. **check the fence**: a run overtaken by a newer run of its family
+   (:mod:`caffe2ckpt.store.runs`) stops here with :class:`CheckpointFencedError`;
 6. **commit**: the record — naming the group's path, the digests of its metadata files and
    every chunk's CRC32C — is created exclusively and durably. It is the last step: a save that
    raised never leaves its record behind (:func:`~caffe2ckpt.store.records.write_record`).
@@ -129,7 +129,8 @@ class CheckpointStore:
             hint_error = None if hint is None else hint.exception()
         if hint_error is not None:
             raise hint_error
-        runs.check_fence(self.location, info.generation, f"commit epoch {epoch} of node {node!r}")
+        runs.check_fence(self.location, info.generation, f"commit epoch {epoch} of node {node!r}",
+                         info.nodes)
         record = CommitRecord(
             epoch=epoch, node=node, save_id=info.save_id, nodes=list(info.nodes),
             nbytes=plan.manifest.nbytes,

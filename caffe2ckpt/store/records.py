@@ -207,10 +207,15 @@ def write_record(location: Location, record: CommitRecord) -> None:
 
     If creating it fails after the file may exist (e.g. the directory's flush failed, or an
     object store's PUT timed out after it was stored), the record is taken back before the
-    error is raised: a save that raised never leaves its epoch committed.
+    error is raised: a save that raised never leaves its epoch committed. If taking it back
+    fails too, the error says the save *may* be committed (``maybe_committed``): the caller
+    asks the records before it calls the epoch failed.
 
     Raises:
-        FileExistsError: a record with the same epoch, node and save id exists already.
+        FileExistsError: a record with the same epoch, node and save id exists already, and it
+            is not this one (a create answered "exists" after its own first attempt was stored
+            is this record: the location settles that by reading it back).
+        CheckpointWriteError: the record could not be written (``maybe_committed`` as above).
     """
     data = json.dumps(record.to_dict(), sort_keys=True, allow_nan=False).encode("utf-8")
     try:
@@ -222,11 +227,18 @@ def write_record(location: Location, record: CommitRecord) -> None:
         location.create_exclusive(path, data)
     except FileExistsError:
         raise
-    except BaseException:
+    except BaseException as exc:
         try:  # the name holds this save's id: nobody else can have created it
             location.remove(path)
-        except Exception:  # noqa: BLE001 - the original failure matters more
-            pass
+        except Exception as undo:  # noqa: BLE001 - reported with the original failure
+            if not isinstance(exc, Exception):  # an interrupt stays one
+                raise exc from undo
+            raise CheckpointWriteError(
+                f"commit record {location.display(COMMITS_DIR, record.ref.filename)!r} of node "
+                f"{record.node!r} epoch {record.epoch} may be committed: writing it failed "
+                f"({type(exc).__name__}: {exc}) and taking it back failed too "
+                f"({type(undo).__name__}: {undo})", epoch=record.epoch,
+                maybe_committed=True) from exc
         raise
 
 

@@ -4,22 +4,34 @@ A *run* is one writer's stretch of saves: a :class:`~caffe2ckpt.JobRunner` train
 saving on its own, a :class:`~caffe2ckpt.StepCheckpointManager` saving. Before its first save a
 run claims the prefix by creating its entry exclusively::
 
-    _runs/<generation:012d>.json   {"format": 1, "generation": 7, "parent": [12, 6] | null,
+    _runs/<generation:012d>.json   {"format": 2, "generation": 7, "parent": [12, 6] | null,
                                     "nodes": ["trainer_0", "trainer_1"], "writer": {...},
                                     "created": 1764000000.0}
+    _runs/<generation:012d>.committed.json   written once the run's first save is committed
 
 ``parent`` is the committed save the run started from (epoch and generation; null for a fresh
 start) and ``nodes`` its job family (the nodes it saves together). Entries are never edited or
 deleted, so the history of runs outlives their records: a damaged or deleted record uncommits
-only its own save (:mod:`caffe2ckpt.history.lineage`).
+only its own save (:mod:`caffe2ckpt.history.lineage`). A run of format 2 takes over its family's
+history only once it has committed a save (its mark, or a committed save of it, says so); an
+entry of format 1 (written before) took over when it was claimed.
 
-Numbers: a claim takes one more than the highest entry, so entries have no gaps and the newest
-claim owns the prefix. On a prefix of storage model 2 (no ``_runs/`` yet) the first claim takes
-one more than its highest ``_claims/`` number and record generation, so generations keep
-growing across the upgrade.
+The log is checked, not trusted:
 
-Fencing: a run whose next number exists (``_runs/<generation + 1>``) has been overtaken; its
-saves and removals refuse to go on (:func:`check_fence`: one existence check, no listing).
+* **Numbers.** A claim takes one more than the newest *readable* entry (a stray, damaged or
+  unreadable file never pushes the numbers), and the next free number if that one is taken.
+  Before it claims, every gap below its number (entries deleted, or a crafted entry far above
+  the others) is closed by a *gap mark* (``{"format": 2, "generation": n, "gap_to": m}``: the
+  numbers from ``n`` up to ``m`` name no run), so every run's successor exists and no gap can
+  hide a newer run from an older one.
+* **Fencing** is per family: a run is overtaken once a newer run *of its own family* has claimed
+  the prefix (:func:`fenced_by` walks the entries after it: other families' runs and gap marks
+  are passed over, a damaged entry counts as a newer run: it may be one). Runs of different jobs
+  on one prefix never fence each other. In the common case the walk is one request (the next
+  number does not exist); valid entries are never edited, so each is read once per process.
+* On a prefix of storage model 2 (no ``_runs/`` entry yet) the first claim takes one more than
+  its highest ``_claims/`` number and record generation, so generations keep growing across the
+  upgrade.
 """
 
 from __future__ import annotations
@@ -27,8 +39,10 @@ from __future__ import annotations
 import json
 import logging
 import time
+import weakref
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from caffe2ckpt.errors import (
     CheckpointCorruptedError,
@@ -45,40 +59,48 @@ from caffe2ckpt.store.layout import (
     LEGACY_CLAIMS_DIR,
     MAX_GENERATION,
     RUNS_DIR,
+    committed_name,
     legacy_claim_number,
+    parse_committed_name,
     parse_run_name,
     run_name,
     save_generation,
 )
 
-__all__ = ["Run", "check_fence", "claim", "fenced", "list_runs", "newest_generation",
-           "read_run"]
+__all__ = ["Gap", "Run", "RunListing", "check_fence", "claim", "fenced_by", "list_runs",
+           "listing", "mark_committed", "newest_generation", "read_entry", "read_run"]
 
 logger = logging.getLogger(__name__)
 
-_FORMAT = 1
+_FORMAT = 2
+_CLAIM_TRIES = 100  # bounded: a name that exists but is never listed must not spin
 
 
 @dataclass(frozen=True, kw_only=True)
 class Run:
-    """One entry of the run log."""
+    """One run's entry in the run log."""
 
     generation: int
     parent: tuple[int, int] | None  # (epoch, generation) of the save it started from
     nodes: tuple[str, ...]  # its job family, sorted
     writer: dict[str, Any] = field(default_factory=dict)
     created: float = 0.0
+    format: int = _FORMAT
+
+    @property
+    def supersedes_at_claim(self) -> bool:
+        """Whether the run took over its family's history when it claimed (format 1), rather
+        than once it committed a save."""
+        return self.format == 1
 
     def to_dict(self) -> dict[str, Any]:
-        return {"format": _FORMAT, "generation": self.generation,
+        return {"format": self.format, "generation": self.generation,
                 "parent": None if self.parent is None else list(self.parent),
                 "nodes": list(self.nodes), "writer": self.writer, "created": self.created}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], generation: int) -> Run:
         """Parse and check an entry (ValueError, KeyError or TypeError if it is not valid)."""
-        if data.get("format") != _FORMAT or data.get("generation") != generation:
-            raise ValueError(f"not the entry of run {generation}")
         parent = data["parent"]
         if parent is not None:
             if (not isinstance(parent, list) or len(parent) != 2
@@ -94,17 +116,96 @@ class Run:
             raise ValueError(f"bad creation time {created!r:.40}")
         return cls(generation=generation, parent=parent,
                    nodes=tuple(sorted(check_node_name(n) for n in nodes)),
-                   writer=dict(data["writer"]), created=float(created))
+                   writer=dict(data["writer"]), created=float(created), format=data["format"])
+
+
+@dataclass(frozen=True)
+class Gap:
+    """A gap mark: the numbers from ``generation`` up to ``next`` (excluded) name no run."""
+
+    generation: int
+    next: int
+
+
+def _parse(data: Any, generation: int) -> Run | Gap:
+    if not isinstance(data, dict) or data.get("format") not in (1, _FORMAT):
+        raise ValueError("unknown entry format")
+    if data.get("generation") != generation:
+        raise ValueError(f"not the entry of run {generation}")
+    if "gap_to" in data:
+        end = data["gap_to"]
+        if type(end) is not int or not generation < end <= MAX_GENERATION + 1:
+            raise ValueError(f"bad gap end {end!r:.40}")
+        return Gap(generation, end)
+    return Run.from_dict(data, generation)
+
+
+class RunListing(NamedTuple):
+    """What one listing of ``_runs/`` shows: entry numbers (oldest first) and the runs marked
+    committed."""
+
+    numbers: tuple[int, ...]
+    committed: frozenset[int]
+
+
+# valid entries by location: they are never edited, so each is read once per process
+_entries: weakref.WeakKeyDictionary[Location, dict[int, Run | Gap]] = weakref.WeakKeyDictionary()
 
 
 def _path(location: Location, generation: int) -> str:
     return location.path(RUNS_DIR, run_name(generation))
 
 
+def listing(location: Location) -> RunListing:
+    """The run log's entries and committed marks (one listing)."""
+    names = location.list_names(location.path(RUNS_DIR))
+    numbers = sorted(g for g in map(parse_run_name, names) if g is not None)
+    committed = frozenset(g for g in map(parse_committed_name, names) if g is not None)
+    return RunListing(tuple(numbers), committed)
+
+
 def list_runs(location: Location) -> list[int]:
     """The generations in the run log, oldest first (one listing)."""
-    names = location.list_names(location.path(RUNS_DIR))
-    return sorted(g for g in map(parse_run_name, names) if g is not None)
+    return list(listing(location).numbers)
+
+
+def read_entry(location: Location, generation: int) -> Run | Gap:
+    """Entry ``generation`` of the run log: a run or a gap mark.
+
+    Raises:
+        CheckpointNotFoundError: there is none.
+        CheckpointCorruptedError: it is not a valid entry (garbage, not a regular file, too
+            large, ...).
+    """
+    cache = _entries.setdefault(location, {})
+    if generation in cache:
+        return cache[generation]
+    where = location.display(RUNS_DIR, run_name(generation))
+    try:
+        raw = location.read_bytes(_path(location, generation), limit=strictjson.MAX_BYTES)
+        entry = _parse(strictjson.loads(raw), generation)
+    except CheckpointNotFoundError as exc:
+        raise CheckpointNotFoundError(f"run log entry {where!r} does not exist") from exc
+    except (CheckpointError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointCorruptedError(f"run log entry {where!r} is unreadable: {exc}",
+                                       blob=run_name(generation)) from exc
+    cache[generation] = entry
+    return entry
+
+
+def read_run(location: Location, generation: int) -> Run:
+    """The entry of run ``generation``.
+
+    Raises:
+        CheckpointNotFoundError: there is none (or the number is part of a gap).
+        CheckpointCorruptedError: it is not a valid entry.
+    """
+    entry = read_entry(location, generation)
+    if isinstance(entry, Gap):
+        raise CheckpointNotFoundError(
+            f"run log entry {location.display(RUNS_DIR, run_name(generation))!r} marks a gap "
+            "in the run log, not a run")
+    return entry
 
 
 def _legacy_floor(location: Location) -> int:
@@ -116,74 +217,132 @@ def _legacy_floor(location: Location) -> int:
     return max((g for g in (*claims, *records) if g is not None), default=0)
 
 
-def newest_generation(location: Location) -> int:
-    """The generation of the newest run that claimed the prefix (0 if none ever did); the
-    next claim takes the number after it."""
-    runs = list_runs(location)
-    return runs[-1] if runs else _legacy_floor(location)
+def newest_generation(location: Location, numbers: Sequence[int] | None = None) -> int:
+    """The number of the newest readable entry of the run log (a run's generation, or the end
+    of a gap), or with none, the newest generation storage model 2 used here (0 if none): the
+    next claim takes the number after it. Unreadable entries are passed over (and reported)."""
+    for number in reversed(list_runs(location) if numbers is None else numbers):
+        try:
+            entry = read_entry(location, number)
+        except CheckpointNotFoundError:
+            continue
+        except CheckpointCorruptedError as exc:
+            logger.warning("%s; numbering runs past it", exc)
+            continue
+        return entry.next - 1 if isinstance(entry, Gap) else number
+    return _legacy_floor(location)
 
 
-def claim(location: Location, *, nodes: list[str] | tuple[str, ...],
+def _close_gaps(location: Location, numbers: Sequence[int], below: int) -> bool:
+    """Write a gap mark at the start of every gap in the run log below ``below`` (see the
+    module docstring). False if another writer created an entry where a mark was to go."""
+    listed = [n for n in numbers if n < below]
+    closed = True
+    for low, high in zip(listed, [*listed[1:], below]):
+        if high == low + 1:
+            continue
+        try:
+            entry = read_entry(location, low)
+        except CheckpointError:
+            entry = None
+        if isinstance(entry, Gap) and entry.next >= high:
+            continue
+        mark = {"format": _FORMAT, "generation": low + 1, "gap_to": high}
+        try:
+            location.create_exclusive(_path(location, low + 1), json.dumps(mark).encode())
+            logger.warning("run log %s has no entries %d to %d (deleted, or an entry written "
+                           "by something else): marked them as a gap",
+                           location.display(RUNS_DIR), low + 1, high - 1)
+        except FileExistsError:
+            closed = False
+    return closed
+
+
+def claim(location: Location, *, nodes: Sequence[str],
           parent: tuple[int, int] | None, writer: dict[str, Any] | None = None) -> Run:
-    """Start a run: create its entry with the next number. Older runs are fenced from now on.
+    """Start a run: create its entry with the next number. Older runs of the family ``nodes``
+    are fenced from now on.
 
     Raises:
-        CheckpointWriteError: the prefix cannot be claimed (the highest number is taken, or an
-            entry exists that listings do not show).
+        CheckpointWriteError: the prefix cannot be claimed (no number is left, or entries exist
+            that listings do not show).
         OSError: the storage failed.
     """
-    number = newest_generation(location) + 1
-    for _ in range(100):  # bounded: a name that exists but is never listed must not spin
+    for _ in range(10):  # a gap closed meanwhile by another claim: list again
+        numbers = listing(location).numbers
+        number = newest_generation(location, numbers) + 1
+        if _close_gaps(location, numbers, number):
+            break
+    for _ in range(_CLAIM_TRIES):
         if number > MAX_GENERATION:
             raise CheckpointWriteError(
-                f"cannot claim checkpoint prefix {location.display()!r}: run "
-                f"{location.display(RUNS_DIR)!r} has reached the highest number a run may have")
+                f"cannot claim checkpoint prefix {location.display()!r}: run log "
+                f"{location.display(RUNS_DIR)!r} has reached the highest number a run may have "
+                f"({MAX_GENERATION}); an entry there may be a stray file")
         run = Run(generation=number, parent=parent, nodes=tuple(sorted(nodes)),
                   writer=dict(writer or {}), created=time.time())
         data = json.dumps(run.to_dict(), sort_keys=True, default=str).encode()
         try:
             location.create_exclusive(_path(location, number), data)
-            return run
-        except FileExistsError:  # another run took that number first: take the next
+        except FileExistsError:  # another run (or a stray file) took that number: the next
             number += 1
+            continue
+        _entries.setdefault(location, {})[number] = run
+        return run
     raise CheckpointWriteError(
         f"cannot claim checkpoint prefix {location.display()!r}: run entries up to {number} "
         f"exist under {location.display(RUNS_DIR)!r} but are not listed")
 
 
-def read_run(location: Location, generation: int) -> Run:
-    """The entry of run ``generation``.
+def fenced_by(location: Location, generation: int,
+              nodes: Collection[str] | None = None) -> Run | str | None:
+    """The newer run that overtook run ``generation`` of the family ``nodes`` (None: any
+    family), why a damaged entry that may be one counts as such, or None if the run is not
+    fenced."""
+    family = None if nodes is None else frozenset(nodes)
+    number = generation + 1
+    known = _entries.setdefault(location, {})
+    for _ in range(MAX_GENERATION):
+        if number not in known and not location.file_exists(_path(location, number)):
+            return None  # the common case: one existence check
+        try:
+            entry = read_entry(location, number)
+        except CheckpointNotFoundError:
+            return None
+        except CheckpointCorruptedError as exc:
+            return str(exc)
+        if isinstance(entry, Gap):
+            number = entry.next
+        elif family is None or frozenset(entry.nodes) == family:
+            return entry
+        else:
+            number += 1
+    return None  # pragma: no cover - the numbers end before the loop does
 
-    Raises:
-        CheckpointNotFoundError: there is none.
-        CheckpointCorruptedError: it is not a valid entry.
-    """
-    where = location.display(RUNS_DIR, run_name(generation))
-    try:
-        raw = location.read_bytes(_path(location, generation), limit=strictjson.MAX_BYTES)
-    except CheckpointNotFoundError as exc:
-        raise CheckpointNotFoundError(f"run log entry {where!r} does not exist") from exc
-    try:
-        return Run.from_dict(strictjson.loads(raw), generation)
-    except (CheckpointError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise CheckpointCorruptedError(f"run log entry {where!r} is unreadable: {exc}",
-                                       blob=run_name(generation)) from exc
 
-
-def fenced(location: Location, generation: int) -> bool:
-    """Whether a run newer than ``generation`` has claimed the prefix."""
-    return location.file_exists(_path(location, generation + 1))
-
-
-def check_fence(location: Location, generation: int, doing: str) -> None:
-    """Raise :class:`CheckpointFencedError` if a run newer than ``generation`` has claimed the
-    prefix (``doing`` says what was refused, for the message)."""
-    if not fenced(location, generation):
+def check_fence(location: Location, generation: int, doing: str,
+                nodes: Collection[str] | None = None) -> None:
+    """Raise :class:`CheckpointFencedError` if a newer run of the family ``nodes`` (None: of
+    any family) has claimed the prefix; ``doing`` says what was refused, for the message."""
+    newer = fenced_by(location, generation, nodes)
+    if newer is None:
         return
-    try:
-        who = read_run(location, generation + 1).writer
-    except CheckpointError:  # only shown: any damage is fine
-        who = {}
+    where = location.display()
+    if isinstance(newer, str):
+        raise CheckpointFencedError(
+            f"{newer}; it may be a newer run, so run {generation} must not {doing} under "
+            f"{where!r} (if it is a stray file, move it out of {location.display(RUNS_DIR)!r})")
     raise CheckpointFencedError(
-        f"a newer run took over checkpoint prefix {location.display()!r} (run "
-        f"{generation + 1}, writer {who}); run {generation} must not {doing} there")
+        f"a newer run of nodes {list(newer.nodes)} took over checkpoint prefix {where!r} (run "
+        f"{newer.generation}, writer {newer.writer}); run {generation} must not {doing} there")
+
+
+def mark_committed(location: Location, generation: int, epoch: int, save_id: str) -> None:
+    """Record that run ``generation`` has committed a save (its first: ``epoch``,
+    ``save_id``); from then on it has taken over its family's history even if every record of
+    it is later damaged or deleted. Writing it twice is fine."""
+    data = json.dumps({"generation": generation, "epoch": epoch, "save_id": save_id}).encode()
+    try:
+        location.create_exclusive(location.path(RUNS_DIR, committed_name(generation)), data)
+    except FileExistsError:
+        pass

@@ -33,7 +33,9 @@ from caffe2ckpt.metadata import ZarrMetadataHandler
 from caffe2ckpt.naming import blob_path
 from caffe2ckpt.policy import StepManagerOptions, retained_epochs
 from caffe2ckpt.store.protocol import CheckpointStore
+from caffe2ckpt.store import runs
 from caffe2ckpt.store.records import list_records
+from tests.stores import gone
 
 NODES = ["trainer_0", "trainer_1"]
 EPOCHS = range(6)
@@ -332,10 +334,17 @@ def test_gc_with_no_committed_epoch_removes_the_uncommitted_groups(prefix, capsy
     for ref in list_records(loc):  # both records lost: epoch 0 was never committed
         loc.fs.rm_file(loc.path("_commits", ref.filename))
     assert run_json(capsys, "ls", prefix)["epochs"] == []
+    # the run that wrote them has not been overtaken: it may still be writing, so gc keeps them
     doc = run_json(capsys, "gc", prefix, "--keep-last", 1, "--min-age", 0, "--yes")
-    assert (doc["delete"], doc["keep"]) == ([], [])
+    assert (doc["delete"], doc["keep"], doc["leftovers"]) == ([], [], [])
+    assert sorted(x["path"] for x in doc["skipped"]) == ["trainer_0.0", "trainer_1.0"]
+    assert "may still be writing" in doc["skipped"][0]["reason"]
+    runs.claim(loc, nodes=NODES, parent=None)  # a newer run of the job starts
+    doc = run_json(capsys, "gc", prefix, "--keep-last", 1, "--min-age", 0, "--yes")
+    assert (doc["delete"], doc["keep"], doc["skipped"]) == ([], [], [])
     assert sorted(x["path"] for x in doc["leftovers"]) == ["trainer_0.0", "trainer_1.0"]
-    assert not any("/trainer_" in p for p in files(prefix))
+    assert all(x["done"] for x in doc["leftovers"])
+    assert gone(loc, "trainer_0.0") and gone(loc, "trainer_1.0")
 
 
 def test_gc_min_age_uses_modification_times(tmp_path, capsys):
@@ -360,9 +369,12 @@ def test_gc_yes_removes_exactly_the_expected_epochs_and_leftovers(tree, capsys):
     store = CheckpointStore(Location(tree))
     assert sorted({s.epoch for s in scan(store).saves()}) == [0, 3, 4, 5]
     remaining = files(tree)
-    groups = {p.split("/")[-1] for p in Location(tree).fs.ls(Location(tree).root, detail=False)}
-    assert groups == ({f"{n}.{e}" for n in NODES for e in (0, 3, 4, 5)}
+    loc = Location(tree)
+    groups = {p.split("/")[-1] for p in loc.fs.ls(loc.root, detail=False)}
+    removed = {f"{n}.{e}" for n in NODES for e in (1, 2)}  # tombstones: paths stay used
+    assert groups == ({f"{n}.{e}" for n in NODES for e in (0, 3, 4, 5)} | removed
                       | {"_commits", "_runs", "_hints"})
+    assert all(gone(loc, group) for group in removed)
     assert not any("/trainer_0.9/" in p or "/trainer_1.7/" in p for p in remaining)
     for epoch in (0, 3, 4, 5):
         assert_loads_exact(tree, epoch)
@@ -413,8 +425,8 @@ def test_gc_node_never_touches_other_nodes(prefix, capsys):
     after = files(prefix)
     theirs = [p for p in before if "trainer_1" in p]
     assert theirs and all(after.get(p) == before[p] for p in theirs)
-    assert not any(f"/trainer_0.{e}/" in p for e in range(3) for p in after)
-    assert any("/trainer_0.3/" in p for p in after)
+    assert all(gone(Location(prefix), f"trainer_0.{e}") for e in range(3))
+    assert any("/trainer_0.3/" in p for p in after) and not gone(Location(prefix), "trainer_0.3")
     with StepCheckpointManager(prefix, nodes=["trainer_1"], handle_preemption=False) as mgr:
         assert mgr.all_steps() == [0, 1, 2, 3]
 

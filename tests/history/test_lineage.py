@@ -237,9 +237,10 @@ def _counting_store(prefix: str):
 
 
 @pytest.mark.parametrize("prefix", ["memory", "local"], indirect=True)
-def test_after_a_resume_that_saved_nothing_the_newest_save_is_found_without_listing(prefix):
+def test_after_a_resume_that_saved_nothing_the_newest_save_is_found_in_a_few_requests(prefix):
     """A run that resumes and saves nothing (its job had finished) vouches for the save it
-    resumed from in the family's hint, so the next lookup reads a few files and lists nothing."""
+    resumed from in the family's hint, so the next lookup reads a few files and lists once (the
+    records from the hinted epoch on: on S3 one request whatever the history)."""
     from caffe2ckpt.history.scan import family_history, newest_save
 
     train(prefix, 3)
@@ -250,7 +251,7 @@ def test_after_a_resume_that_saved_nothing_the_newest_save_is_found_without_list
     assert newest == family_history(store, NODES).newest() and newest.epoch == 3
     counter.reset()
     newest_save(store, NODES)
-    assert counter.counts["list"] == 0 and counter.counts["read"] <= 4, counter.counts
+    assert counter.counts["list"] == 1 and counter.counts["read"] <= 4, counter.counts
 
 
 @pytest.mark.parametrize("prefix", ["memory", "local"], indirect=True)

@@ -131,8 +131,8 @@ def test_a_late_record_of_an_overtaken_run_is_superseded(prefix, monkeypatch):
     a.save_node("n", 1, {"w": np.full(4, 1.0)}, SaveInfo(save_id=new_save_id(1), nodes=["n"]))
     original = runs.check_fence
 
-    def stall_after_the_check(location, generation, doing):
-        original(location, generation, doing)
+    def stall_after_the_check(location, generation, doing, *family):
+        original(location, generation, doing, *family)
         if generation == run_a.generation and "epoch 2" in doing:
             run_b = runs.claim(b.location, nodes=["n"], parent=(1, run_a.generation))
             b.save_node("n", 2, {"w": np.full(4, 222.0)},

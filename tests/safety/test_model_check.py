@@ -208,11 +208,12 @@ class MSave:
         return (self.epoch, self.gen)
 
 
-@dataclass(frozen=True)
+@dataclass
 class MRun:
     gen: int
     fam: str
     parent: tuple[int, int] | None  # (epoch, generation) it started from; None: fresh start
+    took_over: bool = False  # it has committed a save (for good: damage does not undo it)
 
 
 @dataclass
@@ -232,6 +233,7 @@ class Model:
     def commit(self, fam: str, epoch: int, gen: int, trace: tuple[int, ...], stop: bool) -> None:
         assert len(trace) == epoch + 1 and (epoch, gen) not in self.saves
         self.saves[(epoch, gen)] = MSave(fam, epoch, gen, tuple(trace), stop)
+        self.runs[gen].took_over = True
 
     def committed(self, fam: str) -> list[MSave]:
         return [s for s in self.saves.values() if s.fam == fam and s.state == "committed"]
@@ -240,8 +242,9 @@ class Model:
         return sorted({r.fam for r in self.runs.values()} | {s.fam for s in self.saves.values()})
 
     def lineage(self, fam: str) -> list[MSave]:
-        """The head run (newest run of the family) back through parents; newest first."""
-        gens = [g for g, r in self.runs.items() if r.fam == fam]
+        """The head run (the newest run of the family that has committed a save: a run that
+        commits nothing changes no history) back through parents; newest first."""
+        gens = [g for g, r in self.runs.items() if r.fam == fam and r.took_over]
         if not gens:
             return []
         committed = self.committed(fam)
@@ -254,6 +257,12 @@ class Model:
             if parent is None:
                 return out
             limit, gen = parent
+
+    def live(self, gen: int) -> bool:
+        """Whether run ``gen`` has not been overtaken by a newer run of its family (claimed,
+        committed or not): ``gc`` never sweeps its saves."""
+        fam = self.runs[gen].fam
+        return not any(g > gen and r.fam == fam for g, r in self.runs.items())
 
     def newest(self, fam: str) -> MSave | None:
         lineage = self.lineage(fam)
@@ -669,7 +678,7 @@ class Harness:
         for key in expected:
             model.saves[key].state = "gone"
         for save in model.saves.values():
-            if save.state in ("partial", "orphan"):
+            if save.state in ("partial", "orphan") and not model.live(save.gen):
                 save.state = "gone"
 
     def _op_record(self, op: dict[str, Any], token: int) -> None:

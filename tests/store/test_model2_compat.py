@@ -19,8 +19,10 @@ from caffe2ckpt import (
     StepCheckpointManager,
 )
 from caffe2ckpt.cli import main as cli_main
+from caffe2ckpt.fs.location import Location
 from caffe2ckpt.metadata import ZarrMetadataHandler
 from tests.fixtures.make_model2 import NODES, build, expected
+from tests.stores import gone
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "model2"
 FIRST = {e: 1.0 for e in range(1, 7)}  # run A: epochs 1..6 added 1
@@ -89,7 +91,8 @@ def test_a_model_3_run_continues_a_model_2_prefix(job, capsys):
         want = expected(node, 6, {**SECOND, 5: 10.0, 6: 10.0})
         assert all(ws[name].tobytes() == value.tobytes() for name, value in want.items())
     runs = sorted(p.name for p in (Path(job) / "_runs").iterdir())
-    assert runs == ["000000000003.json"]  # after model 2's claims 1 and 2
+    # after model 2's claims 1 and 2; the run has committed, and the run log says so
+    assert runs == ["000000000003.committed.json", "000000000003.json"]
     code, doc = cli(capsys, "ls", job)
     rows = sorted((r["epoch"], r["state"], r["save_ids"][0].split("-")[0]) for r in doc["epochs"])
     assert rows == [*((e, "committed", "g1") for e in range(4)), (4, "committed", "g2"),
@@ -106,7 +109,7 @@ def test_a_model_3_run_continues_a_model_2_prefix(job, capsys):
         assert mgr.all_steps() == [5, 6]
         for node in NODES:
             assert_blobs(mgr.restore(6)[node], node, 6, {**SECOND, 5: 10.0, 6: 10.0})
-    assert not any(Path(job).glob("*.4")) and not any(Path(job).glob("*.5"))
+    assert all(gone(Location(job), p.name) for e in (4, 5) for p in Path(job).glob(f"*.{e}"))
 
 
 def test_a_model_2_step_manager_prefix_keeps_working(tmp_path):

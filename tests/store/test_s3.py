@@ -77,7 +77,7 @@ def test_saves_on_s3_write_each_object_once_and_delete_nothing(s3, monkeypatch):
     assert {m for m, _p in writes} <= {"pipe_file", "open(xb)", "makedirs"}, writes
     exclusive = [p for m, p in writes if m == "open(xb)"]
     assert sum("/_commits/" in p for p in exclusive) == 6  # epochs 0..2, two nodes
-    assert sum("/_runs/" in p for p in exclusive) == 1
+    assert sum("/_runs/" in p for p in exclusive) == 2  # the run's entry and committed mark
     assert sum(p.endswith("/zarr.json") and "/_commits/" not in p
                for p in exclusive) == 6  # every group's first object
     assert counter.ops("delete") == []
@@ -210,7 +210,7 @@ WRITE_CLASSES = {
     "group-zarr.json": _group_json,
     "group-data": lambda m, p: m == "pipe_file" and "/_hints/" not in p,
     "record": lambda m, p: m == "open(xb)" and _record(m, p),
-    "last": LAST,
+    "last": LAST,  # the run's committed mark, written once its first save is committed
 }
 S3_FAULTS = [
     pytest.param(faults.FRESH, "write", WRITE_CLASSES, id="fresh-write-EIO"),
@@ -250,8 +250,9 @@ def test_faults_of_a_save_on_s3(fault_templates, sc, kind, classes):
     ops = counter.ops(kind)
     for label, match in classes.items():  # every class really occurs in the save
         assert match is LAST or any(match(m, p) for m, p in ops), (label, ops)
-    if kind == "write":  # the last write is a commit record
-        assert WRITE_CLASSES["record"](*ops[-1]), ops[-1]
+    if kind == "write":  # the last writes: a commit record, then the run's committed mark
+        last = [op for op in ops if "/_runs" not in op[1]][-1]
+        assert WRITE_CLASSES["record"](*last) and "/_runs/" in ops[-1][1], ops[-3:]
     failures, outcomes = [], []
     for label, match in classes.items():
         fault = faults.Fault(kind, label=label, match=match)
