@@ -18,7 +18,9 @@ what retention removes are decided here once:
   Views answer listings only. Every decision that writes, loads or deletes reads the prefix as
   it is now: where a new run starts (:meth:`CurrentRun.parent_below`), which save an epoch
   means to a loader (:meth:`CurrentRun.lineage_save`, :meth:`CurrentRun.save_of`), the newest
-  save (through the family's hint, a few requests). The one exception is a resume
+  save (through the family's hint, a few requests). A kept view may shortcut a load only once
+  confirmed by the prefix: no newer run of the family since the view's head, and every record
+  of the save still there (:meth:`CurrentRun._confirmed`). The one exception is a resume
   (:meth:`CurrentRun.resuming`): its questions are answered from one reading, so what is loaded
   and what the new run continues are one save.
 * Retention is :func:`~caffe2ckpt.history.retention.plan_retention` on the view, carried out by
@@ -240,11 +242,33 @@ class CurrentRun:
     def lineage_save(self, epoch: int) -> Save | None:
         """The lineage's committed save of ``epoch`` as it is now (None: not committed, or
         superseded)."""
+        if not self._resuming:
+            confirmed = self._confirmed(epoch)
+            if confirmed is not None:
+                return self._resolve(confirmed)
         found = self.newest()
         if found is None or found.epoch != epoch:
             found = next((s for s in self._history().lineage() if s.epoch <= epoch), None)
             found = found if found is not None and found.epoch == epoch else None
         return self._resolve(found)
+
+    def _confirmed(self, epoch: int) -> Save | None:
+        """The kept view's save of ``epoch`` if the prefix still holds it as the lineage's: no
+        run of the family newer than the view's head has claimed since (so no other run can
+        have taken over or re-saved below it) and every record of the save is there (so no one
+        deleted it). A few requests, whatever the history's length; None: ask the records."""
+        family = self._family if self._keeps() else None
+        head = None if family is None else family.newest
+        save = None if family is None else family.lineage_save(epoch)
+        if head is None or save is None:
+            return None
+        location = self.store.location
+        if runs.fenced_by(location, head.generation, self.nodes) is not None:
+            return None
+        if not all(location.file_exists(record_path(location, r.ref))
+                   for r in save.records.values()):
+            return None
+        return save
 
     def save_of(self, epoch: int) -> Save | None:
         """The committed save an explicitly chosen ``epoch`` means: the lineage's, else the
