@@ -43,7 +43,7 @@ from caffe2ckpt.history.scan import Family, family_history, newest_save, scan
 from caffe2ckpt.policy import StepManagerOptions
 from caffe2ckpt.store import runs
 from caffe2ckpt.store.protocol import CheckpointStore
-from caffe2ckpt.store.records import record_path
+from caffe2ckpt.store.records import CommitRecord
 
 __all__ = ["CurrentRun"]
 
@@ -77,6 +77,8 @@ class CurrentRun:
         commits). If claiming fails the error is raised, no run is held, and the next save
         claims again with the same parent."""
         self.run, self._next_parent = None, parent
+        if not self._resuming:  # a view read before this claim may miss others' saves
+            self.forget()
         run = self._claim(parent, writer)
         try:
             self._vouch(parent, run.generation)
@@ -190,8 +192,10 @@ class CurrentRun:
             self._family = None  # started from a save the view does not hold: read again
             return
         limit = -1 if parent is None else parent[0]
-        self._family = Family(family.nodes, [s for s in family.lineage if s.epoch <= limit],
-                              [*family.superseded, *(s for s in family.lineage if s.epoch > limit)])
+        own = None if self.run is None else self.run.generation  # read after it committed
+        above = [s for s in family.lineage if s.epoch > limit and s.generation != own]
+        self._family = Family(family.nodes, [s for s in family.lineage if s not in above],
+                              [*family.superseded, *above])
 
     # -- views (listing) -------------------------------------------------------------------------
 
@@ -262,13 +266,9 @@ class CurrentRun:
         save = None if family is None else family.lineage_save(epoch)
         if head is None or save is None:
             return None
-        location = self.store.location
-        if runs.fenced_by(location, head.generation, self.nodes) is not None:
+        if runs.fenced_by(self.store.location, head.generation, self.nodes) is not None:
             return None
-        if not all(location.file_exists(record_path(location, r.ref))
-                   for r in save.records.values()):
-            return None
-        return save
+        return save if self._still_committed(save) else None
 
     def save_of(self, epoch: int) -> Save | None:
         """The committed save an explicitly chosen ``epoch`` means: the lineage's, else the
@@ -327,16 +327,19 @@ class CurrentRun:
         return removed
 
     def _stands(self, family: Family, plan: RetentionPlan) -> bool:
-        """Whether every record of the lineage saves ``plan`` keeps newer than the oldest
-        lineage save it deletes (at least the newest save) is still there: a view may hold a
-        save someone else removed, and deleting on its account could leave no checkpoint."""
+        """Whether the lineage saves ``plan`` keeps newer than the oldest lineage save it
+        deletes (at least the newest save) are still committed: a view may hold a save someone
+        else removed or damaged, and deleting on its account could leave no checkpoint."""
         oldest = min((s.epoch for s in plan.delete if s in family.lineage), default=None)
         kept = [s for s, _ in plan.keep if oldest is not None and s.epoch > oldest]
         if family.newest is not None and family.newest not in kept:
             kept.append(family.newest)
-        location = self.store.location
-        return all(location.file_exists(record_path(location, r.ref))
-                   for s in kept for r in s.records.values())
+        return all(self._still_committed(s) for s in kept)
+
+    def _still_committed(self, save: Save) -> bool:
+        """Whether every record of ``save`` is still there and reads as it did (one small read
+        per node)."""
+        return all(_same(self.store.read_or_reason(r.ref), r) for r in save.records.values())
 
     def remove(self, saves: Iterable[Save]) -> list[Save]:
         """Remove ``saves`` (fenced like retention)."""
@@ -344,3 +347,8 @@ class CurrentRun:
         removed = remove_saves(self.store, list(saves), fence=generation, nodes=nodes)
         self._family = self.family().without(removed) if self._family is not None else None
         return removed
+
+
+def _same(read: CommitRecord | str, record: CommitRecord) -> bool:
+    """Whether ``read`` is ``record`` (compared as stored: a NaN metric equals itself)."""
+    return isinstance(read, CommitRecord) and read.to_dict() == record.to_dict()

@@ -50,7 +50,10 @@ class Family:
 
     def with_newest(self, save: Save) -> Family:
         """The family after its head run committed ``save`` (a run saves only above its
-        lineage's newest epoch, so it goes first)."""
+        lineage's newest epoch, so it goes first; a view read after the commit has it
+        already)."""
+        if any((s.epoch, s.save_id) == (save.epoch, save.save_id) for s in self.lineage):
+            return self
         return Family(self.nodes, [save, *self.lineage], self.superseded)
 
     def without(self, saves: Iterable[Save]) -> Family:

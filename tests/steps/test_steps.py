@@ -8,6 +8,7 @@ import errno
 import gc
 import math
 import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -391,3 +392,28 @@ def test_questions_after_a_restore_read_the_prefix_once(memory_fs):
         assert mgr.all_steps() == list(range(20))
     assert fs.counts["list"] <= 3, fs.ops("list")
     mgr.close()
+
+
+def test_a_new_runs_async_save_listed_before_its_commit_survives_its_retention(prefix):
+    """A manager goes back (a new run) with an async save; before the save is waited for, a
+    listing reads the prefix, where the save has already committed. The run's first commit must
+    not count that save among the ones it supersedes: retention keeps it (found by the model
+    check: seed 13 deleted the newest step)."""
+    from caffe2ckpt.store.records import list_records
+
+    with manager(prefix) as first:
+        for step in (3, 6):
+            first.save(step, items(step))
+    options = StepManagerOptions(max_to_keep=1, enable_async_checkpointing=True)
+    with manager(prefix, options=options) as mgr:
+        assert mgr.save(9, items(9), force=True)
+        mgr.delete(9)
+        assert mgr.save(9, items(90))  # a new run: its parent is 6
+        deadline = time.monotonic() + 30
+        while len([r for r in list_records(mgr._store.location) if r.epoch == 9]) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert mgr.latest_step() == 9  # a listing after the background commit
+    with manager(prefix) as check:
+        assert check.all_steps() == [9]
+        assert_same(check.restore(9), items(90))
