@@ -79,15 +79,16 @@ class CurrentRun:
         self.run, self._next_parent = None, parent
         if not self._resuming:  # a view read before this claim may miss others' saves
             self.forget()
+        newest = self._newest_parent(parent)  # asked before the claim: a few requests
         run = self._claim(parent, writer)
         try:
-            self._vouch(parent, run.generation)
+            self._vouch(newest, run.generation)
         except OSError as exc:
             # that hint may still land later, naming the parent for a run that has saved since:
             # claim once more, which fences that run and so its late hint
             logger.debug("cannot write the hint of %s: %s", sorted(self.nodes), exc)
             run = self._claim(parent, writer)
-            self._vouch(parent, run.generation)  # failing twice: the claim fails
+            self._vouch(newest, run.generation)  # failing twice: the claim fails
         self.run, self._next_parent, self._last_epoch = run, _UNSET, None
         return run
 
@@ -96,18 +97,25 @@ class CurrentRun:
         return runs.claim(self.store.location, nodes=sorted(self.nodes), parent=parent,
                           writer=writer)
 
-    def _vouch(self, parent: tuple[int, int] | None, generation: int) -> None:
-        """Until the new run ``generation`` saves, its parent stays the family's newest save
-        if it was the newest: say so in the family's hint (on the run's behalf, so the next
-        lookup stays O(1)). Only a hint: lookups check it, and ask the records when it is not
-        there. A run that goes back vouches for nothing: until it commits, the newest save is
-        still the one above."""
+    def _newest_parent(self, parent: tuple[int, int] | None) -> Save | None:
+        """``parent``'s save if it is the family's newest save (the save this writer resolved
+        last, confirmed as the newest), else None."""
         save = self._resolved
         if parent is None or save is None or (save.epoch, save.generation) != parent:
-            return
+            return None
         newest = self.newest()
-        if newest is not None and (newest.epoch, newest.save_id) == (save.epoch, save.save_id):
-            self.store.write_hint(sorted(self.nodes), save.epoch, save.save_id, run=generation)
+        same = newest is not None and (newest.epoch, newest.save_id) == (save.epoch, save.save_id)
+        return save if same else None
+
+    def _vouch(self, parent: Save | None, generation: int) -> None:
+        """Until the new run ``generation`` saves, its parent stays the family's newest save:
+        say so in the family's hint (on the run's behalf, so the next lookup stays O(1)), when
+        the parent is that save. Only a hint: lookups check it, and ask the records when it is
+        not there. A run that goes back vouches for nothing: until it commits, the newest save
+        is still the one above."""
+        if parent is not None:
+            self.store.write_hint(sorted(self.nodes), parent.epoch, parent.save_id,
+                                  run=generation)
 
     def end(self) -> None:
         """The run is over (a new one is about to choose where to resume): forget it and the
