@@ -1,9 +1,14 @@
-"""Filesystem clients' own exceptions (not ``OSError``) as caffe2ckpt errors naming the prefix.
+"""Filesystem clients' exceptions as caffe2ckpt errors naming the prefix, and what an object
+store's answer behind an ``OSError`` said.
 
-botocore, google-auth and friends raise their own classes for missing credentials, bad
-profiles or regions and the like; s3fs/gcsfs pass them through. :func:`translate` maps them by
-the table :data:`TRANSLATIONS` (first match wins): missing credentials to
-:class:`~caffe2ckpt.errors.StorageCredentialsError`, bad options to
+botocore, google-auth and friends raise their own classes (not ``OSError``) for missing
+credentials, bad profiles or regions and the like; s3fs/gcsfs pass them through. s3fs turns an
+S3 error answer into an ``OSError`` of its choice whose ``__cause__`` is botocore's
+``ClientError``, which holds the answer (``s3fs/errors.py``, ``translate_boto_error``):
+:func:`s3_answer` reads its HTTP status and error code.
+
+:func:`translate` maps by the table :data:`TRANSLATIONS` (first match wins): missing
+credentials to :class:`~caffe2ckpt.errors.StorageCredentialsError`, bad options to
 :class:`~caffe2ckpt.errors.InvalidLocationError`, anything else to an ``OSError`` (EIO).
 """
 
@@ -14,10 +19,31 @@ from collections.abc import Callable
 
 from caffe2ckpt.errors import InvalidLocationError, StorageCredentialsError
 
-__all__ = ["TRANSLATIONS", "is_credentials_error", "translate"]
+__all__ = ["TRANSLATIONS", "is_credentials_error", "precondition_failed", "s3_answer",
+           "translate"]
 
 _CREDENTIALS = ("Credential", "Token")  # NoCredentialsError, TokenRetrievalError, ...
 _OPTIONS = ("Profile", "Region", "ParamValidation", "Unsigned", "Config")
+
+
+def s3_answer(exc: BaseException) -> tuple[int | None, str | None]:
+    """The HTTP status and S3 error code of the answer behind ``exc``: botocore's
+    ``ClientError`` itself, or the one s3fs set as the ``__cause__`` of the ``OSError`` it made
+    of it; (None, None) if there is none (a connection error, another client)."""
+    for candidate in (exc, exc.__cause__):
+        response = getattr(candidate, "response", None)
+        if isinstance(response, dict):
+            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+            return status, (response.get("Error") or {}).get("Code")
+    return None, None
+
+
+def precondition_failed(exc: BaseException) -> bool:
+    """Whether the store answered 412 (``PreconditionFailed``): for an ``If-None-Match: *``
+    PUT, the key exists. s3fs makes that ``FileExistsError`` only when the answer names the
+    ``If-None-Match`` condition (AWS, moto); SeaweedFS's names none (an ``OSError(EINVAL)``)."""
+    status, code = s3_answer(exc)
+    return status == 412 or code == "PreconditionFailed"
 
 
 def is_credentials_error(exc: Exception) -> bool:

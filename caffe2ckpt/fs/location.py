@@ -234,8 +234,17 @@ class Location:
         directory's entry becomes durable when :meth:`make_durable` flushes the batch; the
         file itself is flushed before it gets its name).
 
+        Every caller's ``data`` is unique to its writer (a save id, a timestamp), so a file
+        holding exactly ``data`` is this call's own. On object stores an exclusive create is an
+        ``If-None-Match: *`` PUT, and "exists" is decided from the store's 412 to it, whatever
+        the client library makes of that answer. When the first PUT is applied but its answer
+        is lost, the client retries and gets 412, although the object is this call's: so on
+        every backend but a local disk (``O_EXCL``/``link``, no retries), "exists" is settled
+        by reading the file back (at most ``len(data) + 1`` bytes); if it holds exactly
+        ``data``, the create succeeded (a failure to read it back is raised as it is).
+
         Raises:
-            FileExistsError: ``path`` already exists; nothing was changed.
+            FileExistsError: ``path`` already exists, holding other bytes; nothing was changed.
         """
         raise NotImplementedError
 

@@ -2,10 +2,14 @@
 ``memory://`` and wrappers. Everything goes through the filesystem's own API, and nothing
 relies on a rename being atomic; there is nothing to flush (a PUT is durable when it returns).
 
-* :class:`FsspecLocation`: the general case. An exclusive create is ``open(path, "xb")``.
+* :class:`FsspecLocation`: the general case. An exclusive create is ``open(path, "xb")``; on
+  S3 (also through a wrapper of s3fs) that is an ``If-None-Match`` PUT, and the store's 412 means
+  "exists" (s3fs says ``FileExistsError`` only when the answer names the condition, as AWS's
+  does). "Exists" is then settled by reading the file back: its own bytes mean this call's
+  create, applied and answered "exists" on a retry (see :meth:`Location.create_exclusive`).
 * :class:`ObjectStoreLocation` (``s3://``, ``gs://``): object stores have no directories, and
   s3fs/gcsfs's ``makedirs`` of a key prefix only checks (and creates) the bucket, one request:
-  a location does it once. An exclusive create is an ``If-None-Match`` PUT.
+  a location does it once.
 * :class:`MemoryLocation` (``memory://``): one store per process, whose own ``"xb"`` open
   checks for the file, publishes it empty, then fills it, so two threads could both create one
   record. Exclusive creates here hold one process-wide lock and publish the file whole.
@@ -22,6 +26,7 @@ from typing import Any
 
 from caffe2ckpt.errors import CheckpointNotFoundError
 from caffe2ckpt.fs import localio
+from caffe2ckpt.fs.clienterrors import precondition_failed
 from caffe2ckpt.fs.location import Location, subdirectories
 
 __all__ = ["FsspecLocation", "MemoryLocation", "ObjectStoreLocation"]
@@ -120,11 +125,34 @@ class FsspecLocation(Location):
     def create_exclusive(self, path: str, data: bytes, *,
                          batch: localio.SyncBatch | None = None) -> None:
         self.makedirs(posixpath.dirname(path))
+        try:
+            self._guard(self._create_new, path, data)
+        except FileExistsError:
+            if not self._holds(path, data):
+                raise
+            # this call's own file: its create was applied, then answered "exists" (a retry)
 
-        def create() -> None:
+    def _create_new(self, path: str, data: bytes) -> None:
+        """Create file ``path`` holding ``data``; FileExistsError if it exists, also when an
+        object store refused the ``If-None-Match`` PUT with 412 and s3fs said something else
+        (also through a wrapper of s3fs)."""
+        try:
             with self.fs.open(path, "xb") as f:
                 f.write(data)
-        self._guard(create)
+        except FileExistsError:
+            raise
+        except OSError as exc:
+            if not precondition_failed(exc):
+                raise
+            raise FileExistsError(errno.EEXIST, f"{self.display(path)} exists (the store "
+                                  f"refused the If-None-Match PUT: {exc})", path) from exc
+
+    def _holds(self, path: str, data: bytes) -> bool:
+        """Whether file ``path`` holds exactly ``data`` (at most ``len(data) + 1`` bytes read)."""
+        try:
+            return self._read_head(path, len(data) + 1) == data
+        except _MISSING:
+            return False
 
     def replace_file(self, path: str, data: bytes) -> None:
         self.makedirs(posixpath.dirname(path))
@@ -209,9 +237,7 @@ _MEMORY_CREATES = threading.Lock()
 class MemoryLocation(FsspecLocation):
     """``memory://``: exclusive creates under a process-wide lock, the file published whole."""
 
-    def create_exclusive(self, path: str, data: bytes, *,
-                         batch: localio.SyncBatch | None = None) -> None:
-        self.makedirs(posixpath.dirname(path))
+    def _create_new(self, path: str, data: bytes) -> None:
         with _MEMORY_CREATES:
             if self.exists(path):
                 raise FileExistsError(errno.EEXIST, "file exists", path)

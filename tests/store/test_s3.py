@@ -11,6 +11,7 @@ fault matrix of tests/safety/test_faults.py against S3 on one fault per class of
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -43,13 +44,17 @@ def manager(options, url: str, **kw) -> MultiNodeCheckpointManager:
 
 
 def test_records_are_created_exclusively_on_s3(s3):
+    """A second record of the same name is refused; the same bytes again are the create's own
+    (a retried PUT)."""
     options, bucket = s3
     location = Location(f"s3://{bucket}/exclusive", options)
     record = CommitRecord(epoch=1, node="n", save_id="abc", nodes=["n"], nbytes=0, blob_count=0,
                           seconds=0.0)
     write_record(location, record)
     with pytest.raises(FileExistsError):
-        write_record(location, record)
+        write_record(location, dataclasses.replace(record, seconds=1.0))
+    write_record(location, record)
+    assert location.list_names(location.path("_commits")) == [record.ref.filename]
 
 
 # -- no renames, exclusive creation ----------------------------------------------------------------
@@ -90,8 +95,9 @@ def test_a_save_on_s3_sends_puts_and_one_fence_check_and_nothing_else(s3, monkey
     """What a node's save costs on the wire (counted where s3fs calls S3, in aiobotocore): its
     group's objects and its record, each one PUT, plus its hint PUT and one request for the
     fence check (a GET of the next run's entry: 404); a second save of an epoch also tries the
-    path the first one took (a conditional PUT refused); no LIST, HEAD, DELETE or COPY, nothing
-    downloaded, and the bytes uploaded for the group's chunks are the payload's."""
+    path the first one took (a conditional PUT refused, then that path's ``zarr.json`` read back:
+    another save's); no LIST, HEAD, DELETE or COPY, nothing else downloaded, and the bytes
+    uploaded for the group's chunks are the payload's."""
     import numpy as np
     from aiobotocore.client import AioBaseClient
 
@@ -118,9 +124,10 @@ def test_a_save_on_s3_sends_puts_and_one_fence_check_and_nothing_else(s3, monkey
         save_id = new_save_id(run.generation)
         record = store.save_node("n", epoch, blobs, SaveInfo(save_id=save_id, nodes=["n"]))
         ops = [op for op, _key, _n in calls]
-        assert set(ops) == {"PutObject", "GetObject"} and ops.count("GetObject") == 1, calls
-        (fence,) = [key for op, key, _n in calls if op == "GetObject"]
-        assert fence.endswith(runs.run_name(run.generation + 1)), fence
+        assert set(ops) == {"PutObject", "GetObject"}, calls
+        gets = [key for op, key, _n in calls if op == "GetObject"]
+        assert gets[-1].endswith(runs.run_name(run.generation + 1)), gets  # the fence check
+        assert gets[:-1] == ["wire/n.1/zarr.json"] * taken, gets  # read back after the 412
         group = f"wire/{record.group}/"
         data = [(key, n) for op, key, n in calls if op == "PutObject" and key.startswith(group)
                 and not key.endswith("zarr.json")]
