@@ -9,7 +9,8 @@ relies on a rename being atomic; there is nothing to flush (a PUT is durable whe
   create, applied and answered "exists" on a retry (see :meth:`Location.create_exclusive`).
 * :class:`ObjectStoreLocation` (``s3://``, ``gs://``): object stores have no directories, and
   s3fs/gcsfs's ``makedirs`` of a key prefix only checks (and creates) the bucket, one request:
-  a location does it once.
+  a location does it once. Some keep a directory once its keys are deleted (SeaweedFS lists it
+  as a common prefix): removals delete that too.
 * :class:`MemoryLocation` (``memory://``): one store per process, whose own ``"xb"`` open
   checks for the file, publishes it empty, then fills it, so two threads could both create one
   record. Exclusive creates here hold one process-wide lock and publish the file whole.
@@ -197,7 +198,11 @@ class FsspecLocation(Location):
             return
         for path in sorted(dirs, key=lambda p: -p.count("/")):  # deepest first
             with contextlib.suppress(FileNotFoundError):
-                self._guard(self.fs.rmdir, path)
+                self._rmdir(path)
+
+    def _rmdir(self, path: str) -> None:
+        """Remove empty directory ``path``."""
+        self._guard(self.fs.rmdir, path)
 
     def remove_files(self, directory: str, names: list[str]) -> None:
         for name in names:
@@ -207,14 +212,23 @@ class FsspecLocation(Location):
             return
         for sub in [*(f"{directory}/{d}" for d in subdirectories(names)), directory]:
             with contextlib.suppress(FileNotFoundError, OSError):
-                if not self.fs.ls(sub, detail=False):  # memory://, wrapped local disks
-                    self.fs.rmdir(sub)
+                # memory://, wrapped local disks; SeaweedFS lists an empty one as itself
+                if not [e for e in self.fs.ls(sub, detail=False) if e.rstrip("/") != sub]:
+                    self._rmdir(sub)
 
 
 class ObjectStoreLocation(FsspecLocation):
-    """``s3://``, ``gs://``: the bucket is checked (and created if missing) once."""
+    """``s3://``, ``gs://``: the bucket is checked (and created if missing) once; a directory
+    left empty is deleted as its key ``<path>/``."""
 
     _bucket_checked = False
+
+    def _rmdir(self, path: str) -> None:
+        """Object stores built on a filesystem (SeaweedFS's filer) keep a directory whose keys
+        were all deleted, and list it; deleting its key ``<path>/`` removes it there (a no-op if
+        it is not empty) and elsewhere deletes nothing (or a zero-byte "folder" object). s3fs's
+        own ``rmdir`` refuses any directory that exists."""
+        self._guard(self.fs.rm_file, path.rstrip("/") + "/")
 
     def file_exists(self, path: str) -> bool:
         try:  # a GET of the first byte: a missing key is one 404, never a listing
