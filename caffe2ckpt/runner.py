@@ -32,6 +32,7 @@ from caffe2ckpt.errors import (
     JobDefinitionError,
     JobPreemptedError,
     NodeLostError,
+    StorageCredentialsError,
 )
 from caffe2ckpt.job import Job
 from caffe2ckpt.manager import BaseCheckpointManager, SaveOutcome, UploadTaskGroupBuilder
@@ -247,7 +248,7 @@ class JobRunner:
         False when the prefix could not be claimed."""
         try:
             cm.claim(_writer(session), parent=parent)
-        except OSError as exc:  # an unreachable prefix: the saves will report it
+        except (OSError, StorageCredentialsError) as exc:  # the saves will report it
             logger.warning("cannot claim checkpoint prefix %r: %s", cm.url, exc)
             return False
         return True

@@ -6,13 +6,18 @@ retry it) and it resumes from the newest committed epoch. ``--fail-at-epoch N`` 
 ``regression-failure-demo`` instead: the same training, failing once in epoch N to show a retry
 resuming. ``prefect.yaml`` deploys ``regression`` with a schedule. With ``--dask-scheduler``
 (or the flow parameter ``dask_scheduler``) each node lives on a worker of that Dask cluster
-(``pip install ".[dask]"``; see the README, "Running on a cluster").
+(``pip install ".[dask]"``; see the README, "Running on a cluster"). ``--storage-options JSON``
+(the flow parameter ``storage_options``) goes to the checkpoint managers' filesystem, e.g. an
+S3 endpoint and credentials: ``'{"endpoint_url": "http://127.0.0.1:8333", "key": "k",
+"secret": "s"}'``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+from typing import Any
 
 # The temporary server needs more than Prefect's default 20 s on a busy 2-core machine, and its
 # analytics service only adds "database is locked" noise to a first run.
@@ -44,6 +49,7 @@ def regression(
     resume_from_epoch: int | None = None,
     max_attempts: int = 5,
     dask_scheduler: str | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> int:
     """Train the example regression job, resuming from its newest committed checkpoint.
 
@@ -54,10 +60,12 @@ def regression(
     supersede the older ones (a retry continues from the newest epoch the run committed).
     ``dask_scheduler``: run each node in an actor on a worker of the Dask cluster at that address
     (``checkpoint_url`` must then be a folder or bucket every worker can reach).
+    ``storage_options``: fsspec options for ``checkpoint_url``'s filesystem (endpoint,
+    credentials, ...).
     """
     return train(checkpoint_url, epochs, nodes, epochs_per_run=epochs_per_run,
                  resume_from_epoch=resume_from_epoch, max_attempts=max_attempts,
-                 dask_scheduler=dask_scheduler)
+                 dask_scheduler=dask_scheduler, storage_options=storage_options)
 
 
 @flow(name="regression-failure-demo", retries=2, retry_delay_seconds=1, log_prints=True)
@@ -66,18 +74,21 @@ def regression_failure_demo(
     checkpoint_url: str = "checkpoints/regression",
     epochs: int = 10,
     nodes: int = 2,
+    storage_options: dict[str, Any] | None = None,
 ) -> int:
     """The regression flow, failing in epoch ``fail_at_epoch`` on its first attempt only, to
     show a retry resuming from the epoch before it (``--fail-at-epoch``; deployed nowhere)."""
-    return train(checkpoint_url, epochs, nodes,
+    return train(checkpoint_url, epochs, nodes, storage_options=storage_options,
                  fail_at_epoch=fail_at_epoch if flow_run.run_count <= 1 else None)
 
 
 def train(checkpoint_url: str, epochs: int, nodes: int, *, epochs_per_run: int | None = None,
           resume_from_epoch: int | None = None, max_attempts: int = 5,
-          dask_scheduler: str | None = None, fail_at_epoch: int | None = None) -> int:
+          dask_scheduler: str | None = None, fail_at_epoch: int | None = None,
+          storage_options: dict[str, Any] | None = None) -> int:
     """The body of both flows: returns the final epoch."""
-    cm = MultiNodeCheckpointManager(checkpoint_url, metadata_handler=ZarrMetadataHandler())
+    cm = MultiNodeCheckpointManager(checkpoint_url, storage_options=storage_options,
+                                    metadata_handler=ZarrMetadataHandler())
     plan = plan_run(cm, node_names(nodes), epochs=epochs, epochs_per_run=epochs_per_run,
                     resume_from_epoch=resume_from_epoch)
     job = build_job(plan.num_epochs, nodes, fail_at_epoch=fail_at_epoch)
@@ -90,6 +101,17 @@ def train(checkpoint_url: str, epochs: int, nodes: int, *, epochs_per_run: int |
         return run_job(job, cm, max_attempts=max_attempts,
                        resume_from_epoch=plan.resume_from_epoch,
                        session=PrefectSession(nodes=cluster_nodes))
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """An argparse type: a JSON object (``--storage-options``)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc.msg}): {text!r}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 if __name__ == "__main__":
@@ -110,6 +132,10 @@ if __name__ == "__main__":
                              "--resume-from-epoch and --dask-scheduler)")
     parser.add_argument("--dask-scheduler", default=None, metavar="ADDRESS",
                         help="run the nodes on this Dask cluster, e.g. tcp://10.0.0.5:8786")
+    parser.add_argument("--storage-options", type=json_object, default=None, metavar="JSON",
+                        help="fsspec options for the checkpoint URL's filesystem, e.g. "
+                             "'{\"endpoint_url\": \"http://127.0.0.1:8333\", \"key\": \"k\", "
+                             "\"secret\": \"s\"}'")
     args = parser.parse_args()
     if args.fail_at_epoch is not None:
         given = [f"--{k.replace('_', '-')}" for k in ("epochs_per_run", "resume_from_epoch",
@@ -121,10 +147,11 @@ if __name__ == "__main__":
         if args.fail_at_epoch is not None:
             with planned_failures(InjectedFailure):  # one WARNING, not ERRORs and tracebacks
                 final = regression_failure_demo(args.fail_at_epoch, args.checkpoint_url,
-                                                args.epochs, args.nodes)
+                                                args.epochs, args.nodes, args.storage_options)
         else:
             final = regression(args.checkpoint_url, args.epochs, args.nodes,
                                epochs_per_run=args.epochs_per_run,
                                resume_from_epoch=args.resume_from_epoch,
-                               dask_scheduler=args.dask_scheduler)
+                               dask_scheduler=args.dask_scheduler,
+                               storage_options=args.storage_options)
     print(f"final epoch: {final}")

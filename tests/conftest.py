@@ -1,5 +1,6 @@
 """Shared fixtures: checkpoint prefixes on real filesystems (memory://, a local temp dir and, for
-the storage and resume modules, s3:// on a moto S3 server on 127.0.0.1)."""
+the storage and resume modules, s3:// on each of two S3 servers on 127.0.0.1: moto and SeaweedFS,
+see tests/s3server.py)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 import fsspec
 import pytest
 
-# Test modules whose `prefix` tests also run on S3 (a moto server, see tests/s3server.py): the
-# storage, resume, corruption and fencing sets. Other modules get memory and local prefixes.
+from tests.s3server import KINDS, s3_params
+
+# Test modules whose `prefix` tests also run on S3 (moto and SeaweedFS, see tests/s3server.py):
+# the storage, resume, corruption and fencing sets. Other modules get memory and local prefixes.
 S3_PREFIX_MODULES = frozenset({
     "test_storage", "test_contract", "test_runner", "test_corruption", "test_fencing",
     "test_hostile", "test_concurrency", "test_lineage",
@@ -27,7 +30,8 @@ S3_PREFIX_MODULES = frozenset({
 
 def pytest_generate_tests(metafunc):
     """Parametrize ``prefix`` (also when requested through another fixture) by filesystem kind:
-    memory and local everywhere, plus s3 (marked slow) in :data:`S3_PREFIX_MODULES`."""
+    memory and local everywhere, plus s3-moto and s3-seaweedfs (marked slow) in
+    :data:`S3_PREFIX_MODULES`."""
     if "prefix" not in metafunc.fixturenames:
         return
     for mark in metafunc.definition.iter_markers("parametrize"):
@@ -36,7 +40,7 @@ def pytest_generate_tests(metafunc):
             return  # the test chooses its own prefixes
     kinds = ["memory", "local"]
     if metafunc.module.__name__.rpartition(".")[2] in S3_PREFIX_MODULES:
-        kinds.append(pytest.param("s3", marks=pytest.mark.slow))
+        kinds += s3_params()
     metafunc.parametrize("prefix", kinds, indirect=True)
 
 
@@ -78,22 +82,38 @@ def memory_fs():
     fs.pseudo_dirs.append("")
 
 
-@pytest.fixture(scope="session")
-def s3_server():
-    """One moto S3 server on 127.0.0.1 (a free port) for the whole session."""
-    pytest.importorskip("moto.server")
-    pytest.importorskip("s3fs")
+def _server(kind: str):
     from tests import s3server
 
-    server = s3server.start()
+    server = s3server.start(kind)
     yield server
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def moto_server():
+    """One moto S3 server on 127.0.0.1 (a free port) for the whole session."""
+    yield from _server("moto")
+
+
+@pytest.fixture(scope="session")
+def seaweedfs_server():
+    """One SeaweedFS (``weed mini``, a subprocess) on 127.0.0.1 for the whole session; it
+    fails, never skips, if it cannot start."""
+    yield from _server("seaweedfs")
+
+
+@pytest.fixture(scope="session", params=[pytest.param(k, id=f"s3-{k}") for k in KINDS])
+def s3_server(request):
+    """Each S3 server in turn (a test using it runs once per kind: ``s3-moto``,
+    ``s3-seaweedfs``)."""
+    return request.getfixturevalue(f"{request.param}_server")
+
+
 @pytest.fixture
 def s3_bucket(s3_server, monkeypatch) -> str:
-    """A fresh empty bucket on the session's S3 server; during the test, ``s3://`` URLs without
-    storage options reach that server (fsspec's defaults for ``s3``), never AWS."""
+    """A fresh empty bucket on the S3 server; during the test, ``s3://`` URLs without storage
+    options reach that server (fsspec's defaults for ``s3``), never AWS."""
     s3_server.configure(monkeypatch)
     return s3_server.new_bucket()
 
@@ -101,12 +121,15 @@ def s3_bucket(s3_server, monkeypatch) -> str:
 @pytest.fixture
 def prefix(request, tmp_path, memory_fs) -> str:
     """A fresh checkpoint prefix: ``memory://...``, a local directory, or ``s3://<new bucket>/ckpt``
-    (see :func:`pytest_generate_tests` for which modules get which)."""
+    on the server ``s3-<kind>`` names (see :func:`pytest_generate_tests` for which modules get
+    which); ``s3://`` URLs reach that server during the test."""
     kind = getattr(request, "param", "memory")
     if kind == "memory":
         return f"memory://ckpt-{uuid.uuid4().hex[:8]}"
-    if kind == "s3":
-        return f"s3://{request.getfixturevalue('s3_bucket')}/ckpt"
+    if kind.startswith("s3-"):
+        server = request.getfixturevalue(f"{kind.removeprefix('s3-')}_server")
+        server.configure(request.getfixturevalue("monkeypatch"))
+        return f"s3://{server.new_bucket()}/ckpt"
     return str(tmp_path / "ckpt")
 
 

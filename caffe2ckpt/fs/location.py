@@ -25,9 +25,11 @@ clients and other tools may resolve them, so the same URL could name two differe
 are refused with :class:`InvalidLocationError`.
 
 Errors (see :mod:`caffe2ckpt.fs.clienterrors`): a filesystem failure that is not an ``OSError``
-(e.g. botocore's ``NoCredentialsError``, which s3fs passes through) is re-raised naming the
-prefix: missing credentials as :class:`~caffe2ckpt.errors.StorageCredentialsError` (an
-:class:`InvalidLocationError`), other configuration problems (profile, region, parameters,
+(e.g. botocore's ``NoCredentialsError``, which s3fs passes through), and the ``OSError`` s3fs
+makes of an answer rejecting the credentials (``SignatureDoesNotMatch``, ``InvalidAccessKeyId``,
+``AccessDenied``, ``InvalidToken``, ``ExpiredToken``, a bare 403), are re-raised naming the
+prefix: missing or rejected credentials as :class:`~caffe2ckpt.errors.StorageCredentialsError`
+(an :class:`InvalidLocationError`), other configuration problems (profile, region, parameters,
 storage options the filesystem does not take) as :class:`InvalidLocationError`, anything else
 (e.g. ``EndpointConnectionError`` after s3fs's retries) as an ``OSError`` (``EIO``), so callers
 see an I/O failure, not corruption. A path under a file counts as missing, like a missing one.
@@ -48,7 +50,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 from caffe2ckpt.errors import CheckpointError, InvalidLocationError
 from caffe2ckpt.fs import localio
-from caffe2ckpt.fs.clienterrors import is_credentials_error, translate
+from caffe2ckpt.fs.clienterrors import credentials_rejected, is_credentials_error, translate
 
 __all__ = ["Location"]
 
@@ -133,12 +135,15 @@ class Location:
 
     def _guard(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Call filesystem method ``fn``; a failure that is not an OSError (e.g. botocore's
-        ``NoCredentialsError``) is re-raised naming the prefix (see the module docstring)."""
+        ``NoCredentialsError``), or an OSError for credentials the store rejected, is re-raised
+        naming the prefix (see the module docstring)."""
         try:
             return fn(*args, **kwargs)
-        except (OSError, CheckpointError):
+        except CheckpointError:
             raise
         except Exception as exc:
+            if isinstance(exc, OSError) and not credentials_rejected(exc):
+                raise
             raise translate(self.url, exc) from exc
 
     def __repr__(self) -> str:
@@ -239,8 +244,17 @@ class Location:
         directory's entry becomes durable when :meth:`make_durable` flushes the batch; the
         file itself is flushed before it gets its name).
 
+        Every caller's ``data`` is unique to its writer (a save id, a timestamp), so a file
+        holding exactly ``data`` is this call's own. On object stores an exclusive create is an
+        ``If-None-Match: *`` PUT, and "exists" is decided from the store's 412 to it, whatever
+        the client library makes of that answer. When the first PUT is applied but its answer
+        is lost, the client retries and gets 412, although the object is this call's: so on
+        every backend but a local disk (``O_EXCL``/``link``, no retries), "exists" is settled
+        by reading the file back (at most ``len(data) + 1`` bytes); if it holds exactly
+        ``data``, the create succeeded (a failure to read it back is raised as it is).
+
         Raises:
-            FileExistsError: ``path`` already exists; nothing was changed.
+            FileExistsError: ``path`` already exists, holding other bytes; nothing was changed.
         """
         raise NotImplementedError
 

@@ -2,10 +2,15 @@
 ``memory://`` and wrappers. Everything goes through the filesystem's own API, and nothing
 relies on a rename being atomic; there is nothing to flush (a PUT is durable when it returns).
 
-* :class:`FsspecLocation`: the general case. An exclusive create is ``open(path, "xb")``.
+* :class:`FsspecLocation`: the general case. An exclusive create is ``open(path, "xb")``; on
+  S3 (also through a wrapper of s3fs) that is an ``If-None-Match`` PUT, and the store's 412 means
+  "exists" (s3fs says ``FileExistsError`` only when the answer names the condition, as AWS's
+  does). "Exists" is then settled by reading the file back: its own bytes mean this call's
+  create, applied and answered "exists" on a retry (see :meth:`Location.create_exclusive`).
 * :class:`ObjectStoreLocation` (``s3://``, ``gs://``): object stores have no directories, and
   s3fs/gcsfs's ``makedirs`` of a key prefix only checks (and creates) the bucket, one request:
-  a location does it once. An exclusive create is an ``If-None-Match`` PUT.
+  a location does it once. Some keep a directory once its keys are deleted (SeaweedFS lists it
+  as a common prefix): removals delete that too.
 * :class:`MemoryLocation` (``memory://``): one store per process, whose own ``"xb"`` open
   checks for the file, publishes it empty, then fills it, so two threads could both create one
   record. Exclusive creates here hold one process-wide lock and publish the file whole.
@@ -22,6 +27,7 @@ from typing import Any
 
 from caffe2ckpt.errors import CheckpointNotFoundError
 from caffe2ckpt.fs import localio
+from caffe2ckpt.fs.clienterrors import precondition_failed
 from caffe2ckpt.fs.location import Location, subdirectories
 
 __all__ = ["FsspecLocation", "MemoryLocation", "ObjectStoreLocation"]
@@ -120,11 +126,34 @@ class FsspecLocation(Location):
     def create_exclusive(self, path: str, data: bytes, *,
                          batch: localio.SyncBatch | None = None) -> None:
         self.makedirs(posixpath.dirname(path))
+        try:
+            self._guard(self._create_new, path, data)
+        except FileExistsError:
+            if not self._holds(path, data):
+                raise
+            # this call's own file: its create was applied, then answered "exists" (a retry)
 
-        def create() -> None:
+    def _create_new(self, path: str, data: bytes) -> None:
+        """Create file ``path`` holding ``data``; FileExistsError if it exists, also when an
+        object store refused the ``If-None-Match`` PUT with 412 and s3fs said something else
+        (also through a wrapper of s3fs)."""
+        try:
             with self.fs.open(path, "xb") as f:
                 f.write(data)
-        self._guard(create)
+        except FileExistsError:
+            raise
+        except OSError as exc:
+            if not precondition_failed(exc):
+                raise
+            raise FileExistsError(errno.EEXIST, f"{self.display(path)} exists (the store "
+                                  f"refused the If-None-Match PUT: {exc})", path) from exc
+
+    def _holds(self, path: str, data: bytes) -> bool:
+        """Whether file ``path`` holds exactly ``data`` (at most ``len(data) + 1`` bytes read)."""
+        try:
+            return self._read_head(path, len(data) + 1) == data
+        except _MISSING:
+            return False
 
     def replace_file(self, path: str, data: bytes) -> None:
         self.makedirs(posixpath.dirname(path))
@@ -169,7 +198,11 @@ class FsspecLocation(Location):
             return
         for path in sorted(dirs, key=lambda p: -p.count("/")):  # deepest first
             with contextlib.suppress(FileNotFoundError):
-                self._guard(self.fs.rmdir, path)
+                self._rmdir(path)
+
+    def _rmdir(self, path: str) -> None:
+        """Remove empty directory ``path``."""
+        self._guard(self.fs.rmdir, path)
 
     def remove_files(self, directory: str, names: list[str]) -> None:
         for name in names:
@@ -179,14 +212,23 @@ class FsspecLocation(Location):
             return
         for sub in [*(f"{directory}/{d}" for d in subdirectories(names)), directory]:
             with contextlib.suppress(FileNotFoundError, OSError):
-                if not self.fs.ls(sub, detail=False):  # memory://, wrapped local disks
-                    self.fs.rmdir(sub)
+                # memory://, wrapped local disks; SeaweedFS lists an empty one as itself
+                if not [e for e in self.fs.ls(sub, detail=False) if e.rstrip("/") != sub]:
+                    self._rmdir(sub)
 
 
 class ObjectStoreLocation(FsspecLocation):
-    """``s3://``, ``gs://``: the bucket is checked (and created if missing) once."""
+    """``s3://``, ``gs://``: the bucket is checked (and created if missing) once; a directory
+    left empty is deleted as its key ``<path>/``."""
 
     _bucket_checked = False
+
+    def _rmdir(self, path: str) -> None:
+        """Object stores built on a filesystem (SeaweedFS's filer) keep a directory whose keys
+        were all deleted, and list it; deleting its key ``<path>/`` removes it there (a no-op if
+        it is not empty) and elsewhere deletes nothing (or a zero-byte "folder" object). s3fs's
+        own ``rmdir`` refuses any directory that exists."""
+        self._guard(self.fs.rm_file, path.rstrip("/") + "/")
 
     def file_exists(self, path: str) -> bool:
         try:  # a GET of the first byte: a missing key is one 404, never a listing
@@ -209,9 +251,7 @@ _MEMORY_CREATES = threading.Lock()
 class MemoryLocation(FsspecLocation):
     """``memory://``: exclusive creates under a process-wide lock, the file published whole."""
 
-    def create_exclusive(self, path: str, data: bytes, *,
-                         batch: localio.SyncBatch | None = None) -> None:
-        self.makedirs(posixpath.dirname(path))
+    def _create_new(self, path: str, data: bytes) -> None:
         with _MEMORY_CREATES:
             if self.exists(path):
                 raise FileExistsError(errno.EEXIST, "file exists", path)

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from caffe2ckpt.errors import CheckpointError, CheckpointNotFoundError
+from caffe2ckpt.errors import CheckpointCorruptedError, CheckpointError, CheckpointNotFoundError
 from caffe2ckpt.history.lineage import History, Save
 from caffe2ckpt.store import runs
 from caffe2ckpt.store.layout import COMMITS_DIR, save_generation
@@ -116,7 +116,7 @@ def _run_reader(store: CheckpointStore):
                 cache[generation] = runs.read_run(store.location, generation)
             except CheckpointNotFoundError:
                 cache[generation] = None
-            except CheckpointError as exc:
+            except CheckpointCorruptedError as exc:
                 logger.warning("%s", exc)
                 cache[generation] = str(exc)
         return cache[generation]

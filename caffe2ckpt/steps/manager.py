@@ -36,6 +36,7 @@ from caffe2ckpt.errors import (
     CheckpointWriteError,
     InvalidLocationError,
     JobDefinitionError,
+    StorageCredentialsError,
     writing,
 )
 from caffe2ckpt.fs import strictjson
@@ -398,6 +399,8 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
                                                         limit=strictjson.MAX_BYTES))
         except CheckpointNotFoundError:
             return {}
+        except StorageCredentialsError:  # a ValueError, but the store refused: not damage
+            raise
         except ValueError as exc:
             raise CheckpointCorruptedError(
                 f"root metadata {location.display(ROOT_METADATA)!r} is unreadable: {exc}",

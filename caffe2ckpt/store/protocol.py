@@ -46,6 +46,7 @@ from caffe2ckpt.errors import (
     CheckpointCorruptedError,
     CheckpointError,
     CheckpointNotFoundError,
+    StorageCredentialsError,
 )
 from caffe2ckpt.fs import strictjson
 from caffe2ckpt.fs.iopool import pool
@@ -201,7 +202,7 @@ class CheckpointStore:
         """The record ``ref`` names, or why it is not a valid record (I/O errors propagate)."""
         try:
             return read_record(self.location, ref)
-        except CheckpointError as exc:
+        except (CheckpointCorruptedError, CheckpointNotFoundError) as exc:
             return str(exc)
 
     def group_path(self, record: CommitRecord) -> str:
@@ -222,6 +223,8 @@ class CheckpointStore:
             raise CheckpointCorruptedError(
                 f"checkpoint {where!r} (node {node!r}, epoch {epoch}) is committed but its "
                 "group metadata is missing", node=node, epoch=epoch, blob=GROUP_FILE) from exc
+        except StorageCredentialsError:  # a ValueError, but the store refused: not damage
+            raise
         except ValueError as exc:  # too large, not a regular file, or through a symlink
             raise CheckpointCorruptedError(
                 f"checkpoint {where!r} (node {node!r}, epoch {epoch}): its group metadata is "

@@ -30,7 +30,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from caffe2ckpt.errors import CheckpointCorruptedError, CheckpointWriteError
+from caffe2ckpt.errors import (
+    CheckpointCorruptedError,
+    CheckpointWriteError,
+    StorageCredentialsError,
+)
 from caffe2ckpt.fs import strictjson
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.naming import MAX_EPOCH
@@ -260,6 +264,8 @@ def read_record(location: Location, ref: RecordRef) -> CommitRecord:
     try:
         raw = location.read_bytes(record_path(location, ref), limit=strictjson.MAX_BYTES)
         record = CommitRecord.from_dict(strictjson.loads(raw))
+    except StorageCredentialsError:  # a ValueError, but the store refused: not damage
+        raise
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CheckpointCorruptedError(f"commit record {where!r} is unreadable: {exc}",
                                        node=ref.node, epoch=ref.epoch, blob=ref.filename) from exc

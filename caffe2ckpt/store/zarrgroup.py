@@ -49,7 +49,12 @@ import numpy as np
 import zarr
 from zarr.codecs import Crc32cCodec
 
-from caffe2ckpt.errors import CheckpointCorruptedError, CheckpointNotFoundError, InvalidBlobError
+from caffe2ckpt.errors import (
+    CheckpointCorruptedError,
+    CheckpointNotFoundError,
+    InvalidBlobError,
+    StorageCredentialsError,
+)
 from caffe2ckpt.fs import localio, strictjson
 from caffe2ckpt.fs.iopool import pool as _pool
 from caffe2ckpt.fs.localio import aligned_empty
@@ -430,6 +435,8 @@ def _check_size(location: Location, manifest: Manifest, where: str, span: _Span)
         why = f"the chunk is damaged ({size} bytes where {span.file_bytes} were expected)"
     except CheckpointNotFoundError:
         why = "the chunk is missing"
+    except StorageCredentialsError:  # a ValueError, but the store refused: not damage
+        raise
     except ValueError as exc:  # not a regular file, or reached through a symlink
         why = f"the chunk is damaged ({exc})"
     raise CheckpointCorruptedError(
@@ -446,6 +453,8 @@ def _check_metadata(location: Location, manifest: Manifest, where: str, file: st
                     digest: str) -> None:
     try:
         raw = location.read_bytes(file, limit=strictjson.MAX_BYTES)
+    except StorageCredentialsError:  # a ValueError, but the store refused: not damage
+        raise
     except (CheckpointNotFoundError, ValueError):  # gone, too large, or not a regular file
         raw = b""
     if hashlib.sha256(raw).hexdigest() != digest:
@@ -468,6 +477,8 @@ def _read_chunk(location: Location, manifest: Manifest, where: str, blob: str, c
         tail = location.read_exact(chunk, memoryview(flat), padding + _CRC)
     except CheckpointNotFoundError as exc:
         raise corrupted("the chunk is missing") from exc
+    except StorageCredentialsError:  # a ValueError, but the store refused: not damage
+        raise
     except ValueError as exc:
         raise corrupted(f"the chunk is damaged ({exc})") from exc
     except OSError as exc:  # an I/O failure is not evidence of corruption: do not fall back

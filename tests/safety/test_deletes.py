@@ -24,13 +24,14 @@ from caffe2ckpt import (
 from caffe2ckpt.cli import main
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.store.protocol import CheckpointStore
+from tests.s3server import s3_params
 from tests.stores import committed_epochs, delete_epoch, find_leftovers, load, remove_leftovers
 
 # each glob node would match (as a pattern) the other job's nodes beside it
 GLOB_NODES = ["w[12]", "a*", "b?"]
 OTHER_NODES = ["w1", "w2", "ab", "bc"]
 ALL_KINDS = pytest.mark.parametrize(
-    "prefix", ["memory", "local", pytest.param("s3", marks=pytest.mark.slow)], indirect=True)
+    "prefix", ["memory", "local", *s3_params()], indirect=True)
 
 
 def save_other_job(prefix: str) -> dict[str, bytes]:
