@@ -25,6 +25,7 @@ S3_PREFIX_MODULES = frozenset({
     "test_storage", "test_contract", "test_runner", "test_corruption", "test_fencing",
     "test_hostile", "test_concurrency", "test_lineage",
     "test_review_defects",  # tests/safety/: the review of 75dd0ff (object-store defects)
+    "test_review_1aeae9c",  # tests/safety/: the review of 1aeae9c
 })
 
 

@@ -50,6 +50,7 @@ from caffe2ckpt.errors import (
     CheckpointFencedError,
     CheckpointNotFoundError,
     CheckpointWriteError,
+    StorageCredentialsError,
 )
 from caffe2ckpt.fs import strictjson
 from caffe2ckpt.fs.location import Location
@@ -186,6 +187,8 @@ def read_entry(location: Location, generation: int) -> Run | Gap:
         entry = _parse(strictjson.loads(raw), generation)
     except CheckpointNotFoundError as exc:
         raise CheckpointNotFoundError(f"run log entry {where!r} does not exist") from exc
+    except StorageCredentialsError:  # the store refused: not damage
+        raise
     except (CheckpointError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CheckpointCorruptedError(f"run log entry {where!r} is unreadable: {exc}",
                                        blob=run_name(generation)) from exc

@@ -47,6 +47,7 @@ from caffe2ckpt import (
 )
 from caffe2ckpt.cli import main as cli_main
 from caffe2ckpt.metadata import ZarrMetadataHandler
+from tests.s3server import NOT_ON_S3
 from tests.safety.hookfs import HookFS, wrapped
 
 NODES = ["t0", "t1"]
@@ -160,6 +161,7 @@ def in_thread_named(name: str):
 # -- 1. async saves + SIGTERM: the preempted epoch is saved once ----------------------------------
 
 
+@NOT_ON_S3  # the runner's order of work: no storage I/O of its own
 @pytest.mark.parametrize("policy", [None, 5], ids=["every-epoch", "every-5"])
 def test_1_sigterm_with_async_saves_saves_the_epoch_once_and_supersedes_nothing(prefix, policy):
     """SIGTERM in epoch 3 (7 with a save every 5 epochs) with ``async_save=True``: the epoch is
@@ -526,6 +528,7 @@ def test_9_an_unreadable_run_log_entry_is_damage_not_a_bare_error(prefix, damage
 # -- 10. jobs on one prefix do not fence each other -------------------------------------------------
 
 
+@NOT_ON_S3
 def test_10_another_job_saving_on_the_prefix_does_not_fence_a_job(prefix):
     def other_job_saves(epoch, node):
         if epoch == 3 and node == NODES[0]:
@@ -586,6 +589,7 @@ def test_11_a_copy_of_a_committed_save_at_the_epochs_path_is_swept(prefix):
 # -- 13. SIGTERM in the last epoch ---------------------------------------------------------------
 
 
+@NOT_ON_S3
 def test_13_sigterm_during_the_last_epoch_raises_preempted(prefix):
     ran_exit: list = []
 
