@@ -277,7 +277,7 @@ def kill_just_before_the_call(session: DaskSession, client, node: str, call) -> 
         thread = threading.Thread(target=caller, daemon=True)
         thread.start()
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not waiting_in_sync(thread):
+        while time.monotonic() < deadline and not waiting_for_the_call(thread):
             time.sleep(0.01)  # until the call is issued and waits for the held loop
     finally:
         release.set()
@@ -286,15 +286,15 @@ def kill_just_before_the_call(session: DaskSession, client, node: str, call) -> 
     return outcome["seconds"], outcome["value"]
 
 
-def waiting_in_sync(thread) -> bool:
-    """Whether ``thread`` waits in distributed's ``sync`` (for an actor call's result: its
-    request was queued on the loop before)."""
+def waiting_for_the_call(thread) -> bool:
+    """Whether ``thread`` waits for an actor call's answer (the session's ``_wait``: its request
+    was queued on the loop before)."""
     import sys
 
     frame = sys._current_frames().get(thread.ident)
     while frame is not None:
-        if frame.f_code.co_name == "sync" and frame.f_code.co_filename.endswith(
-                os.path.join("distributed", "utils.py")):
+        if frame.f_code.co_name == "_wait" and frame.f_code.co_filename.endswith(
+                os.path.join("caffe2ckpt", "dask", "session.py")):
             return True
         frame = frame.f_back
     return False
