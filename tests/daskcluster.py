@@ -41,6 +41,17 @@ def die_before_commit(marker: str, node: str = "trainer_1", epoch: int = 3) -> N
     file ``marker`` exists) SIGKILLs its worker once the group is written, before its commit
     record (in the save's own thread: the actor's, or the background writer's with
     ``async_save``)."""
+    _die_at_commit(marker, node, epoch, after=False)
+
+
+def die_after_commit(marker: str, node: str = "trainer_1", epoch: int = 3) -> None:
+    """:func:`die_before_commit`, but the worker dies right after the commit record is written:
+    the save is committed, and its outcome never reaches the client. Undone by
+    :func:`undo_die_before_commit` too."""
+    _die_at_commit(marker, node, epoch, after=True)
+
+
+def _die_at_commit(marker: str, node: str, epoch: int, *, after: bool) -> None:
     import signal
 
     from caffe2ckpt.store import protocol
@@ -49,6 +60,8 @@ def die_before_commit(marker: str, node: str = "trainer_1", epoch: int = 3) -> N
 
     def dying(location, record):
         if record.node == node and record.epoch == epoch and os.path.exists(marker):
+            if after:
+                write_record(location, record)
             os.unlink(marker)
             os.kill(os.getpid(), signal.SIGKILL)
         return write_record(location, record)
