@@ -99,8 +99,9 @@ class DaskSession:
     - within :attr:`liveness_interval` of the scheduler dropping the worker: at once for a dead
       process, after ``distributed.scheduler.worker-ttl`` (5 minutes by default) for one that
       stopped answering with its connections open (frozen, cut off);
-    - after :attr:`scheduler_timeout` seconds in which the scheduler did not answer;
-    - when placing a node: when its worker leaves, or after ``place_timeout``.
+    - about :attr:`scheduler_timeout` seconds after the scheduler stopped answering;
+    - when placing a node: within about :attr:`liveness_interval` of its worker leaving, else
+      after ``place_timeout``.
 
     A call on a live worker is never cut short, however long it runs (a large save can take
     minutes).
@@ -207,8 +208,9 @@ class DaskSession:
             self._started(future, worker)
         except Exception as exc:
             future.cancel()
-            raise NodeLostError(f"could not start node {node!r} on Dask worker {worker}: "
-                                f"{type(exc).__name__}: {exc}", node=node) from exc
+            raise NodeLostError(f"could not place node {node!r}: its actor did not start on Dask "
+                                f"worker {worker} ({type(exc).__name__}: {exc})",
+                                node=node) from exc
         self._futures[node], self._workers[node] = future, worker
 
     def _started(self, future: Any, worker: str) -> None:
