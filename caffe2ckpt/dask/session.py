@@ -20,6 +20,7 @@ Install with the ``[dask]`` extra."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -218,12 +219,15 @@ class DaskSession:
         failed, or its worker left: the actor may only run there), or after ``place_timeout``."""
         deadline = time.monotonic() + self._place_timeout
         while True:
-            try:  # (the actor handle it returns is not used: calls go through this client)
+            # (the actor handle that result() returns is not used: calls go through this client)
+            with contextlib.suppress(TimeoutError):
                 future.result(timeout=min(self.liveness_interval, self._place_timeout))
                 return
-            except TimeoutError:
-                if future.done():  # the task itself raised it
-                    raise
+            if future.status == "finished":  # it started as the wait timed out
+                return
+            if future.status != "pending":  # it failed as the wait timed out: raise its error
+                future.result(timeout=self._ask_timeout)
+                raise RuntimeError(f"its actor's future is {future.status!r}")
             if worker not in self._client.sync(self._client.scheduler.ncores, workers=[worker],
                                                callback_timeout=self._ask_timeout):
                 raise RuntimeError("the worker left the cluster before the actor started")
