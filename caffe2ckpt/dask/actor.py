@@ -1,5 +1,8 @@
 """The worker side of :class:`~caffe2ckpt.dask.DaskSession`: :class:`NodeActor` holds one node's
-workspace in a Dask actor and runs the node's steps there; their outcome goes back pickled."""
+workspace in a Dask actor and runs the node's steps there. The session reaches it only through
+:meth:`NodeActor.call`, which takes the arguments pickled and always answers with the pickled
+outcome, so nothing that goes wrong on the worker can leave the session's call without an
+answer."""
 
 from __future__ import annotations
 
@@ -25,6 +28,26 @@ class NodeActor:
         self.node = node
         self.ws = Workspace()
         set_io_threads(io_threads)
+
+    def call(self, method: str, args: bytes) -> bytes:
+        """Run ``method`` with the pickled ``args`` for the session; returns the pickled (True,
+        what it returned) or (False, the exception it raised). It never raises: arguments that
+        cannot be unpickled here (a task function whose module this worker cannot import) come
+        back as that error too. (Dask's own actor call loses any error of its transport that is
+        not an ``OSError``, and its caller waits for ever.)"""
+        try:
+            loaded = cloudpickle.loads(args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the client, which raises it
+            exc.add_note(f"while unpickling the arguments of {method!r} on node {self.node!r} "
+                         "(are its task functions importable on the Dask workers?)")
+            return _pack((False, exc), self.node)
+        if method == "run":
+            return self.run(*loaded)
+        try:
+            outcome = True, getattr(self, method)(*loaded)
+        except BaseException as exc:  # noqa: BLE001 - handed to the client, which raises it
+            outcome = False, exc
+        return _pack(outcome, self.node, verify=not outcome[0])
 
     def run(self, steps: list[Step], workspace_type: WorkspaceType) -> bytes:
         """The pickled (True, the steps' results) or (False, the exception a step raised), so
@@ -52,10 +75,11 @@ class NodeActor:
         return worker_info()
 
 
-def _pack(outcome: tuple[bool, Any], node: str) -> bytes:
+def _pack(outcome: tuple[bool, Any], node: str, *, verify: bool = True) -> bytes:
     """Pickle a node's outcome (with cloudpickle, like Dask); a failure carries the remote
     traceback as a note. Anything that would not come back intact becomes a RuntimeError
-    saying what it was."""
+    saying what it was. ``verify=False`` skips unpickling the result here (the workspace's own
+    values: arrays, names, the worker's address, which always come back)."""
     finished, value = outcome
     where = worker_info()
     if not finished:
@@ -63,7 +87,8 @@ def _pack(outcome: tuple[bool, Any], node: str) -> bytes:
                        f"{where['pid']}):\n" + "".join(traceback.format_exception(value)).rstrip())
     try:
         data = cloudpickle.dumps(outcome)
-        cloudpickle.loads(data)  # e.g. an exception whose __init__ wants other arguments
+        if verify:
+            cloudpickle.loads(data)  # e.g. an exception whose __init__ wants other arguments
         return data
     except Exception as exc:  # noqa: BLE001 - any pickling failure
         what = (f"raised {type(value).__name__}: {value}" if not finished else

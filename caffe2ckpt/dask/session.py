@@ -11,23 +11,28 @@ Nodes are placed on the cluster's workers when first used: with ``placement={nod
 where given, else on the worker holding the fewest of this session's nodes (ties: address
 order). A worker that dies takes its nodes' workspaces with it: the group run fails naming the
 node (:class:`~caffe2ckpt.errors.NodeLostError`, also when other nodes of the group failed
-otherwise), within about :attr:`DaskSession.liveness_interval` of the call even when the call
-reached for the dead worker before the scheduler had heard of its death; every later call to that
-node fails at once. The job resumes from its newest committed epoch in a new session (a Prefect
-retry makes one).
+otherwise); every later call to that node fails at once. The job resumes from its newest
+committed epoch in a new session (a Prefect retry makes one). Every call ends (see
+:class:`DaskSession` for the bounds).
 
 Install with the ``[dask]`` extra."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import threading
+import time
 from collections.abc import Iterator, Mapping
+from concurrent.futures import Future as CallFuture
+from concurrent.futures import TimeoutError as CallTimeout
 from typing import Any
 
 import cloudpickle
 import numpy as np
 from distributed import Client
+from distributed.protocol import to_serialize
 
 from caffe2ckpt.dask.actor import NodeActor
 from caffe2ckpt.errors import JobDefinitionError, NodeLostError
@@ -86,6 +91,22 @@ class DaskSession:
             8 threads one process would use, shared by the cluster's workers on that worker's
             host (at least 2 each), since they share its cores and disks.
 
+    Every call to a node (a group run, a :class:`RemoteWorkspace` access, placing the node)
+    answers, raises what the node raised, or fails with :class:`~caffe2ckpt.errors.NodeLostError`
+    naming the node, the call and the worker:
+
+    - at once when the call's connection fails or the worker no longer holds the node's actor
+      (its process died, or a restarted one took its address);
+    - within :attr:`liveness_interval` of the scheduler dropping the worker: at once for a dead
+      process, after ``distributed.scheduler.worker-ttl`` (5 minutes by default) for one that
+      stopped answering with its connections open (frozen, cut off);
+    - about :attr:`scheduler_timeout` seconds after the scheduler stopped answering;
+    - when placing a node: within about :attr:`liveness_interval` of its worker leaving, else
+      after ``place_timeout``.
+
+    A call on a live worker is never cut short, however long it runs (a large save can take
+    minutes).
+
     Example:
         >>> from distributed import LocalCluster
         >>> with LocalCluster(n_workers=2, processes=True) as cluster, \\
@@ -100,8 +121,11 @@ class DaskSession:
     node's worker still holds the actor (the actor's future here, then the scheduler's
     ``who_has``): if not, the call fails with :class:`NodeLostError` at once. Distributed itself
     would keep trying to reach the dead worker for ``distributed.comm.timeouts.connect`` (30 s)
-    when the call left before the client heard of the death. A call on a live worker is never
-    cut short, however long it runs (a large save can take minutes)."""
+    when the call left before the client heard of the death."""
+
+    scheduler_timeout = 120.0
+    """Seconds a call waits while the scheduler does not answer those questions (a frozen or
+    unreachable scheduler) before it fails with :class:`NodeLostError`."""
 
     def __init__(self, client: Client | str, *, placement: Mapping[str, str] | None = None,
                  place_timeout: float = 60.0, io_threads: int | None = None) -> None:
@@ -110,8 +134,7 @@ class DaskSession:
         self._placement = dict(placement or {})
         self._place_timeout = place_timeout
         self._io_threads = None if io_threads is None else check_io_threads(io_threads)
-        self._actors: dict[str, Any] = {}
-        self._futures: dict[str, Any] = {}
+        self._futures: dict[str, Any] = {}  # node -> its actor's future (its key names the actor)
         self._workers: dict[str, str] = {}
         self._lost: dict[str, str] = {}  # node -> why it was lost (calls to it fail at once)
         self._lock = threading.Lock()
@@ -127,9 +150,15 @@ class DaskSession:
         """``{address: host}`` of the workers the scheduler sees running, asked now. (Not
         ``client.scheduler_info()``: it returns a cache that the client's periodic refresh
         overwrites with a copy listing no workers, measured under load.)"""
-        info = self._client.sync(self._client.scheduler.identity, n_workers=-1)
+        info = self._client.sync(self._client.scheduler.identity, n_workers=-1,
+                                 callback_timeout=self._ask_timeout)
         return {address: worker.get("host", address) for address, worker in
                 sorted(info["workers"].items()) if worker.get("status", "running") == "running"}
+
+    @property
+    def _ask_timeout(self) -> float:
+        """Seconds to wait for the scheduler's answer to one question."""
+        return min(max(10.0, self.liveness_interval), self.scheduler_timeout)
 
     def _choose_worker(self, node: str, workers: Mapping[str, str]) -> str:
         scheduler = self._client.scheduler.address
@@ -149,82 +178,172 @@ class DaskSession:
                 load[w] += 1
         return min(workers, key=lambda w: (load[w], w))
 
-    def _actor(self, node: str) -> Any:
+    def _place(self, node: str) -> tuple[str, str]:
+        """The key of the node's actor and its worker's address; the first call places the node
+        (its actor started on the chosen worker)."""
         with self._lock:
             if self.closed:
                 raise JobDefinitionError(f"this DaskSession is closed: node {node!r} and its "
                                          "workspace are gone; use a new session")
-            if node in self._actors:
-                return self._actors[node]
+            if node not in self._futures:
+                self._start(node)
+            return self._futures[node].key, self._workers[node]
+
+    def _start(self, node: str) -> None:
+        try:
             running = self._running_workers()
-            worker = self._choose_worker(node, running)
-            io_threads = self._io_threads or max(2, IO_THREADS // sum(
-                host == running[worker] for host in running.values()))
-            if worker in self._workers.values():
-                logger.warning("node %r shares Dask worker %s with node(s) %s: their tasks run "
-                               "one after another there (add workers for parallel nodes)", node,
-                               worker, [n for n, w in self._workers.items() if w == worker])
-            future = self._client.submit(NodeActor, node, io_threads, actor=True,
-                                         workers=[worker], allow_other_workers=False, pure=False)
-            try:
-                actor = future.result(timeout=self._place_timeout)
-            except Exception as exc:
-                future.cancel()
-                raise NodeLostError(f"could not start node {node!r} on Dask worker {worker} "
-                                    f"within {self._place_timeout:.0f} s: {exc}",
-                                    node=node) from exc
-            self._actors[node], self._futures[node], self._workers[node] = actor, future, worker
-            return actor
+        except Exception as exc:
+            raise NodeLostError(f"cannot place node {node!r}: the Dask scheduler at "
+                                f"{self._client.scheduler.address} did not say which workers "
+                                f"run ({type(exc).__name__}: {exc})", node=node) from exc
+        worker = self._choose_worker(node, running)
+        io_threads = self._io_threads or max(2, IO_THREADS // sum(
+            host == running[worker] for host in running.values()))
+        if worker in self._workers.values():
+            logger.warning("node %r shares Dask worker %s with node(s) %s: their tasks run "
+                           "one after another there (add workers for parallel nodes)", node,
+                           worker, [n for n, w in self._workers.items() if w == worker])
+        future = self._client.submit(NodeActor, node, io_threads, actor=True,
+                                     workers=[worker], allow_other_workers=False, pure=False)
+        try:
+            self._started(future, worker)
+        except Exception as exc:
+            future.cancel()
+            raise NodeLostError(f"could not place node {node!r}: its actor did not start on Dask "
+                                f"worker {worker} ({type(exc).__name__}: {exc})",
+                                node=node) from exc
+        self._futures[node], self._workers[node] = future, worker
+
+    def _started(self, future: Any, worker: str) -> None:
+        """Wait until the actor of ``future`` runs on ``worker``; raise once it cannot (it
+        failed, or its worker left: the actor may only run there), or after ``place_timeout``."""
+        deadline = time.monotonic() + self._place_timeout
+        while True:
+            # (the actor handle that result() returns is not used: calls go through this client)
+            with contextlib.suppress(TimeoutError):
+                future.result(timeout=min(self.liveness_interval, self._place_timeout))
+                return
+            if future.status == "finished":  # it started as the wait timed out
+                return
+            if future.status != "pending":  # it failed as the wait timed out: raise its error
+                future.result(timeout=self._ask_timeout)
+                raise RuntimeError(f"its actor's future is {future.status!r}")
+            if worker not in self._client.sync(self._client.scheduler.ncores, workers=[worker],
+                                               callback_timeout=self._ask_timeout):
+                raise RuntimeError("the worker left the cluster before the actor started")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the actor did not start within {self._place_timeout:.0f} s")
+
+    # -- calls -----------------------------------------------------------------------------------
 
     def _call(self, node: str, method: str, *args: Any) -> Any:
-        """Call the node's actor. A failure of the call itself (not of what it ran: ``run``
-        returns those) means the actor is gone: :class:`NodeLostError`, as does a worker that
-        no longer holds the actor while the call waits (:meth:`_result`); the node is then
-        lost for good. Errors of other methods (a missing blob) reach the actor's caller as
-        they are."""
-        self._check_not_lost(node)
-        actor = self._actor(node)
+        """``method(*args)`` on the node's actor (:meth:`NodeActor.call`): what it returned, or
+        what it raised (a missing blob's ``KeyError``, a task's failure). A call that does not
+        come back (its connection failed, the worker does not hold the actor) or whose worker
+        is gone while it waits (:meth:`_wait`) raises :class:`NodeLostError`, and the node is
+        then lost for good."""
+        self._check_not_lost(node, method)
+        key, worker = self._place(node)
+        status = getattr(self._futures.get(node), "status", "finished")
+        if status not in ("finished", "pending"):  # this client heard that its worker is gone
+            raise self._lose(node, f"before the call {method!r}: its actor's future is {status!r}")
         try:
-            return self._result(node, getattr(actor, method)(*args))
-        except NodeLostError:
-            raise
-        except KeyError:
-            if method in ("get", "delete"):  # the blob is not in the workspace
-                raise
-            raise self._lose(node, "its actor is gone from the worker") from None
+            pickled = cloudpickle.dumps(args)
         except Exception as exc:
-            raise self._lose(node, f"{type(exc).__name__}: {exc}") from exc
+            raise TypeError(f"cannot send the call {method!r} to node {node!r} (Dask worker "
+                            f"{worker}): {type(exc).__name__}: {exc}") from exc
+        call = self._send(node, method, key, worker, pickled)
+        try:
+            reply = self._wait(node, method, call)
+        finally:
+            call.cancel()  # (a no-op once it ended) a lost call stops waiting for its worker
+        try:
+            finished, value = cloudpickle.loads(reply)
+        except Exception as exc:
+            raise RuntimeError(f"node {node!r} (Dask worker {worker}) answered the call "
+                               f"{method!r} with what cannot be unpickled here: "
+                               f"{type(exc).__name__}: {exc}") from exc
+        if not finished:
+            value.add_note(f"in the call {method!r} to node {node!r} on Dask worker {worker}")
+            raise value
+        return value
 
-    def _result(self, node: str, call: Any) -> Any:
-        """Wait for an actor call's result, however long the call runs, while the node's worker
-        holds its actor; raise :class:`NodeLostError` once it does not."""
+    def _send(self, node: str, method: str, key: str, worker: str, args: bytes) -> CallFuture:
+        """Start the call on this client's event loop."""
+        execute = self._execute(key, worker, method, args)
+        try:
+            return asyncio.run_coroutine_threadsafe(execute, self._client.loop.asyncio_loop)
+        except RuntimeError as exc:  # the client's loop is closed
+            execute.close()
+            raise self._lose(node, f"the call {method!r} could not start: {exc}") from exc
+
+    async def _execute(self, key: str, worker: str, method: str,
+                       args: bytes) -> tuple[bool, Any]:
+        """Run the actor's ``call`` with the RPC Dask's own actor handles use (through the
+        scheduler, or straight to the worker when the client connects to workers), and return
+        (True, the pickled outcome) or (False, why no answer came back). It never raises, so
+        the caller learns how every call ended; Dask's actor handle instead waits for ever when
+        the RPC fails with anything but an ``OSError`` (the worker at that address does not
+        hold the actor, arguments the worker cannot load), and such a handle may belong to
+        another ``Client`` of this process, one that may close or never hear of the actor."""
+        msg = {"actor": key, "function": "call", "args": [method, to_serialize(args)],
+               "kwargs": {}}
+        try:
+            if self._client.direct_to_workers:
+                response = await self._client.rpc(worker).actor_execute(**msg)
+            else:
+                response = await self._client.scheduler.proxy(
+                    worker=worker, msg={"op": "actor_execute", **msg})
+        except Exception as exc:  # noqa: BLE001 - the call did not come back
+            return False, exc
+        if response.get("status") == "OK":
+            return True, response["result"]
+        return False, response.get("exception")
+
+    def _wait(self, node: str, method: str, call: CallFuture) -> bytes:
+        """Wait for ``call``'s answer, however long the call runs, while the node's worker holds
+        its actor; raise :class:`NodeLostError` once the call did not come back, once the
+        worker does not hold the actor, or once the scheduler did not answer for
+        :attr:`scheduler_timeout` seconds."""
+        answered = time.monotonic()  # when the scheduler last answered
         while True:
             try:
-                return call.result(timeout=self.liveness_interval)
-            except TimeoutError:
-                if call.done():  # the call itself raised it
-                    raise
-            gone = self._gone(node)
-            if gone is not None:
-                raise self._lose(node, gone)
+                delivered, reply = call.result(timeout=self.liveness_interval)
+            except CallTimeout:
+                gone, answered = self._gone(node, answered)
+                if gone is not None:
+                    raise self._lose(node, f"during the call {method!r}: {gone}; what it ran "
+                                           "may have finished there") from None
+                continue
+            if not delivered:
+                cause = reply if isinstance(reply, BaseException) else None
+                raise self._lose(node, f"the call {method!r} did not come back: "
+                                       f"{type(reply).__name__}: {reply}; what it ran may have "
+                                       "finished there") from cause
+            return reply
 
-    def _gone(self, node: str) -> str | None:
+    def _gone(self, node: str, answered: float) -> tuple[str | None, float]:
         """Why the node's worker no longer holds its actor, as this client or else the
-        scheduler sees it now; None while it does, or when the scheduler cannot be asked."""
+        scheduler sees it now (None while it does), and when the scheduler last answered
+        (``answered``, or now). No answer for :attr:`scheduler_timeout` seconds is a reason."""
         future, worker = self._futures.get(node), self._workers.get(node)
         if future is None:
-            return "its session was closed"
+            return "its session was closed", answered
         if future.status not in ("finished", "pending"):
-            return f"its actor's future is {future.status!r}"
+            return f"its actor's future is {future.status!r}", answered
         try:
             holders = self._client.sync(self._client.scheduler.who_has, keys=[future.key],
-                                        callback_timeout=max(10.0, self.liveness_interval))
-        except Exception as exc:  # noqa: BLE001 - unknown: keep waiting for the call
+                                        callback_timeout=self._ask_timeout)
+        except Exception as exc:  # noqa: BLE001 - unknown: keep waiting for the call, a while
             logger.debug("cannot ask the scheduler where node %r's actor is: %s", node, exc)
-            return None
+            silent = time.monotonic() - answered
+            if silent < self.scheduler_timeout:
+                return None, answered
+            return (f"the Dask scheduler at {self._client.scheduler.address} did not answer for "
+                    f"{silent:.0f} s ({type(exc).__name__}: {exc})"), answered
         if worker not in (holders.get(future.key) or ()):
-            return f"the scheduler no longer has its actor on worker {worker}"
-        return None
+            return f"the scheduler no longer has its actor on worker {worker}", time.monotonic()
+        return None, time.monotonic()
 
     def _lose(self, node: str, why: str) -> NodeLostError:
         """Mark ``node`` lost (later calls fail at once) and return the error to raise."""
@@ -235,19 +354,17 @@ class DaskSession:
             self._lost.setdefault(node, message)
         return NodeLostError(message, node=node)
 
-    def _check_not_lost(self, node: str) -> None:
+    def _check_not_lost(self, node: str, method: str) -> None:
         message = self._lost.get(node)
         if message is not None:
-            raise NodeLostError(message, node=node)
+            raise NodeLostError(f"the call {method!r} to node {node!r} cannot run: {message}",
+                                node=node)
 
     # -- the Session protocol ----------------------------------------------------------------------
 
     def run_node(self, node: str, steps: list[Step], workspace_type: WorkspaceType) -> list[Any]:
         """Run one node's steps in its actor; return what they returned."""
-        finished, value = cloudpickle.loads(self._call(node, "run", steps, workspace_type))
-        if not finished:
-            raise value
-        return value
+        return self._call(node, "run", steps, workspace_type)
 
     def run(self, runnable: TaskGroup | Task) -> None:
         """Run a group on its nodes' actors. When a node was lost, the run raises its
@@ -273,12 +390,12 @@ class DaskSession:
             raise lost[0] from lost[0].__cause__
 
     def workspace(self, node: str) -> RemoteWorkspace:
-        self._actor(str(node))
+        self._place(str(node))
         return RemoteWorkspace(self, str(node))
 
     @property
     def workspaces(self) -> dict[str, RemoteWorkspace]:
-        return {node: RemoteWorkspace(self, node) for node in self._actors}
+        return {node: RemoteWorkspace(self, node) for node in self._futures}
 
     def writer_info(self) -> dict[str, Any]:
         return {**worker_info(), "session": "dask", "scheduler": self._client.scheduler.address}
@@ -292,7 +409,6 @@ class DaskSession:
         with self._lock:
             self.closed = True
             futures = list(self._futures.values())
-            self._actors.clear()
             self._futures.clear()
             self._workers.clear()
             self._lost.clear()
