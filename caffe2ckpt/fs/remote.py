@@ -237,6 +237,24 @@ class ObjectStoreLocation(FsspecLocation):
             return False
         return True
 
+    def list_names_after(self, path: str, after: str) -> list[str]:
+        """On S3 a listing that starts after ``after`` (``StartAfter``): what came before costs
+        nothing, whatever the history's length."""
+        call = getattr(self.fs, "call_s3", None)
+        if call is None:  # gcs and others: the general listing
+            return super().list_names_after(path, after)
+        bucket, key, _ = self.fs.split_path(path)
+        prefix = f"{key.rstrip('/')}/"
+        names: list[str] = []
+        kwargs = {"Bucket": bucket, "Prefix": prefix, "Delimiter": "/",
+                  "StartAfter": prefix + after}
+        while True:
+            page = self._guard(call, "list_objects_v2", **kwargs)
+            names += [o["Key"][len(prefix):] for o in page.get("Contents", ())]
+            if not page.get("IsTruncated"):
+                return sorted(names)
+            kwargs["ContinuationToken"] = page["NextContinuationToken"]
+
     def makedirs(self, path: str, *, batch: localio.SyncBatch | None = None) -> list[str]:
         if not self._bucket_checked:
             self._guard(self.fs.makedirs, path, exist_ok=True)

@@ -66,6 +66,15 @@ class LocationContract:
         assert location.exists(path) and not location.exists(location.path("missing"))
         assert location.file_exists(path) and not location.file_exists(location.path("missing"))
 
+    def test_listing_after_a_name_lists_exactly_the_names_after_it(self, location):
+        directory = location.path("_commits")
+        names = [f"{e:012d}.n.g1-{e:04x}.json" for e in range(12)]
+        for name in names:
+            location.create_exclusive(f"{directory}/{name}", b"{}")
+        assert location.list_names_after(directory, f"{9:012d}") == names[9:]
+        assert location.list_names_after(directory, names[-1]) == []
+        assert location.list_names_after(location.path("missing"), "") == []
+
     def test_replace_file_replaces_it_whole(self, location):
         path = location.path("_hints", "h.json")
         location.replace_file(path, b"old")
