@@ -44,7 +44,7 @@ from caffe2ckpt.store.layout import (
 )
 from caffe2ckpt.store.manifest import Manifest
 from caffe2ckpt.store.protocol import CheckpointStore
-from caffe2ckpt.store.records import RecordRef, delete_record, record_path
+from caffe2ckpt.store.records import RecordRef, delete_record
 from caffe2ckpt.store.tombstone import is_tombstone, tombstone
 from caffe2ckpt.store.zarrgroup import GROUP_FILE, parse_manifest
 

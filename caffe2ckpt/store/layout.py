@@ -45,15 +45,15 @@ __all__ = [
     "ROOT_METADATA",
     "RUNS_DIR",
     "GroupName",
+    "committed_name",
     "group_name",
     "hint_name",
     "legacy_claim_number",
     "new_save_id",
+    "parse_committed_name",
     "parse_group_name",
     "parse_run_name",
     "run_name",
-    "committed_name",
-    "parse_committed_name",
     "save_generation",
 ]
 

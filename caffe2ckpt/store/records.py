@@ -234,7 +234,7 @@ def write_record(location: Location, record: CommitRecord) -> None:
     except BaseException as exc:
         try:  # the name holds this save's id: nobody else can have created it
             location.remove(path)
-        except Exception as undo:  # noqa: BLE001 - reported with the original failure
+        except Exception as undo:  # reported with the original failure
             if not isinstance(exc, Exception):  # an interrupt stays one
                 raise exc from undo
             raise CheckpointWriteError(

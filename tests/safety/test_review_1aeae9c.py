@@ -353,7 +353,7 @@ def test_5_saves_of_one_run_through_explicit_claims_agree_on_the_newest(prefix):
         session.run(first.save(epoch, claim=run))
     session.run(second.save(4, claim=run))
     assert last_epoch(prefix, ["n"]) == 5
-    assert list(first.committed_epochs())[0] == 5
+    assert next(iter(first.committed_epochs())) == 5
     with StepCheckpointManager(prefix, nodes=["n"], handle_preemption=False) as steps:
         assert steps.latest_step() == 5
 
@@ -397,6 +397,17 @@ class _LandThenFail(io.BytesIO):
         raise OSError(110, "injected: the answer was lost", path)
 
 
+def _once(match):
+    """``match``, true for its first hit only."""
+    armed = [True]
+
+    def first(path):
+        hit = armed[0] and match(path)
+        armed[0] = armed[0] and not hit
+        return hit
+    return first
+
+
 def _record_of(epoch: int):
     return lambda path: "/_commits/" in path and os.path.basename(path).startswith(f"{epoch:012d}.")
 
@@ -435,13 +446,7 @@ def test_6_a_save_that_may_be_committed_says_so_and_its_retry_wins_everywhere(pr
     inner, root = wrapped(prefix)[0].inner, wrapped(prefix)[1]
     for attempt in range(4):
         url = f"{root}/try{attempt}"
-        once = {"armed": True}
-
-        def lands(path):
-            hit = once["armed"] and _record_of(7)(path)
-            once["armed"] = once["armed"] and not hit
-            return hit
-        fs = LateFailFS(inner, lands, stuck=_record_of(7))
+        fs = LateFailFS(inner, _once(_record_of(7)), stuck=_record_of(7))
         with StepCheckpointManager(url, filesystem=fs, handle_preemption=False) as m:
             for step in range(7):
                 m.save(step, step_items(step))
