@@ -122,9 +122,10 @@ fixed ones (:data:`FOUND_BUGS`) pass; open ones (:data:`BUGS_FOUND_OPEN`) are ``
 and the generator steers around them (the ``*_FIXED`` flags) so that the seeds stay green.
 
 Default (CI): 36 seeds x 30 operations on memory://, 4 seeds x 30 on a local folder and 2 seeds
-x 15 on s3:// (a moto server, tests/s3server.py; marked slow; :data:`S3_SERVER_KINDS`): 80 s
-for the module under ``-n 2`` on 2 cores busy with other work (load 7), 125 s at load 12. A
-longer run is one command (200 x 60 memory, 10 x 60 local, 4 x 30 S3; about 9 minutes)::
+x 15 on s3:// (a moto server, tests/s3server.py; marked slow; :data:`S3_SERVER_KINDS`): the
+module takes 60 s under ``-n 2`` on the 2-core machine at load 2-4, 80 s at load 7, 125 s at
+load 12 (other work). A longer run is one command (200 x 60 memory, 10 x 60 local, 4 x 30 S3;
+8-10 minutes at load 8-14)::
 
     CAFFE2CKPT_MODEL_CHECK_SEEDS=200 CAFFE2CKPT_MODEL_CHECK_LOCAL_SEEDS=10 \\
     CAFFE2CKPT_MODEL_CHECK_OPS=60 CAFFE2CKPT_MODEL_CHECK_S3_SEEDS=4 \\
