@@ -1462,8 +1462,9 @@ class Harness:
 
     def check_leaks(self) -> None:
         """Every file under the prefix is one of: a record of a committed (lineage or
-        superseded) or damaged save; a file of such a save's groups (``zarr.json``, and the
-        arrays its manifest names: their ``zarr.json`` and chunks ``c...``); a run-log entry
+        superseded) or damaged save; a file of such a save's groups (one group per node, whose
+        ``zarr.json`` names that save, node and epoch, and the arrays its manifest names: their
+        ``zarr.json`` and chunks ``c...``); a run-log entry
         (one per claim), a committed mark (one per run that committed), a hint (one per family
         at most); ``_metadata.json``; a tombstone (``<node>.<epoch>/zarr.json`` alone, an empty
         group saying which save was removed). No ``.tmp-*`` anywhere, nothing else."""
@@ -1473,7 +1474,7 @@ class Harness:
         files = sorted(p[len(root) + 1:] for p in fs.find(root))
         kept = {s.key: s for s in model.saves.values() if s.state in ("committed", "damaged")}
         bad: list[str] = [f for f in files if ".tmp-" in f]
-        records: set[tuple[int, str, int]] = set()
+        records: list[tuple[int, str, int]] = []
         runs_seen: set[int] = set()
         marks_seen: set[int] = set()
         hints: list[str] = []
@@ -1481,8 +1482,11 @@ class Harness:
         for f in files:
             top, _, rest = f.partition("/")
             if top == "_commits" and "/" not in rest:
-                epoch, node, save_id = rest.removesuffix(".json").split(".", 2)
-                records.add((int(epoch), node, gen_of(save_id)))
+                try:
+                    epoch, node, save_id = rest.removesuffix(".json").split(".", 2)
+                    records.append((int(epoch), node, gen_of(save_id)))
+                except (ValueError, AssertionError):
+                    bad.append(f)
             elif top == "_runs" and "/" not in rest:
                 number, _, kind = rest.partition(".")
                 if number.isdigit() and kind == "json":
@@ -1508,7 +1512,7 @@ class Harness:
                     sorted(g for g, r in model.runs.items() if r.took_over), sorted(marks_seen))
         if len(hints) > len(model.families()):
             self.fail("leaks: hints (one per family at most)", model.families(), hints)
-        found: set[tuple[int, int, str]] = set()
+        found: list[tuple[int, int, str]] = []  # a list: a second group of one save is a leak
         for name, inside in sorted(groups.items()):
             parts = name.split(".")
             if "zarr.json" not in inside or len(parts) not in (2, 3) or not parts[1].isdigit():
@@ -1520,12 +1524,13 @@ class Harness:
                 bad += [f"{name}/{x}" for x in inside if x != "zarr.json"]
                 continue
             manifest = attrs.get("caffe2ckpt") or {}
-            save_id = manifest.get("save_id", "g0-0")
-            key = (int(parts[1]), gen_of(save_id))
-            if key not in kept or (len(parts) == 3 and parts[2] != save_id):
+            save_id = str(manifest.get("save_id", "g0-0"))
+            key = (int(parts[1]), gen_of(save_id) if save_id.startswith("g") else 0)
+            if key not in kept or (len(parts) == 3 and parts[2] != save_id) or (
+                    manifest.get("node"), manifest.get("epoch")) != (parts[0], key[0]):
                 bad += [f"{name}/{x}" for x in inside]
                 continue
-            found.add((*key, parts[0]))
+            found.append((*key, parts[0]))
             arrays = {info["path"] for info in manifest.get("arrays", {}).values()}
             if (manifest.get("packed") or {}).get("names"):
                 arrays.add("_packed")
@@ -1537,7 +1542,8 @@ class Harness:
         self.expect("leaks: every kept save's groups are there (epoch, generation, node)",
                     sorted((s.epoch, s.gen, n) for s in kept.values() for n in FAMILIES[s.fam]),
                     sorted(found))
-        self.expect("leaks: files no record, run or tombstone accounts for", [], sorted(bad))
+        self.expect("leaks: files no record, run or tombstone accounts for", [],
+                    sorted(set(bad)))
 
 
 # =================================================================================================
