@@ -1,7 +1,7 @@
 """A seeded randomized model check of the public operations against an independent reference
-model of storage model 3 (DESIGN.md section 5, the README's "Going back supersedes", "Save
-policies, retention..." and "The Orbax-style step API", and the definitions in the docstring of
-``caffe2ckpt.history.lineage``).
+model of storage model 3 (DESIGN.md section 5 with its "Rules added after the review of model 3",
+the README's "Going back supersedes", "Save policies, retention..." and "The Orbax-style step
+API", and the definitions in the docstring of ``caffe2ckpt.history.lineage``).
 
 Each sequence (one seed) starts on an empty prefix and applies operations chosen by
 ``random.Random(seed)``:
@@ -9,25 +9,78 @@ Each sequence (one seed) starts on an empty prefix and applies operations chosen
 * ``run``: a ``JobRunner`` training to a limit: automatic resume, an explicit
   ``resume_from_epoch=k`` (a lineage epoch, a superseded one, or one that is not committed and
   must be refused), or a fresh start (``auto_resume=False``); sync or ``async_save=True``; with or
-  without retention (``max_to_keep``/``keep_period``: after every commit, and after a resume
-  of the newest save)
-  and a save policy
-  (``save_interval_steps``); optionally crashing (a task raises at epoch c: what it committed
-  stays);
+  without retention (``max_to_keep``/``keep_period``: after every commit, and after a resume of
+  the newest save) and a save policy (``save_interval_steps``); and at most one of:
+  - ``crash``: a task raises at epoch c (what it committed stays);
+  - ``preempt``: a real SIGTERM, ``signal.raise_signal`` from inside epoch p's task (any epoch,
+    the last one included; ``handle_preemption=True``; the operation checks that it runs in the
+    main thread, the only one where Python handles signals): ``train`` raises
+    ``JobPreemptedError(epoch=p, committed=True)``, p is saved (whatever the save policy says)
+    and committed exactly once (with async saves: the background save of p is finished, never
+    repeated), no later epoch runs, the exit group does not run, and p is the next automatic
+    resume point (check (a));
+  - ``gc``: ``caffe2ckpt gc PREFIX [--keep-last N] --yes`` (default ``--min-age``) from a
+    second thread started inside epoch a's task; ``join``: the task waits for it (the job
+    stands between two saves; with async saves the previous epoch's save may be in flight),
+    else it runs on beside the job (only for a job without retention) and is joined after
+    ``train``. Oracle: the saves gc plans to delete are exactly the model's plan at one point
+    it may have listed at (before or after each commit of the job from that epoch on, and
+    before or after that commit's retention): so never a save committed after it listed, and
+    always each family's newest; it deletes all of them, removes no leftover (nothing of the
+    live run's saves in progress) and reports no error; exit code 0 (1 when the family's
+    newest save does not verify, see ``chunk``). The job saves, resumes and returns exactly
+    what it would without gc; the only difference is the saves gc deleted;
 * ``steps``: one ``StepCheckpointManager`` (``nodes=`` the family, sometimes with retention or
-  async saves) doing 1-4 of ``restore(k)``, ``save(s, force=True)`` above or below the newest
-  step, ``save(s)`` without force, ``delete(s)``;
+  async saves) doing 1-4 of ``restore(k)`` (a lineage step, a superseded one, the latest),
+  ``save(s, force=True)`` above or below the newest step, ``save(s)`` without force,
+  ``delete(s)``, closed at the end of the operation; replays may also use ``wait``
+  (``wait_until_finished()``) and ``landed`` (wait until the async save in flight has all its
+  records on disk, without telling the manager). While
+  :data:`ASYNC_OWN_SAVE_RETENTION_FIXED` is False, an async one with retention waits for its
+  save in flight before a save without force (an open package bug, :data:`BUGS_FOUND_OPEN`);
+* ``keep``: a ``StepCheckpointManager(nodes=...)`` kept open in a slot (A0, A1, B0) across
+  other operations (runs, other step managers, gc, damage), opened by the operation (``open``;
+  sometimes with retention) or used again, doing 1-3 of ``reload`` (``all_steps(read=True)``,
+  which must list the lineage on disk), ``save(s)`` above every step on disk or below,
+  ``restore(k)``, ``delete(k)``. Its saves, restores and deletes act on what the prefix holds
+  now: a save joins the run the manager holds if above that run's start and newest save --
+  refused with ``CheckpointFencedError`` if a newer run of its family has claimed since (the
+  save's first node has written its group: a leftover ``gc`` sweeps once no run is live) --
+  else it starts a new run from the step it restored, or from the newest lineage step below
+  it *on disk now* (so a save above every step on disk continues the newest step on disk);
+  ``restore(k)`` returns the lineage save of k on disk now (``CheckpointNotFoundError`` if it
+  was deleted, superseded or never saved); ``delete(k)`` likewise, and is refused with
+  ``CheckpointFencedError`` while the manager holds a fenced run. **Stale listings**: as in
+  Orbax, a kept manager's ``all_steps()``/``latest_step()`` may be stale until it reads again;
+  the oracle predicts its listing only while its view is *fresh* (no other operation has
+  written its family since it opened or last read; its own saves, restores and deletes keep
+  it fresh) and then checks ``all_steps()``/``latest_step()`` after every act; a stale view's
+  listing, and a ``save`` without force refused on account of it, are not predicted
+  (``restore()`` of the latest step is generated only on a fresh view). While
+  :data:`STALE_VIEW_RETENTION_FIXED` is False a kept manager with retention reloads before it
+  saves on a stale view (an open package bug, :data:`BUGS_FOUND_OPEN`);
 * ``gc``: ``caffe2ckpt gc PREFIX --keep-last N [--keep-every K] --min-age 0 --yes --json``;
-* ``record``: a commit record under ``_commits/`` overwritten with garbage or deleted.
+* ``record``: a commit record under ``_commits/`` overwritten with garbage or deleted;
+* ``chunk``: one byte flipped in one chunk file (``<array>/c...``) of one node of a committed
+  save, in the lineage (often its newest) or superseded. The save stays committed (``ls``:
+  reading it does not uncommit it) but never loads: restoring it (``StepCheckpointManager``,
+  in ``steps``, ``keep`` and the checks) raises ``CheckpointCorruptedError`` naming its node,
+  epoch and blob; an automatic resume falls back along the lineage to the newest save that
+  loads (never to a superseded one; none loads: refused before claiming); an explicit resume
+  of it raises ``CheckpointCorruptedError`` (before claiming); ``verify`` exits 1; ``gc`` with a
+  rule deletes nothing of a family whose newest save is damaged (exit 1).
 
 Most operations act on family A (nodes trainer_0, trainer_1); some on family B (solo_0), on the
-same prefix, with its own history.
+same prefix, with its own history (and its own fencing: runs of B never fence A's).
 
 The reference model (class :class:`Model`) is plain Python written from those definitions, not
-from ``caffe2ckpt.history``: runs (claim numbers = generations, family, parent), committed saves
-with the exact data each holds (a trace of which operation wrote each epoch, from which every
-blob is derived), which saves are committed, superseded, damaged, partial or gone, and what
-retention and ``gc`` must keep. After every operation it checks:
+from ``caffe2ckpt.history``: runs (claim numbers = generations, family, parent, whether they
+have taken over their family's history: a run takes over once it has committed a save, so going
+back supersedes when it commits), committed saves with the exact data each holds (a trace of
+which operation wrote each epoch, from which every blob is derived), which saves are committed,
+superseded, damaged, partial, fenced, chunk-damaged or gone, which runs are live (no newer run of
+their family: ``gc`` never sweeps their saves), and what retention and ``gc`` must keep. After
+every operation it checks:
 
 (a) ``ZarrMetadataHandler.last_epoch()``, ``StepCheckpointManager(prefix, nodes=...)``'s
     ``latest_step()``, ``caffe2ckpt ls --json`` (its committed rows) and ``caffe2ckpt show --json``
@@ -37,29 +90,50 @@ retention and ``gc`` must keep. After every operation it checks:
     ``StepCheckpointManager.restore``;
 (c) every save the model keeps (``ls --json`` rows: committed and superseded, by epoch and
     generation, exactly the model's) loads bit-exact: lineage saves through
-    ``StepCheckpointManager.restore``, every save through plain ``zarr`` at the path ``ls`` gives
+    ``StepCheckpointManager.restore`` (a chunk-damaged one: ``CheckpointCorruptedError`` naming
+    node, epoch and blob), every intact save through plain ``zarr`` at the path ``ls`` gives
     (once per save, and all of them again at the end of a sequence); damaged and partial
-    records and the leftovers ``ls`` reports are the model's too;
+    records and the leftovers ``ls`` reports (with their ``live`` mark) are the model's too;
 (d) ``StepCheckpointManager.all_steps()`` and ``MultiNodeCheckpointManager.committed_epochs()``
     equal the model's lineage epochs, per family.
 Each operation's own results are checked too: ``train``'s return value or exception,
-``saved_epochs``, ``resumed_from``, ``save``'s return value, ``gc``'s deletions; at the end of a
-sequence ``caffe2ckpt verify``'s exit code.
+``saved_epochs``, ``resumed_from``, whether the exit group ran, ``save``'s return value,
+``gc``'s deletions and exit code.
+
+At the end of every sequence (:meth:`Harness.finish`): the kept managers are closed; every
+family's last run is fenced by a claim of a new run per family
+(``MultiNodeCheckpointManager.claim()``, parent the newest save, saving nothing: a run that
+commits nothing changes no history); ``caffe2ckpt gc PREFIX --min-age 0 --yes`` then deletes no
+save and removes every leftover (no run that wrote one is live now; saves with an unreadable
+record are left for a person, as documented); the full check ((a)-(d), plain zarr for every
+save, ``verify``'s exit code); and the **leak check** (:meth:`Harness.check_leaks`): every file
+under the prefix is a record of a committed, superseded or damaged save (exactly those, one per
+node), a file of such a save's groups (each present: ``zarr.json`` and the arrays its manifest
+names), a run-log entry (exactly one per claim), a committed mark (exactly the runs that
+committed), a hint (at most one per family), ``_metadata.json``, or a tombstone
+(``<node>.<epoch>/zarr.json`` alone); no ``.tmp-*`` anywhere, nothing else.
 
 Runs share no manager unless an operation says ``"reuse"``: ``"new"`` keeps a new
 ``MultiNodeCheckpointManager`` for the family from then on, ``"keep"`` uses it again right after
 (a retry with the same manager, or the same manager after other writers).
 
-Default (CI): 36 seeds x 30 operations on memory:// and 4 seeds x 30 on a local folder: about
-1 minute on 2 cores busy with other work (load 4-5). A longer run is one command (200 x 60
-memory, 10 x 60 local)::
+Package bugs the model check found are replayed by ``test_a_sequence_that_found_a_bug``:
+fixed ones (:data:`FOUND_BUGS`) pass; open ones (:data:`BUGS_FOUND_OPEN`) are ``xfail(strict=True)``
+and the generator steers around them (the ``*_FIXED`` flags) so that the seeds stay green.
+
+Default (CI): 36 seeds x 30 operations on memory://, 4 seeds x 30 on a local folder and 2 seeds
+x 15 on s3:// (a moto server, tests/s3server.py; marked slow; :data:`S3_SERVER_KINDS`): the
+module takes 60 s under ``-n 2`` on the 2-core machine at load 2-4, 80 s at load 7, 125 s at
+load 12 (other work). A longer run is one command (200 x 60 memory, 10 x 60 local, 4 x 30 S3;
+8-10 minutes at load 8-14)::
 
     CAFFE2CKPT_MODEL_CHECK_SEEDS=200 CAFFE2CKPT_MODEL_CHECK_LOCAL_SEEDS=10 \\
-    CAFFE2CKPT_MODEL_CHECK_OPS=60 python -m pytest -n0 -p no:cacheprovider \\
+    CAFFE2CKPT_MODEL_CHECK_OPS=60 CAFFE2CKPT_MODEL_CHECK_S3_SEEDS=4 \\
+    CAFFE2CKPT_MODEL_CHECK_S3_OPS=30 python -m pytest -n 2 -p no:cacheprovider \\
         tests/safety/test_model_check.py
 
-(seeds ``0..N-1`` on memory, ``1000..`` on a local folder; ``CAFFE2CKPT_MODEL_CHECK_FIRST_SEED``
-shifts both).
+(seeds ``0..N-1`` on memory, ``1000..`` on a local folder, ``2000..`` on S3;
+``CAFFE2CKPT_MODEL_CHECK_FIRST_SEED`` shifts all three).
 
 A failure prints the seed, every operation so far (a Python list of dicts) and the expected and
 actual values. Replay it with ``replay(seed, steps)`` or an explicit list with ``run_ops(ops)``
@@ -79,8 +153,11 @@ import math
 import os
 import random
 import shutil
+import signal
 import sys
 import tempfile
+import threading
+import time
 import traceback
 import uuid
 import zlib
@@ -95,8 +172,10 @@ import zarr
 
 from caffe2ckpt import (
     CheckpointCorruptedError,
+    CheckpointFencedError,
     CheckpointNotFoundError,
     Job,
+    JobPreemptedError,
     JobRunner,
     LocalSession,
     MultiNodeCheckpointManager,
@@ -113,11 +192,27 @@ SEEDS = int(os.environ.get("CAFFE2CKPT_MODEL_CHECK_SEEDS", "36"))
 LOCAL_SEEDS = int(os.environ.get("CAFFE2CKPT_MODEL_CHECK_LOCAL_SEEDS", "4"))
 FIRST_SEED = int(os.environ.get("CAFFE2CKPT_MODEL_CHECK_FIRST_SEED", "0"))
 OPS = int(os.environ.get("CAFFE2CKPT_MODEL_CHECK_OPS", "30"))
+S3_SEEDS = int(os.environ.get("CAFFE2CKPT_MODEL_CHECK_S3_SEEDS", "2"))
+S3_OPS = int(os.environ.get("CAFFE2CKPT_MODEL_CHECK_S3_OPS", "15"))
 
 FAMILIES: dict[str, tuple[str, ...]] = {"A": ("trainer_0", "trainer_1"), "B": ("solo_0",)}
 COUNT = "epoch_limiter.0/epochs_done"  # epoch_limiter's checkpointed count (on the first node)
 BIG = 17_000  # float32s on a family's first node: > 64 KiB, so stored as a chunked array
 MAX_EPOCH = 40  # keeps sequences cheap
+
+
+# A package bug this model check found (see BUGS_FOUND_OPEN below): a StepCheckpointManager kept
+# open plans its retention on its cached lineage view. Until it is fixed, the generated
+# sequences make a kept manager with a retention rule re-read (``["reload"]``) before a save
+# when its view is stale; the replays in BUGS_FOUND_OPEN check the bug itself (xfail, strict).
+# Once fixed: set this to True, and move those replays to FOUND_BUGS.
+STALE_VIEW_RETENTION_FIXED = False
+# Another (BUGS_FOUND_OPEN): an async StepCheckpointManager whose view is read while the first
+# save of its new run has landed but is not finished yet (``save(s)`` without force asks
+# ``latest_step()``) supersedes that very save when it finishes it, and its retention deletes
+# it. Until fixed, a generated async ``steps`` operation with a retention rule waits for the
+# save in flight before such a save (``["wait"]``). Once fixed: True, and move the replays.
+ASYNC_OWN_SAVE_RETENTION_FIXED = False
 
 
 class Boom(RuntimeError):
@@ -199,9 +294,13 @@ class MSave:
     # committed | damaged (a record overwritten: stays, never committed again) | partial (a
     # record deleted: its other records stay until gc) | orphan (single-node save whose only
     # record was deleted: its group is a leftover until gc) | gone
+    # (and, outside ``Model.saves``, in ``Model.leftovers``: fenced (a save of a fenced run:
+    # its first node's group was written, then the fence refused the record; a leftover until
+    # gc once no run is live) | gone)
     state: str = "committed"
-    damaged_node: str | None = None
+    damaged_node: str | None = None  # whose record was damaged/deleted, or whose group is left
     verified: bool = False  # read once through plain zarr
+    chunk: tuple[str, str] | None = None  # (node, blob) of a flipped chunk byte: never loads
 
     @property
     def key(self) -> tuple[int, int]:
@@ -223,6 +322,22 @@ class Model:
     gens: int = 0
     runs: dict[int, MRun] = field(default_factory=dict)
     saves: dict[tuple[int, int], MSave] = field(default_factory=dict)
+    leftovers: list[MSave] = field(default_factory=list)  # groups of fenced saves
+
+    def uncommitted(self) -> list[MSave]:
+        """Saves whose groups are leftovers (``ls`` lists them; ``gc`` sweeps them once their
+        run is not live): partial and orphaned saves, and fenced saves."""
+        return [s for s in [*self.saves.values(), *self.leftovers]
+                if s.state in ("partial", "orphan", "fenced")]
+
+    def sweep(self) -> None:
+        """What ``gc`` removes of the leftovers: every one whose run is not live."""
+        for save in self.uncommitted():
+            if not self.live(save.gen):
+                save.state = "gone"
+
+    def loads(self, save: MSave | None) -> bool:
+        return save is not None and save.chunk is None
 
     def claim(self, fam: str, parent: tuple[int, int] | None) -> int:
         """A run's entry in the run log: the next claim number."""
@@ -303,6 +418,26 @@ class Model:
             keep |= {e for e in epochs if e % keep_every == 0}
         return keep
 
+    def gc_plan(self, keep_last: int | None, keep_every: int | None = None
+                ) -> tuple[frozenset[tuple[int, int]], bool]:
+        """What ``gc --keep-last/--keep-every`` deletes now (epoch, generation), and whether it
+        refuses for some family: a family whose newest save does not load (a damaged chunk)
+        deletes nothing (gc verifies the newest before deleting; exit code 1)."""
+        out: set[tuple[int, int]] = set()
+        refused = False
+        if not keep_last and not keep_every:
+            return frozenset(), False
+        for fam in self.families():
+            keep = self.keep_epochs(fam, keep_last, keep_every)
+            plan = [s.key for s in self.lineage(fam) if s.epoch not in keep]
+            plan += [s.key for s in self.superseded(fam)]
+            newest = self.newest(fam)
+            if plan and newest is not None and newest.chunk is not None:
+                refused = True
+                continue
+            out.update(plan)
+        return frozenset(out), refused
+
     def retain(self, fam: str, keep_last: int | None, keep_every: int | None,
                protect: set[int] | frozenset[int] = frozenset()) -> list[MSave]:
         """Retention with a rule: keep the union; delete the rest of the lineage and every
@@ -335,15 +470,22 @@ def plan_run(model: Model, op: dict[str, Any]) -> RunPlan:
     if mode == "fresh":
         return RunPlan(final=limit)
     if mode == "auto":
-        start = model.newest(fam)
-        if start is None:
+        lineage = model.lineage(fam)
+        if not lineage:
             if model.refuses_auto_resume(fam):
                 return RunPlan(error=CheckpointCorruptedError)
             return RunPlan(final=limit)
+        # an automatic resume falls back along the lineage past saves that do not load (never
+        # to a superseded save); none loads: refused before claiming
+        start = next((s for s in lineage if model.loads(s)), None)
+        if start is None:
+            return RunPlan(error=CheckpointCorruptedError)
     else:
         start = model.save_of(fam, op["epoch"])
         if start is None:
             return RunPlan(error=CheckpointNotFoundError)
+        if not model.loads(start):  # an explicit resume of a damaged save raises
+            return RunPlan(error=CheckpointCorruptedError)
     # epoch_limiter's count is the epoch: a resume at or past the limit runs no epoch
     finished = start.epoch >= limit
     final = start.epoch if finished else limit
@@ -361,25 +503,33 @@ def _init(index: int, token: int, ws) -> None:
     ws["w"] = _w(index, trace)
 
 
-def _epoch(index: int, node: str, token: int, crash_at: int | None, seen: dict, ws) -> None:
+def _epoch(index: int, node: str, token: int, crash_at: int | None, seen: dict,
+           hooks: dict[int, Any], ws) -> None:
     trace = np.asarray(ws["trace"])
     if node not in seen:  # what this run loaded (or initialised)
         seen[node] = {name: np.array(ws[name]) for name in ws if name in ("trace", "w", COUNT)}
     if crash_at is not None and len(trace) == crash_at and index == 0:
         raise Boom(f"injected crash in epoch {crash_at}")
+    if index == 0 and len(trace) in hooks:  # in epoch len(trace): SIGTERM, or start gc
+        hooks[len(trace)]()
     trace = np.append(trace, np.int64(token))
     ws["trace"] = trace
     ws["w"] = _w(index, trace)
 
 
-def build_job(fam: str, limit: int, token: int, crash_at: int | None, seen: dict) -> Job:
+def build_job(fam: str, limit: int, token: int, crash_at: int | None, seen: dict,
+              hooks: dict[int, Any] | None = None, exits: list | None = None) -> Job:
     nodes = FAMILIES[fam]
     with Job(name=f"model-check-{fam}") as job:
         for index, node in enumerate(nodes):
             with Node(node):
                 with job.init_group:
                     Task(partial(_init, index, token), name="init")
-                Task(partial(_epoch, index, node, token, crash_at, seen), name="epoch")
+                Task(partial(_epoch, index, node, token, crash_at, seen, hooks or {}),
+                     name="epoch")
+                if exits is not None:
+                    with job.exit_group:
+                        Task(lambda ws, n=node: exits.append(n), name="exit")
         with Node(nodes[0]):
             epoch_limiter(job, limit)
     return job
@@ -427,6 +577,25 @@ def read_plain_zarr(path: str) -> dict[str, np.ndarray]:
     return out
 
 
+@dataclass
+class StepsState:
+    """A ``StepCheckpointManager(nodes=...)``'s state as the README and its docstrings describe
+    it: the run it holds (and where that run started, its newest save), where its next run
+    starts (a restored step), the step retention protects (the one restored). For a manager
+    kept open across operations (``keep``), also when its view was read (see ``fresh``)."""
+
+    fam: str
+    keep_last: int | None = None
+    keep_every: int | None = None
+    run: int | None = None
+    run_parent: tuple[int, int] | None = None
+    last: int | None = None
+    next_parent: Any = UNSET
+    protected: set[int] = field(default_factory=set)
+    read_at: int = -1  # Harness.writes[fam] when the manager last read its view
+    mgr: Any = None  # the StepCheckpointManager (kept managers only)
+
+
 class Harness:
     """Applies operations to a prefix and to the model, and checks them against each other."""
 
@@ -437,10 +606,19 @@ class Harness:
         self.ops: list[dict[str, Any]] = []
         self.rng = random.Random(seed)
         self.managers: dict[tuple[str, bool, bool], MultiNodeCheckpointManager] = {}
+        self.kept: dict[str, StepsState] = {}  # slot -> a step manager kept open
+        # per family: how many operations other than reads have acted on it (a kept manager's
+        # view is fresh while this has not moved since it read)
+        self.writes: dict[str, int] = {fam: 0 for fam in FAMILIES}
 
     def close(self) -> None:
         for cm in self.managers.values():
             cm.close()
+        self.managers.clear()
+        for state in self.kept.values():
+            with contextlib.suppress(Exception):
+                state.mgr.close()
+        self.kept.clear()
 
     # -- failing -------------------------------------------------------------------------------
 
@@ -455,6 +633,16 @@ class Harness:
     def expect(self, what: str, expected: Any, actual: Any) -> None:
         if expected != actual:
             self.fail(what, expected, actual)
+
+    def expect_corrupted(self, what: str, save: MSave, got: Any) -> None:
+        """``got`` must be the CheckpointCorruptedError of ``save``'s flipped chunk, naming its
+        node, epoch and blob."""
+        node, blob = save.chunk  # type: ignore[misc]
+        if not isinstance(got, CheckpointCorruptedError):
+            self.fail(f"{what}: a save with a flipped chunk byte (node {node}, blob {blob})",
+                      "CheckpointCorruptedError", got)
+        self.expect(f"{what}: the error names node, epoch and blob", (node, save.epoch, blob),
+                    (got.node, got.epoch, got.blob))
 
     # -- operations ------------------------------------------------------------------------------
 
@@ -473,6 +661,10 @@ class Harness:
             except ModelCheckFailure as failure:
                 raise failure from exc
 
+    def _wrote(self, *fams: str) -> None:
+        for fam in fams:
+            self.writes[fam] += 1
+
     def _options(self, op: dict[str, Any], **extra: Any) -> StepManagerOptions | None:
         keep_last, keep_every = op.get("keep_last"), op.get("keep_every")
         every = op.get("save_every")
@@ -483,10 +675,23 @@ class Harness:
 
     def _op_run(self, op: dict[str, Any], token: int) -> None:
         model, fam = self.model, op["fam"]
+        self._wrote(*(FAMILIES if op.get("gc") else (fam,)))  # gc beside it acts on every family
         plan = plan_run(model, op)
         seen: dict[str, dict[str, np.ndarray]] = {}
-        crash = op.get("crash")
-        job = build_job(fam, op["limit"], token, crash, seen)
+        exits: list[str] = []
+        crash, preempt, beside = op.get("crash"), op.get("preempt"), op.get("gc")
+        hooks: dict[int, Any] = {}
+        if preempt is not None:
+            # SIGTERM is handled (a flag) only in the main thread: elsewhere it would kill the
+            # test process, so this must be the main thread of the pytest (worker) process
+            if threading.current_thread() is not threading.main_thread():
+                self.fail("preempt: the model check must run in the main thread (SIGTERM)",
+                          "MainThread", threading.current_thread().name)
+            hooks[preempt] = partial(signal.raise_signal, signal.SIGTERM)
+        gc_run: dict[str, Any] = {}
+        if beside is not None:
+            hooks[beside["at"]] = partial(self._gc_beside, beside, gc_run)
+        job = build_job(fam, op["limit"], token, crash, seen, hooks, exits)
         if op.get("reuse"):  # a manager kept across runs, as Caffe2's tests (and retries) do
             key = (fam, op["async"], op["mode"] != "fresh")
             if op["reuse"] == "new" or key not in self.managers:
@@ -499,7 +704,7 @@ class Harness:
             cm = MultiNodeCheckpointManager(self.url, async_save=op["async"],
                                             auto_resume=op["mode"] != "fresh")
         runner = JobRunner(job, cm, resume_from_epoch=op.get("epoch"),
-                           options=self._options(op), handle_preemption=False)
+                           options=self._options(op), handle_preemption=preempt is not None)
         session = LocalSession()
         result: Any
         try:
@@ -507,6 +712,9 @@ class Harness:
                 result = runner.train(session)
         except Exception as exc:  # noqa: BLE001 - compared with the model below
             result = exc
+        finally:
+            if "thread" in gc_run:  # a gc not joined inside the job: joined now
+                gc_run["thread"].join(120)
         if plan.error is not None:
             if not isinstance(result, plan.error):
                 self.fail("run: refused before claiming", plan.error.__name__, result)
@@ -514,34 +722,53 @@ class Harness:
         # the claim (at the start of train, also when no epoch runs), then the saves
         start = plan.start
         parent = None if start is None else start.key
-        head = next(iter(model.lineage(fam)), None)
+        head = model.newest(fam)
         at_head = start is not None and head is not None and head.key == start.key
         gen = model.claim(fam, parent)
         if at_head:  # a resume of the newest save applies retention once, before any epoch
             model.retain(fam, op.get("keep_last"), op.get("keep_every"), {start.epoch})
         first = 0 if start is None else start.epoch + 1
-        ran = [e for e in range(max(first, 1), plan.final + 1) if crash is None or e < crash]
+        stop_at = plan.final if preempt is None else preempt
+        ran = [e for e in range(max(first, 1), stop_at + 1) if crash is None or e < crash]
         saved = [0] if start is None else []
-        saved += [e for e in ran if should_save(op.get("save_every"), e, e == plan.final)]
+        saved += [e for e in ran if should_save(op.get("save_every"), e, e == plan.final)
+                  or e == preempt]  # a preempted epoch is saved whatever the policy says
         base = (token,) if start is None else start.trace
         origin = 0 if start is None else start.epoch
 
         def trace(epoch: int) -> tuple[int, ...]:
             return base + (token,) * (epoch - origin)
 
+        # what a gc beside the job may plan, at each point it may have listed: before any
+        # commit of this run, after each commit (before its retention), after its retention
+        points = [model.gc_plan(beside.get("keep_last"))] if beside else []
         for epoch in saved:
             model.commit(fam, epoch, gen, trace(epoch), stop=epoch == plan.final)
+            if beside:
+                points.append(model.gc_plan(beside.get("keep_last")))
             model.retain(fam, op.get("keep_last"), op.get("keep_every"),
                          set() if start is None else {start.epoch})
+            if beside:
+                points.append(model.gc_plan(beside.get("keep_last")))
         # what train did
         if crash is not None:
             if not isinstance(result, Boom):
                 self.fail("run: train must raise the injected crash", "Boom", result)
+        elif preempt is not None:
+            if not isinstance(result, JobPreemptedError):
+                self.fail(f"run: SIGTERM in epoch {preempt}", "JobPreemptedError", result)
+            self.expect("run: JobPreemptedError (epoch, committed)", (preempt, True),
+                        (result.epoch, result.committed))
+            self.expect("run: a preempted job stops before its exit group", [], exits)
         else:
             self.expect("run: train's return value (the final epoch)", plan.final, result)
+            self.expect("run: the exit group ran on every node", sorted(FAMILIES[fam]),
+                        sorted(exits))
         self.expect("run: runner.saved_epochs", saved, runner.saved_epochs)
         self.expect("run: runner.resumed_from", None if start is None else start.epoch,
                     runner.resumed_from)
+        if beside:
+            self._check_gc_beside(op, beside, gc_run, points, saved)
         # (b) what it resumed from, bit-exact: the first epoch's view, or the workspace of a
         # finished job
         if start is not None:
@@ -556,13 +783,168 @@ class Harness:
                           list(start.trace), _trace_of(loaded))
         if crash is None:
             final = workspace_blobs(session, fam)
-            why = diff_blobs(blobs_for(fam, trace(plan.final)), final)
+            why = diff_blobs(blobs_for(fam, trace(stop_at)), final)
             if why:
-                self.fail(f"run: the final workspace differs: {why}", list(trace(plan.final)),
+                self.fail(f"run: the final workspace differs: {why}", list(trace(stop_at)),
                           _trace_of(final))
+
+    # -- gc beside a live job ------------------------------------------------------------------
+
+    def _gc_beside(self, beside: dict[str, Any], out: dict[str, Any]) -> None:
+        """In an epoch task: start ``caffe2ckpt gc PREFIX [--keep-last N] --yes`` (default
+        ``--min-age``) in a second thread; with ``join`` wait for it here (the job stands in
+        this task; an async save of an earlier epoch may be in flight), else let the job go on
+        and join it after ``train``."""
+        argv = ["gc", self.url, "--yes"]
+        if beside.get("keep_last"):
+            argv += ["--keep-last", str(beside["keep_last"])]
+
+        def run() -> None:
+            try:
+                out["result"] = cli(*argv)
+            except BaseException as exc:  # noqa: BLE001 - reported by the check
+                out["error"] = exc
+        thread = threading.Thread(target=run, name="model-check-gc", daemon=True)
+        thread.start()
+        if beside.get("join", True):
+            thread.join(120)
+        else:
+            out["thread"] = thread
+
+    def _check_gc_beside(self, op: dict[str, Any], beside: dict[str, Any],
+                         out: dict[str, Any], points: list[tuple[frozenset, bool]],
+                         saved: list[int]) -> None:
+        """gc listed at one point of the job's run: what it planned is exactly what the model
+        plans at one of the points it may have listed at (so: never a save committed after it
+        listed, always each family's newest); it did all of it, removed no leftover (the
+        default ``--min-age``: nothing of the live run's saves in progress); the job did what
+        it would have done without gc, less what gc deleted."""
+        if "error" in out or "result" not in out:
+            self.fail("gc beside the job: it did not finish", "a gc report",
+                      out.get("error", "still running"))
+        code, doc = out["result"]
+        at, asynchronous = beside["at"], op["async"]
+        before = len([e for e in saved if e < at])  # this run's commits before epoch `at`
+        # point 0: before any commit; point 2j-1: after the j-th commit, before its retention;
+        # point 2j: after that retention. Sync: gc lists after the retention of the last commit
+        # before epoch `at`. Async: that commit may still be in flight (before it), or done in
+        # the background with its retention not applied yet (the runner applies it at its
+        # next save, in the main thread, which is in epoch `at`'s task)
+        last = 2 * before
+        first = last
+        if asynchronous and before:
+            first, last = 2 * before - 2, 2 * before - 1
+        if not beside.get("join", True):
+            last = len(points) - 1  # it may list any time until the job ends
+        candidates = points[max(0, first):last + 1]
+        planned = frozenset((d["epoch"], gen_of(d["save_id"])) for d in doc.get("delete", []))
+        matching = [refused for plan, refused in candidates if plan == planned]
+        if not matching:
+            self.fail(f"gc beside the job (from epoch {at}): the saves it planned to delete are "
+                      "not what it could plan at any point it may have listed at",
+                      sorted(sorted(plan) for plan, _ in candidates), sorted(planned))
+        self.expect("gc beside the job: errors", [],
+                    [d for d in doc.get("delete", []) + doc.get("leftovers", [])
+                     if d.get("error")])
+        self.expect("gc beside the job: leftovers removed (default --min-age)", [],
+                    doc.get("leftovers"))
+        done = {(d["epoch"], gen_of(d["save_id"])) for d in doc.get("delete", [])
+                if d.get("done")}
+        self.expect("gc beside the job: it deleted all it planned", sorted(planned), sorted(done))
+        expected_codes = {1 if refused else 0 for refused in matching}
+        if code not in expected_codes:
+            self.fail("gc beside the job: exit code", sorted(expected_codes), code)
+        for key in done:
+            self.model.saves[key].state = "gone"
+
+    # -- step managers ---------------------------------------------------------------------------
+
+    def _steps_restore(self, st: StepsState, mgr: Any, step: int | None, what: str) -> None:
+        """``restore(step)`` acts on what the prefix holds now: the lineage save of the step
+        (CheckpointNotFoundError if none: superseded, deleted or never saved), which must load
+        bit-exact or raise CheckpointCorruptedError naming node, epoch and blob."""
+        model, fam = self.model, st.fam
+        newest = model.newest(fam)
+        want = model.lineage_save(fam, newest.epoch if step is None and newest else step)
+        try:
+            got: Any = mgr.restore(step)
+        except (CheckpointNotFoundError, CheckpointCorruptedError) as exc:
+            got = exc
+        if want is None:
+            if not isinstance(got, CheckpointNotFoundError):
+                self.fail(f"{what}: restore({step}) of no lineage step",
+                          "CheckpointNotFoundError", got)
+            return
+        if want.chunk is not None:
+            self.expect_corrupted(f"{what}: restore({step})", want, got)
+            return
+        if isinstance(got, Exception):
+            self.fail(f"{what}: restore({step})", list(want.trace), got)
+        why = diff_blobs(blobs_for(fam, want.trace), got)
+        if why:
+            self.fail(f"{what}: restore({step}) is not what step {want.epoch} "
+                      f"(generation {want.gen}) holds: {why}", list(want.trace),
+                      _trace_of(got))
+        st.protected = {want.epoch}
+        own = st.run is not None and want.gen == st.run
+        if not own or newest is None or want.epoch < newest.epoch:
+            # saves from now on continue from this step (a new run)
+            st.run, st.next_parent = None, want.key
+
+    def _steps_saved(self, st: StepsState, step: int, trace: tuple[int, ...]) -> str:
+        """A save the manager made: it joins the run the manager holds when above that run's
+        start and newest save (refused with CheckpointFencedError if a newer run of the family
+        has claimed since: its first node's group is left behind), else a new run starts from
+        the restored step, or from the newest lineage step below it *on disk now*."""
+        model, fam = self.model, st.fam
+        joins = st.run is not None and (st.run_parent is None or step > st.run_parent[0]) and (
+            st.last is None or step > st.last)
+        if joins and not model.live(st.run):  # type: ignore[arg-type]
+            model.leftovers.append(MSave(fam, step, st.run, (), False, state="fenced",  # type: ignore[arg-type]
+                                         damaged_node=FAMILIES[fam][0]))
+            return "fenced"
+        if not joins:
+            parent = st.next_parent
+            if parent == UNSET or (parent is not None and parent[0] >= step):
+                below = [s for s in model.lineage(fam) if s.epoch < step]
+                parent = below[0].key if below else None
+            st.run, st.run_parent, st.last, st.next_parent = (
+                model.claim(fam, parent), parent, None, UNSET)
+        model.commit(fam, step, st.run, trace, stop=False)  # type: ignore[arg-type]
+        st.last = step
+        model.retain(fam, st.keep_last, st.keep_every, st.protected)
+        return "committed"
+
+    def _steps_delete(self, st: StepsState, mgr: Any, step: int, what: str) -> bool:
+        """``delete(step)``: the lineage save of the step on disk now (CheckpointNotFoundError
+        if none); refused with CheckpointFencedError when the manager holds a run a newer run
+        of its family has fenced. Returns whether it deleted."""
+        model = self.model
+        save = model.lineage_save(st.fam, step)
+        fenced = st.run is not None and not model.live(st.run)
+        try:
+            mgr.delete(step)
+        except CheckpointNotFoundError as exc:
+            if save is not None:
+                self.fail(f"{what}: delete({step}) of a lineage step", None, exc)
+            return False
+        except CheckpointFencedError as exc:
+            if save is None or not fenced:
+                self.fail(f"{what}: delete({step}) by a manager whose run is not fenced",
+                          "no CheckpointFencedError", exc)
+            return False
+        if save is None:
+            self.fail(f"{what}: delete({step}) of no lineage step", "CheckpointNotFoundError",
+                      None)
+        if fenced:
+            self.fail(f"{what}: delete({step}) by a manager whose run {st.run} a newer run "
+                      "fenced", "CheckpointFencedError", None)
+        save.state = "gone"  # type: ignore[union-attr]
+        return True
 
     def _op_steps(self, op: dict[str, Any], token: int) -> None:
         model, fam = self.model, op["fam"]
+        self._wrote(fam)
         generate = op.get("acts") is None
         acts = [] if generate else [list(a) for a in op["acts"]]
         if generate:
@@ -572,12 +954,7 @@ class Harness:
             asynchronous or op.get("keep_last") or op.get("keep_every")) else None
         mgr = StepCheckpointManager(self.url, nodes=list(FAMILIES[fam]), options=options,
                                     handle_preemption=False)
-        # the manager's state, as the README and its docstrings describe it
-        run: int | None = None
-        run_parent: tuple[int, int] | None = None
-        last: int | None = None
-        next_parent: Any = UNSET
-        protected: set[int] = set()
+        st = StepsState(fam, op.get("keep_last"), op.get("keep_every"))
         pending: int | None = None
         count = op["count"] if not generate else self.rng.randint(1, 4)
         op["count"] = count
@@ -585,6 +962,10 @@ class Harness:
             for index in range(count):
                 if generate:
                     act = self._gen_act(fam, asynchronous, pending)
+                    if (act[0] == "save" and not act[2] and pending is not None
+                            and (op.get("keep_last") or op.get("keep_every"))
+                            and not ASYNC_OWN_SAVE_RETENTION_FIXED):
+                        act = ["wait"]  # see ASYNC_OWN_SAVE_RETENTION_FIXED
                     acts.append(act)
                 else:
                     act = acts[index]
@@ -594,28 +975,10 @@ class Harness:
                 if kind == "wait":
                     mgr.wait_until_finished()
                     pending = None
+                elif kind == "landed":  # the async save's records are on disk; not waited for
+                    self._wait_for_records(fam, pending)
                 elif kind == "restore":
-                    step = act[1]
-                    want = model.lineage_save(fam, latest if step is None else step)
-                    try:
-                        got = mgr.restore(step)
-                    except CheckpointNotFoundError as exc:
-                        got = exc
-                    if want is None:
-                        if not isinstance(got, CheckpointNotFoundError):
-                            self.fail(f"steps: restore({step}) of no lineage step",
-                                      "CheckpointNotFoundError", got)
-                        continue
-                    if isinstance(got, Exception):
-                        self.fail(f"steps: restore({step})", list(want.trace), got)
-                    why = diff_blobs(blobs_for(fam, want.trace), got)
-                    if why:
-                        self.fail(f"steps: restore({step}) is not what step {want.epoch} "
-                                  f"(generation {want.gen}) holds: {why}", list(want.trace),
-                                  _trace_of(got))
-                    protected = {want.epoch}
-                    if run is None or want.epoch < latest:
-                        run, next_parent = None, want.key
+                    self._steps_restore(st, mgr, act[1], "steps")
                 elif kind == "save":
                     step, force = act[1], act[2]
                     blobs = blobs_for(fam, (token + index + 1,) * (step + 1))
@@ -626,64 +989,120 @@ class Harness:
                         continue
                     if asynchronous:
                         pending = step
-                    if not (run is not None and (run_parent is None or step > run_parent[0])
-                            and (last is None or step > last)):
-                        parent = next_parent
-                        if parent == UNSET or (parent is not None and parent[0] >= step):
-                            below = [s for s in lineage if s.epoch < step]
-                            parent = below[0].key if below else None
-                        run, run_parent, last, next_parent = (
-                            model.claim(fam, parent), parent, None, UNSET)
-                    model.commit(fam, step, run, (token + index + 1,) * (step + 1), stop=False)
-                    last = step
-                    model.retain(fam, op.get("keep_last"), op.get("keep_every"), protected)
+                    self._steps_saved(st, step, (token + index + 1,) * (step + 1))
                 elif kind == "delete":
-                    step = act[1]
-                    save = model.lineage_save(fam, step)
-                    try:
-                        mgr.delete(step)
-                    except CheckpointNotFoundError as exc:
-                        if save is not None:
-                            self.fail(f"steps: delete({step}) of a lineage step", None, exc)
-                        continue
-                    if save is None:
-                        self.fail(f"steps: delete({step}) of no lineage step",
-                                  "CheckpointNotFoundError", None)
-                    pending = None
-                    save.state = "gone"
+                    if self._steps_delete(st, mgr, act[1], "steps"):
+                        pending = None
                 else:  # pragma: no cover
                     raise AssertionError(act)
         finally:
             mgr.close()
 
+    def _wait_for_records(self, fam: str, step: int | None, timeout: float = 60.0) -> None:
+        """Until every node's record of the newest save of ``step`` is on disk (an async save
+        has committed in the background; its manager has not been told yet)."""
+        if step is None:
+            return
+        fs, root = fsspec.core.url_to_fs(self.url)
+        gen = max(s.gen for s in self.model.saves.values() if s.epoch == step and s.fam == fam)
+        want = {f"{step:012d}.{node}.g{gen}-" for node in FAMILIES[fam]}
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(FileNotFoundError):
+                names = {p.rpartition("/")[2] for p in fs.ls(f"{root}/_commits", detail=False)}
+                if all(any(n.startswith(w) for n in names) for w in want):
+                    return
+            time.sleep(0.005)
+        self.fail(f"steps: the records of step {step} did not appear", sorted(want), None)
+
+    def _op_keep(self, op: dict[str, Any], token: int) -> None:
+        """A ``StepCheckpointManager(nodes=...)`` kept open in slot ``op["slot"]`` across other
+        operations (opened by this operation if ``open`` or the slot is empty): its saves,
+        restores and deletes act on what the prefix holds now, and its listing is checked
+        whenever its view is fresh (no other writer acted on its family since it last read)."""
+        model, fam, slot = self.model, op["fam"], op["slot"]
+        before = self.writes[fam]
+        self._wrote(fam)
+        st = self.kept.get(slot)
+        fresh = st is not None and st.read_at == before
+        if op.get("open") or st is None:
+            if st is not None:
+                st.mgr.close()
+            options = self._options(op)
+            st = StepsState(fam, op.get("keep_last"), op.get("keep_every"))
+            st.mgr = StepCheckpointManager(self.url, nodes=list(FAMILIES[fam]), options=options,
+                                           handle_preemption=False)
+            self.kept[slot] = st
+            fresh = True
+        mgr = st.mgr
+        if fresh:
+            st.read_at = self.writes[fam]
+        for index, act in enumerate(op["acts"]):
+            kind = act[0]
+            what = f"keep {slot} (act {index}, view {'fresh' if fresh else 'stale'})"
+            if kind == "reload":
+                self.expect(f"{what}: all_steps(read=True)",
+                            sorted(s.epoch for s in model.lineage(fam)), mgr.all_steps(read=True))
+                fresh, st.read_at = True, self.writes[fam]
+            elif kind == "restore":
+                self._steps_restore(st, mgr, act[1], what)
+            elif kind == "save":
+                step, force = act[1], act[2]
+                newest = model.newest(fam)
+                data = (token + index + 1,) * (step + 1)
+                try:
+                    did = mgr.save(step, blobs_for(fam, data), force=force)
+                except CheckpointFencedError as exc:
+                    outcome = self._steps_saved(st, step, data)
+                    if outcome != "fenced":
+                        self.fail(f"{what}: save({step}) by a manager whose run is not fenced",
+                                  "no CheckpointFencedError", exc)
+                    continue
+                if fresh:  # a stale listing is not predicted, so neither is a refusal on it
+                    expected = force or newest is None or step > newest.epoch
+                    self.expect(f"{what}: save({step}, force={force}) returns", expected, did)
+                if did:
+                    outcome = self._steps_saved(st, step, data)
+                    if outcome == "fenced":
+                        self.fail(f"{what}: save({step}) continues run {st.run}, which a newer "
+                                  "run of its family fenced", "CheckpointFencedError", did)
+            elif kind == "delete":
+                self._steps_delete(st, mgr, act[1], what)
+            else:  # pragma: no cover
+                raise AssertionError(act)
+            if fresh:  # a fresh view lists the lineage: its own saves and deletes count
+                lineage = sorted(s.epoch for s in model.lineage(fam))
+                self.expect(f"{what}: all_steps() of a fresh view", lineage, mgr.all_steps())
+                self.expect(f"{what}: latest_step() of a fresh view",
+                            lineage[-1] if lineage else None, mgr.latest_step())
+        if fresh:
+            st.read_at = self.writes[fam]
+
     def _op_gc(self, op: dict[str, Any], token: int) -> None:
         model = self.model
+        self._wrote(*FAMILIES)
         argv = ["gc", self.url, "--keep-last", str(op["keep_last"]), "--min-age", "0", "--yes"]
         if op.get("keep_every"):
             argv += ["--keep-every", str(op["keep_every"])]
-        expected = []
-        for fam in model.families():
-            keep = model.keep_epochs(fam, op["keep_last"], op.get("keep_every"))
-            expected += [s.key for s in model.lineage(fam) if s.epoch not in keep]
-            expected += [s.key for s in model.superseded(fam)]
+        expected, refused = model.gc_plan(op["keep_last"], op.get("keep_every"))
         code, doc = cli(*argv)
         if model.gens == 0:  # nothing was ever written: not a checkpoint prefix
             self.expect("gc: exit code on an empty prefix", 3, code)
             return
-        self.expect("gc: exit code", 0, code)
+        self.expect("gc: exit code (1: the newest save of a family does not verify)",
+                    1 if refused else 0, code)
         actual = sorted((d["epoch"], gen_of(d["save_id"])) for d in doc.get("delete", []))
         self.expect("gc: the saves it deletes (epoch, generation)", sorted(expected), actual)
         errors = [d for d in doc.get("delete", []) + doc.get("leftovers", []) if d.get("error")]
         self.expect("gc: deletion errors", [], errors)
         for key in expected:
             model.saves[key].state = "gone"
-        for save in model.saves.values():
-            if save.state in ("partial", "orphan") and not model.live(save.gen):
-                save.state = "gone"
+        model.sweep()
 
     def _op_record(self, op: dict[str, Any], token: int) -> None:
         save = self.model.saves[(op["epoch"], op["gen"])]
         assert save.state == "committed", op
+        self._wrote(save.fam)
         fs, root = fsspec.core.url_to_fs(self.url)
         prefix = f"{op['epoch']:012d}.{op['node']}.g{op['gen']}-"
         names = [p for p in fs.ls(f"{root}/_commits", detail=False)
@@ -700,6 +1119,27 @@ class Harness:
             save.state = "damaged"
             save.damaged_node = op["node"]
 
+    def _op_chunk(self, op: dict[str, Any], token: int) -> None:
+        """One byte of one chunk file of a committed save (lineage or superseded) flipped:
+        restoring it raises CheckpointCorruptedError naming node, epoch and blob; it stays
+        committed (``ls``), an automatic resume falls back along the lineage, an explicit one
+        raises, ``verify`` exits 1, gc with a rule refuses while it is its family's newest."""
+        save = self.model.saves[(op["epoch"], op["gen"])]
+        assert save.state == "committed" and save.chunk is None, op
+        _code, ls = cli("ls", self.url)
+        row = next(r for r in ls["epochs"] if r["epoch"] == save.epoch
+                   and gen_of(r["save_ids"][0]) == save.gen
+                   and r["state"] in ("committed", "superseded"))
+        fs, group = fsspec.core.url_to_fs(row["paths"][op["node"]])
+        group = group.rstrip("/")
+        chunks = sorted(p for p in fs.find(group) if p.rpartition("/")[2].startswith("c"))
+        self.expect(f"chunk: chunk files under {group}", True, bool(chunks))
+        path = chunks[op["pick"] % len(chunks)]
+        data = bytearray(fs.cat_file(path))
+        data[(op["pick"] // len(chunks)) % len(data)] ^= 0xFF
+        fs.pipe_file(path, bytes(data))
+        save.chunk = (op["node"], path[len(group) + 1:].split("/")[0])
+
     # -- generating operations -------------------------------------------------------------------
 
     def gen_op(self) -> dict[str, Any]:
@@ -707,7 +1147,7 @@ class Harness:
         fam = "B" if rng.random() < 0.15 else "A"
         roll = rng.random()
         everything = [s for s in model.saves.values() if s.state == "committed"]
-        if roll < 0.72 and roll >= 0.47:
+        if 0.40 <= roll < 0.56:
             op: dict[str, Any] = {"op": "steps", "fam": fam, "async": rng.random() < 0.3}
             if rng.random() < 0.35:
                 op["keep_last"] = rng.choice([1, 2, 3, None])
@@ -715,15 +1155,23 @@ class Harness:
                     op["keep_last"] is None or rng.random() < 0.4) else None
             op["acts"] = None
             return op
-        if 0.72 <= roll < 0.82:
+        if 0.56 <= roll < 0.72:
+            return self._gen_keep(fam)
+        if 0.72 <= roll < 0.80:
             return {"op": "gc", "keep_last": rng.choice([1, 2, 3, 4]),
                     "keep_every": rng.choice([None, None, 2, 3])}
-        if roll >= 0.82 and everything:
+        if 0.80 <= roll < 0.89 and everything:
             save = rng.choice(everything)
             return {"op": "record", "epoch": save.epoch, "gen": save.gen,
                     "node": rng.choice(FAMILIES[save.fam]),
                     "how": rng.choice(["delete", "delete", "garbage", "empty", "object",
                                        "truncated"])}
+        intact = [s for s in everything if s.chunk is None]
+        if roll >= 0.89 and intact:
+            newest = [s for f in model.families() if (s := model.newest(f)) in intact]
+            save = rng.choice(newest) if newest and rng.random() < 0.5 else rng.choice(intact)
+            return {"op": "chunk", "epoch": save.epoch, "gen": save.gen,
+                    "node": rng.choice(FAMILIES[save.fam]), "pick": rng.randrange(1 << 30)}
         # a run
         previous = self.ops[-1] if self.ops else {}
         retry = previous.get("reuse") and rng.random() < 0.3
@@ -768,11 +1216,66 @@ class Harness:
                 op["keep_last"] is None or rng.random() < 0.4) else None
         if rng.random() < 0.2:
             op["save_every"] = rng.choice([2, 3])
-        if rng.random() < 0.2:
-            plan = plan_run(model, op)
-            if plan.error is None and not plan.finished:
-                first = 1 if plan.start is None else plan.start.epoch + 1
+        plan = plan_run(model, op)
+        if plan.error is None and not plan.finished:
+            first = 1 if plan.start is None else plan.start.epoch + 1
+            extra = rng.random()
+            if extra < 0.2:  # a task raises
                 op["crash"] = rng.randint(first, plan.final)
+            elif extra < 0.34:  # SIGTERM from inside an epoch task, the last one included
+                op["preempt"] = rng.choice([plan.final, rng.randint(first, plan.final)])
+            elif extra < 0.46:  # caffe2ckpt gc --yes from a second thread
+                join = rng.random() < 0.7 or bool(op.get("keep_last") or op.get("keep_every"))
+                op["gc"] = {"at": rng.randint(first, plan.final), "join": join,
+                            "keep_last": rng.choice([None, 1, 2, 3])}
+        return op
+
+    def _gen_keep(self, fam: str) -> dict[str, Any]:
+        """An operation on a step manager kept open (slots A0, A1, B0)."""
+        rng, model = self.rng, self.model
+        slot = f"{fam}{rng.randint(0, 1) if fam == 'A' else 0}"
+        st = self.kept.get(slot)
+        op: dict[str, Any] = {"op": "keep", "fam": fam, "slot": slot}
+        if st is None or rng.random() < 0.15:
+            op["open"] = True
+            if rng.random() < 0.35:
+                op["keep_last"] = rng.choice([1, 2, 3, None])
+                op["keep_every"] = rng.choice([2, 3, 5]) if (
+                    op["keep_last"] is None or rng.random() < 0.4) else None
+        fresh = st is None or op.get("open") or st.read_at == self.writes[fam]
+        retention = bool(op.get("keep_last") or op.get("keep_every")) if op.get("open") else (
+            st is not None and bool(st.keep_last or st.keep_every))
+        acts: list[list[Any]] = []
+        for _ in range(rng.randint(1, 3)):
+            lineage = [s.epoch for s in model.lineage(fam)]
+            newest = lineage[0] if lineage else None
+            committed = sorted({s.epoch for s in model.committed(fam)})
+            roll = rng.random()
+            if roll < 0.12:
+                acts.append(["reload"])
+                fresh = True
+            elif roll < 0.5 or not committed:  # above every step on disk
+                step = min(MAX_EPOCH, (newest if newest is not None else -1) + rng.randint(1, 3))
+                acts.append(["save", step, rng.random() < 0.5])
+            elif roll < 0.75:
+                others = [e for e in committed if e not in lineage]
+                if others and rng.random() < 0.2:  # superseded: not a step
+                    acts.append(["restore", rng.choice(others)])
+                elif fresh and rng.random() < 0.2:  # the latest of a fresh view
+                    acts.append(["restore", None])
+                else:
+                    acts.append(["restore", rng.choice(lineage or committed)])
+            elif roll < 0.87:
+                acts.append(["save", rng.randint(0, max(committed)), True])
+            else:
+                others = [e for e in committed if e not in lineage]
+                acts.append(["delete", rng.choice(others if others and rng.random() < 0.2
+                                                  else lineage or committed)])
+            if (acts[-1][0] == "save" and retention and not fresh
+                    and not STALE_VIEW_RETENTION_FIXED):
+                acts.insert(-1, ["reload"])  # see STALE_VIEW_RETENTION_FIXED
+                fresh = True
+        op["acts"] = acts
         return op
 
     def _gen_act(self, fam: str, asynchronous: bool, pending: int | None) -> list[Any]:
@@ -832,11 +1335,12 @@ class Harness:
                     sorted(s.key for s in model.saves.values() if s.state == "partial"),
                     sorted((r["epoch"], gen_of(r["save_ids"][0])) for r in rows
                            if r["state"] == "partial"))
-        self.expect("ls --json: leftovers (kind, group of the node whose record was deleted)",
-                    sorted(("uncommitted save", s.damaged_node, s.epoch)
-                           for s in model.saves.values() if s.state in ("partial", "orphan")),
-                    sorted((x["kind"], x["path"].split(".")[0], int(x["path"].split(".")[1]))
-                           for x in ls.get("leftovers", [])))
+        self.expect("ls --json: leftovers (kind, group of the node whose record was deleted "
+                    "or whose save was fenced, epoch, live: its run not overtaken)",
+                    sorted(("uncommitted save", s.damaged_node, s.epoch, model.live(s.gen))
+                           for s in model.uncommitted()),
+                    sorted((x["kind"], x["path"].split(".")[0], int(x["path"].split(".")[1]),
+                            x.get("live")) for x in ls.get("leftovers", [])))
         # (a) every API agrees on the newest epoch; (d) all_steps is the lineage
         newest_over_all = None
         for fam in model.families():
@@ -869,13 +1373,20 @@ class Harness:
                             None if newest is None else newest.epoch, mgr.latest_step())
                 self.expect(f"family {fam}: StepCheckpointManager.all_steps()",
                             sorted(s.epoch for s in lineage), mgr.all_steps())
-                # (b), (c): the resume point and every lineage save restore bit-exact
+                # (b), (c): the resume point and every lineage save restore bit-exact (a save
+                # with a flipped chunk byte: CheckpointCorruptedError naming node/epoch/blob)
                 for save in lineage:
                     try:
                         got = mgr.restore(save.epoch)
                     except Exception as exc:  # noqa: BLE001
+                        if save.chunk is not None:
+                            self.expect_corrupted(f"family {fam}: restore({save.epoch})", save,
+                                                  exc)
+                            continue
                         self.fail(f"family {fam}: restore({save.epoch}) of a kept save",
                                   list(save.trace), exc)
+                    if save.chunk is not None:
+                        self.expect_corrupted(f"family {fam}: restore({save.epoch})", save, got)
                     why = diff_blobs(blobs_for(fam, save.trace), got)
                     if why:
                         self.fail(f"family {fam}: restore({save.epoch}) (generation {save.gen})"
@@ -894,12 +1405,13 @@ class Harness:
             self.expect("show --json: its save's generation", newest_over_all[1],
                         gen_of(show.get("save_id", "g0-0")))
         # (c) every save ls reports, through plain zarr at its path: once per save, and all of
-        # them again at the end of a sequence
+        # them again at the end of a sequence (plain zarr checks no checksum: a save with a
+        # flipped chunk byte is not read)
         for row in rows:
             if row["state"] not in ("committed", "superseded"):
                 continue
             save = model.saves[(row["epoch"], gen_of(row["save_ids"][0]))]
-            if save.verified and not full:
+            if (save.verified and not full) or save.chunk is not None:
                 continue
             got = {node: read_plain_zarr(path) for node, path in row["paths"].items()}
             why = diff_blobs(blobs_for(save.fam, save.trace), got)
@@ -909,8 +1421,129 @@ class Harness:
             save.verified = True
         if full:
             code, _ = cli("verify", self.url, "--no-progress")
-            damaged = any(s.state == "damaged" for s in model.saves.values())
+            damaged = any(s.state == "damaged" or (s.state == "committed" and s.chunk)
+                          for s in model.saves.values())
             self.expect("verify: exit code", 1 if damaged else (0 if rows else 3), code)
+
+    # -- the end of a sequence: fence every family, gc, then no file unaccounted for ----------
+
+    def finish(self) -> None:
+        """Close the kept managers; claim a new run per family (``claim()`` of a
+        MultiNodeCheckpointManager from the newest save, saving nothing: it fences the family's
+        last run and changes no history); ``gc --min-age 0 --yes`` (no rule: it removes every
+        leftover, now that no run that wrote one is live, and no save); the full check; then
+        every file under the prefix must be accounted for (:meth:`check_leaks`)."""
+        model = self.model
+        for state in self.kept.values():
+            state.mgr.close()
+        self.kept.clear()
+        self.ops.append({"op": "finish"})
+        if model.gens == 0:
+            self.check(full=True)
+            return
+        for fam in model.families():
+            cm = MultiNodeCheckpointManager(self.url)
+            cm.set_params(nodes=list(FAMILIES[fam]))
+            try:
+                cm.claim({"model-check": "fence"})
+            finally:
+                cm.close()
+            newest = model.newest(fam)
+            model.claim(fam, None if newest is None else newest.key)
+        code, doc = cli("gc", self.url, "--min-age", "0", "--yes")
+        self.expect("final gc: exit code", 0, code)
+        self.expect("final gc: saves deleted (no rule)", [], doc.get("delete"))
+        self.expect("final gc: errors", [], [d for d in doc.get("leftovers", []) if d.get("error")])
+        self.expect("final gc: nothing left live", [],
+                    [d for d in doc.get("skipped", []) if d.get("kind") != "partial save"])
+        model.sweep()
+        self.check(full=True)
+        self.check_leaks()
+
+    def check_leaks(self) -> None:
+        """Every file under the prefix is one of: a record of a committed (lineage or
+        superseded) or damaged save; a file of such a save's groups (one group per node, whose
+        ``zarr.json`` names that save, node and epoch, and the arrays its manifest names: their
+        ``zarr.json`` and chunks ``c...``); a run-log entry
+        (one per claim), a committed mark (one per run that committed), a hint (one per family
+        at most); ``_metadata.json``; a tombstone (``<node>.<epoch>/zarr.json`` alone, an empty
+        group saying which save was removed). No ``.tmp-*`` anywhere, nothing else."""
+        model = self.model
+        fs, root = fsspec.core.url_to_fs(self.url)
+        root = root.rstrip("/")
+        files = sorted(p[len(root) + 1:] for p in fs.find(root))
+        kept = {s.key: s for s in model.saves.values() if s.state in ("committed", "damaged")}
+        bad: list[str] = [f for f in files if ".tmp-" in f]
+        records: list[tuple[int, str, int]] = []
+        runs_seen: set[int] = set()
+        marks_seen: set[int] = set()
+        hints: list[str] = []
+        groups: dict[str, list[str]] = {}
+        for f in files:
+            top, _, rest = f.partition("/")
+            if top == "_commits" and "/" not in rest:
+                try:
+                    epoch, node, save_id = rest.removesuffix(".json").split(".", 2)
+                    records.append((int(epoch), node, gen_of(save_id)))
+                except (ValueError, AssertionError):
+                    bad.append(f)
+            elif top == "_runs" and "/" not in rest:
+                number, _, kind = rest.partition(".")
+                if number.isdigit() and kind == "json":
+                    runs_seen.add(int(number))
+                elif number.isdigit() and kind == "committed.json":
+                    marks_seen.add(int(number))
+                else:
+                    bad.append(f)
+            elif top == "_hints" and "/" not in rest and rest.endswith(".json"):
+                hints.append(rest)
+            elif f == "_metadata.json":
+                pass
+            elif rest:
+                groups.setdefault(top, []).append(rest)
+            else:
+                bad.append(f)
+        self.expect("leaks: commit records (epoch, node, generation) are the kept saves'",
+                    sorted((s.epoch, n, s.gen) for s in kept.values() for n in FAMILIES[s.fam]),
+                    sorted(records))
+        self.expect("leaks: run-log entries (one per claim)", list(range(1, model.gens + 1)),
+                    sorted(runs_seen))
+        self.expect("leaks: committed marks (the runs that committed a save)",
+                    sorted(g for g, r in model.runs.items() if r.took_over), sorted(marks_seen))
+        if len(hints) > len(model.families()):
+            self.fail("leaks: hints (one per family at most)", model.families(), hints)
+        found: list[tuple[int, int, str]] = []  # a list: a second group of one save is a leak
+        for name, inside in sorted(groups.items()):
+            parts = name.split(".")
+            if "zarr.json" not in inside or len(parts) not in (2, 3) or not parts[1].isdigit():
+                bad += [f"{name}/{x}" for x in inside]
+                continue
+            meta = json.loads(fs.cat_file(f"{root}/{name}/zarr.json"))
+            attrs = meta.get("attributes", {})
+            if "caffe2ckpt_removed" in attrs and len(parts) == 2:  # a tombstone: nothing else
+                bad += [f"{name}/{x}" for x in inside if x != "zarr.json"]
+                continue
+            manifest = attrs.get("caffe2ckpt") or {}
+            save_id = str(manifest.get("save_id", "g0-0"))
+            key = (int(parts[1]), gen_of(save_id) if save_id.startswith("g") else 0)
+            if key not in kept or (len(parts) == 3 and parts[2] != save_id) or (
+                    manifest.get("node"), manifest.get("epoch")) != (parts[0], key[0]):
+                bad += [f"{name}/{x}" for x in inside]
+                continue
+            found.append((*key, parts[0]))
+            arrays = {info["path"] for info in manifest.get("arrays", {}).values()}
+            if (manifest.get("packed") or {}).get("names"):
+                arrays.add("_packed")
+            for x in inside:
+                head, _, tail = x.partition("/")
+                if x != "zarr.json" and not (head in arrays and (
+                        tail == "zarr.json" or (tail.startswith("c") and "/" not in tail))):
+                    bad.append(f"{name}/{x}")
+        self.expect("leaks: every kept save's groups are there (epoch, generation, node)",
+                    sorted((s.epoch, s.gen, n) for s in kept.values() for n in FAMILIES[s.fam]),
+                    sorted(found))
+        self.expect("leaks: files no record, run or tombstone accounts for", [],
+                    sorted(set(bad)))
 
 
 # =================================================================================================
@@ -920,6 +1553,8 @@ class Harness:
 
 @contextlib.contextmanager
 def prefix(kind: str):
+    """A fresh prefix: ``memory://...``, a local folder, or (``s3://...``, given as the kind) a
+    prefix in a fresh bucket on a test S3 server (:func:`s3_prefix`)."""
     if kind == "memory":
         url = f"memory://model-check-{uuid.uuid4().hex[:12]}"
         try:
@@ -928,6 +1563,8 @@ def prefix(kind: str):
             fs = fsspec.filesystem("memory")
             with contextlib.suppress(FileNotFoundError):
                 fs.rm(url, recursive=True)
+    elif kind.startswith("s3://"):
+        yield kind
     else:
         root = tempfile.mkdtemp(prefix="caffe2ckpt-model-check-")
         try:
@@ -937,26 +1574,30 @@ def prefix(kind: str):
 
 
 def replay(seed: int, steps: int = OPS, kind: str = "memory") -> list[dict[str, Any]]:
-    """Run the first ``steps`` operations of ``seed`` (raises ModelCheckFailure); return them."""
+    """Run the first ``steps`` operations of ``seed``, then the end of a sequence
+    (:meth:`Harness.finish`: fence, gc, full check, leak check); raises ModelCheckFailure;
+    returns the operations."""
     with prefix(kind) as url:
         harness = Harness(seed, url)
         try:
             for _ in range(steps):
                 harness.apply(harness.gen_op())
-            harness.check(full=True)
+            harness.finish()
         finally:
             harness.close()
         return harness.ops
 
 
 def run_ops(ops: list[dict[str, Any]], kind: str = "memory", seed: int = -1) -> None:
-    """Apply an explicit operation list (e.g. a minimised failure)."""
+    """Apply an explicit operation list (e.g. a minimised failure), then the end of a sequence
+    (a ``{"op": "finish"}`` in the list is that end, done anyway)."""
     with prefix(kind) as url:
         harness = Harness(seed, url)
         try:
             for op in copy.deepcopy(ops):
-                harness.apply(op)
-            harness.check(full=True)
+                if op["op"] != "finish":
+                    harness.apply(op)
+            harness.finish()
         finally:
             harness.close()
 
@@ -969,6 +1610,40 @@ def test_model_check_memory(seed):
 @pytest.mark.parametrize("seed", range(FIRST_SEED + 1000, FIRST_SEED + 1000 + LOCAL_SEEDS))
 def test_model_check_local(seed):
     replay(seed, OPS, "local")
+
+
+# The S3 server kinds the S3 seeds run on. tests/s3server.py starts "moto" today; with a second
+# kind there (SeaweedFS), add it here (or use that module's list of kinds): nothing else changes
+# here, as long as a session fixture named "<kind>_server" (or, for moto, "s3_server") gives an
+# S3Server with ``configure(monkeypatch)`` and ``new_bucket()``.
+S3_SERVER_KINDS = ["moto"]
+
+
+def s3_server_of(request, kind: str):
+    """The session's S3 server of ``kind``: fixture ``<kind>_server``, else (moto, while
+    tests/conftest.py has a single server) ``s3_server``."""
+    try:
+        return request.getfixturevalue(f"{kind}_server")
+    except pytest.FixtureLookupError:
+        if kind != "moto":
+            raise
+        return request.getfixturevalue("s3_server")
+
+
+def s3_prefix(request, kind: str) -> str:
+    """``s3://<fresh bucket>/ckpt`` on the server of ``kind``; plain ``s3://`` URLs reach it
+    for the rest of the test (the CLI, plain zarr and fsspec open URLs themselves)."""
+    server = s3_server_of(request, kind)
+    server.configure(request.getfixturevalue("monkeypatch"))
+    return f"s3://{server.new_bucket()}/ckpt"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("server", S3_SERVER_KINDS)
+@pytest.mark.parametrize("seed", range(FIRST_SEED + 2000, FIRST_SEED + 2000 + S3_SEEDS))
+def test_model_check_s3(seed, server, request):
+    replay(seed, S3_OPS, s3_prefix(request, server))
 
 
 # =================================================================================================
@@ -1022,7 +1697,62 @@ FOUND_BUGS = [
 ]
 
 
-@pytest.mark.parametrize("ops", FOUND_BUGS)
+# Package bugs the model check found that are open (found on 4a7753a): each replay fails today
+# (xfail, strict: once the package is fixed it passes, fails as XPASS, and moves to FOUND_BUGS).
+_STALE_VIEW = ("a StepCheckpointManager kept open plans retention on its cached view "
+               "(history/current.py CurrentRun.retain/_branch/_stands): see "
+               "STALE_VIEW_RETENTION_FIXED")
+_ASYNC_OWN = ("an async StepCheckpointManager's view read while its new run's first save had "
+              "landed: finishing that save supersedes it in the view (history/current.py "
+              "CurrentRun.committed/_branch, scan.Family.with_newest) and retention deletes it: "
+              "see ASYNC_OWN_SAVE_RETENTION_FIXED")
+BUGS_FOUND_OPEN = [
+    pytest.param(  # M (run 1, max_to_keep=2) saved 0, 1; a JobRunner (run 2) commits 2, 3; M
+        # saves 1 again (force): a new run 3 from step 0 supersedes 1, 2, 3. Retention must
+        # delete every superseded save; M's plan, on its view of steps 0, 1, leaves run 2's 2
+        # and 3 (superseded, kept until a gc with a rule)
+        [{"op": "keep", "fam": "A", "slot": "A0", "open": True, "keep_last": 2,
+          "acts": [["save", 0, True], ["save", 1, True]]},
+         {"op": "run", "fam": "A", "mode": "auto", "limit": 3, "async": False},
+         {"op": "keep", "fam": "A", "slot": "A0", "acts": [["save", 1, True]]}],
+        id="kept-manager-retention-misses-saves-superseded-since-its-view",
+        marks=pytest.mark.xfail(strict=True, reason=_STALE_VIEW)),
+    pytest.param(  # M (max_to_keep=2) holds steps 1, 2; step 2's record is then damaged (2 is
+        # no longer committed); M saves 3: retention must keep 3 and 1 (the two newest
+        # committed steps); M's plan, on its view (3, 2, 1), keeps 3 and the damaged 2 and
+        # deletes 1: one committed step is left ("stands" checks that a record file exists,
+        # not that it reads)
+        [{"op": "keep", "fam": "B", "slot": "B0", "open": True, "keep_last": 2,
+          "acts": [["save", 0, True], ["save", 1, True], ["save", 2, True]]},
+         {"op": "record", "epoch": 2, "gen": 1, "node": "solo_0", "how": "garbage"},
+         {"op": "keep", "fam": "B", "slot": "B0", "acts": [["save", 3, True]]}],
+        id="kept-manager-retention-deletes-a-step-it-must-keep-after-a-damaged-record",
+        marks=pytest.mark.xfail(strict=True, reason=_STALE_VIEW)),
+    pytest.param(  # steps 0, 1 (run 1); an async manager with max_to_keep=2 restores 0 and
+        # saves 1 again (force: a new run 2 from 0); its records land; save(0) without force
+        # asks latest_step() (the view is read: it holds run 2's 1 already); finishing the save
+        # (wait_until_finished) supersedes run 2's own 1 in the view and retention deletes it:
+        # the newest step is lost (the model: 1 of run 2 and 0 committed). Seed 90, step 33 of
+        # the long run (x 60 ops) found it by timing
+        [{"op": "steps", "fam": "A", "async": False, "count": 2,
+          "acts": [["save", 0, True], ["save", 1, True]]},
+         {"op": "steps", "fam": "A", "async": True, "keep_last": 2, "count": 5,
+          "acts": [["restore", 0], ["save", 1, True], ["landed"], ["save", 0, False],
+                   ["wait"]]}],
+        id="async-steps-retention-deletes-the-step-it-just-saved",
+        marks=pytest.mark.xfail(strict=True, reason=_ASYNC_OWN)),
+    pytest.param(  # the same from a fresh start (nothing below the step): the family is left
+        # with no committed step at all
+        [{"op": "steps", "fam": "B", "async": False, "count": 1, "acts": [["save", 5, True]]},
+         {"op": "steps", "fam": "B", "async": True, "keep_last": 3, "count": 5,
+          "acts": [["restore", 5], ["save", 3, True], ["landed"], ["save", 1, False],
+                   ["wait"]]}],
+        id="async-steps-retention-deletes-every-step-after-a-fresh-start",
+        marks=pytest.mark.xfail(strict=True, reason=_ASYNC_OWN)),
+]
+
+
+@pytest.mark.parametrize("ops", FOUND_BUGS + BUGS_FOUND_OPEN)
 def test_a_sequence_that_found_a_bug(ops):
     run_ops(ops)
 
