@@ -35,9 +35,7 @@ Each sequence (one seed) starts on an empty prefix and applies operations chosen
   ``save(s, force=True)`` above or below the newest step, ``save(s)`` without force,
   ``delete(s)``, closed at the end of the operation; replays may also use ``wait``
   (``wait_until_finished()``) and ``landed`` (wait until the async save in flight has all its
-  records on disk, without telling the manager). While
-  :data:`ASYNC_OWN_SAVE_RETENTION_FIXED` is False, an async one with retention waits for its
-  save in flight before a save without force (an open package bug, :data:`BUGS_FOUND_OPEN`);
+  records on disk, without telling the manager);
 * ``keep``: a ``StepCheckpointManager(nodes=...)`` kept open in a slot (A0, A1, B0) across
   other operations (runs, other step managers, gc, damage), opened by the operation (``open``;
   sometimes with retention) or used again, doing 1-3 of ``reload`` (``all_steps(read=True)``,
@@ -56,9 +54,7 @@ Each sequence (one seed) starts on an empty prefix and applies operations chosen
   written its family since it opened or last read; its own saves, restores and deletes keep
   it fresh) and then checks ``all_steps()``/``latest_step()`` after every act; a stale view's
   listing, and a ``save`` without force refused on account of it, are not predicted
-  (``restore()`` of the latest step is generated only on a fresh view). While
-  :data:`STALE_VIEW_RETENTION_FIXED` is False a kept manager with retention reloads before it
-  saves on a stale view (an open package bug, :data:`BUGS_FOUND_OPEN`);
+  (``restore()`` of the latest step is generated only on a fresh view);
 * ``gc``: ``caffe2ckpt gc PREFIX --keep-last N [--keep-every K] --min-age 0 --yes --json``;
 * ``record``: a commit record under ``_commits/`` overwritten with garbage or deleted;
 * ``chunk``: one byte flipped in one chunk file (``<array>/c...``) of one node of a committed
@@ -117,12 +113,11 @@ Runs share no manager unless an operation says ``"reuse"``: ``"new"`` keeps a ne
 ``MultiNodeCheckpointManager`` for the family from then on, ``"keep"`` uses it again right after
 (a retry with the same manager, or the same manager after other writers).
 
-Package bugs the model check found are replayed by ``test_a_sequence_that_found_a_bug``:
-fixed ones (:data:`FOUND_BUGS`) pass; open ones (:data:`BUGS_FOUND_OPEN`) are ``xfail(strict=True)``
-and the generator steers around them (the ``*_FIXED`` flags) so that the seeds stay green.
+Package bugs the model check found are replayed by ``test_a_sequence_that_found_a_bug``
+(:data:`FOUND_BUGS`, each fixed since).
 
 Default (CI): 36 seeds x 30 operations on memory://, 4 seeds x 30 on a local folder and 2 seeds
-x 15 on s3:// (a moto server, tests/s3server.py; marked slow; :data:`S3_SERVER_KINDS`): the
+x 15 on s3:// per S3 server (moto and SeaweedFS, tests/s3server.py; marked slow): the
 module takes 60 s under ``-n 2`` on the 2-core machine at load 2-4, 80 s at load 7, 125 s at
 load 12 (other work). A longer run is one command (200 x 60 memory, 10 x 60 local, 4 x 30 S3;
 8-10 minutes at load 8-14)::
@@ -187,32 +182,19 @@ from caffe2ckpt import (
 )
 from caffe2ckpt.cli import main as cli_main
 from caffe2ckpt.metadata import ZarrMetadataHandler
+from tests.s3server import KINDS
 
 SEEDS = int(os.environ.get("CAFFE2CKPT_MODEL_CHECK_SEEDS", "36"))
 LOCAL_SEEDS = int(os.environ.get("CAFFE2CKPT_MODEL_CHECK_LOCAL_SEEDS", "4"))
 FIRST_SEED = int(os.environ.get("CAFFE2CKPT_MODEL_CHECK_FIRST_SEED", "0"))
 OPS = int(os.environ.get("CAFFE2CKPT_MODEL_CHECK_OPS", "30"))
-S3_SEEDS = int(os.environ.get("CAFFE2CKPT_MODEL_CHECK_S3_SEEDS", "2"))
+S3_SEEDS = int(os.environ.get("CAFFE2CKPT_MODEL_CHECK_S3_SEEDS", "1"))
 S3_OPS = int(os.environ.get("CAFFE2CKPT_MODEL_CHECK_S3_OPS", "15"))
 
 FAMILIES: dict[str, tuple[str, ...]] = {"A": ("trainer_0", "trainer_1"), "B": ("solo_0",)}
 COUNT = "epoch_limiter.0/epochs_done"  # epoch_limiter's checkpointed count (on the first node)
 BIG = 17_000  # float32s on a family's first node: > 64 KiB, so stored as a chunked array
 MAX_EPOCH = 40  # keeps sequences cheap
-
-
-# A package bug this model check found (see BUGS_FOUND_OPEN below): a StepCheckpointManager kept
-# open plans its retention on its cached lineage view. Until it is fixed, the generated
-# sequences make a kept manager with a retention rule re-read (``["reload"]``) before a save
-# when its view is stale; the replays in BUGS_FOUND_OPEN check the bug itself (xfail, strict).
-# Once fixed: set this to True, and move those replays to FOUND_BUGS.
-STALE_VIEW_RETENTION_FIXED = False
-# Another (BUGS_FOUND_OPEN): an async StepCheckpointManager whose view is read while the first
-# save of its new run has landed but is not finished yet (``save(s)`` without force asks
-# ``latest_step()``) supersedes that very save when it finishes it, and its retention deletes
-# it. Until fixed, a generated async ``steps`` operation with a retention rule waits for the
-# save in flight before such a save (``["wait"]``). Once fixed: True, and move the replays.
-ASYNC_OWN_SAVE_RETENTION_FIXED = False
 
 
 class Boom(RuntimeError):
@@ -962,10 +944,6 @@ class Harness:
             for index in range(count):
                 if generate:
                     act = self._gen_act(fam, asynchronous, pending)
-                    if (act[0] == "save" and not act[2] and pending is not None
-                            and (op.get("keep_last") or op.get("keep_every"))
-                            and not ASYNC_OWN_SAVE_RETENTION_FIXED):
-                        act = ["wait"]  # see ASYNC_OWN_SAVE_RETENTION_FIXED
                     acts.append(act)
                 else:
                     act = acts[index]
@@ -1243,8 +1221,6 @@ class Harness:
                 op["keep_every"] = rng.choice([2, 3, 5]) if (
                     op["keep_last"] is None or rng.random() < 0.4) else None
         fresh = st is None or op.get("open") or st.read_at == self.writes[fam]
-        retention = bool(op.get("keep_last") or op.get("keep_every")) if op.get("open") else (
-            st is not None and bool(st.keep_last or st.keep_every))
         acts: list[list[Any]] = []
         for _ in range(rng.randint(1, 3)):
             lineage = [s.epoch for s in model.lineage(fam)]
@@ -1271,10 +1247,6 @@ class Harness:
                 others = [e for e in committed if e not in lineage]
                 acts.append(["delete", rng.choice(others if others and rng.random() < 0.2
                                                   else lineage or committed)])
-            if (acts[-1][0] == "save" and retention and not fresh
-                    and not STALE_VIEW_RETENTION_FIXED):
-                acts.insert(-1, ["reload"])  # see STALE_VIEW_RETENTION_FIXED
-                fresh = True
         op["acts"] = acts
         return op
 
@@ -1612,22 +1584,9 @@ def test_model_check_local(seed):
     replay(seed, OPS, "local")
 
 
-# The S3 server kinds the S3 seeds run on. tests/s3server.py starts "moto" today; with a second
-# kind there (SeaweedFS), add it here (or use that module's list of kinds): nothing else changes
-# here, as long as a session fixture named "<kind>_server" (or, for moto, "s3_server") gives an
-# S3Server with ``configure(monkeypatch)`` and ``new_bucket()``.
-S3_SERVER_KINDS = ["moto"]
-
-
 def s3_server_of(request, kind: str):
-    """The session's S3 server of ``kind``: fixture ``<kind>_server``, else (moto, while
-    tests/conftest.py has a single server) ``s3_server``."""
-    try:
-        return request.getfixturevalue(f"{kind}_server")
-    except pytest.FixtureLookupError:
-        if kind != "moto":
-            raise
-        return request.getfixturevalue("s3_server")
+    """The session's S3 server of ``kind`` (tests/s3server.KINDS: moto, seaweedfs)."""
+    return request.getfixturevalue(f"{kind}_server")
 
 
 def s3_prefix(request, kind: str) -> str:
@@ -1640,7 +1599,7 @@ def s3_prefix(request, kind: str) -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("server", S3_SERVER_KINDS)
+@pytest.mark.parametrize("server", KINDS)
 @pytest.mark.parametrize("seed", range(FIRST_SEED + 2000, FIRST_SEED + 2000 + S3_SEEDS))
 def test_model_check_s3(seed, server, request):
     replay(seed, S3_OPS, s3_prefix(request, server))
@@ -1697,16 +1656,12 @@ FOUND_BUGS = [
 ]
 
 
-# Package bugs the model check found that are open (found on 4a7753a): each replay fails today
-# (xfail, strict: once the package is fixed it passes, fails as XPASS, and moves to FOUND_BUGS).
-_STALE_VIEW = ("a StepCheckpointManager kept open plans retention on its cached view "
-               "(history/current.py CurrentRun.retain/_branch/_stands): see "
-               "STALE_VIEW_RETENTION_FIXED")
-_ASYNC_OWN = ("an async StepCheckpointManager's view read while its new run's first save had "
-              "landed: finishing that save supersedes it in the view (history/current.py "
-              "CurrentRun.committed/_branch, scan.Family.with_newest) and retention deletes it: "
-              "see ASYNC_OWN_SAVE_RETENTION_FIXED")
-BUGS_FOUND_OPEN = [
+# Found on 4a7753a, fixed since: a kept step manager's retention planned on a view read before
+# its new run claimed (a start outside a resume now drops it), counted a damaged record of a
+# step it keeps as standing (kept saves are now read back), and an async save listed before it
+# was waited for was superseded by its own run's first commit (a run never supersedes its own
+# saves).
+FOUND_BUGS += [
     pytest.param(  # M (run 1, max_to_keep=2) saved 0, 1; a JobRunner (run 2) commits 2, 3; M
         # saves 1 again (force): a new run 3 from step 0 supersedes 1, 2, 3. Retention must
         # delete every superseded save; M's plan, on its view of steps 0, 1, leaves run 2's 2
@@ -1715,8 +1670,7 @@ BUGS_FOUND_OPEN = [
           "acts": [["save", 0, True], ["save", 1, True]]},
          {"op": "run", "fam": "A", "mode": "auto", "limit": 3, "async": False},
          {"op": "keep", "fam": "A", "slot": "A0", "acts": [["save", 1, True]]}],
-        id="kept-manager-retention-misses-saves-superseded-since-its-view",
-        marks=pytest.mark.xfail(strict=True, reason=_STALE_VIEW)),
+        id="kept-manager-retention-misses-saves-superseded-since-its-view"),
     pytest.param(  # M (max_to_keep=2) holds steps 1, 2; step 2's record is then damaged (2 is
         # no longer committed); M saves 3: retention must keep 3 and 1 (the two newest
         # committed steps); M's plan, on its view (3, 2, 1), keeps 3 and the damaged 2 and
@@ -1726,8 +1680,7 @@ BUGS_FOUND_OPEN = [
           "acts": [["save", 0, True], ["save", 1, True], ["save", 2, True]]},
          {"op": "record", "epoch": 2, "gen": 1, "node": "solo_0", "how": "garbage"},
          {"op": "keep", "fam": "B", "slot": "B0", "acts": [["save", 3, True]]}],
-        id="kept-manager-retention-deletes-a-step-it-must-keep-after-a-damaged-record",
-        marks=pytest.mark.xfail(strict=True, reason=_STALE_VIEW)),
+        id="kept-manager-retention-deletes-a-step-it-must-keep-after-a-damaged-record"),
     pytest.param(  # steps 0, 1 (run 1); an async manager with max_to_keep=2 restores 0 and
         # saves 1 again (force: a new run 2 from 0); its records land; save(0) without force
         # asks latest_step() (the view is read: it holds run 2's 1 already); finishing the save
@@ -1739,20 +1692,18 @@ BUGS_FOUND_OPEN = [
          {"op": "steps", "fam": "A", "async": True, "keep_last": 2, "count": 5,
           "acts": [["restore", 0], ["save", 1, True], ["landed"], ["save", 0, False],
                    ["wait"]]}],
-        id="async-steps-retention-deletes-the-step-it-just-saved",
-        marks=pytest.mark.xfail(strict=True, reason=_ASYNC_OWN)),
+        id="async-steps-retention-deletes-the-step-it-just-saved"),
     pytest.param(  # the same from a fresh start (nothing below the step): the family is left
         # with no committed step at all
         [{"op": "steps", "fam": "B", "async": False, "count": 1, "acts": [["save", 5, True]]},
          {"op": "steps", "fam": "B", "async": True, "keep_last": 3, "count": 5,
           "acts": [["restore", 5], ["save", 3, True], ["landed"], ["save", 1, False],
                    ["wait"]]}],
-        id="async-steps-retention-deletes-every-step-after-a-fresh-start",
-        marks=pytest.mark.xfail(strict=True, reason=_ASYNC_OWN)),
+        id="async-steps-retention-deletes-every-step-after-a-fresh-start"),
 ]
 
 
-@pytest.mark.parametrize("ops", FOUND_BUGS + BUGS_FOUND_OPEN)
+@pytest.mark.parametrize("ops", FOUND_BUGS)
 def test_a_sequence_that_found_a_bug(ops):
     run_ops(ops)
 
