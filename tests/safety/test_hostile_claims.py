@@ -1,0 +1,156 @@
+"""Crafted checkpoints whose manifest claims far more than is stored (review 1aeae9c, defect 8):
+a restore must find the damage paying for what is stored, not for what is claimed.
+
+Each case commits a small checkpoint, then rewrites its group's manifest and commit record the
+way an attacker with write access to the prefix could (the digests agree; the chunk files are
+the small originals or missing), and restores it through the public API in a subprocess that
+measures itself: seconds, and its peak resident set above the RSS it had just before (``VmHWM``
+reset through ``/proc/self/clear_refs``). The restore must raise
+:class:`~caffe2ckpt.CheckpointCorruptedError` naming node, epoch and blob, within
+:data:`SECONDS` and :data:`GROWTH_MB`.
+
+At 1aeae9c (2 cores shared with other test runs, 23 GiB RAM):
+
+- ``format3-2gib``: one blob claimed at 2 GiB (128 chunks of 16 MiB, the writer's own chunking).
+  On ``memory://`` its destination was mapped with ``MAP_POPULATE`` before any chunk was looked
+  at: ~2,100 MB. Local disks reserved address space only.
+- ``format2-500k``: a storage-model-2 manifest (format 2, read for prefixes model 2 wrote) claims
+  a blob of 500,000 chunks of 4 KiB (2 GB), which ``nbytes // 4096 + 1`` allowed though model 2's
+  writer cut 16 MiB chunks: one future per chunk was submitted before the first failure was
+  looked at (tens of seconds, GBs).
+- ``format2-8tb``: the same count at the writer's chunk size, so 8 TB are claimed: the size
+  check (above a quarter of RAM) submitted one future per chunk file before looking at any.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+SECONDS = 20  # generous for a loaded 2-core machine; 1aeae9c needed 16-54 s (the review)
+GROWTH_MB = 300  # peak RSS above the RSS before the restore
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "model2" / "steps"
+
+CHILD = textwrap.dedent('''
+    import hashlib, json, os, sys, time
+    import fsspec
+    import numpy as np
+
+    kind, case, api, prefix = sys.argv[1:5]
+    FIXTURE = sys.argv[5]
+
+    def copy_fixture():
+        """The model-2 fixture's step prefix (node n, steps 2 and 3) at ``prefix``."""
+        fs, root = fsspec.core.url_to_fs(prefix)
+        for dirpath, _, files in os.walk(FIXTURE):
+            for name in files:
+                rel = os.path.relpath(os.path.join(dirpath, name), FIXTURE)
+                fs.makedirs(os.path.dirname(f"{root}/{rel}"), exist_ok=True)
+                with open(os.path.join(dirpath, name), "rb") as f:
+                    fs.pipe_file(f"{root}/{rel}", f.read())
+
+    def recommit(node, epoch, edit):
+        """Rewrite the manifest of ``node``'s group at ``epoch`` with ``edit(manifest, record)``
+        and make its commit record vouch for it (digest; nbytes as claimed)."""
+        fs, root = fsspec.core.url_to_fs(prefix)
+        group = f"{root}/{node}.{epoch}/zarr.json"
+        meta = json.loads(fs.cat_file(group))
+        (record_path,) = [p for p in fs.ls(f"{root}/_commits", detail=False)
+                          if os.path.basename(p).startswith(f"{epoch:012d}.{node}.")]
+        record = json.loads(fs.cat_file(record_path))
+        manifest = meta["attributes"]["caffe2ckpt"]
+        record["nbytes"] += edit(manifest, record)
+        raw = json.dumps(meta).encode()
+        fs.pipe_file(group, raw)
+        record["metadata"]["zarr.json"] = hashlib.sha256(raw).hexdigest()
+        fs.pipe_file(record_path, json.dumps(record).encode())
+
+    def claim(shape, rows, chunks):
+        def edit(manifest, record):
+            entry = manifest["arrays"]["w"]
+            before = int(np.prod(entry["shape"])) * np.dtype(entry["dtype"]).itemsize
+            entry.update(shape=shape, chunk_rows=rows)
+            if "crc32c" in entry:  # formats 1-2: in the manifest
+                entry["crc32c"] = [0] * chunks
+            else:  # format 3: in the record
+                record["crcs"][entry["path"]] = [0] * chunks
+            return int(np.prod(shape)) * np.dtype(entry["dtype"]).itemsize - before
+        return edit
+
+    from caffe2ckpt import (LocalSession, MultiNodeCheckpointManager, StepCheckpointManager)
+    if case == "format3-2gib":  # float64: 2**28 rows, 128 chunks of 2**21 rows (16 MiB)
+        with StepCheckpointManager(prefix, handle_preemption=False) as mgr:
+            mgr.save(3, {"n": {"w": np.ones(1 << 16), "b": np.zeros(3)}})
+        recommit("n", 3, claim([1 << 28], 1 << 21, 128))
+    else:  # the model-2 fixture's step 3: "w" is 1024 float32, one chunk
+        copy_fixture()
+        rows = 1024 if case == "format2-500k" else 4 << 20  # 4 KiB chunks, or 16 MiB ones
+        recommit("n", 3, claim([500_000 * rows], rows, 500_000))
+
+    def status(key):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(key)) // 1024
+
+    with open("/proc/self/clear_refs", "w") as f:  # VmHWM := VmRSS from here on
+        f.write("5")
+    before, start, outcome = status("VmRSS:"), time.monotonic(), {}
+    try:
+        if api == "step-restore":
+            with StepCheckpointManager(prefix, handle_preemption=False) as mgr:
+                mgr.restore(3)
+        else:  # the Caffe2 way: init with the epoch, then load it
+            session, cm = LocalSession(), MultiNodeCheckpointManager(prefix)
+            session.run(cm.init(["n"], retrieve_from_epoch=3))
+            session.run(cm.load(3))
+    except Exception as exc:
+        outcome.update(error=type(exc).__name__, message=str(exc)[:400],
+                       node=getattr(exc, "node", None), epoch=getattr(exc, "epoch", None),
+                       blob=getattr(exc, "blob", None))
+    outcome.update(seconds=round(time.monotonic() - start, 2), rss_before_mb=before,
+                   growth_mb=status("VmHWM:") - before)
+    print("RESULT " + json.dumps(outcome), flush=True)
+''')
+
+
+def restore_in_child(kind: str, case: str, api: str, tmp_path: Path) -> dict:
+    """Craft ``case`` on a ``kind`` prefix and restore it with ``api`` in a subprocess; its
+    measured outcome. It is killed after 4 * :data:`SECONDS` (1aeae9c could take minutes)."""
+    prefix = "memory://hostile/ckpt" if kind == "memory" else str(tmp_path / "ckpt")
+    repo = Path(__file__).resolve().parents[2]
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", CHILD, kind, case, api, prefix, str(FIXTURE)],
+            capture_output=True, text=True, cwd=repo, timeout=4 * SECONDS,
+            env={**os.environ, "PYTHONPATH": str(repo)})
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{case} on {kind}: no outcome within {4 * SECONDS} s")
+    results = [json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines()
+               if line.startswith("RESULT ")]
+    assert results, f"exit {proc.returncode}: {proc.stderr[-3000:]}"
+    print(f"[{kind}] {case} ({api}): {json.dumps(results[0])}")
+    return results[0]
+
+
+CASES = ["format3-2gib", "format2-500k", "format2-8tb"]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")
+@pytest.mark.parametrize("api", ["step-restore", "load"])
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("kind", ["memory", "local"])
+def test_a_crafted_claim_is_corruption_found_at_the_cost_of_what_is_stored(kind, case, api,
+                                                                           tmp_path):
+    outcome = restore_in_child(kind, case, api, tmp_path)
+    assert outcome.get("error") == "CheckpointCorruptedError", outcome
+    assert (outcome["node"], outcome["epoch"], outcome["blob"]) == ("n", 3, "w"), outcome
+    assert "'n'" in outcome["message"] and "epoch 3" in outcome["message"], outcome
+    assert "'w'" in outcome["message"], outcome
+    assert outcome["seconds"] < SECONDS, outcome
+    assert outcome["growth_mb"] < GROWTH_MB, outcome
