@@ -87,7 +87,6 @@ __all__ = [
     "open_dir",
     "open_entry",
     "open_regular",
-    "populate",
     "read_into",
     "start_writeback",
 ]
@@ -128,10 +127,6 @@ _syscall = _libc_function("syscall", ctypes.c_long, ctypes.c_long, ctypes.c_int,
                           ctypes.c_void_p, ctypes.c_uint)
 _SYS_CACHESTAT = 451  # Linux >= 6.5; one number on every architecture with the unified table
 _cachestat_missing = False  # set once the kernel answered ENOSYS
-_madvise = _libc_function("madvise", ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t,
-                          ctypes.c_int)
-_MADV_POPULATE_WRITE = 23  # Linux >= 5.14
-_populate_missing = False  # set once the kernel answered EINVAL (an older kernel)
 
 def start_writeback(fd: int) -> None:
     """Start writing the file's dirty pages to disk without waiting (no-op off Linux)."""
@@ -297,21 +292,6 @@ class SyncBatch:
                 os.close(fd)
             except OSError:
                 pass
-
-
-def populate(out: memoryview) -> None:
-    """Fault in the pages of writable buffer ``out`` (at least :data:`DIRECT_MIN_BYTES`) in one
-    call, ``MADV_POPULATE_WRITE`` (Linux >= 5.14), before it is filled with a copy: otherwise
-    the copying threads take a page fault per 4 KiB each (for W1 restored from S3 that was
-    0.80-0.86x raw's speed, against 1.01-1.04x with the pages populated at once). No-op where
-    the system lacks it; a failure only leaves the pages to fault in as they are written."""
-    global _populate_missing
-    if _madvise is None or _populate_missing or len(out) < DIRECT_MIN_BYTES:
-        return
-    start = np.frombuffer(out, np.uint8).ctypes.data
-    first = start - start % mmap.PAGESIZE
-    if _madvise(first, start + len(out) - first, _MADV_POPULATE_WRITE) != 0:
-        _populate_missing = ctypes.get_errno() == errno.EINVAL
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:

@@ -73,7 +73,6 @@ class FsspecLocation(Location):
             raise ValueError(f"more than the {expected} bytes expected") from None
         if len(data) != expected:
             raise ValueError(f"{len(data)} bytes where {expected} were expected")
-        localio.populate(out)  # only now: the pages of what was claimed but not stored stay
         out[:] = memoryview(data)[: len(out)]
         return data[len(out):]
 

@@ -41,8 +41,9 @@ import json
 import math
 import mmap
 import os
+import threading
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import FIRST_COMPLETED, FIRST_EXCEPTION, Future, wait
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -77,17 +78,23 @@ GROUP_FILE = "zarr.json"
 DEFAULT_PACK_THRESHOLD = 64 * 1024
 # A read claiming more than this (a quarter of the machine's memory) checks every chunk file's
 # size before allocating its destination, so a crafted manifest claiming petabytes is corruption,
-# not a MemoryError. Smaller destinations are only address space until read (local reads fill
-# them as chunks arrive; copies from object stores populate a chunk's pages after its size was
-# checked), and each file's size is checked as it is read anyway; checking them first as well
-# cost W2 (256 MiB in 177 files) about 30% of its restore time.
+# not a MemoryError. Smaller local destinations are only address space until read, and each
+# file's size is checked as it is read anyway; checking them first as well cost W2 (256 MiB in
+# 177 files) about 30% of its restore time. Destinations of object stores (and memory://) of
+# _POPULATE_BYTES or more are populated when allocated: their files are checked first
+# (_prechecked).
 try:
     _PRECHECK_BYTES = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
 except (ValueError, OSError, AttributeError):  # not a POSIX system that says
     _PRECHECK_BYTES = 1 << 30
+_POPULATE_BYTES = 4 << 20  # _copy_target maps destinations this large with MAP_POPULATE
 _ALIGN = 64
 _CRC = 4
-_AHEAD = 4  # reads submitted per I/O thread ahead of the ones done (_run_bounded)
+# Reads submitted and not done at once (_run_bounded): at least this many, and 4 per I/O thread.
+# The main thread refills the window only when it gets the GIL (behind busy I/O threads, up to
+# the 5 ms switch interval), so a window of 32 starved the threads on warm restores of many
+# small files (W2 took 1.5-2x as long); 256 is as fast as submitting everything at once was.
+_WINDOW = 256
 
 
 def _wait_all(futures: list[Future[Any]]) -> None:
@@ -311,7 +318,7 @@ def read_node(
     ``crcs`` gives every chunk's CRC32C by array path (:meth:`Manifest.chunk_crcs`): a chunk
     must hold its own checksum and that one. ``metadata`` maps metadata files of the group
     (relative paths) to the SHA-256 they must have; they are read and checked together with
-    the chunks (one round of concurrent reads, submitted a few per I/O thread at a time, which
+    the chunks (one round of concurrent reads, submitted a bounded number at a time, which
     stops at the first damage). Small blobs come back as views into one buffer (disjoint,
     writable).
 
@@ -325,9 +332,10 @@ def read_node(
     with_packed = bool(manifest.packed_nbytes) and any(info.path is None for info in wanted)
     files = _Files(path, manifest, [info for info in wanted if info.path is not None],
                    with_packed, crcs)
-    if files.nbytes >= _PRECHECK_BYTES:  # before anything that large is allocated
+    least = _prechecked(location, files)
+    if least is not None:  # before anything that large is allocated, or populated
         _run_bounded(functools.partial(_check_size, location, manifest, where, span)
-                     for span in files.spans())
+                     for span in files.spans(least))
     arrays, flats = _destinations(location, manifest, wanted, with_packed)
     owners = manifest.metadata_files()
     _run_bounded(itertools.chain(
@@ -366,31 +374,62 @@ def _destinations(location: Location, manifest: Manifest, wanted: list[BlobInfo]
 
 
 def _run_bounded(calls: Iterable[Callable[[], Any]]) -> None:
-    """Run ``calls`` on the I/O threads in order, at most :data:`_AHEAD` per thread submitted
-    and not yet done. At the first failure nothing more is submitted, the calls not started are
-    cancelled and the failure (the earliest submitted, if several) is raised; calls already
-    running finish on their own. So a manifest claiming a million chunks costs what the first
-    few of them show, not a future per claimed chunk."""
-    window = _AHEAD * io_threads()
-    running: dict[Future[Any], int] = {}  # by submission order
+    """Run ``calls`` on the I/O threads in order, at most :data:`_WINDOW` (or 4 per thread)
+    submitted and not yet done. At the first failure nothing more is submitted, the calls not
+    started are cancelled and the failure (the earliest submitted, if several) is raised; calls
+    already running finish on their own. So a manifest claiming a million chunks costs what the
+    first few of them show, not a future per claimed chunk."""
+    runner = _Bounded(max(_WINDOW, 4 * io_threads()))
     for index, call in enumerate(calls):
-        if len(running) >= window:
-            _forget_done(running, FIRST_COMPLETED)
-        running[_pool().submit(call)] = index
-    _forget_done(running, FIRST_EXCEPTION)
+        if not runner.submit(index, call):
+            break
+    runner.finish()
 
 
-def _forget_done(running: dict[Future[Any], int], until: str) -> None:
-    """Wait for ``running`` (``until``: ``FIRST_COMPLETED``, or ``FIRST_EXCEPTION`` for all)
-    and drop the ones done; if one failed, cancel the rest and raise the earliest failure."""
-    done, _ = wait(running, return_when=until)
-    failed = sorted((f for f in done if f.exception() is not None), key=running.__getitem__)
-    for future in done:
-        del running[future]
-    if failed:
-        for future in running:
-            future.cancel()
-        raise failed[0].exception()  # type: ignore[misc]
+class _Bounded:
+    """Calls on the I/O threads, at most ``window`` submitted and not done (:func:`_run_bounded`):
+    a semaphore slot per call, released by the call's done-callback, which also notes its
+    failure (O(1) per call, unlike a ``wait()`` on the window per call)."""
+
+    def __init__(self, window: int) -> None:
+        self.slots = threading.Semaphore(window)
+        self.lock = threading.Lock()
+        self.pending: dict[Future[Any], int] = {}  # submitted, not done: submission order
+        self.failures: list[tuple[int, BaseException]] = []
+
+    def submit(self, index: int, call: Callable[[], Any]) -> bool:
+        """Submit ``call`` once a slot is free; False (nothing submitted) after a failure."""
+        self.slots.acquire()
+        if self.failures:
+            self.slots.release()
+            return False
+        future = _pool().submit(call)
+        with self.lock:
+            self.pending[future] = index
+        future.add_done_callback(self._done)  # at once if it is done already
+        return True
+
+    def _done(self, future: Future[Any]) -> None:
+        with self.lock:
+            index = self.pending.pop(future)
+            if not future.cancelled() and future.exception() is not None:
+                self.failures.append((index, future.exception()))  # type: ignore[arg-type]
+        self.slots.release()
+
+    def finish(self) -> None:
+        """Wait for every call, or until one failed; raise the earliest failure, if any."""
+        with self.lock:
+            pending = dict(self.pending)
+        done = set() if self.failures else wait(pending, return_when=FIRST_EXCEPTION).done
+        # a failure's callback may not have run yet when wait() returns: look at them too
+        failures = [*self.failures, *((pending[f], f.exception()) for f in done
+                                      if not f.cancelled() and f.exception() is not None)]
+        if failures:
+            with self.lock:
+                queued = list(self.pending)
+            for future in queued:
+                future.cancel()  # its callback takes the lock: not held here
+            raise min(failures, key=lambda failure: failure[0])[1]
 
 
 def _copy_target(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -398,17 +437,36 @@ def _copy_target(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     memory of its own, not ``np.empty``, which advises MADV_HUGEPAGE on allocations of 4 MiB
     and more; where the kernel's THP defrag is "madvise" (a common default) the first touch of
     such memory may compact memory synchronously (measured: ~0.5 s of system time per 256 MiB
-    restored from S3 in a process whose heap the HTTP client had fragmented). It is address
-    space only: each chunk's pages are populated in one call when its bytes have arrived and
-    their size was checked (:meth:`~caffe2ckpt.fs.location.Location.read_exact`), never for
-    what a manifest merely claims (with ``MAP_POPULATE`` a crafted claim of 2 GiB cost 2 GiB
-    before its first chunk was looked at). Local reads keep :func:`aligned_empty`: O_DIRECT
-    into huge pages costs less CPU there."""
+    restored from S3 in a process whose heap the HTTP client had fragmented). Its pages are
+    populated when it is mapped (``MAP_POPULATE``, where the OS has it): one call instead of a
+    page fault per 4 KiB taken by eight copying threads at once (W1 from S3: restore 0.80-0.86x
+    raw faulting, 1.01-1.04x populated, in one run). So it is allocated only after every chunk
+    file it is read from was found as large as the manifest says (:func:`_prechecked`).
+    ``madvise(MADV_POPULATE_WRITE)`` per chunk after its size check was tried instead and
+    dropped: memory:// W2 restores took 1.6x the CPU time. Local reads keep
+    :func:`aligned_empty`: O_DIRECT into huge pages costs less CPU there."""
     count = math.prod(shape)
     nbytes = count * dtype.itemsize
-    if nbytes < (4 << 20):
+    if nbytes < _POPULATE_BYTES:
         return np.empty(shape, dtype)
-    return np.frombuffer(mmap.mmap(-1, nbytes), dtype, count).reshape(shape)
+    if hasattr(mmap, "MAP_POPULATE"):
+        memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+                           | mmap.MAP_POPULATE)
+    else:
+        memory = mmap.mmap(-1, nbytes)
+    return np.frombuffer(memory, dtype, count).reshape(shape)
+
+
+def _prechecked(location: Location, files: _Files) -> int | None:
+    """Which chunk files to check the size of before the destinations are allocated: those of
+    arrays of at least the returned number of bytes (None: none). Every file when the claim is
+    large (:data:`_PRECHECK_BYTES`); else, on object stores and ``memory://``, the files of the
+    arrays :func:`_copy_target` populates up front, so a claim is never paid for in memory
+    before the bytes are known to be there (one ``info`` each: a HEAD on S3, a dictionary
+    lookup on ``memory://``). Local destinations are address space until read."""
+    if files.nbytes >= _PRECHECK_BYTES:
+        return 0
+    return None if location.is_local else _POPULATE_BYTES
 
 
 class _Span(NamedTuple):
@@ -463,8 +521,11 @@ class _Files:
         return sum(len(a.crcs) * (a.rows * a.row_bytes + _CRC) if self.padded
                    else a.length * a.row_bytes + len(a.crcs) * _CRC for a in self.arrays)
 
-    def spans(self) -> Iterator[_Span]:
+    def spans(self, least: int = 0) -> Iterator[_Span]:
+        """The files, one by one; only those of arrays of at least ``least`` bytes."""
         for a in self.arrays:
+            if a.length * a.row_bytes < least:
+                continue
             for i, crc in enumerate(a.crcs):
                 stop = min((i + 1) * a.rows, a.length)
                 padding = ((i + 1) * a.rows - stop) * a.row_bytes if self.padded else 0
