@@ -24,75 +24,90 @@ At 1aeae9c (2 cores shared with other test runs, 23 GiB RAM):
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import posixpath
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import fsspec
+import numpy as np
 import pytest
+
+from caffe2ckpt import CheckpointCorruptedError, StepCheckpointManager
+from tests.faultfs import FaultyFileSystem
 
 SECONDS = 20  # generous for a loaded 2-core machine; 1aeae9c needed 16-54 s (the review)
 GROWTH_MB = 300  # peak RSS above the RSS before the restore
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "model2" / "steps"
 
-CHILD = textwrap.dedent('''
-    import hashlib, json, os, sys, time
-    import fsspec
-    import numpy as np
+def copy_fixture(prefix: str) -> None:
+    """The model-2 fixture's step prefix (node ``n``, steps 2 and 3) at ``prefix``."""
+    fs, root = fsspec.core.url_to_fs(prefix)
+    for path in FIXTURE.rglob("*"):
+        if path.is_file():
+            target = f"{root}/{path.relative_to(FIXTURE).as_posix()}"
+            fs.makedirs(posixpath.dirname(target), exist_ok=True)
+            fs.pipe_file(target, path.read_bytes())
 
-    kind, case, api, prefix = sys.argv[1:5]
-    FIXTURE = sys.argv[5]
 
-    def copy_fixture():
-        """The model-2 fixture's step prefix (node n, steps 2 and 3) at ``prefix``."""
-        fs, root = fsspec.core.url_to_fs(prefix)
-        for dirpath, _, files in os.walk(FIXTURE):
-            for name in files:
-                rel = os.path.relpath(os.path.join(dirpath, name), FIXTURE)
-                fs.makedirs(os.path.dirname(f"{root}/{rel}"), exist_ok=True)
-                with open(os.path.join(dirpath, name), "rb") as f:
-                    fs.pipe_file(f"{root}/{rel}", f.read())
+def recommit(prefix: str, node: str, epoch: int, edit) -> None:
+    """Rewrite the manifest of ``node``'s group at ``epoch`` with ``edit(manifest, record)``
+    (which returns how many bytes it added to the claim) and make the commit record vouch for
+    it (digest, nbytes), as an attacker with write access could; with fsspec only."""
+    fs, root = fsspec.core.url_to_fs(prefix)
+    group = f"{root}/{node}.{epoch}/zarr.json"
+    meta = json.loads(fs.cat_file(group))
+    (record_path,) = [p for p in fs.ls(f"{root}/_commits", detail=False)
+                      if posixpath.basename(p).startswith(f"{epoch:012d}.{node}.")]
+    record = json.loads(fs.cat_file(record_path))
+    record["nbytes"] += edit(meta["attributes"]["caffe2ckpt"], record)
+    raw = json.dumps(meta).encode()
+    fs.pipe_file(group, raw)
+    record["metadata"]["zarr.json"] = hashlib.sha256(raw).hexdigest()
+    fs.pipe_file(record_path, json.dumps(record).encode())
 
-    def recommit(node, epoch, edit):
-        """Rewrite the manifest of ``node``'s group at ``epoch`` with ``edit(manifest, record)``
-        and make its commit record vouch for it (digest; nbytes as claimed)."""
-        fs, root = fsspec.core.url_to_fs(prefix)
-        group = f"{root}/{node}.{epoch}/zarr.json"
-        meta = json.loads(fs.cat_file(group))
-        (record_path,) = [p for p in fs.ls(f"{root}/_commits", detail=False)
-                          if os.path.basename(p).startswith(f"{epoch:012d}.{node}.")]
-        record = json.loads(fs.cat_file(record_path))
-        manifest = meta["attributes"]["caffe2ckpt"]
-        record["nbytes"] += edit(manifest, record)
-        raw = json.dumps(meta).encode()
-        fs.pipe_file(group, raw)
-        record["metadata"]["zarr.json"] = hashlib.sha256(raw).hexdigest()
-        fs.pipe_file(record_path, json.dumps(record).encode())
 
-    def claim(shape, rows, chunks):
-        def edit(manifest, record):
-            entry = manifest["arrays"]["w"]
-            before = int(np.prod(entry["shape"])) * np.dtype(entry["dtype"]).itemsize
-            entry.update(shape=shape, chunk_rows=rows)
-            if "crc32c" in entry:  # formats 1-2: in the manifest
-                entry["crc32c"] = [0] * chunks
-            else:  # format 3: in the record
-                record["crcs"][entry["path"]] = [0] * chunks
-            return int(np.prod(shape)) * np.dtype(entry["dtype"]).itemsize - before
-        return edit
+def claim(shape: list[int], rows: int, chunks: int):
+    """An edit making blob ``w`` claim ``shape`` in ``chunks`` chunks of ``rows`` rows, each
+    with a CRC of 0 (in the manifest for formats 1-2, in the record for format 3)."""
+    def edit(manifest: dict, record: dict) -> int:
+        entry = manifest["arrays"]["w"]
+        itemsize = np.dtype(entry["dtype"]).itemsize
+        before = int(np.prod(entry["shape"])) * itemsize
+        entry.update(shape=shape, chunk_rows=rows)
+        if "crc32c" in entry:
+            entry["crc32c"] = [0] * chunks
+        else:
+            record["crcs"][entry["path"]] = [0] * chunks
+        return int(np.prod(shape, dtype=object)) * itemsize - before
+    return edit
 
-    from caffe2ckpt import (LocalSession, MultiNodeCheckpointManager, StepCheckpointManager)
+
+def craft(prefix: str, case: str) -> None:
+    """Commit step 3 of node ``n`` under ``prefix`` and make it claim ``case`` (see the module
+    docstring). The chunk files are the originals: the first one already has the wrong size."""
     if case == "format3-2gib":  # float64: 2**28 rows, 128 chunks of 2**21 rows (16 MiB)
         with StepCheckpointManager(prefix, handle_preemption=False) as mgr:
             mgr.save(3, {"n": {"w": np.ones(1 << 16), "b": np.zeros(3)}})
-        recommit("n", 3, claim([1 << 28], 1 << 21, 128))
-    else:  # the model-2 fixture's step 3: "w" is 1024 float32, one chunk
-        copy_fixture()
-        rows = 1024 if case == "format2-500k" else 4 << 20  # 4 KiB chunks, or 16 MiB ones
-        recommit("n", 3, claim([500_000 * rows], rows, 500_000))
+        recommit(prefix, "n", 3, claim([1 << 28], 1 << 21, 128))
+        return
+    copy_fixture(prefix)  # step 3's "w": 1024 float32 in one chunk (format 2)
+    rows = 1024 if case == "format2-500k" else 4 << 20  # chunks of 4 KiB, or of 16 MiB
+    recommit(prefix, "n", 3, claim([500_000 * rows], rows, 500_000))
+
+
+CHILD = textwrap.dedent('''
+    import json, sys, time
+    from caffe2ckpt import LocalSession, MultiNodeCheckpointManager, StepCheckpointManager
+    from tests.safety.test_hostile_claims import craft
+
+    case, api, prefix = sys.argv[1:4]
+    craft(prefix, case)
 
     def status(key):
         with open("/proc/self/status") as f:
@@ -126,7 +141,7 @@ def restore_in_child(kind: str, case: str, api: str, tmp_path: Path) -> dict:
     repo = Path(__file__).resolve().parents[2]
     try:
         proc = subprocess.run(
-            [sys.executable, "-c", CHILD, kind, case, api, prefix, str(FIXTURE)],
+            [sys.executable, "-c", CHILD, case, api, prefix],
             capture_output=True, text=True, cwd=repo, timeout=4 * SECONDS,
             env={**os.environ, "PYTHONPATH": str(repo)})
     except subprocess.TimeoutExpired:
@@ -154,3 +169,21 @@ def test_a_crafted_claim_is_corruption_found_at_the_cost_of_what_is_stored(kind,
     assert "'w'" in outcome["message"], outcome
     assert outcome["seconds"] < SECONDS, outcome
     assert outcome["growth_mb"] < GROWTH_MB, outcome
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_crafted_claim_costs_file_operations_for_a_few_chunks_not_all(memory_fs, case):
+    """Counted, not timed: restoring a crafted claim (through a counting pass-through
+    filesystem over ``memory://``) looks at a bounded number of chunk files, however many are
+    claimed (500,000 here): reads and size checks are submitted a bounded window at a time and
+    stop at the first damage. At 1aeae9c the 8 TB claim checked every claimed file's size."""
+    craft("memory://hostile/ckpt", case)
+    fs = FaultyFileSystem(memory_fs)
+    with StepCheckpointManager("memory://hostile/ckpt", filesystem=fs,
+                               handle_preemption=False) as mgr:
+        fs.reset()
+        with pytest.raises(CheckpointCorruptedError) as info:
+            mgr.restore(3)
+    assert (info.value.node, info.value.epoch, info.value.blob) == ("n", 3, "w")
+    chunk_ops = [op for op in fs.log if "/n.3/w/c." in op[2]]
+    assert len(chunk_ops) <= 300, f"{len(chunk_ops)} operations on chunk files"
