@@ -102,7 +102,8 @@ _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY
 DIR_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_DIRECTORY
 _KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK:
           "a block device", stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a directory",
-          stat.S_IFLNK: "a symbolic link (checkpoint files are never read or written through symlinks)"}
+          stat.S_IFLNK: "a symbolic link (checkpoint files are never read or written through "
+                        "symlinks)"}
 
 
 def _libc_function(name: str, restype: Any, *argtypes: Any) -> Any:

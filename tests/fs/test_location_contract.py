@@ -112,6 +112,19 @@ class LocationContract:
                            if location.is_local else [])
 
 
+LOCAL_WRITES = {  # every LocalLocation write, into directory d
+    "makedirs": lambda loc, d: loc.makedirs(f"{d}/sub"),
+    "makedirs+batch": lambda loc, d: loc.makedirs(f"{d}/sub", batch=loc.sync_batch()),
+    "create_exclusive": lambda loc, d: loc.create_exclusive(f"{d}/r.json", b"r"),
+    "create_group": lambda loc, d: loc.create_group(f"{d}/g", "zarr.json", b"{}",
+                                                    batch=loc.sync_batch()),
+    "replace_file": lambda loc, d: loc.replace_file(f"{d}/h.json", b"h"),
+    "write_file": lambda loc, d: loc.write_file(f"{d}/c.0", [b"c"]),
+    "write_file+batch": lambda loc, d: loc.write_file(f"{d}/c.0", [b"c"],
+                                                      batch=loc.sync_batch()),
+}
+
+
 class TestLocal(LocationContract):
     expected_class = LocalLocation
 
@@ -122,19 +135,7 @@ class TestLocal(LocationContract):
     def test_dot_segments_resolve_like_the_os(self, tmp_path):
         assert Location(str(tmp_path / "a" / ".." / "b")).root == str(tmp_path / "b")
 
-    WRITES = {
-        "makedirs": lambda loc, d: loc.makedirs(f"{d}/sub"),
-        "makedirs+batch": lambda loc, d: loc.makedirs(f"{d}/sub", batch=loc.sync_batch()),
-        "create_exclusive": lambda loc, d: loc.create_exclusive(f"{d}/r.json", b"r"),
-        "create_group": lambda loc, d: loc.create_group(f"{d}/g", "zarr.json", b"{}",
-                                                        batch=loc.sync_batch()),
-        "replace_file": lambda loc, d: loc.replace_file(f"{d}/h.json", b"h"),
-        "write_file": lambda loc, d: loc.write_file(f"{d}/c.0", [b"c"]),
-        "write_file+batch": lambda loc, d: loc.write_file(f"{d}/c.0", [b"c"],
-                                                          batch=loc.sync_batch()),
-    }
-
-    @pytest.mark.parametrize("write", list(WRITES))
+    @pytest.mark.parametrize("write", list(LOCAL_WRITES))
     @pytest.mark.parametrize("link", ["_commits", "n.1/w"])
     def test_writes_never_follow_a_symlink_below_the_prefix(self, location, tmp_path, link,
                                                             write):
@@ -145,7 +146,7 @@ class TestLocal(LocationContract):
         location.makedirs(location.path("n.1"))
         os.symlink(outside, location.path(link))
         with pytest.raises(OSError) as info:
-            self.WRITES[write](location, location.path(link))
+            LOCAL_WRITES[write](location, location.path(link))
         assert info.value.errno == errno.ELOOP
         assert f"{location.path(link)} is a symbolic link" in str(info.value), str(info.value)
         assert list(outside.iterdir()) == []

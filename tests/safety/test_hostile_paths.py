@@ -76,9 +76,9 @@ def test_warned_saves_through_a_symlinked_directory_write_nothing_outside(linked
 @pytest.mark.parametrize("link", LINKS)
 def test_a_step_manager_saving_through_a_symlinked_directory_fails_naming_it(linked, link):
     prefix, outside = linked(link)
-    with StepCheckpointManager(str(prefix), handle_preemption=False) as mgr:
-        with pytest.raises(CheckpointWriteError) as info:
-            mgr.save(0, {"n": {"w": np.arange(100_000.0)}})
+    with StepCheckpointManager(str(prefix), handle_preemption=False) as mgr, \
+            pytest.raises(CheckpointWriteError) as info:
+        mgr.save(0, {"n": {"w": np.arange(100_000.0)}})
     assert f"{prefix / link} is a symbolic link" in str(info.value), str(info.value)
     assert everything(outside) == []
 
