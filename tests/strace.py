@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import posixpath
 import re
 
 CALL = re.compile(r"^(?P<pid>\d+)\s+(?:(?P<name>\w+)\((?P<args>.*?)(?: <unfinished \.\.\.>|\) += "
                   r"(?P<ret>.*))$|<\.\.\. (?P<rname>\w+) resumed>.*\) += (?P<rret>.*)$)")
-QUOTED = re.compile(r'"((?:[^"\\]|\\.)*)"')  # the quoted paths of a call's arguments
 FD_PATH = re.compile(r"^-?\d+<(?P<path>.*)>$")  # a descriptor as ``-y`` shows it: 3</a/b>
+# a quoted path, with the directory descriptor before it if any: 3</a>, "b" or AT_FDCWD</c>, "/d"
+_AT_PATH = re.compile(r'(?:(?:-?\d+|AT_FDCWD)<(?P<dir>[^>]*)>,\s*)?"(?P<name>(?:[^"\\]|\\.)*)"')
+
+
+def call_paths(args: str) -> list[str]:
+    """The paths a call's arguments name, each relative one resolved against the directory
+    descriptor before it: ``mkdirat(3</a>, "b", 0777)`` names ``/a/b``, ``mkdir("/a/b")`` and
+    ``renameat(3</a>, "t", 3</a>, "n")`` name ``/a/t`` and ``/a/n``."""
+    return [posixpath.join(m["dir"] or "", m["name"]) for m in _AT_PATH.finditer(args)]
 
 
 def trace_events(log: str) -> list[dict]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["IO_THREADS", "check_io_threads", "pool", "set_io_threads"]
+__all__ = ["IO_THREADS", "check_io_threads", "io_threads", "pool", "set_io_threads"]
 
 IO_THREADS = 8
 _threads = IO_THREADS
@@ -41,3 +41,8 @@ def _pool_of(threads: int) -> ThreadPoolExecutor:
 def pool() -> ThreadPoolExecutor:
     """This process's chunk I/O threads."""
     return _pool_of(_threads)
+
+
+def io_threads() -> int:
+    """How many threads :func:`pool` has."""
+    return _threads

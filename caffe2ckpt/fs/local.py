@@ -15,7 +15,13 @@ fsync'ed; a group's path is taken by ``mkdir``.
 Reads: a file is read only if it is a regular file reached without following a symlink below the
 prefix (:func:`caffe2ckpt.fs.localio.open_regular`); a FIFO, device, socket or symlink there is
 refused as ``ValueError`` naming the file, which callers report as corruption of the checkpoint
-that holds it. Deletes never follow a symbolic link either.
+that holds it. Writes take the same walk (:func:`caffe2ckpt.fs.localio.open_dir`): every
+directory, file, temp file and link below the prefix is made relative to a descriptor of its
+directory, reached from the prefix without following a symlink, so a symlinked ``_commits/``,
+``_runs/``, ``_hints/`` or group directory fails the write with an ``OSError`` (``ELOOP``) naming
+it as a read of it would, and nothing is written outside the prefix. The prefix itself, and what
+is above it, may be reached through symlinks: the user chose it. Deletes never follow a
+symbolic link either.
 """
 
 from __future__ import annotations
@@ -107,80 +113,105 @@ class LocalLocation(Location):
     # -- writes ----------------------------------------------------------------------------------
 
     def makedirs(self, path: str, *, batch: localio.SyncBatch | None = None) -> list[str]:
-        missing, parent = [], path
-        while parent and not os.path.exists(parent):
-            missing.append(parent)
-            parent = os.path.dirname(parent)
-        created = []
-        for directory in reversed(missing):  # fails as os.makedirs does (ENOTDIR, EACCES, ...)
-            try:
-                os.mkdir(directory)
-                created.append(directory)
-            except FileExistsError:  # created meanwhile by someone else
-                pass
-        if not os.path.isdir(path):
-            # not FileExistsError: callers retry an exclusive create on that
-            raise NotADirectoryError(errno.ENOTDIR, "exists and is not a directory", path)
-        _sync_dirs([posixpath.dirname(d) for d in created], batch)
+        if not path.startswith(f"{self.root.rstrip('/')}/"):  # the prefix or above: the user's
+            return _makedirs_plain(path, batch)
+        fd, created = self._open_dir(path, batch)
+        if batch is None or not batch.keep_dir(path, fd):  # kept: the save writes files there
+            os.close(fd)
         return created
+
+    def _open_dir(self, path: str, batch: localio.SyncBatch | None) -> tuple[int, list[str]]:
+        """Open directory ``path`` (the prefix or under it), making it and its missing parents
+        durably as :meth:`makedirs` does, following no symlink below the prefix: the walk reads
+        take (:func:`localio.open_dir`). Returns the descriptor and the directories made.
+
+        Raises:
+            OSError: a part of the path below the prefix is a symlink or not a directory.
+        """
+        made: list[str] = []  # by the walk
+        try:
+            fd = _walk(path, self.root, made)
+        except FileNotFoundError:  # the prefix is missing: made as the user named it
+            prefix = _makedirs_plain(self.root, batch)
+            fd = _walk(path, self.root, made)
+        else:
+            prefix = []
+        _sync_dirs([posixpath.dirname(d) for d in made], batch)
+        return fd, prefix + made
 
     def create_exclusive(self, path: str, data: bytes, *,
                          batch: localio.SyncBatch | None = None) -> None:
-        directory = posixpath.dirname(path)
-        self.makedirs(directory, batch=batch)
-        tmp = posixpath.join(directory, f".tmp-{uuid.uuid4().hex}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        directory, name = posixpath.split(path)
+        dir_fd, _ = self._open_dir(directory, batch)
         try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.link(tmp, path)  # fails with FileExistsError if a record is already there
+            tmp = f".tmp-{uuid.uuid4().hex}"
+            fd = _open_at(dir_fd, f"{directory}/{tmp}", _CREATE | os.O_EXCL, 0o644)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                try:  # FileExistsError if a record is already there
+                    os.link(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd,
+                            follow_symlinks=False)
+                except OSError as exc:
+                    raise localio.named(exc, path) from None
+            finally:
+                os.unlink(tmp, dir_fd=dir_fd)
+            _sync_dir(directory, dir_fd, batch)
         finally:
-            os.unlink(tmp)
-        _sync_dirs([directory], batch)
+            os.close(dir_fd)
 
     def create_group(self, path: str, first: str, data: bytes, *,
                      batch: localio.SyncBatch | None = None) -> None:
         """The directory itself must be new (``mkdir``): a leftover directory of an
-        interrupted writer or a removal in progress is never shared."""
-        self.makedirs(posixpath.dirname(path), batch=batch)
-        os.mkdir(path)  # FileExistsError: taken
-        _sync_dirs([posixpath.dirname(path), path], batch)
-        self.write_file(f"{path}/{first}", [data], batch=batch, exclusive=True)
+        interrupted writer or a removal in progress is never shared; a symlink there is
+        taken too (``mkdir`` does not follow it)."""
+        parent, name = posixpath.split(path)
+        parent_fd, _ = self._open_dir(parent, batch)
+        try:
+            try:
+                os.mkdir(name, 0o777, dir_fd=parent_fd)  # FileExistsError: taken
+            except OSError as exc:
+                raise localio.named(exc, path) from None
+            group_fd = _open_at(parent_fd, path, localio.DIR_FLAGS)
+        finally:
+            os.close(parent_fd)
+        try:
+            _sync_dirs([parent, path], batch)
+            _write_at(group_fd, f"{path}/{first}", [data], batch, os.O_EXCL)
+        finally:
+            os.close(group_fd)
 
     def replace_file(self, path: str, data: bytes) -> None:
-        directory = posixpath.dirname(path)
-        self.makedirs(directory)
-        tmp = posixpath.join(directory, f".tmp-{uuid.uuid4().hex}")
+        directory, name = posixpath.split(path)
+        dir_fd, _ = self._open_dir(directory, None)
         try:
-            self.write_file(tmp, [data], exclusive=True)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
-        localio.fsync_dir(directory)
+            tmp = f".tmp-{uuid.uuid4().hex}"
+            try:
+                _write_at(dir_fd, f"{directory}/{tmp}", [data], None, os.O_EXCL)
+                try:
+                    os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+                except OSError as exc:
+                    raise localio.named(exc, path) from None
+            except BaseException:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp, dir_fd=dir_fd)
+                raise
+            _sync_dir(directory, dir_fd, None)
+        finally:
+            os.close(dir_fd)
 
     def write_file(self, path: str, buffers: list[Any], *,
                    batch: localio.SyncBatch | None = None, exclusive: bool = False) -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else os.O_TRUNC),
-                     0o644)
+        directory = posixpath.dirname(path)
+        kept = None if batch is None else batch.kept_dir(directory)  # walked by makedirs
+        dir_fd = _walk(directory, self.root) if kept is None else kept  # parents must exist
         try:
-            for buf in buffers:
-                view = memoryview(buf).cast("B")
-                while view:
-                    view = view[os.write(fd, view):]
-        except BaseException:
-            os.close(fd)
-            raise
-        if batch is not None:
-            batch.add_file(path, fd)  # the batch owns the descriptor now
-            return
-        try:
-            localio.fdatasync(fd)
+            _write_at(dir_fd, path, buffers, batch, os.O_EXCL if exclusive else os.O_TRUNC)
         finally:
-            os.close(fd)
+            if kept is None:
+                os.close(dir_fd)
 
     def sync_batch(self) -> localio.SyncBatch:
         return localio.SyncBatch()
@@ -213,6 +244,80 @@ class LocalLocation(Location):
             with contextlib.suppress(FileNotFoundError, OSError):
                 os.rmdir(sub)  # ENOTEMPTY: something unnamed is there; it stays
         localio.fsync_dir(posixpath.dirname(directory))
+
+
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW  # a symlink at the name is refused (ELOOP)
+
+
+def _walk(path: str, root: str, created: list[str] | None = None) -> int:
+    """:func:`localio.open_dir` for a write: a refused part of the path is an ``OSError``
+    (a write that cannot be done, as callers of writes expect) naming it."""
+    try:
+        return localio.open_dir(path, root, created=created)
+    except localio.RefusedPathError as exc:
+        raise OSError(exc.errno, str(exc)) from None
+
+
+def _open_at(dir_fd: int, path: str, flags: int, mode: int = 0o777) -> int:
+    """Open (or create) ``path``, the entry of directory ``dir_fd`` named by its last part,
+    with ``flags`` (which include ``O_NOFOLLOW``); a refusal is an ``OSError`` as in
+    :func:`_walk`."""
+    try:
+        return localio.open_entry(dir_fd, posixpath.basename(path), flags, path, mode)
+    except localio.RefusedPathError as exc:
+        raise OSError(exc.errno, str(exc)) from None
+
+
+def _write_at(dir_fd: int, path: str, buffers: list[Any], batch: localio.SyncBatch | None,
+              mode: int) -> None:
+    """Write the concatenation of ``buffers`` to file ``path``, created in directory
+    ``dir_fd`` (``mode``: ``O_EXCL`` or ``O_TRUNC``), durably: ``fdatasync``'ed before this
+    returns, or with ``batch`` handed over open for its flush."""
+    fd = _open_at(dir_fd, path, _CREATE | mode, 0o644)
+    try:
+        for buf in buffers:
+            view = memoryview(buf).cast("B")
+            while view:
+                view = view[os.write(fd, view):]
+    except BaseException:
+        os.close(fd)
+        raise
+    if batch is not None:
+        batch.add_file(path, fd)  # the batch owns the descriptor now
+        return
+    try:
+        localio.fdatasync(fd)
+    finally:
+        os.close(fd)
+
+
+def _makedirs_plain(path: str, batch: localio.SyncBatch | None) -> list[str]:
+    """Create directory ``path`` and its missing parents by their paths, following symlinks
+    (the prefix and above it: the user named them), durably (:meth:`LocalLocation.makedirs`)."""
+    missing, parent = [], path
+    while parent and not os.path.exists(parent):
+        missing.append(parent)
+        parent = os.path.dirname(parent)
+    created = []
+    for directory in reversed(missing):  # fails as os.makedirs does (ENOTDIR, EACCES, ...)
+        try:
+            os.mkdir(directory)
+            created.append(directory)
+        except FileExistsError:  # created meanwhile by someone else
+            pass
+    if not os.path.isdir(path):
+        # not FileExistsError: callers retry an exclusive create on that
+        raise NotADirectoryError(errno.ENOTDIR, "exists and is not a directory", path)
+    _sync_dirs([posixpath.dirname(d) for d in created], batch)
+    return created
+
+
+def _sync_dir(path: str, fd: int, batch: localio.SyncBatch | None) -> None:
+    """fsync directory ``path``, open as ``fd``, now, or hand it to ``batch``."""
+    if batch is not None:
+        batch.add_dirs([path])
+        return
+    os.fsync(fd)
 
 
 def _sync_dirs(dirs: list[str], batch: localio.SyncBatch | None) -> None:

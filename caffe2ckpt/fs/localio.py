@@ -76,11 +76,16 @@ import numpy as np
 __all__ = [
     "DIRECT_ALIGN",
     "DIRECT_MIN_BYTES",
+    "DIR_FLAGS",
     "MAX_PENDING",
+    "RefusedPathError",
     "SyncBatch",
     "aligned_empty",
     "fdatasync",
     "fsync_dir",
+    "named",
+    "open_dir",
+    "open_entry",
     "open_regular",
     "read_into",
     "start_writeback",
@@ -94,10 +99,11 @@ _SYNC_FILE_RANGE_WRITE = 2  # <fcntl.h>: start write-out of dirty pages not yet 
 _no_direct_devices: set[int] = set()  # st_dev of filesystems that refused O_DIRECT
 # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY
-_DIR_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_DIRECTORY
+DIR_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_DIRECTORY
 _KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK:
           "a block device", stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a directory",
-          stat.S_IFLNK: "a symbolic link (checkpoint files are never read through symlinks)"}
+          stat.S_IFLNK: "a symbolic link (checkpoint files are never read or written through "
+                        "symlinks)"}
 
 
 def _libc_function(name: str, restype: Any, *argtypes: Any) -> Any:
@@ -157,6 +163,7 @@ def _max_pending() -> int:
 
 
 MAX_PENDING = _max_pending()  # written files waiting for their flush, in the whole process
+_KEPT_DIRS = MAX_PENDING // 4  # directory descriptors one batch keeps open (16 to 256)
 _pending_lock = threading.Lock()  # guards every batch's queue and the count
 _pending_count = 0
 
@@ -187,12 +194,16 @@ class SyncBatch:
     """The files and directories one save wrote, made durable together (the module's rule).
 
     Thread-safe: files are added from the writing threads. Use each batch once: :meth:`sync`
-    when everything is written, or :meth:`close` to give up (a failed save).
+    when everything is written, or :meth:`close` to give up (a failed save). It also keeps
+    descriptors of the directories the save writes files into (:meth:`keep_dir`), so each
+    file is created with one ``openat`` in its directory instead of a walk from the prefix;
+    both close them.
     """
 
     def __init__(self) -> None:
         self._files: deque[tuple[str, int]] = deque()  # (path, fd) in the order written
         self._dirs: dict[str, None] = {}
+        self._kept: dict[str, int] = {}  # directory descriptors kept for writes into them
 
     def add_file(self, path: str, fd: int) -> None:
         """Take over ``fd``, the descriptor file ``path`` was just written through: start its
@@ -218,13 +229,31 @@ class SyncBatch:
         with _pending_lock:
             self._dirs.update(dict.fromkeys(paths))
 
+    def keep_dir(self, path: str, fd: int) -> bool:
+        """Keep ``fd``, a descriptor of directory ``path`` (reached by :func:`open_dir`'s walk),
+        for this batch's writes into it (:meth:`kept_dir`: one ``openat`` per file, no walk),
+        until :meth:`sync` or :meth:`close` closes it. False when it is not kept (one is
+        already, or :data:`_KEPT_DIRS` are): the caller closes it."""
+        with _pending_lock:
+            if path in self._kept or len(self._kept) >= _KEPT_DIRS:
+                return False
+            self._kept[path] = fd
+            return True
+
+    def kept_dir(self, path: str) -> int | None:
+        """The descriptor kept for directory ``path``, if any (open until the batch ends)."""
+        return self._kept.get(path)  # one dict lookup: atomic, no lock needed
+
     def _take(self) -> tuple[list[tuple[str, int]], list[str]]:
         global _pending_count
         with _pending_lock:
-            files, dirs = list(self._files), list(self._dirs)
+            files, dirs, kept = list(self._files), list(self._dirs), list(self._kept.values())
             self._files.clear()
             self._dirs.clear()
+            self._kept.clear()
             _pending_count -= len(files)
+        for fd in kept:  # every write into them has finished (the batch's rule)
+            os.close(fd)
         return files, dirs
 
     def sync(self, executor: Executor | None = None) -> None:
@@ -277,6 +306,103 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
+def _below(path: str, root: str) -> list[str]:
+    """The components of ``path`` below directory ``root`` ([] for ``root`` itself).
+
+    Raises:
+        ValueError: ``path`` is not ``root`` or a path under it, or has empty, ``.`` or ``..``
+            components.
+    """
+    base = root.rstrip("/") + "/"
+    if path.rstrip("/") == root.rstrip("/"):
+        return []
+    parts = path[len(base):].split("/") if path.startswith(base) else []
+    if not parts or any(p in ("", ".", "..") for p in parts):
+        raise ValueError(f"{path} is not a path under {root}")
+    return parts
+
+
+class RefusedPathError(ValueError):
+    """A part of a path below the prefix is a symlink or not what it must be (a directory, a
+    regular file). Readers report it as damage; writers as an ``OSError`` with ``errno``
+    (``ELOOP`` for a symlink, else the system's answer, e.g. ``ENOTDIR``)."""
+
+    def __init__(self, message: str, error: int) -> None:
+        super().__init__(message)
+        self.errno = error
+
+
+def _refusal(fd: int, name: str, shown: str, error: int) -> RefusedPathError:
+    """Why entry ``name`` of directory ``fd`` (shown as ``shown``) cannot be passed through
+    (``error``: what the open said; a symlink is ``ELOOP`` whatever it said)."""
+    mode = os.lstat(name, dir_fd=fd).st_mode
+    return RefusedPathError(f"{shown} is {_KINDS.get(stat.S_IFMT(mode), 'not a directory')}",
+                            errno.ELOOP if stat.S_ISLNK(mode) else error)
+
+
+def open_entry(fd: int, name: str, flags: int, shown: str, mode: int = 0o777) -> int:
+    """Open (or create, with ``mode``) entry ``name`` of directory ``fd`` with ``flags``,
+    which include ``O_NOFOLLOW``; return the descriptor.
+
+    Raises:
+        RefusedPathError: the entry is a symlink, or not a directory where ``flags`` ask for
+            one (the message names it as ``shown``).
+    """
+    try:
+        return os.open(name, flags, mode, dir_fd=fd)
+    except OSError as exc:  # ELOOP: a symlink; ENOTDIR: not a directory; ENXIO: socket
+        if exc.errno not in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK, errno.ENXIO):
+            raise named(exc, shown) from None
+        raise _refusal(fd, name, shown, exc.errno) from None
+
+
+def named(exc: OSError, path: str) -> OSError:
+    """``exc`` (of a call relative to a directory descriptor) naming the whole ``path``: the
+    same class (``FileNotFoundError``, ``PermissionError`` ...) and errno."""
+    return OSError(exc.errno, exc.strerror, path)
+
+
+def open_dir(path: str, root: str, *, created: list[str] | None = None) -> int:
+    """Open directory ``path`` (``root`` or below it), following no symlink below ``root``;
+    return the descriptor. ``root`` itself may be reached through symlinks (the user chose
+    it), and must exist. With ``created`` (a list), missing directories below ``root`` are
+    made on the way (each by ``mkdirat`` in its parent's descriptor) and appended to it,
+    outermost first; their parents' entries are the caller's to flush.
+
+    Raises:
+        FileNotFoundError: ``root``, or (without ``created``) some part of the path, does not
+            exist.
+        RefusedPathError: a part of the path below ``root`` is a symlink or not a directory
+            (the message names it).
+        ValueError: ``path`` is not under ``root``.
+    """
+    parts = _below(path, root)
+    shown = root.rstrip("/")
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for name in parts:
+            shown = f"{shown}/{name}"
+            try:
+                child = open_entry(fd, name, DIR_FLAGS, shown)
+            except FileNotFoundError:
+                if created is None:
+                    raise
+                try:
+                    os.mkdir(name, 0o777, dir_fd=fd)
+                    created.append(shown)
+                except FileExistsError:  # made meanwhile by another writer
+                    pass
+                except OSError as exc:  # EACCES, ENOSPC, ...
+                    raise named(exc, shown) from None
+                child = open_entry(fd, name, DIR_FLAGS, shown)
+            os.close(fd)
+            fd = child
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def open_regular(path: str, root: str | None = None) -> int:
     """Open regular file ``path`` for reading, following no symlink in the part of the path
     below directory ``root`` (default: the file's own directory); return the descriptor.
@@ -287,24 +413,15 @@ def open_regular(path: str, root: str | None = None) -> int:
             file (a FIFO, device, socket, directory). The message names the part, nothing more.
     """
     root = posixpath.dirname(path) if root is None else root
-    base = root.rstrip("/") + "/"
-    parts = path[len(base):].split("/") if path.startswith(base) else []
-    if not parts or any(p in ("", ".", "..") for p in parts):
+    if not _below(path, root):
         raise ValueError(f"{path} is not a file path under {root}")
-    fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY)
+    directory, name = posixpath.split(path)
+    dir_fd = open_dir(directory, root)
     try:
-        for i, name in enumerate(parts):
-            last = i == len(parts) - 1
-            try:
-                child = os.open(name, _FILE_FLAGS if last else _DIR_FLAGS, dir_fd=fd)
-            except OSError as exc:  # ELOOP: a symlink; ENOTDIR: not a directory; ENXIO: socket
-                if exc.errno not in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK, errno.ENXIO):
-                    raise
-                mode = os.lstat(name, dir_fd=fd).st_mode
-                what = _KINDS.get(stat.S_IFMT(mode), "not a directory")
-                raise ValueError(f"{base}{'/'.join(parts[:i + 1])} is {what}") from None
-            os.close(fd)
-            fd = child
+        fd = open_entry(dir_fd, name, _FILE_FLAGS, path)
+    finally:
+        os.close(dir_fd)
+    try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             raise ValueError(f"{path} is {_KINDS.get(stat.S_IFMT(mode), 'not a regular file')}, "

@@ -190,7 +190,9 @@ class Location:
         raise NotImplementedError
 
     def read_exact(self, path: str, out: memoryview, trailer: int) -> bytes:
-        """Read file ``path`` into ``out`` and return its last ``trailer`` bytes.
+        """Read file ``path`` into ``out`` and return its last ``trailer`` bytes. Nothing is
+        written into ``out`` (so none of its pages is touched) before the file's size is known
+        to be ``len(out) + trailer``.
 
         Raises:
             CheckpointNotFoundError: no such file.

@@ -12,7 +12,9 @@ It is stored as ``attributes["caffe2ckpt"]`` of the node's Zarr group::
 Format 3 (storage model 3) is written before any chunk, so it holds no checksums: the commit
 record keeps every chunk's CRC32C. Its chunk sizes must be exactly the ones the writer chooses
 (:func:`chunk_rows`), so a crafted manifest cannot claim millions of tiny chunks. Formats 1 and 2
-hold the CRCs (``"crc32c"``); their chunk counts are bounded by the bytes they hold.
+hold the CRCs (``"crc32c"``); an array of theirs may have no more chunks than their writers gave
+it (:func:`_legacy_chunks`): format 1 cut rows into chunks of at most :data:`CHUNK_BYTES`, format
+2 chose :func:`chunk_rows` as format 3 does.
 
 Large blobs are listed by name under ``arrays``; small ones are columns under ``packed`` (ten
 thousand tiny blobs must not cost ten thousand JSON objects). Pure data: no I/O, no zarr.
@@ -39,18 +41,27 @@ import numpy as np
 from caffe2ckpt.fs.localio import DIRECT_ALIGN
 
 __all__ = ["CHUNK_BYTES", "FORMAT_VERSION", "MAX_BLOB_BYTES", "PACKED_ARRAY", "BlobInfo",
-           "Manifest", "chunk_keys", "chunk_rows", "itemsize", "stored_spec"]
+           "BlobManifestError", "Manifest", "chunk_key", "chunk_keys", "chunk_rows", "itemsize",
+           "stored_spec"]
 
 FORMAT_VERSION = 3
 _READABLE_FORMATS = frozenset({1, 2, 3})
 CHUNK_BYTES = 16 * 1024 * 1024
-_LEGACY_MIN_CHUNK = 4096  # formats 1-2: no chunk is smaller, except an array's only one
 PACKED_ARRAY = "_packed"
 _KINDS = frozenset("biufcSU")
 # an array path is one segment made by naming.blob_path: never "/", never "." or ".."
 _SEGMENT = re.compile(r"[A-Za-z0-9_.%~-]{1,200}")
 MAX_BLOB_BYTES = 2**62  # also bounds each axis: numpy refuses sizes near 2**63
 _MAX_NDIM = 64 if np.lib.NumpyVersion(np.__version__) >= "2.0.0" else 32  # NPY_MAXDIMS
+
+
+class BlobManifestError(ValueError):
+    """The manifest's entry of one blob (``blob``: its name, or :data:`PACKED_ARRAY`) is not
+    one its writer could have made."""
+
+    def __init__(self, message: str, blob: str) -> None:
+        super().__init__(message)
+        self.blob = blob
 
 
 @functools.lru_cache(maxsize=256)
@@ -170,7 +181,7 @@ class Manifest:
             raise ValueError("two arrays share a path")
         if nbytes and not 0 < chunk <= nbytes:
             raise ValueError(f"bad packed chunk size {chunk} for {nbytes} bytes")
-        _check_chunks("the packed array", (nbytes,), 1, chunk, version)
+        _check_chunks(PACKED_ARRAY, "the packed array", (nbytes,), 1, chunk, version)
         packed_crcs = (_crcs(columns["crc32c"], _ceil_div(nbytes, chunk) if nbytes else 0)
                        if version < 3 else ())
         return cls(node=str(data["node"]), epoch=int(data["epoch"]),
@@ -283,26 +294,41 @@ def _array_info(name: str, entry: dict[str, Any], version: int) -> BlobInfo:
             or not 0 < info.chunk_rows <= info.shape[0]):
         raise ValueError(f"bad array entry for blob {name!r}")
     dtype, stored = stored_spec(info)
-    _check_chunks(f"blob {name!r:.80}", stored, dtype.itemsize, rows, version)
+    _check_chunks(name, f"blob {name!r:.80}", stored, dtype.itemsize, rows, version)
     if version < 3:
         info = info._replace(crcs=_crcs(entry["crc32c"], _ceil_div(shape[0], rows)))
     return info
 
 
-def _check_chunks(what: str, shape: tuple[int, ...], itemsize: int, rows: int,
+def _check_chunks(blob: str, what: str, shape: tuple[int, ...], itemsize: int, rows: int,
                   version: int) -> None:
     """Chunks are what the writer makes: exactly :func:`chunk_rows` rows in format 3; in
-    formats 1-2, no more chunks than one per 4 KiB held (plus one)."""
+    formats 1-2, no more chunks than their writers made (:func:`_legacy_chunks`).
+
+    Raises:
+        BlobManifestError: they are not.
+    """
     if not shape[0]:
         return
     if version >= 3:
         if rows != chunk_rows(shape, itemsize):
-            raise ValueError(f"{what}: {rows} rows per chunk is not the writer's "
-                             f"{chunk_rows(shape, itemsize)}")
+            raise BlobManifestError(f"{what}: {rows} rows per chunk is not the writer's "
+                                    f"{chunk_rows(shape, itemsize)}", blob)
         return
-    nbytes = itemsize * math.prod(shape)
-    if _ceil_div(shape[0], rows) > nbytes // _LEGACY_MIN_CHUNK + 1:
-        raise ValueError(f"{what}: {_ceil_div(shape[0], rows)} chunks for {nbytes} bytes")
+    most = _legacy_chunks(shape, itemsize, version)
+    if _ceil_div(shape[0], rows) > most:
+        raise BlobManifestError(f"{what}: {_ceil_div(shape[0], rows)} chunks claimed where the "
+                                f"writer of format {version} made {most}", blob)
+
+
+def _legacy_chunks(shape: tuple[int, ...], itemsize: int, version: int) -> int:
+    """How many chunks the writer of format ``version`` (1 or 2) gave an array of ``shape``:
+    format 1 (written before git ba5d572) stored ``CHUNK_BYTES // row bytes`` rows per chunk
+    (at least one), format 2 (storage model 2) :func:`chunk_rows` rows, as format 3 does."""
+    if version == 1:
+        row_bytes = itemsize * math.prod(shape[1:])
+        return _ceil_div(shape[0], max(1, min(shape[0], CHUNK_BYTES // max(row_bytes, 1))))
+    return _ceil_div(shape[0], chunk_rows(shape, itemsize))
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -343,8 +369,12 @@ def chunk_rows(shape: tuple[int, ...], itemsize: int) -> int:
                key=lambda r: (_ceil_div(n, r) * r, -r))
 
 
-def chunk_keys(ndim: int, count: int) -> list[str]:
-    """The keys of an array's ``count`` chunks along axis 0 (Zarr's default chunk key encoding
+def chunk_key(ndim: int, index: int) -> str:
+    """The key of an array's chunk ``index`` along axis 0 (Zarr's default chunk key encoding
     with the ``.`` separator: ``c.3.0`` for a 2-d array)."""
-    zeros = ".0" * (ndim - 1)
-    return [f"c.{i}{zeros}" for i in range(count)]
+    return f"c.{index}{'.0' * (ndim - 1)}"
+
+
+def chunk_keys(ndim: int, count: int) -> list[str]:
+    """The keys of an array's ``count`` chunks along axis 0 (:func:`chunk_key`)."""
+    return [chunk_key(ndim, i) for i in range(count)]

@@ -36,10 +36,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import json
 import math
 import mmap
 import os
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -56,6 +59,7 @@ from caffe2ckpt.errors import (
     StorageCredentialsError,
 )
 from caffe2ckpt.fs import localio, strictjson
+from caffe2ckpt.fs.iopool import io_threads
 from caffe2ckpt.fs.iopool import pool as _pool
 from caffe2ckpt.fs.localio import aligned_empty
 from caffe2ckpt.fs.location import Location
@@ -63,7 +67,9 @@ from caffe2ckpt.naming import blob_path
 from caffe2ckpt.store.manifest import (
     PACKED_ARRAY,
     BlobInfo,
+    BlobManifestError,
     Manifest,
+    chunk_key,
     chunk_keys,
     chunk_rows,
     stored_spec,
@@ -77,15 +83,23 @@ GROUP_FILE = "zarr.json"
 DEFAULT_PACK_THRESHOLD = 64 * 1024
 # A read claiming more than this (a quarter of the machine's memory) checks every chunk file's
 # size before allocating its destination, so a crafted manifest claiming petabytes is corruption,
-# not a MemoryError. Smaller destinations are only reserved address space until read, and each
+# not a MemoryError. Smaller local destinations are only address space until read, and each
 # file's size is checked as it is read anyway; checking them first as well cost W2 (256 MiB in
-# 177 files) about 30% of its restore time.
+# 177 files) about 30% of its restore time. Destinations of object stores (and memory://) of
+# _POPULATE_BYTES or more are populated when allocated: their files are checked first
+# (_prechecked).
 try:
     _PRECHECK_BYTES = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
 except (ValueError, OSError, AttributeError):  # not a POSIX system that says
     _PRECHECK_BYTES = 1 << 30
+_POPULATE_BYTES = 4 << 20  # _copy_target maps destinations this large with MAP_POPULATE
 _ALIGN = 64
 _CRC = 4
+# Reads submitted and not done at once (_run_bounded): at least this many, and 4 per I/O thread.
+# The main thread refills the window only when it gets the GIL (behind busy I/O threads, up to
+# the 5 ms switch interval), so a window of 32 starved the threads on warm restores of many
+# small files (W2 took 1.5-2x as long); 256 is as fast as submitting everything at once was.
+_WINDOW = 256
 
 
 def _wait_all(futures: list[Future[Any]]) -> None:
@@ -94,18 +108,6 @@ def _wait_all(futures: list[Future[Any]]) -> None:
     wait(futures)
     for future in futures:
         future.result()
-
-
-def _wait_first_failure(futures: list[Future[Any]]) -> None:
-    """Wait until every future is done or one failed; on a failure, cancel the ones not started
-    (reads stop at the first damage) and raise it."""
-    done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-    failed = next((f for f in futures if f.done() and f.exception() is not None), None)
-    if failed is None:
-        return
-    for future in futures:
-        future.cancel()
-    raise failed.exception()  # type: ignore[misc]
 
 
 @functools.lru_cache(maxsize=64)
@@ -305,9 +307,10 @@ def parse_manifest(raw: bytes, where: str, *, node: str, epoch: int) -> Manifest
     try:
         return Manifest.from_dict(strictjson.loads(raw)["attributes"][ATTRS_KEY])
     except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+        blob = exc.blob if isinstance(exc, BlobManifestError) else GROUP_FILE
         raise CheckpointCorruptedError(
             f"checkpoint {where!r} (node {node!r}, epoch {epoch}): group metadata is "
-            f"unreadable: {exc}", node=node, epoch=epoch, blob="zarr.json",
+            f"unreadable: {exc}", node=node, epoch=epoch, blob=blob,
         ) from exc
 
 
@@ -320,8 +323,9 @@ def read_node(
     ``crcs`` gives every chunk's CRC32C by array path (:meth:`Manifest.chunk_crcs`): a chunk
     must hold its own checksum and that one. ``metadata`` maps metadata files of the group
     (relative paths) to the SHA-256 they must have; they are read and checked together with
-    the chunks (one round of concurrent reads, which stops at the first damage). Small blobs
-    come back as views into one buffer (disjoint, writable).
+    the chunks (one round of concurrent reads, submitted a bounded number at a time, which
+    stops at the first damage). Small blobs come back as views into one buffer (disjoint,
+    writable).
 
     Raises:
         CheckpointCorruptedError: a chunk is missing, truncated or fails its checksum, or a
@@ -330,40 +334,107 @@ def read_node(
     blobs = manifest.blobs
     wanted = [blobs[n] for n in (blobs if names is None else names) if n in blobs]
     where = f"checkpoint {location.display(path)!r} (node {manifest.node!r}, epoch {manifest.epoch})"
-    with_packed = manifest.packed_nbytes and any(info.path is None for info in wanted)
-    spans = _spans(manifest, path, [info for info in wanted if info.path is not None],
-                   bool(with_packed), crcs)
-    if sum(span.file_bytes for span in spans) >= _PRECHECK_BYTES:
-        _wait_first_failure([_pool().submit(_check_size, location, manifest, where, span)
-                             for span in spans])
-    arrays: dict[str, np.ndarray] = {}
-    flats: dict[str, np.ndarray] = {}  # destination bytes by array path
-    empty = aligned_empty if location.is_local else _copy_target
-    for info in wanted:
-        if info.path is not None:
-            dtype, shape = stored_spec(info)
-            arrays[info.name] = data = empty(shape, dtype)
-            flats[info.path] = data.reshape(shape[0], -1).view(np.uint8)
-    flats[PACKED_ARRAY] = packed = empty(
-        (manifest.packed_nbytes if with_packed else 0,), np.dtype(np.uint8))
-    # (blob, chunk path, destination, bytes of padding after it, crc)
-    reads = [(span.blob, span.chunk, flats[span.array][span.rows], span.padding, span.crc)
-             for span in spans]
+    with_packed = bool(manifest.packed_nbytes) and any(info.path is None for info in wanted)
+    files = _Files(path, manifest, [info for info in wanted if info.path is not None],
+                   with_packed, crcs)
+    least = _prechecked(location, files)
+    if least is not None:  # before anything that large is allocated, or populated
+        _run_bounded(functools.partial(_check_size, location, manifest, where, span)
+                     for span in files.spans(least))
+    arrays, flats = _destinations(location, manifest, wanted, with_packed)
     owners = manifest.metadata_files()
-    reads.sort(key=lambda read: -read[2].nbytes)  # largest first: the disk is busy from the start
-    _wait_first_failure([
-        *(_pool().submit(_read_chunk, location, manifest, where, *read) for read in reads),
-        *(_pool().submit(_check_metadata, location, manifest, where, f"{path}/{rel}",
-                         owners.get(rel) or rel, digest)
-          for rel, digest in (metadata or {}).items())])
+    _run_bounded(itertools.chain(
+        (functools.partial(_read_chunk, location, manifest, where, span.blob, span.chunk,
+                           flats[span.array][span.rows], span.padding, span.crc)
+         for span in files.spans()),
+        (functools.partial(_check_metadata, location, manifest, where, f"{path}/{rel}",
+                           owners.get(rel) or rel, digest)
+         for rel, digest in (metadata or {}).items())))
     out: dict[str, np.ndarray] = {}
     for info in wanted:
         if info.path is not None:
             out[info.name] = _restored(arrays[info.name], info)
         else:
-            view = np.ndarray(info.shape, _dtype(info.dtype), buffer=packed, offset=info.offset)
+            view = np.ndarray(info.shape, _dtype(info.dtype), buffer=flats[PACKED_ARRAY],
+                              offset=info.offset)
             out[info.name] = np.asfortranarray(view) if info.order == "F" else view
     return out
+
+
+def _destinations(location: Location, manifest: Manifest, wanted: list[BlobInfo],
+                  with_packed: bool) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The uninitialised arrays the blobs ``wanted`` are read into, by blob name, and their
+    bytes by array path (the packed array's too: empty unless ``with_packed``)."""
+    empty = aligned_empty if location.is_local else _copy_target
+    arrays: dict[str, np.ndarray] = {}
+    flats: dict[str, np.ndarray] = {}  # destination bytes by array path
+    for info in wanted:
+        if info.path is not None:
+            dtype, shape = stored_spec(info)
+            arrays[info.name] = data = empty(shape, dtype)
+            flats[info.path] = data.reshape(shape[0], -1).view(np.uint8)
+    flats[PACKED_ARRAY] = empty((manifest.packed_nbytes if with_packed else 0,),
+                                np.dtype(np.uint8))
+    return arrays, flats
+
+
+def _run_bounded(calls: Iterable[Callable[[], Any]]) -> None:
+    """Run ``calls`` on the I/O threads in order, at most :data:`_WINDOW` (or 4 per thread)
+    submitted and not yet done. At the first failure nothing more is submitted, the calls not
+    started are cancelled and the failure (the earliest submitted, if several) is raised; calls
+    already running finish on their own. So a manifest claiming a million chunks costs what the
+    first few of them show, not a future per claimed chunk."""
+    runner = _Bounded(max(_WINDOW, 4 * io_threads()))
+    for index, call in enumerate(calls):
+        if not runner.submit(index, call):
+            break
+    runner.finish()
+
+
+class _Bounded:
+    """Calls on the I/O threads, at most ``window`` submitted and not done (:func:`_run_bounded`):
+    a semaphore slot per call, released by the call's done-callback, which also notes its
+    failure (O(1) per call, unlike a ``wait()`` on the window per call)."""
+
+    def __init__(self, window: int) -> None:
+        self.slots = threading.Semaphore(window)
+        self.lock = threading.Lock()
+        self.pending: dict[Future[Any], int] = {}  # submitted, not done: submission order
+        self.failures: list[tuple[int, BaseException]] = []
+
+    def submit(self, index: int, call: Callable[[], Any]) -> bool:
+        """Submit ``call`` once a slot is free; False (nothing submitted) after a failure."""
+        self.slots.acquire()
+        if self.failures:
+            self.slots.release()
+            return False
+        future = _pool().submit(call)
+        with self.lock:
+            self.pending[future] = index
+        future.add_done_callback(self._done)  # at once if it is done already
+        return True
+
+    def _done(self, future: Future[Any]) -> None:
+        with self.lock:
+            index = self.pending.pop(future)
+            if not future.cancelled() and future.exception() is not None:
+                self.failures.append((index, future.exception()))  # type: ignore[arg-type]
+        self.slots.release()
+
+    def finish(self) -> None:
+        """Wait for every call, or until one failed; raise the earliest failure, if any."""
+        with self.lock:
+            pending = dict(self.pending)
+        done = set() if self.failures else wait(pending, return_when=FIRST_EXCEPTION).done
+        # a failure's callback may not have run yet when wait() returns: look at them too
+        failures = [*self.failures, *((pending[f], f.exception()) for f in done
+                                      if not f.cancelled() and f.exception() is not None)]
+        if failures:
+            with self.lock:
+                queued = list(self.pending)
+            for future in queued:
+                future.cancel()  # its callback takes the lock: not held here
+            raise min(failures, key=lambda failure: failure[0])[1]
 
 
 def _copy_target(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -374,11 +445,14 @@ def _copy_target(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     restored from S3 in a process whose heap the HTTP client had fragmented). Its pages are
     populated when it is mapped (``MAP_POPULATE``, where the OS has it): one call instead of a
     page fault per 4 KiB taken by eight copying threads at once (W1 from S3: restore 0.80-0.86x
-    raw faulting, 1.01-1.04x populated, in one run). Local reads keep :func:`aligned_empty`:
-    O_DIRECT into huge pages costs less CPU there."""
+    raw faulting, 1.01-1.04x populated, in one run). So it is allocated only after every chunk
+    file it is read from was found as large as the manifest says (:func:`_prechecked`).
+    ``madvise(MADV_POPULATE_WRITE)`` per chunk after its size check was tried instead and
+    dropped: memory:// W2 restores took 1.6x the CPU time. Local reads keep
+    :func:`aligned_empty`: O_DIRECT into huge pages costs less CPU there."""
     count = math.prod(shape)
     nbytes = count * dtype.itemsize
-    if nbytes < (4 << 20):
+    if nbytes < _POPULATE_BYTES:
         return np.empty(shape, dtype)
     if hasattr(mmap, "MAP_POPULATE"):
         memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
@@ -386,6 +460,18 @@ def _copy_target(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     else:
         memory = mmap.mmap(-1, nbytes)
     return np.frombuffer(memory, dtype, count).reshape(shape)
+
+
+def _prechecked(location: Location, files: _Files) -> int | None:
+    """Which chunk files to check the size of before the destinations are allocated: those of
+    arrays of at least the returned number of bytes (None: none). Every file when the claim is
+    large (:data:`_PRECHECK_BYTES`); else, on object stores and ``memory://``, the files of the
+    arrays :func:`_copy_target` populates up front, so a claim is never paid for in memory
+    before the bytes are known to be there (one ``info`` each: a HEAD on S3, a dictionary
+    lookup on ``memory://``). Local destinations are address space until read."""
+    if files.nbytes >= _PRECHECK_BYTES:
+        return 0
+    return None if location.is_local else _POPULATE_BYTES
 
 
 class _Span(NamedTuple):
@@ -405,24 +491,51 @@ class _Span(NamedTuple):
         return (self.rows.stop - self.rows.start) * self.row_bytes + self.padding + _CRC
 
 
-def _spans(manifest: Manifest, path: str, infos: list[BlobInfo], packed: bool,
-           crcs: dict[str, tuple[int, ...]]) -> list[_Span]:
-    """The chunk files holding blobs ``infos`` (and the packed array, if ``packed``)."""
-    spans = []
-    for info in infos:
-        dtype, shape = stored_spec(info)
-        row_bytes = dtype.itemsize * math.prod(shape[1:])
-        chunks = _chunks(shape, info.chunk_rows, row_bytes, manifest.padded_edges)
-        spans += [_Span(info.name, info.path, f"{path}/{info.path}/{key}", rows, padding, crc,
-                        row_bytes)
-                  for (key, rows, padding), crc in zip(chunks, crcs[info.path])]
-    if packed:
-        chunks = _chunks((manifest.packed_nbytes,), manifest.packed_chunk, 1,
-                         manifest.padded_edges)
-        spans += [_Span(PACKED_ARRAY, PACKED_ARRAY, f"{path}/{PACKED_ARRAY}/{key}", rows,
-                        padding, crc, 1)
-                  for (key, rows, padding), crc in zip(chunks, crcs[PACKED_ARRAY])]
-    return spans
+class _Array(NamedTuple):
+    blob: str  # the blob's name, or PACKED_ARRAY
+    path: str  # in the group
+    ndim: int
+    length: int  # rows
+    rows: int  # per chunk
+    row_bytes: int
+    crcs: tuple[int, ...]  # one per chunk
+
+
+class _Files:
+    """The chunk files holding blobs ``infos`` (and the packed array, if ``packed``) of the
+    group at ``path``: their total size, and the files one by one (:meth:`spans`, generated as
+    they are read: a crafted manifest's million claimed chunks are never all in memory)."""
+
+    def __init__(self, path: str, manifest: Manifest, infos: list[BlobInfo], packed: bool,
+                 crcs: dict[str, tuple[int, ...]]) -> None:
+        self.path, self.padded = path, manifest.padded_edges
+        arrays = []
+        for info in infos:
+            dtype, shape = stored_spec(info)
+            arrays.append(_Array(info.name, info.path, len(shape), shape[0], info.chunk_rows,
+                                 dtype.itemsize * math.prod(shape[1:]), crcs[info.path]))
+        if packed:
+            arrays.append(_Array(PACKED_ARRAY, PACKED_ARRAY, 1, manifest.packed_nbytes,
+                                 manifest.packed_chunk, 1, crcs[PACKED_ARRAY]))
+        # largest chunks first: the disk is busy from the start
+        self.arrays = sorted(arrays, key=lambda a: -a.rows * a.row_bytes)
+
+    @property
+    def nbytes(self) -> int:
+        """The size of all the files together."""
+        return sum(len(a.crcs) * (a.rows * a.row_bytes + _CRC) if self.padded
+                   else a.length * a.row_bytes + len(a.crcs) * _CRC for a in self.arrays)
+
+    def spans(self, least: int = 0) -> Iterator[_Span]:
+        """The files, one by one; only those of arrays of at least ``least`` bytes."""
+        for a in self.arrays:
+            if a.length * a.row_bytes < least:
+                continue
+            for i, crc in enumerate(a.crcs):
+                stop = min((i + 1) * a.rows, a.length)
+                padding = ((i + 1) * a.rows - stop) * a.row_bytes if self.padded else 0
+                yield _Span(a.blob, a.path, f"{self.path}/{a.path}/{chunk_key(a.ndim, i)}",
+                            slice(i * a.rows, stop), padding, crc, a.row_bytes)
 
 
 def _check_size(location: Location, manifest: Manifest, where: str, span: _Span) -> None:

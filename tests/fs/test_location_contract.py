@@ -4,6 +4,8 @@ local disk behind an fsspec wrapper (the generic class), ``memory://`` and the S
 
 from __future__ import annotations
 
+import errno
+import os
 import pickle
 import time
 
@@ -119,6 +121,19 @@ class LocationContract:
                            if location.is_local else [])
 
 
+LOCAL_WRITES = {  # every LocalLocation write, into directory d
+    "makedirs": lambda loc, d: loc.makedirs(f"{d}/sub"),
+    "makedirs+batch": lambda loc, d: loc.makedirs(f"{d}/sub", batch=loc.sync_batch()),
+    "create_exclusive": lambda loc, d: loc.create_exclusive(f"{d}/r.json", b"r"),
+    "create_group": lambda loc, d: loc.create_group(f"{d}/g", "zarr.json", b"{}",
+                                                    batch=loc.sync_batch()),
+    "replace_file": lambda loc, d: loc.replace_file(f"{d}/h.json", b"h"),
+    "write_file": lambda loc, d: loc.write_file(f"{d}/c.0", [b"c"]),
+    "write_file+batch": lambda loc, d: loc.write_file(f"{d}/c.0", [b"c"],
+                                                      batch=loc.sync_batch()),
+}
+
+
 class TestLocal(LocationContract):
     expected_class = LocalLocation
 
@@ -128,6 +143,39 @@ class TestLocal(LocationContract):
 
     def test_dot_segments_resolve_like_the_os(self, tmp_path):
         assert Location(str(tmp_path / "a" / ".." / "b")).root == str(tmp_path / "b")
+
+    @pytest.mark.parametrize("write", list(LOCAL_WRITES))
+    @pytest.mark.parametrize("link", ["_commits", "n.1/w"])
+    def test_writes_never_follow_a_symlink_below_the_prefix(self, location, tmp_path, link,
+                                                            write):
+        """Writes take the reads' walk: a symlinked directory below the prefix (at any depth)
+        is refused as an OSError naming it, and nothing is written where it points."""
+        outside = tmp_path / "outside"
+        outside.mkdir()
+        location.makedirs(location.path("n.1"))
+        os.symlink(outside, location.path(link))
+        with pytest.raises(OSError) as info:
+            LOCAL_WRITES[write](location, location.path(link))
+        assert info.value.errno == errno.ELOOP
+        assert f"{location.path(link)} is a symbolic link" in str(info.value), str(info.value)
+        assert list(outside.iterdir()) == []
+
+    def test_a_file_where_a_directory_belongs_is_not_a_directory(self, location):
+        location.makedirs(location.root)
+        location.write_file(location.path("_runs"), [b"a file"])
+        with pytest.raises(NotADirectoryError, match="_runs is not a directory"):
+            location.create_exclusive(location.path("_runs", "000000000001.json"), b"{}")
+
+    def test_a_batch_keeps_directories_for_its_writes_and_closes_them(self, location):
+        before = set(os.listdir("/proc/self/fd"))
+        batch = location.sync_batch()
+        location.create_group(location.path("n.1"), "zarr.json", b"{}", batch=batch)
+        location.makedirs(location.path("n.1", "w"), batch=batch)
+        assert batch.kept_dir(location.path("n.1", "w")) is not None
+        location.write_file(location.path("n.1", "w", "c.0"), [b"c"], batch=batch)
+        location.make_durable(batch, [])
+        assert set(os.listdir("/proc/self/fd")) == before
+        assert location.read_bytes(location.path("n.1", "w", "c.0")) == b"c"
 
 
 class TestWrappedLocalDisk(LocationContract):

@@ -36,7 +36,7 @@ from caffe2ckpt.store.layout import new_save_id
 from caffe2ckpt.store.protocol import CheckpointStore, SaveInfo
 from caffe2ckpt.store.records import list_records
 from tests.stores import load
-from tests.strace import FD_PATH, QUOTED, trace_events
+from tests.strace import FD_PATH, call_paths, trace_events
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="needs /proc/self/fd (Linux)")
@@ -198,7 +198,7 @@ def test_kernel_sees_each_file_and_directory_flushed_before_the_record(tmp_path)
             if path and path["path"].startswith(under) and not path["path"].startswith(commits):
                 created_files.setdefault(path["path"], e["end"])
         if e["name"] in ("mkdir", "mkdirat") and _ok(e):  # _commits/ too: its parent's entry
-            path = QUOTED.findall(e["args"])[0]
+            path = call_paths(e["args"])[0]
             created_dirs.append(path)
             created_dirs_at[path] = e["end"]
     assert created_files and any(p.endswith("/w/c.0") for p in created_files)

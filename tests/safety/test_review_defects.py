@@ -56,7 +56,7 @@ from caffe2ckpt.errors import (
 )
 from caffe2ckpt.metadata import ZarrMetadataHandler
 from tests.safety.hookfs import HookFS, creates, reached_or_done, register, wrapped
-from tests.strace import FD_PATH, QUOTED, trace_events
+from tests.strace import FD_PATH, call_paths, trace_events
 
 # =================================================================================================
 # The two helpers that know more than the public API and the stable file names (adapt them when
@@ -119,9 +119,9 @@ def directories_not_fsynced_in_parent(log: str, top: str, marker: str) -> list[s
     def target(e: dict) -> str | None:
         """The path a call creates an entry at, if it creates one."""
         if e["name"] in ("mkdir", "mkdirat"):
-            return QUOTED.findall(e["args"])[0]
+            return call_paths(e["args"])[0]
         if e["name"] in ("link", "linkat", "rename", "renameat", "renameat2"):
-            return QUOTED.findall(e["args"])[-1]
+            return call_paths(e["args"])[-1]
         if e["name"] in ("open", "openat", "creat") and "O_CREAT" in e["args"]:
             m = FD_PATH.match(e["ret"])
             return m["path"] if m else None

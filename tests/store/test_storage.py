@@ -27,7 +27,7 @@ from caffe2ckpt.fs.location import Location
 from caffe2ckpt.naming import blob_path
 from caffe2ckpt.store import zarrgroup as storage
 from caffe2ckpt.store.layout import new_save_id
-from caffe2ckpt.store.manifest import Manifest
+from caffe2ckpt.store.manifest import BlobManifestError, Manifest, chunk_rows
 from caffe2ckpt.store.protocol import CheckpointStore, SaveInfo
 from tests.s3server import NOT_ON_S3
 from tests.stores import record_of
@@ -468,6 +468,44 @@ def test_groups_of_format_1_without_edge_padding_still_load(tmp_path):
                              old.chunk_crcs({}))["emb"].tobytes() == emb.tobytes()
     with pytest.raises(CheckpointCorruptedError, match="bytes where"):
         storage.read_node(store.location, group, manifest, manifest.chunk_crcs(record.crcs))
+
+
+def legacy_manifest(version: int, shape: tuple[int, ...], rows: int, packed: int = 0,
+                    packed_chunk: int = 0) -> dict:
+    """A format-1 or -2 manifest of one float32 blob ``w`` (``rows`` per chunk) and a packed
+    array of ``packed`` bytes (``packed_chunk`` per chunk)."""
+    chunks = -(-shape[0] // rows)
+    return {"format": version, "node": NODE, "epoch": 1, "save_id": "g1-x",
+            "arrays": {"w": {"path": "w", "dtype": "<f4", "shape": list(shape), "order": "C",
+                             "chunk_rows": rows, "crc32c": [0] * chunks}},
+            "packed": {"nbytes": packed, "chunk": packed_chunk,
+                       "crc32c": [0] * (-(-packed // packed_chunk) if packed else 0),
+                       "names": [], "dtypes": [], "shapes": [], "offsets": [], "fortran": []}}
+
+
+@pytest.mark.parametrize("version, shape, writers_rows", [
+    (1, (1 << 24,), 1 << 22),  # format 1: CHUNK_BYTES // row bytes rows per chunk
+    (1, (6001, 768), 5461),
+    (2, (1 << 24,), chunk_rows((1 << 24,), 4)),  # format 2: chunk_rows, as format 3
+    (2, (6001, 768), chunk_rows((6001, 768), 4)),
+])
+def test_legacy_manifests_claim_no_more_chunks_than_their_writer_made(version, shape,
+                                                                      writers_rows):
+    """Formats 1-2 (read for old prefixes) may claim at most the chunks their writers gave such
+    an array (review 1aeae9c, defect 8: ``nbytes // 4096 + 1`` let 2 GB claim 500,000 chunks,
+    each a future of the read); the error names the blob."""
+    chunks = -(-shape[0] // writers_rows)
+    assert Manifest.from_dict(legacy_manifest(version, shape, writers_rows)).arrays["w"].crcs \
+        == (0,) * chunks
+    fewer = shape[0] // chunks + 1  # other rows, no more chunks: accepted (format 1 relabelled)
+    assert len(Manifest.from_dict(legacy_manifest(version, shape, fewer)).arrays["w"].crcs) \
+        <= chunks
+    with pytest.raises(BlobManifestError, match=r"blob 'w': \d+ chunks claimed") as info:
+        Manifest.from_dict(legacy_manifest(version, shape, max(1, shape[0] // (chunks + 1))))
+    assert info.value.blob == "w"
+    with pytest.raises(BlobManifestError) as info:  # the packed array in 4 KiB chunks
+        Manifest.from_dict(legacy_manifest(version, shape, writers_rows, 64 << 20, 4096))
+    assert info.value.blob == "_packed"
 
 
 def test_plain_zarr_reads_blobs_from_a_packed_array_of_several_chunks(prefix):
