@@ -157,19 +157,25 @@ def keep_reasons(options: StepManagerOptions | None, metrics: Mapping[int, Metri
             if epoch % options.keep_period == 0:
                 reasons[epoch].append(f"every {options.keep_period}")
     if options.best_to_keep:
-        scored = [(options.score(metrics[e]), e) for e in epochs]
-        if options.keep_checkpoints_without_metrics:
-            for score, epoch in scored:
-                if score is None and not metrics[epoch]:
-                    reasons[epoch].append("has no metrics")
-        sign = 1.0 if options.best_mode == "min" else -1.0
-        ranked = sorted(scored, key=lambda se: (se[0] is None,
-                                                sign * se[0] if se[0] is not None else 0.0,
-                                                -se[1]))
-        label = options.best_fn if isinstance(options.best_fn, str) else "best_fn"
-        for _, epoch in ranked[: options.best_to_keep]:
-            reasons[epoch].append(f"best {options.best_to_keep} by {label} ({options.best_mode})")
+        _keep_best(options, metrics, epochs, reasons)
     return reasons
+
+
+def _keep_best(options: StepManagerOptions, metrics: Mapping[int, Metrics | None],
+               epochs: list[int], reasons: dict[int, list[str]]) -> None:
+    """The best-N rule of :func:`keep_reasons` (and keeping epochs without metrics)."""
+    scored = [(options.score(metrics[e]), e) for e in epochs]
+    if options.keep_checkpoints_without_metrics:
+        for score, epoch in scored:
+            if score is None and not metrics[epoch]:
+                reasons[epoch].append("has no metrics")
+    sign = 1.0 if options.best_mode == "min" else -1.0
+    ranked = sorted(scored, key=lambda se: (se[0] is None,
+                                            sign * se[0] if se[0] is not None else 0.0,
+                                            -se[1]))
+    label = options.best_fn if isinstance(options.best_fn, str) else "best_fn"
+    for _, epoch in ranked[: options.best_to_keep]:
+        reasons[epoch].append(f"best {options.best_to_keep} by {label} ({options.best_mode})")
 
 
 def retained_epochs(options: StepManagerOptions | None, metrics: Mapping[int, Metrics | None],

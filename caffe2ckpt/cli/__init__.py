@@ -278,19 +278,43 @@ def main(argv: Sequence[str] | None = None) -> int:
         args, extra = parser.parse_known_args(argv)
     except SystemExit as exc:  # --help, --version, or a usage error (exit 2)
         return int(exc.code or 0)
+    problem = _argument_problem(args, extra)
+    if problem:
+        return _usage(args, problem)
+    outcome = _run(args)
+    if isinstance(outcome, int):
+        return outcome
+    doc, code = outcome
+    text = (json.dumps(doc, indent=2, allow_nan=False) if args.json
+            else render(args.command, doc))
+    try:
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:  # e.g. piped into `head`: not an error
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    return code
+
+
+def _argument_problem(args: argparse.Namespace, extra: list[str]) -> str | None:
+    """What is wrong with the arguments that argparse cannot tell (None: nothing)."""
     if extra:  # named with its command, not after the whole program's usage
         hint = (f": an epoch is given as --epoch {extra[0]}"
                 if extra[0].isdigit() and args.command in ("show", "verify") else "")
-        return _usage(args, f"unrecognized arguments: {' '.join(extra)}{hint}")
-    if args.command == "gc":
-        if args.keep_best is not None and not args.metric:
-            return _usage(args, "--keep-best needs --metric NAME (the metric to rank by)")
-        if args.metric and args.keep_best is None:
-            return _usage(args, "--metric is only used with --keep-best N")
+        return f"unrecognized arguments: {' '.join(extra)}{hint}"
+    if args.command == "gc" and args.keep_best is not None and not args.metric:
+        return "--keep-best needs --metric NAME (the metric to rank by)"
+    if args.command == "gc" and args.metric and args.keep_best is None:
+        return "--metric is only used with --keep-best N"
+    return None
+
+
+def _run(args: argparse.Namespace) -> tuple[dict, int] | int:
+    """The command's document and exit code, or the exit code of its failure (reported)."""
     progress = Progress(sys.stderr, enabled=False if args.no_progress else None)
     ctx = Context(storage_options=args.storage_options, progress=progress)
     try:
-        doc, code = COMMANDS[args.command](ctx, args)
+        return COMMANDS[args.command](ctx, args)
     except CLIError as exc:
         return _fail(args, str(exc), exc.code)
     except CheckpointCorruptedError as exc:
@@ -307,15 +331,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(args, "interrupted", 130)
     finally:
         progress.close()
-    text = (json.dumps(doc, indent=2, allow_nan=False) if args.json
-            else render(args.command, doc))
-    try:
-        sys.stdout.write(text + "\n")
-        sys.stdout.flush()
-    except BrokenPipeError:  # e.g. piped into `head`: not an error
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    return code
 
 
 def _usage(args: argparse.Namespace, message: str) -> int:

@@ -106,6 +106,7 @@ def test_a_run_log_entry_answered_late_is_the_claim(s3_server, proxied):
     runner = train(url, options)
     assert len(rule.dropped) == 1 and rule.dropped[0].endswith(" -> 200"), rule.dropped
     assert runner.failed_saves == [] and runner.saved_epochs[-1] == EPOCHS
-    assert names(s3_server, url, "_runs") == ["000000000001.json"]  # no second entry
+    # no second entry (and the run's mark that it committed)
+    assert names(s3_server, url, "_runs") == ["000000000001.committed.json", "000000000001.json"]
     records = names(s3_server, url, "_commits")
     assert records and all(".g1-" in n for n in records), records  # saved by run 1
