@@ -64,6 +64,7 @@ class CurrentRun:
         self._last_epoch: int | None = None  # the newest epoch the current run saved
         self._family: Family | None = None  # the lineage view, once read
         self._reading: History | None = None  # the one reading of a resume
+        self._newest_read: Any = _UNSET  # the newest save as a resume found it
         self._resolved: Save | None = None  # the last save a decision gave (for _vouch only)
         self._resuming = False  # inside resuming()
         self._steady = steady  # the view is kept until forget(), run or not
@@ -134,7 +135,7 @@ class CurrentRun:
         try:
             yield
         finally:
-            self._resuming, self._reading = False, None
+            self._resuming, self._reading, self._newest_read = False, None, _UNSET
             if self.run is None:
                 self.forget()
 
@@ -246,10 +247,12 @@ class CurrentRun:
 
     def newest(self) -> Save | None:
         """The newest save of the lineage as it is now (a few requests when the family's hint
-        is good)."""
-        if self._resuming:
-            return self._resolve(self._history().newest())
-        return self._resolve(newest_save(self.store, self.nodes))
+        is good; within a resume, asked once)."""
+        if not self._resuming:
+            return self._resolve(newest_save(self.store, self.nodes))
+        if self._newest_read is _UNSET:
+            self._newest_read = newest_save(self.store, self.nodes)
+        return self._resolve(self._newest_read)
 
     def lineage_save(self, epoch: int) -> Save | None:
         """The lineage's committed save of ``epoch`` as it is now (None: not committed, or
