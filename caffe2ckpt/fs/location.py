@@ -189,6 +189,11 @@ class Location:
         """
         raise NotImplementedError
 
+    def sizes_under(self, path: str) -> dict[str, int] | None:
+        """The size of every file below ``path`` by its path, if one listing gives them all
+        (object stores); None: ask :meth:`size` file by file."""
+        return None
+
     def read_exact(self, path: str, out: memoryview, trailer: int) -> bytes:
         """Read file ``path`` into ``out`` and return its last ``trailer`` bytes. Nothing is
         written into ``out`` (so none of its pages is touched) before the file's size is known

@@ -240,19 +240,29 @@ class ObjectStoreLocation(FsspecLocation):
     def list_names_after(self, path: str, after: str) -> list[str]:
         """On S3 a listing that starts after ``after`` (``StartAfter``): what came before costs
         nothing, whatever the history's length."""
-        call = getattr(self.fs, "call_s3", None)
-        if call is None:  # gcs and others: the general listing
+        if getattr(self.fs, "call_s3", None) is None:  # gcs and others: the general listing
             return super().list_names_after(path, after)
+        prefix = f"{self.fs.split_path(path)[1].rstrip('/')}/"
+        objects = self._list_objects(path, Delimiter="/", StartAfter=prefix + after)
+        return sorted(key[len(prefix):] for key in objects)
+
+    def sizes_under(self, path: str) -> dict[str, int] | None:
+        """On S3 one listing (a page per 1,000 files) instead of a HEAD per file."""
+        if getattr(self.fs, "call_s3", None) is None:
+            return None
+        bucket = self.fs.split_path(path)[0]
+        return {f"{bucket}/{key}": size for key, size in self._list_objects(path).items()}
+
+    def _list_objects(self, path: str, **options: str) -> dict[str, int]:
+        """Keys below ``path`` (``ListObjectsV2``, every page) and their sizes."""
         bucket, key, _ = self.fs.split_path(path)
-        prefix = f"{key.rstrip('/')}/"
-        names: list[str] = []
-        kwargs = {"Bucket": bucket, "Prefix": prefix, "Delimiter": "/",
-                  "StartAfter": prefix + after}
+        kwargs: dict[str, str] = {"Bucket": bucket, "Prefix": f"{key.rstrip('/')}/", **options}
+        found: dict[str, int] = {}
         while True:
-            page = self._guard(call, "list_objects_v2", **kwargs)
-            names += [o["Key"][len(prefix):] for o in page.get("Contents", ())]
+            page = self._guard(self.fs.call_s3, "list_objects_v2", **kwargs)
+            found.update((o["Key"], int(o["Size"])) for o in page.get("Contents", ()))
             if not page.get("IsTruncated"):
-                return sorted(names)
+                return found
             kwargs["ContinuationToken"] = page["NextContinuationToken"]
 
     def makedirs(self, path: str, *, batch: localio.SyncBatch | None = None) -> list[str]:

@@ -339,7 +339,8 @@ def read_node(
                    with_packed, crcs)
     least = _prechecked(location, files)
     if least is not None:  # before anything that large is allocated, or populated
-        _run_bounded(functools.partial(_check_size, location, manifest, where, span)
+        sizes = location.sizes_under(path)  # object stores: one listing, not a HEAD per file
+        _run_bounded(functools.partial(_check_size, location, manifest, where, span, sizes)
                      for span in files.spans(least))
     arrays, flats = _destinations(location, manifest, wanted, with_packed)
     owners = manifest.metadata_files()
@@ -467,8 +468,9 @@ def _prechecked(location: Location, files: _Files) -> int | None:
     arrays of at least the returned number of bytes (None: none). Every file when the claim is
     large (:data:`_PRECHECK_BYTES`); else, on object stores and ``memory://``, the files of the
     arrays :func:`_copy_target` populates up front, so a claim is never paid for in memory
-    before the bytes are known to be there (one ``info`` each: a HEAD on S3, a dictionary
-    lookup on ``memory://``). Local destinations are address space until read."""
+    before the bytes are known to be there (one ``info`` each: a dictionary
+    lookup on ``memory://``; on S3 one listing of the group gives them all). Local destinations
+    are address space until read."""
     if files.nbytes >= _PRECHECK_BYTES:
         return 0
     return None if location.is_local else _POPULATE_BYTES
@@ -538,11 +540,18 @@ class _Files:
                             slice(i * a.rows, stop), padding, crc, a.row_bytes)
 
 
-def _check_size(location: Location, manifest: Manifest, where: str, span: _Span) -> None:
+def _check_size(location: Location, manifest: Manifest, where: str, span: _Span,
+                sizes: dict[str, int] | None = None) -> None:
     """Before a large allocation: the chunk file is as large as the manifest claims (else a
-    crafted manifest claiming petabytes would raise MemoryError instead of corruption)."""
+    crafted manifest claiming petabytes would raise MemoryError instead of corruption). With
+    ``sizes`` (one listing of the group), the size is looked up there."""
     try:
-        size = location.size(span.chunk)
+        if sizes is None:
+            size = location.size(span.chunk)
+        elif span.chunk in sizes:
+            size = sizes[span.chunk]
+        else:
+            raise CheckpointNotFoundError(span.chunk)
         if size is None or size == span.file_bytes:  # None: the filesystem does not say
             return
         why = f"the chunk is damaged ({size} bytes where {span.file_bytes} were expected)"
