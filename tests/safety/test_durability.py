@@ -56,8 +56,18 @@ def save(prefix: str, epoch: int):
         NODE, epoch, blobs(), SaveInfo(save_id=new_save_id(1), nodes=[NODE]))
 
 
-def open_fds() -> set[str]:
-    return set(os.listdir("/proc/self/fd"))
+def open_fds(root) -> set[str]:
+    """What this process's descriptors below ``root`` point at (descriptors of other tests'
+    sockets and files, which may close meanwhile, do not count)."""
+    found = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith(str(root)):
+            found.add(target)
+    return found
 
 
 def fail_flushes_of(monkeypatch, victim: str) -> list[str]:
@@ -98,13 +108,13 @@ def test_writeback_error_of_a_file_fails_the_save(tmp_path, monkeypatch, victim,
     save(prefix, 1)
     if pending is not None:
         monkeypatch.setattr(localio, "MAX_PENDING", pending, raising=False)
-    before = open_fds()
+    before = open_fds(tmp_path)
     failed = fail_flushes_of(monkeypatch, victim)
     with pytest.raises(OSError) as info:
         save(prefix, 2)
     assert info.value.errno == errno.EIO
     assert failed, "the failing file was never flushed"
-    assert open_fds() == before
+    assert open_fds(tmp_path) == before == set()
     monkeypatch.undo()
     location = Location(prefix)
     assert [(r.node, r.epoch) for r in list_records(location)] == [(NODE, 1)]
@@ -118,7 +128,7 @@ def test_a_failed_write_leaves_no_descriptor_open(tmp_path, monkeypatch):
     already written and waiting for their flush."""
     prefix = str(tmp_path / "ckpt")
     save(prefix, 1)
-    before = open_fds()
+    before = open_fds(tmp_path)
     real_write = os.write
     calls = {"n": 0}
 
@@ -132,7 +142,7 @@ def test_a_failed_write_leaves_no_descriptor_open(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="No space left"):
         save(prefix, 2)
     monkeypatch.undo()
-    assert open_fds() == before
+    assert open_fds(tmp_path) == before == set()
     assert [(r.node, r.epoch) for r in list_records(Location(prefix))] == [(NODE, 1)]
 
 
