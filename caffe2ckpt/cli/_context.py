@@ -17,11 +17,11 @@ from caffe2ckpt.fs.location import Location
 from caffe2ckpt.history.cleanup import Leftover, is_checkpoint_prefix
 from caffe2ckpt.history.lineage import Save
 from caffe2ckpt.history.scan import PrefixScan, scan
+from caffe2ckpt.store.groupread import read_node
 from caffe2ckpt.store.layout import COMMITS_DIR, RUNS_DIR, parse_group_name
 from caffe2ckpt.store.manifest import Manifest
 from caffe2ckpt.store.protocol import CheckpointStore
 from caffe2ckpt.store.records import CommitRecord, list_records
-from caffe2ckpt.store.zarrgroup import read_node
 
 EXIT_OK = 0
 EXIT_DAMAGED = 1  # verification found damage (verify, show --verify, diff of damaged data)

@@ -25,10 +25,10 @@ from caffe2ckpt.cli._context import (
     require_save,
 )
 from caffe2ckpt.cli.render import Progress
+from caffe2ckpt.store.groupread import read_node
 from caffe2ckpt.store.manifest import BlobInfo
 from caffe2ckpt.store.protocol import CheckpointStore
 from caffe2ckpt.store.records import CommitRecord
-from caffe2ckpt.store.zarrgroup import read_node
 
 __all__ = ["cmd_diff", "compare", "diff_node"]
 

@@ -53,6 +53,7 @@ from caffe2ckpt.fs.iopool import pool
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.naming import check_epoch, check_node_name
 from caffe2ckpt.store import runs
+from caffe2ckpt.store.groupread import read_node
 from caffe2ckpt.store.layout import HINTS_DIR, group_name, hint_name, save_generation
 from caffe2ckpt.store.manifest import Manifest
 from caffe2ckpt.store.records import CommitRecord, RecordRef, read_record, write_record
@@ -62,7 +63,6 @@ from caffe2ckpt.store.zarrgroup import (
     GroupPlan,
     parse_manifest,
     plan_group,
-    read_node,
     write_arrays,
 )
 

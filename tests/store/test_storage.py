@@ -25,7 +25,7 @@ from caffe2ckpt import (
 )
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.naming import blob_path
-from caffe2ckpt.store import zarrgroup as storage
+from caffe2ckpt.store import groupread
 from caffe2ckpt.store.layout import new_save_id
 from caffe2ckpt.store.manifest import BlobManifestError, Manifest, chunk_rows
 from caffe2ckpt.store.protocol import CheckpointStore, SaveInfo
@@ -462,12 +462,12 @@ def test_groups_of_format_1_without_edge_padding_still_load(tmp_path):
     old = Manifest.from_dict({**manifest.to_dict(), "format": 1, "arrays": {"emb": entry},
                               "packed": packed})
     with pytest.raises(CheckpointCorruptedError, match="bytes where"):  # padded: not format 1
-        storage.read_node(store.location, group, old, old.chunk_crcs({}))
+        groupread.read_node(store.location, group, old, old.chunk_crcs({}))
     last.write_bytes(data + crc.to_bytes(4, "little"))
-    assert storage.read_node(store.location, group, old,
+    assert groupread.read_node(store.location, group, old,
                              old.chunk_crcs({}))["emb"].tobytes() == emb.tobytes()
     with pytest.raises(CheckpointCorruptedError, match="bytes where"):
-        storage.read_node(store.location, group, manifest, manifest.chunk_crcs(record.crcs))
+        groupread.read_node(store.location, group, manifest, manifest.chunk_crcs(record.crcs))
 
 
 def legacy_manifest(version: int, shape: tuple[int, ...], rows: int, packed: int = 0,

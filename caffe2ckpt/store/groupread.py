@@ -1,0 +1,383 @@
+"""Reading one node's group back, verified: the other half of :mod:`caffe2ckpt.store.zarrgroup`
+(which plans and writes it, and is the only module that imports zarr; this one reads the files
+zarr's layout puts there, directly).
+
+:func:`read_node` reads the blobs asked for straight into their destination arrays, verifies
+every chunk's size, its own CRC32C and the CRC32C the commit record holds, and every metadata
+file's digest, and stops at the first damage: any mismatch raises
+:class:`~caffe2ckpt.errors.CheckpointCorruptedError` naming node, epoch and blob. It pays for what
+is stored, not for what a manifest claims: chunk files are checked before a large destination is
+allocated (or, on object stores, populated), and reads are submitted a bounded window at a time.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import itertools
+import math
+import mmap
+import os
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
+from typing import Any, NamedTuple
+
+import google_crc32c
+import numpy as np
+
+from caffe2ckpt.errors import (
+    CheckpointCorruptedError,
+    CheckpointNotFoundError,
+    StorageCredentialsError,
+)
+from caffe2ckpt.fs import strictjson
+from caffe2ckpt.fs.iopool import io_threads
+from caffe2ckpt.fs.iopool import pool as _pool
+from caffe2ckpt.fs.localio import aligned_empty
+from caffe2ckpt.fs.location import Location
+from caffe2ckpt.store.manifest import (
+    PACKED_ARRAY,
+    BlobInfo,
+    Manifest,
+    chunk_key,
+    stored_spec,
+)
+from caffe2ckpt.store.zarrgroup import CRC_BYTES
+
+__all__ = ["read_node"]
+
+# A read claiming more than this (a quarter of the machine's memory) checks every chunk file's
+# size before allocating its destination, so a crafted manifest claiming petabytes is corruption,
+# not a MemoryError. Smaller local destinations are only address space until read, and each
+# file's size is checked as it is read anyway; checking them first as well cost W2 (256 MiB in
+# 177 files) about 30% of its restore time. Destinations of object stores (and memory://) of
+# _POPULATE_BYTES or more are populated when allocated: their files are checked first
+# (_prechecked).
+try:
+    _PRECHECK_BYTES = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+except (ValueError, OSError, AttributeError):  # not a POSIX system that says
+    _PRECHECK_BYTES = 1 << 30
+_POPULATE_BYTES = 4 << 20  # _copy_target maps destinations this large with MAP_POPULATE
+# Reads submitted and not done at once (_run_bounded): at least this many, and 4 per I/O thread.
+# The main thread refills the window only when it gets the GIL (behind busy I/O threads, up to
+# the 5 ms switch interval), so a window of 32 starved the threads on warm restores of many
+# small files (W2 took 1.5-2x as long); 256 is as fast as submitting everything at once was.
+_WINDOW = 256
+
+
+def _restored(data: np.ndarray, info: BlobInfo) -> np.ndarray:
+    dtype = np.dtype(info.dtype)
+    if dtype.kind == "U" and dtype.byteorder == ">":
+        out = data.byteswap().view(dtype).reshape(info.shape)
+    elif dtype.kind in "US":
+        out = data.view(dtype).reshape(info.shape)
+    elif dtype.byteorder == ">":
+        out = data.byteswap().view(dtype)
+    else:
+        out = data
+    return np.asfortranarray(out) if info.order == "F" else out
+
+
+def read_node(
+    location: Location, path: str, manifest: Manifest, crcs: dict[str, tuple[int, ...]],
+    names: list[str] | None = None, *, metadata: dict[str, str] | None = None,
+) -> dict[str, np.ndarray]:
+    """Read and verify blobs ``names`` (default: all) of the group at ``path``.
+
+    ``crcs`` gives every chunk's CRC32C by array path (:meth:`Manifest.chunk_crcs`): a chunk
+    must hold its own checksum and that one. ``metadata`` maps metadata files of the group
+    (relative paths) to the SHA-256 they must have; they are read and checked together with
+    the chunks (one round of concurrent reads, submitted a bounded number at a time, which
+    stops at the first damage). Small blobs come back as views into one buffer (disjoint,
+    writable).
+
+    Raises:
+        CheckpointCorruptedError: a chunk is missing, truncated or fails its checksum, or a
+            metadata file is missing or changed.
+    """
+    blobs = manifest.blobs
+    wanted = [blobs[n] for n in (blobs if names is None else names) if n in blobs]
+    where = f"checkpoint {location.display(path)!r} (node {manifest.node!r}, epoch {manifest.epoch})"
+    with_packed = bool(manifest.packed_nbytes) and any(info.path is None for info in wanted)
+    files = _Files(path, manifest, [info for info in wanted if info.path is not None],
+                   with_packed, crcs)
+    least = _prechecked(location, files)
+    if least is not None:  # before anything that large is allocated, or populated
+        sizes = location.sizes_under(path)  # object stores: one listing, not a HEAD per file
+        _run_bounded(functools.partial(_check_size, location, manifest, where, span, sizes)
+                     for span in files.spans(least))
+    arrays, flats = _destinations(location, manifest, wanted, with_packed)
+    owners = manifest.metadata_files()
+    _run_bounded(itertools.chain(
+        (functools.partial(_read_chunk, location, manifest, where, span.blob, span.chunk,
+                           flats[span.array][span.rows], span.padding, span.crc)
+         for span in files.spans()),
+        (functools.partial(_check_metadata, location, manifest, where, f"{path}/{rel}",
+                           owners.get(rel) or rel, digest)
+         for rel, digest in (metadata or {}).items())))
+    out: dict[str, np.ndarray] = {}
+    for info in wanted:
+        if info.path is not None:
+            out[info.name] = _restored(arrays[info.name], info)
+        else:
+            view = np.ndarray(info.shape, _dtype(info.dtype), buffer=flats[PACKED_ARRAY],
+                              offset=info.offset)
+            out[info.name] = np.asfortranarray(view) if info.order == "F" else view
+    return out
+
+
+def _destinations(location: Location, manifest: Manifest, wanted: list[BlobInfo],
+                  with_packed: bool) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The uninitialised arrays the blobs ``wanted`` are read into, by blob name, and their
+    bytes by array path (the packed array's too: empty unless ``with_packed``)."""
+    empty = aligned_empty if location.is_local else _copy_target
+    arrays: dict[str, np.ndarray] = {}
+    flats: dict[str, np.ndarray] = {}  # destination bytes by array path
+    for info in wanted:
+        if info.path is not None:
+            dtype, shape = stored_spec(info)
+            arrays[info.name] = data = empty(shape, dtype)
+            flats[info.path] = data.reshape(shape[0], -1).view(np.uint8)
+    flats[PACKED_ARRAY] = empty((manifest.packed_nbytes if with_packed else 0,),
+                                np.dtype(np.uint8))
+    return arrays, flats
+
+
+def _run_bounded(calls: Iterable[Callable[[], Any]]) -> None:
+    """Run ``calls`` on the I/O threads in order, at most :data:`_WINDOW` (or 4 per thread)
+    submitted and not yet done. At the first failure nothing more is submitted, the calls not
+    started are cancelled and the failure (the earliest submitted, if several) is raised; calls
+    already running finish on their own. So a manifest claiming a million chunks costs what the
+    first few of them show, not a future per claimed chunk."""
+    runner = _Bounded(max(_WINDOW, 4 * io_threads()))
+    for index, call in enumerate(calls):
+        if not runner.submit(index, call):
+            break
+    runner.finish()
+
+
+class _Bounded:
+    """Calls on the I/O threads, at most ``window`` submitted and not done (:func:`_run_bounded`):
+    a semaphore slot per call, released by the call's done-callback, which also notes its
+    failure (O(1) per call, unlike a ``wait()`` on the window per call)."""
+
+    def __init__(self, window: int) -> None:
+        self.slots = threading.Semaphore(window)
+        self.lock = threading.Lock()
+        self.pending: dict[Future[Any], int] = {}  # submitted, not done: submission order
+        self.failures: list[tuple[int, BaseException]] = []
+
+    def submit(self, index: int, call: Callable[[], Any]) -> bool:
+        """Submit ``call`` once a slot is free; False (nothing submitted) after a failure."""
+        self.slots.acquire()
+        if self.failures:
+            self.slots.release()
+            return False
+        future = _pool().submit(call)
+        with self.lock:
+            self.pending[future] = index
+        future.add_done_callback(self._done)  # at once if it is done already
+        return True
+
+    def _done(self, future: Future[Any]) -> None:
+        with self.lock:
+            index = self.pending.pop(future)
+            if not future.cancelled() and future.exception() is not None:
+                self.failures.append((index, future.exception()))  # type: ignore[arg-type]
+        self.slots.release()
+
+    def finish(self) -> None:
+        """Wait for every call, or until one failed; raise the earliest failure, if any."""
+        with self.lock:
+            pending = dict(self.pending)
+        done = set() if self.failures else wait(pending, return_when=FIRST_EXCEPTION).done
+        # a failure's callback may not have run yet when wait() returns: look at them too
+        failures = [*self.failures, *((pending[f], f.exception()) for f in done
+                                      if not f.cancelled() and f.exception() is not None)]
+        if failures:
+            with self.lock:
+                queued = list(self.pending)
+            for future in queued:
+                future.cancel()  # its callback takes the lock: not held here
+            raise min(failures, key=lambda failure: failure[0])[1]
+
+
+def _copy_target(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An uninitialised array that chunks read from an object store are copied into: anonymous
+    memory of its own, not ``np.empty``, which advises MADV_HUGEPAGE on allocations of 4 MiB
+    and more; where the kernel's THP defrag is "madvise" (a common default) the first touch of
+    such memory may compact memory synchronously (measured: ~0.5 s of system time per 256 MiB
+    restored from S3 in a process whose heap the HTTP client had fragmented). Its pages are
+    populated when it is mapped (``MAP_POPULATE``, where the OS has it): one call instead of a
+    page fault per 4 KiB taken by eight copying threads at once (W1 from S3: restore 0.80-0.86x
+    raw faulting, 1.01-1.04x populated, in one run). So it is allocated only after every chunk
+    file it is read from was found as large as the manifest says (:func:`_prechecked`).
+    ``madvise(MADV_POPULATE_WRITE)`` per chunk after its size check was tried instead and
+    dropped: memory:// W2 restores took 1.6x the CPU time. Local reads keep
+    :func:`aligned_empty`: O_DIRECT into huge pages costs less CPU there."""
+    count = math.prod(shape)
+    nbytes = count * dtype.itemsize
+    if nbytes < _POPULATE_BYTES:
+        return np.empty(shape, dtype)
+    if hasattr(mmap, "MAP_POPULATE"):
+        memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+                           | mmap.MAP_POPULATE)
+    else:
+        memory = mmap.mmap(-1, nbytes)
+    return np.frombuffer(memory, dtype, count).reshape(shape)
+
+
+def _prechecked(location: Location, files: _Files) -> int | None:
+    """Which chunk files to check the size of before the destinations are allocated: those of
+    arrays of at least the returned number of bytes (None: none). Every file when the claim is
+    large (:data:`_PRECHECK_BYTES`); else, on object stores and ``memory://``, the files of the
+    arrays :func:`_copy_target` populates up front, so a claim is never paid for in memory
+    before the bytes are known to be there (one ``info`` each: a dictionary
+    lookup on ``memory://``; on S3 one listing of the group gives them all). Local destinations
+    are address space until read."""
+    if files.nbytes >= _PRECHECK_BYTES:
+        return 0
+    return None if location.is_local else _POPULATE_BYTES
+
+
+class _Span(NamedTuple):
+    """One chunk file to read: whose it is, where, which rows of the destination, and what the
+    file must hold (the rows' bytes, then ``padding`` bytes, then the CRC32C)."""
+
+    blob: str  # the blob's name, or PACKED_ARRAY
+    array: str  # its array's path in the group (unique, unlike names: a blob may be "_packed")
+    chunk: str
+    rows: slice
+    padding: int
+    crc: int
+    row_bytes: int
+
+    @property
+    def file_bytes(self) -> int:
+        return (self.rows.stop - self.rows.start) * self.row_bytes + self.padding + CRC_BYTES
+
+
+class _Array(NamedTuple):
+    blob: str  # the blob's name, or PACKED_ARRAY
+    path: str  # in the group
+    ndim: int
+    length: int  # rows
+    rows: int  # per chunk
+    row_bytes: int
+    crcs: tuple[int, ...]  # one per chunk
+
+
+class _Files:
+    """The chunk files holding blobs ``infos`` (and the packed array, if ``packed``) of the
+    group at ``path``: their total size, and the files one by one (:meth:`spans`, generated as
+    they are read: a crafted manifest's million claimed chunks are never all in memory)."""
+
+    def __init__(self, path: str, manifest: Manifest, infos: list[BlobInfo], packed: bool,
+                 crcs: dict[str, tuple[int, ...]]) -> None:
+        self.path, self.padded = path, manifest.padded_edges
+        arrays = []
+        for info in infos:
+            dtype, shape = stored_spec(info)
+            arrays.append(_Array(info.name, info.path, len(shape), shape[0], info.chunk_rows,
+                                 dtype.itemsize * math.prod(shape[1:]), crcs[info.path]))
+        if packed:
+            arrays.append(_Array(PACKED_ARRAY, PACKED_ARRAY, 1, manifest.packed_nbytes,
+                                 manifest.packed_chunk, 1, crcs[PACKED_ARRAY]))
+        # largest chunks first: the disk is busy from the start
+        self.arrays = sorted(arrays, key=lambda a: -a.rows * a.row_bytes)
+
+    @property
+    def nbytes(self) -> int:
+        """The size of all the files together."""
+        return sum(len(a.crcs) * (a.rows * a.row_bytes + CRC_BYTES) if self.padded
+                   else a.length * a.row_bytes + len(a.crcs) * CRC_BYTES for a in self.arrays)
+
+    def spans(self, least: int = 0) -> Iterator[_Span]:
+        """The files, one by one; only those of arrays of at least ``least`` bytes."""
+        for a in self.arrays:
+            if a.length * a.row_bytes < least:
+                continue
+            for i, crc in enumerate(a.crcs):
+                stop = min((i + 1) * a.rows, a.length)
+                padding = ((i + 1) * a.rows - stop) * a.row_bytes if self.padded else 0
+                yield _Span(a.blob, a.path, f"{self.path}/{a.path}/{chunk_key(a.ndim, i)}",
+                            slice(i * a.rows, stop), padding, crc, a.row_bytes)
+
+
+def _check_size(location: Location, manifest: Manifest, where: str, span: _Span,
+                sizes: dict[str, int] | None = None) -> None:
+    """Before a large allocation: the chunk file is as large as the manifest claims (else a
+    crafted manifest claiming petabytes would raise MemoryError instead of corruption). With
+    ``sizes`` (one listing of the group), the size is looked up there."""
+    try:
+        if sizes is None:
+            size = location.size(span.chunk)
+        elif span.chunk in sizes:
+            size = sizes[span.chunk]
+        else:
+            raise CheckpointNotFoundError(span.chunk)
+        if size is None or size == span.file_bytes:  # None: the filesystem does not say
+            return
+        why = f"the chunk is damaged ({size} bytes where {span.file_bytes} were expected)"
+    except CheckpointNotFoundError:
+        why = "the chunk is missing"
+    except StorageCredentialsError:  # a ValueError, but the store refused: not damage
+        raise
+    except ValueError as exc:  # not a regular file, or reached through a symlink
+        why = f"the chunk is damaged ({exc})"
+    raise CheckpointCorruptedError(
+        f"{where}: blob {span.blob!r}, chunk {location.display(span.chunk)!r}: {why}",
+        node=manifest.node, epoch=manifest.epoch, blob=span.blob)
+
+
+@functools.lru_cache(maxsize=256)
+def _dtype(dtype: str) -> np.dtype:
+    return np.dtype(dtype)
+
+
+def _check_metadata(location: Location, manifest: Manifest, where: str, file: str, blob: str,
+                    digest: str) -> None:
+    try:
+        raw = location.read_bytes(file, limit=strictjson.MAX_BYTES)
+    except StorageCredentialsError:  # a ValueError, but the store refused: not damage
+        raise
+    except (CheckpointNotFoundError, ValueError):  # gone, too large, or not a regular file
+        raw = b""
+    if hashlib.sha256(raw).hexdigest() != digest:
+        raise CheckpointCorruptedError(
+            f"{where}: metadata file {location.display(file)!r} of blob {blob!r} was changed "
+            "or lost", node=manifest.node, epoch=manifest.epoch, blob=blob,
+        )
+
+
+def _read_chunk(location: Location, manifest: Manifest, where: str, blob: str, chunk: str,
+                out: np.ndarray, padding: int, expected: int) -> None:
+    def corrupted(msg: str) -> CheckpointCorruptedError:
+        return CheckpointCorruptedError(
+            f"{where}: blob {blob!r}, chunk {location.display(chunk)!r}: {msg}",
+            node=manifest.node, epoch=manifest.epoch, blob=blob,
+        )
+
+    flat = out.reshape(-1)
+    try:
+        tail = location.read_exact(chunk, memoryview(flat), padding + CRC_BYTES)
+    except CheckpointNotFoundError as exc:
+        raise corrupted("the chunk is missing") from exc
+    except StorageCredentialsError:  # a ValueError, but the store refused: not damage
+        raise
+    except ValueError as exc:
+        raise corrupted(f"the chunk is damaged ({exc})") from exc
+    except OSError as exc:  # an I/O failure is not evidence of corruption: do not fall back
+        raise OSError(exc.errno, f"{where}: cannot read chunk {location.display(chunk)!r} of "
+                      f"blob {blob!r}: {exc.strerror or exc}") from exc
+    crc = google_crc32c.value(flat)
+    if padding:
+        crc = google_crc32c.extend(crc, tail[:padding])
+    stored = tail[padding:]
+    if crc.to_bytes(CRC_BYTES, "little") != stored:
+        raise corrupted("checksum mismatch (the data was changed or torn)")
+    if int.from_bytes(stored, "little") != expected:
+        raise corrupted("the chunk is not the one this checkpoint wrote (its checksum differs "
+                        "from the one recorded: written by another save?)")
+
