@@ -6,8 +6,8 @@ A test points the client at :attr:`DropProxy.endpoint` (``endpoint_url``) and ar
 ``proxy.drop("PUT", r"/_commits/000000000003\\.")`` matches requests by method and a regex
 searched in the request's path (URL-decoded, without the query); on its ``nth`` match the
 request is forwarded to the server, the server's whole answer is read, and the client's
-connection is closed without a byte of it. Every other request and answer passes through
-unchanged, byte for byte (request signatures stay valid: the ``Host`` header is kept).
+connection is closed without a byte of it (or, with ``sent``, part way through it). Every
+other request and answer passes through unchanged, byte for byte (request signatures stay valid: the ``Host`` header is kept).
 
 HTTP handled: persistent connections (one upstream connection per client connection, opened
 again when the server closes it), bodies with ``Content-Length`` or ``Transfer-Encoding:
@@ -38,6 +38,7 @@ class Rule:
     method: str
     path: str
     nth: int = 1
+    sent: float = 0.0  # the share of the answer's bytes sent before the connection is closed
     matched: int = 0
     dropped: list[str] = field(default_factory=list)  # "PUT /b/k -> 200" of each drop
 
@@ -164,9 +165,10 @@ class DropProxy:
         self._accepter = threading.Thread(target=self._accept, name="dropproxy", daemon=True)
         self._accepter.start()
 
-    def drop(self, method: str, path: str, nth: int = 1) -> Rule:
-        """Arm a rule (see :class:`Rule`); returns it, to see what it dropped."""
-        rule = Rule(method, path, nth)
+    def drop(self, method: str, path: str, nth: int = 1, *, sent: float = 0.0) -> Rule:
+        """Arm a rule (see :class:`Rule`): its answer is lost, or with ``sent`` cut after that
+        share of its bytes (headers included); returns it, to see what it dropped."""
+        rule = Rule(method, path, nth, sent)
         with self._lock:
             self._rules.append(rule)
         return rule
@@ -232,8 +234,9 @@ class DropProxy:
             fired = [r for r in self._rules if r.fires(method, path)]  # each rule counts
         for rule in fired:
             rule.dropped.append(f"{method} {path} -> {answer.split(b' ', 2)[1].decode()}")
-        if fired:
-            return False  # closed without an answer: the request was applied
+        if fired:  # closed without (all of) its answer: the request was applied
+            client.sendall(answer[:int(len(answer) * max(r.sent for r in fired))])
+            return False
         client.sendall(answer)
         return keep and headers.get("connection", "").lower() != "close"
 

@@ -26,7 +26,7 @@ import threading
 from typing import Any
 
 from caffe2ckpt.errors import CheckpointNotFoundError
-from caffe2ckpt.fs import localio
+from caffe2ckpt.fs import localio, s3read
 from caffe2ckpt.fs.clienterrors import precondition_failed
 from caffe2ckpt.fs.location import Location, subdirectories
 
@@ -76,9 +76,9 @@ class FsspecLocation(Location):
         try:
             data = self.read_bytes(path, limit=expected)
         except ValueError:  # larger: not read whole into memory
-            raise ValueError(f"more than the {expected} bytes expected") from None
+            raise _wrong_size(expected + 1, expected) from None
         if len(data) != expected:
-            raise ValueError(f"{len(data)} bytes where {expected} were expected")
+            raise _wrong_size(len(data), expected)
         out[:] = memoryview(data)[: len(out)]
         return data[len(out):]
 
@@ -230,6 +230,23 @@ class ObjectStoreLocation(FsspecLocation):
         own ``rmdir`` refuses any directory that exists."""
         self._guard(self.fs.rm_file, path.rstrip("/") + "/")
 
+    def read_exact(self, path: str, out: memoryview, trailer: int) -> bytes:
+        """On S3 each block of the answer is copied into ``out`` as it arrives
+        (:mod:`~caffe2ckpt.fs.s3read`), not joined into one ``bytes`` first."""
+        if not s3read.supported(self.fs):
+            return super().read_exact(path, out, trailer)
+        try:
+            size, tail = self._guard(s3read.read_into, self.fs, path, out, trailer)
+        except _MISSING as exc:
+            raise CheckpointNotFoundError(f"{path} does not exist") from exc
+        except OSError:  # S3 refuses any range of an empty object (416): is it empty?
+            if self._guard(self.fs.info, path).get("size") != 0:
+                raise
+            size, tail = 0, None
+        if tail is None:
+            raise _wrong_size(size, len(out) + trailer)
+        return tail
+
     def file_exists(self, path: str) -> bool:
         try:  # a GET of the first byte: a missing key is one 404, never a listing
             self._read_head(path, 1)
@@ -270,6 +287,14 @@ class ObjectStoreLocation(FsspecLocation):
             self._guard(self.fs.makedirs, path, exist_ok=True)
             self._bucket_checked = True
         return []
+
+
+def _wrong_size(size: int, expected: int) -> ValueError:
+    """What :meth:`Location.read_exact` raises for a file of ``size`` bytes (any size above
+    ``expected`` if it was not read whole)."""
+    if size > expected:
+        return ValueError(f"more than the {expected} bytes expected")
+    return ValueError(f"{size} bytes where {expected} were expected")
 
 
 # memory:// is one store per process: exclusive creates there hold this lock

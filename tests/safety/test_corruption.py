@@ -162,6 +162,8 @@ def mutate(fs, path: str, how: str) -> None:
         data = data[: len(data) // 2]
     elif how == "empty":
         data = bytearray()
+    elif how == "grow":
+        data += b"\0" * 8
     elif how == "garbage":
         data = bytearray(b"\x00\xff{not json" * 3)
     else:
@@ -173,6 +175,7 @@ def mutate(fs, path: str, how: str) -> None:
 
 
 @pytest.mark.parametrize(("array", "how"), [(BIG, "flip"), (BIG, "truncate"), (BIG, "delete"),
+                                             (BIG, "empty"), (BIG, "grow"),
                                              ("_packed", "flip"), ("_packed", "truncate"),
                                              ("_packed", "delete")])
 def test_damaged_chunk_raises_naming_node_epoch_blob(ckpt, array, how):

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
-from caffe2ckpt import JobRunner, LocalSession, MultiNodeCheckpointManager
+from caffe2ckpt import JobRunner, LocalSession, MultiNodeCheckpointManager, StepCheckpointManager
 from caffe2ckpt.cli import main
 from caffe2ckpt.example import build_job
 from caffe2ckpt.metadata import ZarrMetadataHandler
@@ -110,3 +111,18 @@ def test_a_run_log_entry_answered_late_is_the_claim(s3_server, proxied):
     assert names(s3_server, url, "_runs") == ["000000000001.committed.json", "000000000001.json"]
     records = names(s3_server, url, "_commits")
     assert records and all(".g1-" in n for n in records), records  # saved by run 1
+
+
+def test_a_chunk_answer_cut_part_way_is_read_again_and_restores_exactly(s3_server, proxied):
+    """A restore reads each chunk straight into its array (fs/s3read.py): an answer that breaks
+    off after some of its bytes were copied is read again from the start, like s3fs's own
+    reads, and the array holds the stored bytes, not a mix."""
+    proxy, url, options = proxied
+    weights = np.random.default_rng(7).random(1 << 18)  # 2 MiB: one chunk file of its own
+    with StepCheckpointManager(url, storage_options=options) as steps:
+        steps.save(1, {"n": {"w": weights}})
+    rule = proxy.drop("GET", r"/run/n\.1/w/c\.0$", sent=0.5)
+    with StepCheckpointManager(url, storage_options=options) as steps:
+        restored = steps.restore(1)
+    assert len(rule.dropped) == 1 and rule.dropped[0].endswith(" -> 206"), rule.dropped
+    np.testing.assert_array_equal(restored["n"]["w"], weights)
