@@ -18,6 +18,7 @@ supports has; :func:`supported` says whether a filesystem offers it.
 from __future__ import annotations
 
 import errno
+import functools
 import re
 from typing import Any
 
@@ -30,7 +31,18 @@ _CONTENT_RANGE = re.compile(r"bytes \d+-\d+/(\d+)")
 
 def supported(fs: Any) -> bool:
     """Whether ``fs`` is an s3fs filesystem (or one with its coroutine API)."""
-    return callable(getattr(fs, "_call_s3", None)) and getattr(fs, "loop", None) is not None
+    return (_retrying() is not None and callable(getattr(fs, "_call_s3", None))
+            and getattr(fs, "loop", None) is not None)
+
+
+@functools.cache
+def _retrying() -> Any:
+    """s3fs's retry loop of its own requests (``_error_wrapper``), or None without it."""
+    try:
+        from s3fs.core import _error_wrapper
+    except ImportError:
+        return None
+    return _error_wrapper
 
 
 def read_into(fs: Any, path: str, out: memoryview, trailer: int) -> tuple[int, bytes | None]:
@@ -41,12 +53,10 @@ def read_into(fs: Any, path: str, out: memoryview, trailer: int) -> tuple[int, b
         FileNotFoundError: there is no such object (s3fs's translation of the 404).
         OSError: the store failed, after s3fs's retries.
     """
-    from s3fs.core import _error_wrapper  # the retry loop of s3fs's own reads
-
     async def attempt() -> tuple[int, bytes | None]:
         return await _get_into(fs, path, out, trailer)
 
-    return sync(fs.loop, _error_wrapper, attempt, retries=fs.retries)
+    return sync(fs.loop, _retrying(), attempt, retries=fs.retries)
 
 
 async def _get_into(fs: Any, path: str, out: memoryview, trailer: int) -> tuple[int, bytes | None]:
@@ -77,8 +87,10 @@ async def _fill(body: Any, out: memoryview, trailer: int) -> bytes:
     for into in (out, memoryview(tail)):
         filled = 0
         while filled < len(into):
-            got = await body.readinto(into[filled:])
-            if not got:  # aiohttp raises ClientPayloadError (retried) if the connection broke
+            # the blocks received so far, up to what is left (what aiobotocore's readinto copies)
+            block = await body.read(len(into) - filled)
+            if not block:  # aiohttp raises ClientPayloadError (retried) if the connection broke
                 raise OSError(errno.EIO, "the answer ended before the object's size")
-            filled += got
+            into[filled:filled + len(block)] = block
+            filled += len(block)
     return bytes(tail)

@@ -213,10 +213,10 @@ def _copy_target(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     populated when it is mapped (``MAP_POPULATE``, where the OS has it): one call instead of a
     page fault per 4 KiB taken by the copying threads (W1 from S3: restore 0.80-0.86x raw
     faulting, 1.01-1.04x populated, in one run; with the block-by-block reads of s3read.py, on
-    SeaweedFS, 0.27 s against 0.29-0.39 s faulting, medians of 11 in two runs each). So it is allocated only after every chunk
-    file it is read from was found as large as the manifest says (:func:`_prechecked`).
-    ``madvise(MADV_POPULATE_WRITE)`` per chunk after its size check was tried instead and
-    dropped: memory:// W2 restores took 1.6x the CPU time. Local reads keep
+    SeaweedFS, 0.27 s against 0.29-0.39 s faulting, medians of 11 in two runs each). So it is
+    allocated only after every chunk file it is read from was found as large as the manifest
+    says (:func:`_prechecked`). ``madvise(MADV_POPULATE_WRITE)`` per chunk after its size check
+    was tried instead and dropped: memory:// W2 restores took 1.6x the CPU time. Local reads keep
     :func:`aligned_empty`: O_DIRECT into huge pages costs less CPU there."""
     count = math.prod(shape)
     nbytes = count * dtype.itemsize

@@ -156,11 +156,6 @@ def _array_plan(path: str, data: np.ndarray, rows: int) -> _ArrayPlan:
                       metadata)
 
 
-def _info(fields: tuple[Any, ...]) -> BlobInfo:
-    """A BlobInfo of all its fields in order, without NamedTuple's argument handling."""
-    return tuple.__new__(BlobInfo, fields)
-
-
 def plan_group(*, node: str, epoch: int, save_id: str, blobs: dict[str, np.ndarray],
                pack_threshold: int = DEFAULT_PACK_THRESHOLD) -> GroupPlan:
     """How ``blobs`` are written as a group: nothing is copied but the packed small blobs.
@@ -181,7 +176,7 @@ def plan_group(*, node: str, epoch: int, save_id: str, blobs: dict[str, np.ndarr
         dtype = dtypes.get(arr.dtype) or dtypes.setdefault(arr.dtype, arr.dtype.str)
         if nbytes < pack_threshold or arr.ndim == 0 or arr.size == 0:
             offset = -(-offset // _ALIGN) * _ALIGN
-            packed.append(_info((name, dtype, arr.shape, order, None, 0, offset, ())))
+            packed.append(BlobInfo._make((name, dtype, arr.shape, order, None, 0, offset, ())))
             pieces.append(arr if flags.c_contiguous else np.ascontiguousarray(arr))
             offset += nbytes
             packed_bytes += nbytes
