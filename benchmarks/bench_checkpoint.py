@@ -7,7 +7,8 @@ when torch is installed, torch.save / torch.load.
 
 Workloads (seeded random data): W1 = 1 GiB in 8 float32 arrays of 128 MiB; W2 = 256 MiB in 200
 arrays (8 float32 of 24 MiB + 192 float32/int64/float16 of 256 B..4 MiB, log-uniform, 64 MiB in
-all); W3 = 10,000 float32 arrays of 1 KiB. ``--smoke``: W1/W2 of 8 MiB, W3 of 500, 2 repetitions.
+all); W3 = 10,000 float32 arrays of 1 KiB; W1s = 256 MiB in 8 float32 arrays of 32 MiB; W2s = 69
+MiB in 200 arrays (8 float32 of 6 MiB + 192 as in W2 of 21 MiB in all). ``--smoke``: W1/W2 of 8 MiB, W3 of 500, 2 repetitions.
 
 One run measures every method on the same disk, repetitions interleaved (order rotated). Per
 repetition and method: time a durable save (files fsynced, then their directory; caffe2ckpt:
@@ -65,27 +66,33 @@ NODE = "trainer_0"
 
 def make_workload(name: str, smoke: bool = False) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(SEED)
-    if name == "W1":
-        n = (1 if smoke else 128) * MiB // 4
+    if name in ("W1", "W1s"):
+        n = (1 if smoke else 128 if name == "W1" else 32) * MiB // 4
         return {f"gpu_0/fc{i}_w": rng.random(n, dtype=np.float32) for i in range(8)}
     if name == "W2":
         scale = 32 if smoke else 1
-        ws = {f"gpu_0/conv{i}_w": rng.random((6144 // scale, 1024), dtype=np.float32)
-              for i in range(8)}
-        small_total = 64 * MiB // scale
-        weights = 2.0 ** rng.uniform(8, 22, 192)
-        sizes = np.maximum(weights / weights.sum() * small_total // 8, 1).astype(np.int64) * 8
-        sizes[-1] += small_total - sizes.sum()
-        for i, nbytes in enumerate(sizes):
-            dtype = np.dtype(np.int64 if i % 5 == 0 else np.float16 if i % 7 == 0 else np.float32)
-            n = int(nbytes) // dtype.itemsize
-            ws[f"gpu_0/p{i}_{dtype.name}"] = (rng.integers(0, 1 << 40, n) if dtype.kind == "i"
-                                             else rng.random(n, dtype=np.float32).astype(dtype))
-        return ws
+        return _mixed(rng, 6144 // scale, 64 * MiB // scale)
+    if name == "W2s":  # 69 MiB: 8 x 6 MiB and 192 arrays of 21 MiB in all
+        return _mixed(rng, 192 if smoke else 1536, (2 if smoke else 21) * MiB)
     if name == "W3":
         return {f"gpu_0/b{i:05d}": rng.random(256, dtype=np.float32)
                 for i in range(500 if smoke else 10_000)}
-    raise SystemExit(f"unknown workload {name!r} (use W1, W2, W3)")
+    raise SystemExit(f"unknown workload {name!r} (use W1, W1s, W2, W2s, W3)")
+
+
+def _mixed(rng, conv_rows: int, small_total: int) -> dict[str, np.ndarray]:
+    """8 float32 arrays of ``conv_rows`` x 1024 and 192 float32/int64/float16 arrays of 256 B
+    to 4 MiB (log-uniform) holding ``small_total`` bytes: parameters and optimizer state."""
+    ws = {f"gpu_0/conv{i}_w": rng.random((conv_rows, 1024), dtype=np.float32) for i in range(8)}
+    weights = 2.0 ** rng.uniform(8, 22, 192)
+    sizes = np.maximum(weights / weights.sum() * small_total // 8, 1).astype(np.int64) * 8
+    sizes[-1] += small_total - sizes.sum()
+    for i, nbytes in enumerate(sizes):
+        dtype = np.dtype(np.int64 if i % 5 == 0 else np.float16 if i % 7 == 0 else np.float32)
+        n = int(nbytes) // dtype.itemsize
+        ws[f"gpu_0/p{i}_{dtype.name}"] = (rng.integers(0, 1 << 40, n) if dtype.kind == "i"
+                                         else rng.random(n, dtype=np.float32).astype(dtype))
+    return ws
 
 
 # -- methods: save(ws, epoch), prepare(epoch) untimed, restore(epoch) -> mapping, cleanup(epoch) --

@@ -1,5 +1,5 @@
 """Every benchmark in one run: checkpoint save/restore (W1, W2, W3) against raw files and peers,
-async-save blocking time, latest-epoch lookup, per-epoch cost and resume time as history grows,
+where a save's and a restore's time goes phase by phase (W1s, W2s, W3), async-save blocking time, latest-epoch lookup, per-epoch cost and resume time as history grows,
 save/restore on an S3 server against raw s3fs with every request counted (when moto and s3fs
 are installed: the "test" extra), Prefect's per-epoch overhead, and DaskSession's save
 throughput and per-epoch overhead (when distributed is installed).
@@ -31,6 +31,7 @@ def main() -> int:
     smoke = ["--smoke"] if args.smoke else []
     runs = [
         ["bench_checkpoint.py", "--workloads", "W1,W2,W3", *where, *smoke],
+        ["bench_phases.py", *where, *smoke],
         ["bench_extras.py", *where, *smoke],
         ["bench_history.py", *where, *smoke],
     ]
