@@ -3,6 +3,7 @@
     python benchmarks/bench_phases.py                              # W1s, W2s, W3 on a local disk
     python benchmarks/bench_phases.py --workloads W2s --repeats 9 --dir /tmp/bp
     python benchmarks/bench_phases.py --server moto                # the same on S3 (or seaweedfs)
+    python benchmarks/bench_phases.py --scaling                    # against array count and size
     python benchmarks/bench_phases.py --smoke                      # seconds, for CI
 
 Workloads as in bench_checkpoint.py (W1s = 256 MiB in 8 arrays, W2s = 69 MiB in 200 mixed
@@ -25,6 +26,10 @@ metadata files' digests checked, on the I/O threads; on object stores also the o
 checks chunk sizes before large destinations are populated), **unpack** (the arrays handed
 back), **other**. Under each step, thread time summed over the I/O threads: chunk writes and
 reads, CRC32C, flushes (which overlap: their sum can exceed the step).
+
+``--scaling`` times caffe2ckpt and raw (total step times only) on float32 arrays of equal
+size: 10, 100, 1,000 and 10,000 arrays holding 64 MiB in all, then 100 arrays holding 1, 16, 256
+and 1,024 MiB.
 
 "Must do at least" compares what the step did with raw's one file: files created and fsync
 calls (local disks), requests and bytes (S3). Medians over ``--repeats`` (one untimed warm-up
@@ -57,6 +62,7 @@ from caffe2ckpt.fs.location import Location
 from caffe2ckpt.store import groupread, protocol, zarrgroup
 
 NODE = "trainer_0"
+SEED = 20240601
 SAVE_PHASES = ("plan", "pack", "take path", "write", "flush", "fence", "record")
 LOAD_PHASES = ("manifest", "allocate", "read", "unpack")
 OPTIONS: dict = {}  # the saving manager's (--pack-threshold)
@@ -274,7 +280,12 @@ def measure(step, clock: Clock, wire) -> dict[str, float]:
 
 def run_workload(name: str, args, server) -> None:
     ws = make_workload(name, args.smoke)
-    nbytes = sum(a.nbytes for a in ws.values())
+    rows, saved = measure_workload(ws, args, server)
+    report(name, len(ws), sum(a.nbytes for a in ws.values()), saved, rows, server)
+
+
+def measure_workload(ws: dict[str, np.ndarray], args, server):
+    """Every step of every repetition (order alternating), and the last save's (files, bytes)."""
     root = tempfile.mkdtemp(prefix="phases-", dir=args.dir)
     methods = LocalMethods(root, ws) if server is None else S3Methods(server, ws)
     clock = Clock()
@@ -289,24 +300,52 @@ def run_workload(name: str, args, server) -> None:
     with instrumented(clock):
         for rep in range(-args.warmup, args.repeats):
             epoch = rep + args.warmup + 1
-            steps = {"caffe2ckpt save": lambda e=epoch: methods.save(e),
-                     "raw save": lambda e=epoch: methods.raw_save(e)}
-            for what in (list(steps) if rep % 2 else list(steps)[::-1]):
-                result = measure(steps[what], clock, wire)
-                if rep >= 0:
-                    rows[what].append(result)
-            saved = methods.saved(epoch)
-            for what, prepare, restore in (
-                    ("caffe2ckpt restore", methods.prepare, methods.restore),
-                    ("raw restore", methods.raw_prepare, methods.raw_restore)):
-                prepare(epoch)
-                result = measure(lambda r=restore, e=epoch: r(e), clock, wire)
-                if rep >= 0:
-                    rows[what].append(result)
+            saves = [("caffe2ckpt save", None, methods.save), ("raw save", None, methods.raw_save)]
+            restores = [("caffe2ckpt restore", methods.prepare, methods.restore),
+                        ("raw restore", methods.raw_prepare, methods.raw_restore)]
+            for steps in (saves, restores):
+                for what, prepare, step in (steps if rep % 2 else steps[::-1]):
+                    if prepare is not None:
+                        prepare(epoch)
+                    result = measure(lambda s=step, e=epoch: s(e), clock, wire)
+                    if rep >= 0:
+                        rows[what].append(result)
+                if steps is saves:
+                    saved = methods.saved(epoch)
             methods.cleanup(epoch)
     if server is None:
         shutil.rmtree(root, ignore_errors=True)
-    report(name, len(ws), nbytes, saved, rows, server)
+    return rows, saved
+
+
+def uniform(count: int, nbytes: int) -> dict[str, np.ndarray]:
+    """``count`` float32 arrays of ``nbytes`` in all (seeded)."""
+    rng = np.random.default_rng(SEED)
+    return {f"gpu_0/a{i:05d}": rng.random(max(1, nbytes // count // 4), dtype=np.float32)
+            for i in range(count)}
+
+
+def run_scaling(args, server) -> None:
+    """Save and restore time against the number of arrays at a fixed total, and against the
+    total at a fixed number of arrays, for caffe2ckpt and raw."""
+    mib = 1 << 20
+    total, count = (4 * mib, 10) if args.smoke else (64 * mib, 100)
+    counts = (10, 100) if args.smoke else (10, 100, 1_000, 10_000)
+    sizes = (1, 4) if args.smoke else (1, 16, 256, 1024)
+    where = "a local disk" if server is None else server.where
+    for title, cases in ((f"arrays, {total // mib} MiB in all", [(c, total) for c in counts]),
+                         (f"MiB in all, {count} arrays", [(count, m * mib) for m in sizes])):
+        print(f"\n## Scaling on {where}: save and restore ms against {title}; medians of "
+              f"{args.repeats}\n")
+        print("| arrays | MiB | caffe2ckpt save | raw save | x raw | caffe2ckpt restore | "
+              "raw restore | x raw |\n|---|---|---|---|---|---|---|---|")
+        for arrays, nbytes in cases:
+            rows, _ = measure_workload(uniform(arrays, nbytes), args, server)
+            cells = []
+            for step in ("save", "restore"):
+                mine, raw = (_median(rows[f"{m} {step}"], "total") for m in ("caffe2ckpt", "raw"))
+                cells.append(f"{mine * 1e3:.1f} | {raw * 1e3:.1f} | {raw / mine:.2f}")
+            print(f"| {arrays:,} | {nbytes / mib:g} | {' | '.join(cells)} |", flush=True)
 
 
 def _median(rows: list[dict[str, float]], key: str) -> float:
@@ -357,6 +396,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--server", choices=("moto", "seaweedfs"), default=None,
                         help="measure on this S3 server on 127.0.0.1 instead of a local disk")
     parser.add_argument("--smoke", action="store_true", help="tiny workloads, 2 repetitions")
+    parser.add_argument("--scaling", action="store_true",
+                        help="instead of the workloads: time against array count and total size")
     parser.add_argument("--pack-threshold", type=int, default=None,
                         help="the saving manager's pack_threshold (default: the package's)")
     args = parser.parse_args(argv)
@@ -371,7 +412,9 @@ def main(argv: list[str] | None = None) -> int:
         server = s3wire.start_server(kind=args.server)
     print(f"# {' '.join([os.path.basename(sys.executable)] + sys.argv)}")
     try:
-        for name in args.workloads.split(","):
+        if args.scaling:
+            run_scaling(args, server)
+        for name in [] if args.scaling else args.workloads.split(","):
             run_workload(name, args, server)
     finally:
         if server is not None:
