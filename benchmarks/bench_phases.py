@@ -15,8 +15,7 @@ raw: one file written and fsynced (file and directory), read back with ``readint
 
 Phases are the package's own functions, timed by wrapping them for the run (so the figures
 include the wrapping, a few microseconds per call). A save runs its phases one after another on
-the calling thread: **plan** (the manifest, the group's ``zarr.json``; of which **pack**, the
-small blobs copied into one buffer), **take path** (the group's ``zarr.json`` created
+the calling thread: **plan** (the manifest, the group's ``zarr.json``), **take path** (the group's ``zarr.json`` created
 exclusively), **write** (every chunk and array ``zarr.json``, on the I/O threads), **flush**
 (fdatasync of every file, fsync of every directory, on the I/O threads), **fence** (the run-log
 check), **record** (the commit record, durable); **other** is the rest (the manager, the session,
@@ -25,7 +24,8 @@ the hint). A restore: **manifest** (the group's ``zarr.json`` read, its digest c
 metadata files' digests checked, on the I/O threads; on object stores also the one listing that
 checks chunk sizes before large destinations are populated), **unpack** (the arrays handed
 back), **other**. Under each step, thread time summed over the I/O threads: chunk writes and
-reads, CRC32C, flushes (which overlap: their sum can exceed the step).
+reads, the small blobs copied into each chunk of the packed array ("packing"), CRC32C, flushes
+(which overlap: their sum can exceed the step).
 
 ``--scaling`` times caffe2ckpt and raw (total step times only) on float32 arrays of equal
 size: 10, 100, 1,000 and 10,000 arrays holding 64 MiB in all, then 100 arrays holding 1, 16, 256
@@ -63,10 +63,10 @@ from caffe2ckpt.store import groupread, protocol, zarrgroup
 
 NODE = "trainer_0"
 SEED = 20240601
-SAVE_PHASES = ("plan", "pack", "take path", "write", "flush", "fence", "record")
+SAVE_PHASES = ("plan", "take path", "write", "flush", "fence", "record")
 LOAD_PHASES = ("manifest", "allocate", "read", "unpack")
 OPTIONS: dict = {}  # the saving manager's (--pack-threshold)
-THREAD = ("chunk writes", "chunk reads", "CRC32C", "file flushes", "directory fsyncs")
+THREAD = ("chunk writes", "packing", "chunk reads", "CRC32C", "file flushes", "directory fsyncs")
 
 
 class Clock:
@@ -123,7 +123,7 @@ def instrumented(clock: Clock):
     from caffe2ckpt.fs import localio
 
     patches = [
-        (protocol, "plan_group", "plan"), (zarrgroup, "_pack", "pack"),
+        (protocol, "plan_group", "plan"), (zarrgroup._Packed, "__getitem__", "packing"),
         (protocol.CheckpointStore, "_take_path", "take path"),
         (protocol, "write_arrays", "write"), (Location, "make_durable", "flush"),
         (protocol.runs, "check_fence", "fence"), (protocol, "write_record", "record"),
@@ -363,9 +363,8 @@ def report(name, count, nbytes, saved, rows, server) -> None:
         for phase in phases:
             value = _median(mine, phase)
             if value:
-                indent = "  of which " if phase == "pack" else ""
-                print(f"| {indent}{phase} | {value * 1e3:.1f} | {value / total:.0%} |")
-        main = sum(_median(mine, p) for p in phases if p != "pack")
+                print(f"| {phase} | {value * 1e3:.1f} | {value / total:.0%} |")
+        main = sum(_median(mine, p) for p in phases)
         print(f"| other | {(total - main) * 1e3:.1f} | {(total - main) / total:.0%} |")
         print(f"| **total** | **{total * 1e3:.1f}** | raw {_median(raw, 'total') * 1e3:.1f} "
               f"({_median(raw, 'total') / total:.2f} x raw) |")

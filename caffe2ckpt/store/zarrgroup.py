@@ -31,6 +31,7 @@ with one extra trailing axis, and restored to the exact original dtype.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import hashlib
 import json
@@ -128,7 +129,7 @@ def _chunks(shape: tuple[int, ...], rows: int, row_bytes: int,
 class _ArrayPlan(NamedTuple):
     path: str  # relative to the group
     shape: tuple[int, ...]  # of the stored array
-    data: np.ndarray  # (rows, bytes per row) uint8 view of the stored array
+    data: np.ndarray | _Packed  # (rows, bytes per row) uint8 view of the stored array
     rows: int  # per chunk
     metadata: bytes  # its zarr.json
 
@@ -166,19 +167,17 @@ def plan_group(*, node: str, epoch: int, save_id: str, blobs: dict[str, np.ndarr
     pack_threshold = max(1, pack_threshold)
     arrays: dict[str, BlobInfo] = {}
     packed: list[BlobInfo] = []
-    pieces: list[np.ndarray] = []
+    pieces = _Packed()
     plans: list[_ArrayPlan] = []
-    offset = packed_bytes = 0
+    packed_bytes = 0
     dtypes: dict[np.dtype, str] = {}  # dtype.str makes a new string on every call
     for name, arr in blobs.items():  # per blob: this loop is most of a save of 10,000 tiny ones
         nbytes, flags = arr.nbytes, arr.flags
         order = "C" if flags.c_contiguous or not flags.f_contiguous else "F"
         dtype = dtypes.get(arr.dtype) or dtypes.setdefault(arr.dtype, arr.dtype.str)
         if nbytes < pack_threshold or arr.ndim == 0 or arr.size == 0:
-            offset = -(-offset // _ALIGN) * _ALIGN
+            offset = pieces.add(arr if flags.c_contiguous else np.ascontiguousarray(arr))
             packed.append(BlobInfo._make((name, dtype, arr.shape, order, None, 0, offset, ())))
-            pieces.append(arr if flags.c_contiguous else np.ascontiguousarray(arr))
-            offset += nbytes
             packed_bytes += nbytes
         else:
             data = _stored(arr)
@@ -187,9 +186,11 @@ def plan_group(*, node: str, epoch: int, save_id: str, blobs: dict[str, np.ndarr
                             chunk_rows=rows)
             arrays[name] = info
             plans.append(_array_plan(info.path, data, rows))
+    offset = pieces.nbytes
     packed_chunk = chunk_rows((offset,), 1) if offset else 0
     if offset:
-        plans.append(_array_plan(PACKED_ARRAY, _pack(packed, pieces, offset), packed_chunk))
+        metadata = _array_metadata(np.dtype(np.uint8), (offset,), (packed_chunk,))
+        plans.append(_ArrayPlan(PACKED_ARRAY, (offset,), pieces, packed_chunk, metadata))
     manifest = Manifest(node=node, epoch=epoch, save_id=save_id, arrays=arrays, packed=packed,
                         packed_nbytes=offset, packed_chunk=packed_chunk,
                         packed_blob_bytes=packed_bytes)
@@ -244,18 +245,54 @@ def _write_chunk(location: Location, path: str, data: np.ndarray, padding: int,
     return crc
 
 
-def _pack(infos: list[BlobInfo], arrays: list[np.ndarray], nbytes: int) -> np.ndarray:
-    """One uint8 buffer holding the C-contiguous ``arrays`` at their manifest offsets."""
-    parts: list[Any] = []  # the blobs' bytes and the zero padding between them, joined in C
-    end = 0
-    for info, arr in zip(infos, arrays):
+class _Packed:
+    """The packed array's bytes, never held whole: :meth:`add` places each small blob at the
+    next aligned offset (no copy), and each chunk's bytes (the blobs that fall in it and the
+    zeros between them) are joined when that chunk is written, on the I/O threads. So packing
+    copies a few chunks at a time, not every small blob of the save, beside the writes."""
+
+    def __init__(self) -> None:
+        self.parts: list[Any] = []  # the blobs and the zeros between them, back to back
+        self.starts: list[int] = []  # where each part starts (ascending)
+        self.filled = 0  # where the last part ends
+        self.nbytes = 0  # where the next blob may start (before alignment)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.nbytes, 1)  # rows of one byte, like an own array's data
+
+    def add(self, arr: np.ndarray) -> int:
+        """Place C-contiguous ``arr`` at the next multiple of :data:`_ALIGN`; its offset."""
+        offset = -(-self.nbytes // _ALIGN) * _ALIGN
         if arr.nbytes:
-            if info.offset > end:
-                parts.append(bytes(info.offset - end))
-            parts.append(arr)  # C-contiguous: its buffer is its bytes
-            end = info.offset + arr.nbytes
-    parts.append(bytes(nbytes - end))
-    return np.frombuffer(b"".join(parts), np.uint8)  # read-only: it is only written out
+            if offset > self.filled:
+                self.starts.append(self.filled)
+                self.parts.append(bytes(offset - self.filled))
+            self.starts.append(offset)
+            self.parts.append(arr)  # C-contiguous: its buffer is its bytes
+            self.filled = offset + arr.nbytes
+        self.nbytes = offset + arr.nbytes
+        return offset
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        """Bytes ``rows.start`` to ``rows.stop`` as a (bytes, 1) uint8 array."""
+        start, stop = rows.start, min(rows.stop, self.filled)
+        first = max(0, bisect.bisect_right(self.starts, start) - 1)
+        last = bisect.bisect_left(self.starts, stop)  # parts[first:last] overlap the window
+        parts = self.parts[first:last]
+        if parts:
+            head, tail = start - self.starts[first], stop - self.starts[last - 1]
+            if len(parts) == 1:
+                parts[0] = _as_bytes(parts[0])[head:tail]
+            else:
+                parts[0], parts[-1] = _as_bytes(parts[0])[head:], _as_bytes(parts[-1])[:tail]
+        parts.append(bytes(rows.stop - max(stop, start)))  # zeros after the last blob
+        return np.frombuffer(b"".join(parts), np.uint8).reshape(-1, 1)
+
+
+def _as_bytes(part: Any) -> Any:
+    """A part of :class:`_Packed` (an array, or zeros) as one byte per item, to slice."""
+    return part.reshape(-1).view(np.uint8) if isinstance(part, np.ndarray) else part
 
 
 def parse_manifest(raw: bytes, where: str, *, node: str, epoch: int) -> Manifest:
