@@ -34,7 +34,7 @@ __all__ = ["EXIT_PREEMPTED", "build_job", "main", "node_names"]
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by a preemption signal, rerun to resume
 
 FEATURES = 8
-SAMPLES_PER_NODE = 4096
+SAMPLES_PER_NODE = 32768  # data/x is 1 MiB: an array of its own in the checkpoint
 BATCH = 64
 
 

@@ -32,7 +32,8 @@ class MultiNodeCheckpointManager(BaseCheckpointManager):
             so a retried or re-run job resumes from its newest committed epoch.
         storage_options: fsspec options for ``db_prefix``.
         filesystem: an fsspec filesystem to use instead of one made from the URL.
-        pack_threshold: blobs smaller than this many bytes are packed together.
+        pack_threshold: blobs smaller than this many bytes (default 1 MiB) are packed together
+            into one array, the others each get an array of their own.
         async_save: write and commit in the background after a snapshot (see ``save``).
         auto_resume: with ``False`` and no ``metadata_handler``, Caffe2's behaviour: a job
             resumes only from an explicit ``resume_from_epoch`` and otherwise starts from

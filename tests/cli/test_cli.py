@@ -40,13 +40,13 @@ from tests.stores import gone
 
 NODES = ["trainer_0", "trainer_1"]
 EPOCHS = range(6)
-BIG = "model/w"  # 80 KiB: its own zarr array; the others are packed
+BIG = "model/w"  # 1 MiB: its own zarr array; the others are packed
 
 
 def blobs(node: str, epoch: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng([NODES.index(node), epoch])
     return {
-        BIG: rng.normal(size=(128, 160)).astype(np.float32),
+        BIG: rng.normal(size=(1024, 256)).astype(np.float32),
         "model/b": rng.normal(size=8),
         "step": np.int64(epoch),
         "names": np.array([f"{node}-{epoch}", "ü"]),
@@ -222,7 +222,7 @@ def test_show_lists_blobs_from_metadata(tree, capsys):
     assert code == 0
     assert "epoch 3" in out and "4 blobs" in out
     line = next(x for x in out.splitlines() if x.startswith("trainer_0  model/w"))
-    assert line.split()[2:5] == ["<f4", "(128,", "160)"] and "crc32c recorded" in line
+    assert line.split()[2:5] == ["<f4", "(1024,", "256)"] and "crc32c recorded" in line
     assert "array model%2Fw, 1 chunk" in line
     assert "packed @" in next(x for x in out.splitlines() if " step " in x)
 

@@ -86,7 +86,7 @@ def test_arrays_stay_on_the_workers_and_records_name_them(tmp_path, dask_client,
         where = {n: session._call(n, "where") for n in NODES}
         data = session.workspace("trainer_0")["data/x"]
         weights = session.workspace("trainer_0")["model/w"]
-    assert data.nbytes == 4096 * 8 * 4
+    assert data.nbytes == 32768 * 8 * 4
     assert max(session.sent) < 16_000 and max(session.received) < 8_000, (
         max(session.sent), max(session.received))
     store = CheckpointStore(Location(url))

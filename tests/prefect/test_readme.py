@@ -65,7 +65,7 @@ BLOCKS = {
     # (tests/prefect/test_dask_prefect.py runs PrefectSession(nodes=DaskSession(...)) flows).
     "Running on a cluster #1": (None, None),
     "Storage format #1": (regression_checkpoints, "trainer_0.10 True"),
-    "Storage format #2": (regression_checkpoints, "(4096, 8) 0.500523"),
+    "Storage format #2": (regression_checkpoints, "(32768, 8) 0.50399417"),
 }
 
 

@@ -30,14 +30,14 @@ from tests.s3server import NOT_ON_S3
 from tests.stores import load as load_node
 
 NODES = ["n0", "n1"]
-BIG = "big/w"  # 96 KiB: its own zarr array
+BIG = "big/w"  # 1.02 MiB, over the pack threshold: its own zarr array
 PACKED = ["small/b", "count", "names"]  # packed together into "_packed"
 
 
 def node_blobs(node: str, epoch: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng([zlib.crc32(node.encode()), epoch])
     return {
-        BIG: rng.normal(size=(96, 256)).astype(np.float32),
+        BIG: rng.normal(size=(1040, 256)).astype(np.float32),
         "small/b": rng.normal(size=10),
         "count": np.int64(epoch * 100 + NODES.index(node)),
         "names": np.array([f"{node}-{epoch}", "über"], "<U8"),
@@ -372,7 +372,7 @@ def test_a_chunk_from_another_save_is_detected(prefix, memory_fs):
     stores = {}
     for run, value in (("a", 1.0), ("b", 2.0)):
         session = LocalSession()
-        session.workspace("n")["w"] = np.full(1 << 15, value)  # 256 KiB: its own array
+        session.workspace("n")["w"] = np.full(1 << 17, value)  # 1 MiB: its own array
         cm = MultiNodeCheckpointManager(f"{prefix}/{run}")
         session.run(cm.init(["n"]))
         session.run(cm.save(3))

@@ -107,7 +107,7 @@ def seeded_session(nodes, epoch: int = 0) -> LocalSession:
     session = LocalSession()
     for i, node in enumerate(nodes):
         session.workspace(node).update({
-            "big": np.full(1 << 14, float(i + 10 * epoch)),  # 128 KiB: its own array
+            "big": np.full(1 << 17, float(i + 10 * epoch)),  # 1 MiB: its own array
             "small": np.arange(5, dtype=np.int32) + i + epoch,
         })
     return session
@@ -630,7 +630,7 @@ def test_a_manifest_claiming_huge_blobs_is_corrupt_not_a_memory_error(prefix, cl
     with Job(name="huge") as job:
         with Node("n"):
             with job.init_group:
-                Task(lambda ws: ws.update({"w": np.zeros(1 << 14), "step": np.int64(0)}),
+                Task(lambda ws: ws.update({"w": np.zeros(1 << 17), "step": np.int64(0)}),
                      name="init")
             Task(lambda ws: ws.update({"w": ws["w"] + 1, "step": ws["step"] + 1}), name="train")
         epoch_limiter(job, 2)

@@ -97,7 +97,7 @@ def craft(prefix: str, case: str) -> None:
     docstring). The chunk files are the originals: the first one already has the wrong size."""
     if case == "format3-2gib":  # float64: 2**28 rows, 128 chunks of 2**21 rows (16 MiB)
         with StepCheckpointManager(prefix, handle_preemption=False) as mgr:
-            mgr.save(3, {"n": {"w": np.ones(1 << 16), "b": np.zeros(3)}})
+            mgr.save(3, {"n": {"w": np.ones(1 << 17), "b": np.zeros(3)}})
         recommit(prefix, "n", 3, claim([1 << 28], 1 << 21, 128))
         return
     copy_fixture(prefix)  # step 3's "w": 1024 float32 in one chunk (format 2)

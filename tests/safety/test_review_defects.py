@@ -683,7 +683,7 @@ def test_7_gc_keep_last_ranks_each_job_of_a_shared_prefix_on_its_own(prefix):
 # 8. A crafted manifest with a huge chunk count fails fast and small
 # =================================================================================================
 
-CHUNKS = 1_000_000  # one-row chunks claimed for a 1 MB blob (75dd0ff: ~7 KB and ~0.14 ms each)
+CHUNKS = 1 << 20  # one-row chunks claimed for a 1 MiB blob (75dd0ff: ~7 KB and ~0.14 ms each)
 HOSTILE = textwrap.dedent('''
     import contextlib, io, json, sys, time
     import numpy as np

@@ -32,7 +32,7 @@ from caffe2ckpt.store.protocol import CheckpointStore, SaveInfo
 from tests.s3server import NOT_ON_S3
 from tests.stores import record_of
 
-LARGE = 64 * 1024  # the default pack threshold: blobs this big are their own zarr array
+LARGE = 64 * 1024  # the pack threshold these tests give: blobs this big are their own array
 NODE = "trainer_0"
 
 
@@ -346,7 +346,7 @@ def test_unicode_and_bytes_arrays_round_trip_exactly(prefix, pack_threshold):
 
 def test_strings_are_stored_as_code_units_with_trailing_axis(prefix):
     blobs = string_blobs(np.random.default_rng(4))
-    group = saved_group(prefix, blobs, 2)
+    group = saved_group(prefix, blobs, 2, pack_threshold=LARGE)
     u = group[blob_path("large/u3_be")]
     assert u.dtype == np.uint32 and u.shape == blobs["large/u3_be"].shape + (3,)
     assert u[...].astype("<u4").view("<U3").reshape(u.shape[:-1]).tolist() == \
@@ -404,9 +404,9 @@ def test_invalid_names_rejected(name):
 
 
 def test_plain_zarr_reads_large_blob_by_escaped_name(prefix):
-    w = np.random.default_rng(0).normal(size=(130, 129)).astype(np.float32)
+    w = np.random.default_rng(0).normal(size=(1030, 257)).astype(np.float32)  # over 1 MiB
     blobs = {"layer/1:w": w, "layer/1:b": np.arange(5, dtype=np.float32), "step": np.int64(9),
-             "gewicht/über": np.arange(LARGE // 2, dtype=np.int16)}
+             "gewicht/über": np.arange(1 << 19, dtype=np.int16)}  # 1 MiB: the default threshold
     session = LocalSession()
     session.workspace(NODE).update(blobs)
     cm = MultiNodeCheckpointManager(prefix)
@@ -417,7 +417,7 @@ def test_plain_zarr_reads_large_blob_by_escaped_name(prefix):
     group = zarr.open_group(url, mode="r")
     arr = group[blob_path("layer/1:w")]
     assert blob_path("layer/1:w") == "layer%2F1%3Aw"
-    assert arr.dtype == np.float32 and arr.shape == (130, 129)
+    assert arr.dtype == np.float32 and arr.shape == (1030, 257)
     assert arr[...].tobytes() == w.tobytes()
     ue = group[blob_path("gewicht/über")]
     assert ue.dtype == np.int16 and np.array_equal(ue[...], blobs["gewicht/über"])
@@ -425,7 +425,7 @@ def test_plain_zarr_reads_large_blob_by_escaped_name(prefix):
     assert sorted([*meta["arrays"], *meta["packed"]["names"]]) == sorted(blobs)
     assert meta["node"] == NODE and meta["epoch"] == 4
     assert meta["arrays"]["layer/1:w"]["dtype"] == "<f4"
-    assert meta["arrays"]["layer/1:w"]["shape"] == [130, 129]
+    assert meta["arrays"]["layer/1:w"]["shape"] == [1030, 257]
     assert meta["arrays"]["layer/1:w"]["path"] == "layer%2F1%3Aw"
     assert "layer/1:b" in meta["packed"]["names"] and "layer/1:b" not in meta["arrays"]
     assert sorted(group.array_keys()) == sorted(["_packed", "layer%2F1%3Aw", "gewicht%2F%C3%BCber"])
