@@ -15,8 +15,8 @@ raw: one file written and fsynced (file and directory), read back with ``readint
 
 Phases are the package's own functions, timed by wrapping them for the run (so the figures
 include the wrapping, a few microseconds per call). A save runs its phases one after another on
-the calling thread: **plan** (the manifest, the group's ``zarr.json``), **take path** (the group's ``zarr.json`` created
-exclusively), **write** (every chunk and array ``zarr.json``, on the I/O threads), **flush**
+the calling thread: **plan** (the manifest, the group's ``zarr.json``), **take path** (the
+group's ``zarr.json`` created exclusively), **write** (every chunk and array ``zarr.json``, on the I/O threads), **flush**
 (fdatasync of every file, fsync of every directory, on the I/O threads), **fence** (the run-log
 check), **record** (the commit record, durable); **other** is the rest (the manager, the session,
 the hint). A restore: **manifest** (the group's ``zarr.json`` read, its digest checked, parsed),
@@ -24,8 +24,10 @@ the hint). A restore: **manifest** (the group's ``zarr.json`` read, its digest c
 metadata files' digests checked, on the I/O threads; on object stores also the one listing that
 checks chunk sizes before large destinations are populated), **unpack** (the arrays handed
 back), **other**. Under each step, thread time summed over the I/O threads: chunk writes and
-reads, the small blobs copied into each chunk of the packed array ("packing"), CRC32C, flushes
-(which overlap: their sum can exceed the step).
+reads, the packed array's chunks assembled from its small blobs ("packing": joined when they
+are tiny, else handed over as they are), CRC32C, flushes (which overlap: their sum can exceed
+the step). Medians are taken per phase, so they need not add up to the step's ("other" may be
+slightly negative).
 
 ``--scaling`` times caffe2ckpt and raw (total step times only) on float32 arrays of equal
 size: 10, 100, 1,000 and 10,000 arrays holding 64 MiB in all, then 100 arrays holding 1, 16, 256
