@@ -1,5 +1,5 @@
 """Benchmark caffe2ckpt save/restore side by side with raw file I/O, safetensors, np.savez and,
-when torch is installed, torch.save / torch.load.
+when they are installed, torch.save / torch.load and Orbax's PyTreeCheckpointer.
 
     /tmp/venv/bin/python benchmarks/bench_checkpoint.py --workloads W1 --repeats 5 --dir /tmp/bench
     /tmp/venv/bin/python benchmarks/bench_checkpoint.py --workloads W1,W2,W3 --dir /tmp/bench
@@ -38,6 +38,7 @@ import argparse
 import ctypes
 import gc
 import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
@@ -185,6 +186,40 @@ class Caffe2Ckpt:
         self.rsession = self.rcm = None
 
 
+class Orbax:
+    """Orbax's PyTreeCheckpointer (TensorStore, OCDBT) on the workspace as a flat dict (blob
+    names with "/" spelled "|": Orbax reads "/" as nesting); durable like the others: every
+    file it wrote, then every directory, fsynced after its save returns."""
+
+    name = "orbax"
+
+    def __init__(self, root, ws):
+        import orbax.checkpoint as ocp  # here: importing jax costs seconds and starts threads
+
+        self.root = root
+        self.checkpointer = ocp.PyTreeCheckpointer()
+
+    def path(self, epoch):
+        return os.path.join(self.root, f"orbax.{epoch}")
+
+    def save(self, ws, epoch):
+        self.checkpointer.save(self.path(epoch), {k.replace("/", "|"): v for k, v in ws.items()})
+        for directory, _, names in os.walk(self.path(epoch), topdown=False):
+            for name in names:
+                _durable(os.path.join(directory, name))
+            _durable(directory)
+
+    def prepare(self, epoch):
+        pass
+
+    def restore(self, epoch):
+        tree = self.checkpointer.restore(self.path(epoch))
+        return {k.replace("|", "/"): np.asarray(v) for k, v in tree.items()}
+
+    def cleanup(self, epoch):
+        shutil.rmtree(self.path(epoch))
+
+
 def build_methods(root, ws, only=None):
     methods = [FileMethod("raw", ".bin", raw_save, raw_load, root, ws), Caffe2Ckpt(root, ws)]
     if safetensors is not None:
@@ -194,6 +229,8 @@ def build_methods(root, ws, only=None):
         methods.append(FileMethod("torch", ".pt", torch_save, torch_load, root, ws))
     methods.append(FileMethod("np.savez", ".npz",  # uncompressed
                               lambda ws, path: np.savez(path, **ws), npz_load, root, ws))
+    if importlib.util.find_spec("orbax") is not None:  # no row without it
+        methods.append(Orbax(root, ws))
     return [m for m in methods if only is None or m.name == only]
 
 
@@ -373,6 +410,7 @@ def main():
     du, mem = shutil.disk_usage(args.dir), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     have = {d.metadata["Name"].lower(): d.version for d in importlib.metadata.distributions()}
     versions = [f"{m} {have[m]}" for m in ("numpy", "zarr", "fsspec", "safetensors", "torch",
+                                           "orbax-checkpoint", "jax",
                                            "caffe2ckpt")
                 if m in have]
     rev = subprocess.run(["git", "-C", os.path.dirname(os.path.abspath(__file__)), "describe",
