@@ -27,7 +27,7 @@ from typing import Any
 
 from caffe2ckpt.errors import CheckpointNotFoundError
 from caffe2ckpt.fs import localio, s3read
-from caffe2ckpt.fs.clienterrors import precondition_failed
+from caffe2ckpt.fs.clienterrors import precondition_failed, s3_answer
 from caffe2ckpt.fs.location import Location, subdirectories
 
 __all__ = ["FsspecLocation", "MemoryLocation", "ObjectStoreLocation"]
@@ -239,8 +239,10 @@ class ObjectStoreLocation(FsspecLocation):
             size, tail = self._guard(s3read.read_into, self.fs, path, out, trailer)
         except _MISSING as exc:
             raise CheckpointNotFoundError(f"{path} does not exist") from exc
-        except OSError:  # S3 refuses any range of an empty object (416): is it empty?
-            if self._guard(self.fs.info, path).get("size") != 0:
+        except s3read.Unsupported:
+            return super().read_exact(path, out, trailer)
+        except OSError as exc:  # S3 refuses a range starting at 0 only of an empty object
+            if s3_answer(exc)[0] != 416:
                 raise
             size, tail = 0, None
         if tail is None:

@@ -11,8 +11,11 @@ The object's size is known from the answer's headers before any byte is written 
 destination, so a file that is too short or too long leaves the destination untouched (see
 :meth:`caffe2ckpt.fs.location.Location.read_exact`). A request is retried as s3fs retries its
 own (``_error_wrapper``: throttling, dropped connections, a body cut short), each attempt from
-the start. It needs s3fs's coroutine API (``_call_s3``, ``loop``), which every s3fs this project
-supports has; :func:`supported` says whether a filesystem offers it.
+the start; a read that fails in the end may have written part of the destination (callers
+discard it). It needs s3fs's coroutine API (``_call_s3``, ``loop``, ``_error_wrapper``), which
+every s3fs this project supports has: :func:`supported` says whether a filesystem offers it,
+and :class:`Unsupported` is raised if it turns out different (the caller then reads the
+general way), never an error that reads as damage.
 """
 
 from __future__ import annotations
@@ -24,9 +27,14 @@ from typing import Any
 
 from fsspec.asyn import sync
 
-__all__ = ["read_into", "supported"]
+__all__ = ["Unsupported", "read_into", "supported"]
 
 _CONTENT_RANGE = re.compile(r"bytes \d+-\d+/(\d+)")
+
+
+class Unsupported(OSError):
+    """s3fs's coroutine API is not what this module expects (a ``TypeError`` or
+    ``AttributeError`` from it): read the general way instead."""
 
 
 def supported(fs: Any) -> bool:
@@ -56,7 +64,10 @@ def read_into(fs: Any, path: str, out: memoryview, trailer: int) -> tuple[int, b
     async def attempt() -> tuple[int, bytes | None]:
         return await _get_into(fs, path, out, trailer)
 
-    return sync(fs.loop, _retrying(), attempt, retries=fs.retries)
+    try:
+        return sync(fs.loop, _retrying(), attempt, retries=fs.retries)
+    except (TypeError, AttributeError) as exc:
+        raise Unsupported(errno.ENOTSUP, f"s3fs's coroutine API changed ({exc!r})") from exc
 
 
 async def _get_into(fs: Any, path: str, out: memoryview, trailer: int) -> tuple[int, bytes | None]:

@@ -229,7 +229,7 @@ def write_arrays(location: Location, root: str, plan: GroupPlan,
         for key, rows, padding in _chunks(array.shape, array.rows, array.data.shape[1],
                                           padded=True):
             future = _pool().submit(_write_chunk, location, f"{root}/{array.path}/{key}",
-                                    array.data[rows], padding, batch)
+                                    array.data, rows, padding, batch)
             chunks.append((array.path, future))
     _wait_all([*futures, *(f for _, f in chunks)])
     crcs: dict[str, list[int]] = {}
@@ -238,12 +238,14 @@ def write_arrays(location: Location, root: str, plan: GroupPlan,
     return {path: tuple(values) for path, values in crcs.items()}
 
 
-def _write_chunk(location: Location, path: str, data: np.ndarray | list[Any], padding: int,
-                 batch: localio.SyncBatch | None) -> int:
-    """Write one chunk file: ``data`` (an array, or the byte buffers of a packed chunk), then
-    ``padding`` zero bytes, then the CRC32C of both. Returns the CRC32C."""
-    buffers: list[Any] = ([np.ascontiguousarray(data).reshape(-1)]
-                          if isinstance(data, np.ndarray) else data)
+def _write_chunk(location: Location, path: str, data: np.ndarray | _Packed, rows: slice,
+                 padding: int, batch: localio.SyncBatch | None) -> int:
+    """Write one chunk file: rows ``rows`` of ``data`` (taken here, on an I/O thread: a packed
+    chunk is assembled by the thread that writes it), then ``padding`` zero bytes, then the
+    CRC32C of both. Returns the CRC32C."""
+    chunk = data[rows]  # an array, or the byte buffers of a packed chunk
+    buffers: list[Any] = ([np.ascontiguousarray(chunk).reshape(-1)]
+                          if isinstance(chunk, np.ndarray) else chunk)
     crc = 0
     for buffer in buffers:
         crc = google_crc32c.extend(crc, buffer)

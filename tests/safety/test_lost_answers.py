@@ -126,3 +126,23 @@ def test_a_chunk_answer_cut_part_way_is_read_again_and_restores_exactly(s3_serve
         restored = steps.restore(1)
     assert len(rule.dropped) == 1 and rule.dropped[0].endswith(" -> 206"), rule.dropped
     np.testing.assert_array_equal(restored["n"]["w"], weights)
+
+
+def test_a_changed_s3fs_api_falls_back_to_the_general_read_not_to_damage(s3_server, proxied,
+                                                                         monkeypatch):
+    """fs/s3read.py uses s3fs's coroutine API; if it behaves differently (a TypeError from a
+    changed signature), the chunk is read the general way: a restore, not "damaged" epochs."""
+    from caffe2ckpt.fs import s3read
+
+    _, url, options = proxied
+    weights = np.random.default_rng(8).random(1 << 18)
+    with StepCheckpointManager(url, storage_options=options) as steps:
+        steps.save(1, {"n": {"w": weights}})
+
+    async def changed(*args, **kwargs):
+        raise TypeError("read() takes 1 positional argument but 2 were given")
+
+    monkeypatch.setattr(s3read, "_fill", changed)
+    with StepCheckpointManager(url, storage_options=options) as steps:
+        restored = steps.restore(1)
+    np.testing.assert_array_equal(restored["n"]["w"], weights)
