@@ -8,6 +8,16 @@ Save policy (a union: an epoch is saved when any rule says so):
     ``save_interval_seconds`` (at least that long since the last save). Epoch 0, the final
     epoch and an epoch interrupted by preemption are always saved. No rule: every epoch.
 
+Differential saves (``delta_saves``): a save writes, per blob, only what changed since the
+save it builds on (the previous committed save of the same run): the changed rows of a large
+blob (``delta_min_bytes`` or more) as a row overlay, nothing for a blob that did not change, the
+whole blob otherwise. Changes are found by comparing rows bit for bit with a copy of the last
+committed state (``delta_detection="compare"``, which doubles the memory of those blobs) or
+taken from the caller's hints (``"hints"``: ``changed_rows=`` of a step save, or
+``Workspace.mark_changed`` in a job's tasks). After ``max_delta_chain`` saves that build on
+one another, or once a blob's overlays reach ``max_delta_fraction`` of its bytes, a save writes
+it whole again: that bounds what a restore reads.
+
 Retention (a union: an epoch is kept when any rule keeps it):
     ``max_to_keep`` (the newest N), ``keep_period`` (every K-th epoch), ``keep_best`` (the
     best N by ``best_fn`` over the epoch's metrics, ``best_mode`` min or max; NaN or a missing
@@ -32,6 +42,7 @@ from caffe2ckpt.errors import JobDefinitionError
 __all__ = ["StepManagerOptions", "keep_reasons", "retained_epochs", "should_save"]
 
 Metrics = Mapping[str, float]
+MAX_DELTA_CHAIN = 64  # overlays a blob may build on (records refuse longer chains as damage)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,6 +66,11 @@ class StepManagerOptions:
     best_mode: Literal["min", "max"] = "min"
     keep_checkpoints_without_metrics: bool = True
     enable_async_checkpointing: bool = False
+    delta_saves: bool = False
+    max_delta_chain: int = 4
+    max_delta_fraction: float = 0.25
+    delta_min_bytes: int = 4 << 20
+    delta_detection: Literal["compare", "hints"] = "compare"
 
     def __post_init__(self) -> None:
         for name in ("save_interval_steps", "max_to_keep", "keep_period", "keep_best"):
@@ -75,6 +91,28 @@ class StepManagerOptions:
         if self.keep_best is not None and self.best_fn is None:
             raise JobDefinitionError("StepManagerOptions.keep_best needs best_fn (a metric name "
                                      "or a function of the metrics dict)")
+        self._check_delta()
+
+    def _check_delta(self) -> None:
+        if type(self.delta_saves) is not bool:
+            raise JobDefinitionError("StepManagerOptions.delta_saves must be True or False, got "
+                                     f"{self.delta_saves!r}")
+        chain = self.max_delta_chain
+        if type(chain) is not int or not 1 <= chain <= MAX_DELTA_CHAIN:
+            raise JobDefinitionError(f"StepManagerOptions.max_delta_chain must be an int from 1 "
+                                     f"to {MAX_DELTA_CHAIN}, got {chain!r}")
+        fraction = self.max_delta_fraction
+        if (isinstance(fraction, bool) or not isinstance(fraction, (int, float))
+                or not 0 < fraction <= 1):
+            raise JobDefinitionError("StepManagerOptions.max_delta_fraction must be a number "
+                                     f"above 0 and at most 1, got {fraction!r}")
+        least = self.delta_min_bytes
+        if type(least) is not int or least < 1:
+            raise JobDefinitionError("StepManagerOptions.delta_min_bytes must be an int >= 1, "
+                                     f"got {least!r}")
+        if self.delta_detection not in ("compare", "hints"):
+            raise JobDefinitionError("StepManagerOptions.delta_detection must be 'compare' or "
+                                     f"'hints', got {self.delta_detection!r}")
 
     @property
     def has_save_rule(self) -> bool:

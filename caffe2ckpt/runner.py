@@ -359,7 +359,7 @@ class JobRunner:
             self._last_save_time = time.monotonic()
             outcome = cm.save_checkpoint(session, epoch, stop=stop,
                                          stop_conditions=stop_conditions, metrics=metrics,
-                                         writer=_writer(session))
+                                         writer=_writer(session), options=self.options)
         except Exception as exc:
             if cm.pending_epoch == epoch:  # other nodes' background saves: drain them first
                 try:

@@ -109,6 +109,7 @@ class Workspace(MutableMapping[str, np.ndarray]):
         self, blobs: dict[str, Any] | None = None, *, parent: Workspace | None = None
     ) -> None:
         self._blobs: dict[str, np.ndarray] = {}
+        self._changed: dict[str, list[np.ndarray]] = {}  # mark_changed hints not yet saved
         self.parent = parent
         for name, value in (blobs or {}).items():
             self[name] = value
@@ -167,6 +168,31 @@ class Workspace(MutableMapping[str, np.ndarray]):
             self._blobs.update(blobs)
         else:  # a child workspace: keep its write-through rules
             self.update(blobs)
+
+    def mark_changed(self, name: str, rows: Any) -> None:
+        """Note that rows ``rows`` (indices along axis 0) of blob ``name`` changed since the
+        last save: the hints a differential save with ``delta_detection="hints"`` writes
+        (accumulated until the next save, so a save every N epochs sees the union). A hint that
+        misses changed rows is found when the epoch is restored, never returned as data.
+
+        Raises:
+            InvalidBlobError: no such blob, or ``rows`` are not integers.
+        """
+        if name not in self._blobs and self.parent is not None and name in self.parent:
+            self.parent.mark_changed(name, rows)
+            return
+        if name not in self._blobs:
+            raise InvalidBlobError(f"mark_changed: the workspace has no blob {name!r}")
+        ids = np.asarray(rows).reshape(-1)
+        if ids.size and not np.issubdtype(ids.dtype, np.integer):
+            raise InvalidBlobError(f"mark_changed: blob {name!r}: rows must be integers, got "
+                                   f"dtype {ids.dtype}")
+        self._changed.setdefault(name, []).append(ids.astype(np.int64))
+
+    def take_changed(self) -> dict[str, np.ndarray]:
+        """The rows :meth:`mark_changed` noted since the last call, by blob (then forgotten)."""
+        changed, self._changed = self._changed, {}
+        return {name: np.concatenate(parts) for name, parts in changed.items()}
 
     def local_names(self) -> list[str]:
         """Names stored in this workspace itself (not those seen through a parent)."""

@@ -34,6 +34,7 @@ from caffe2ckpt.cli._context import (
 )
 from caffe2ckpt.errors import CheckpointError, CheckpointFencedError, JobDefinitionError
 from caffe2ckpt.history.cleanup import (
+    References,
     find_leftovers,
     remove_leftovers,
     remove_saves,
@@ -181,7 +182,9 @@ def cmd_gc(ctx: Context, args: argparse.Namespace) -> tuple[Document, int]:
         fence = found.newest_generation
         work = [(doc, lambda i=item: bool(remove_leftovers(store, [i], fence=fence)))
                 for item, doc in leftovers]
-        work += [(doc, lambda s=save: bool(remove_saves(store, [s], fence=fence, doing="gc")))
+        references = References(found.records())
+        work += [(doc, lambda s=save: bool(remove_saves(store, [s], fence=fence, doing="gc",
+                                                        references=references)))
                  for save, doc in delete]
         code = _carry_out(ctx, work)
     delete_docs = [doc for _, doc in delete]

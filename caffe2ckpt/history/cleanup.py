@@ -4,7 +4,8 @@
 Every removal names saves, never "whatever sits at epoch e", and is fenced:
 
 * a save is removed by its records first (exact names: its epoch, nodes and save id), then by
-  the groups those records name, each only after its ``zarr.json`` says it is that save's, file
+  the groups those records name that no other readable record needs (a differential save
+  needs the groups it builds on), each only after its ``zarr.json`` says it is that save's, file
   by file as its manifest lists them (no listing, no pattern), the ``zarr.json`` last. At
   ``<node>.<epoch>`` the ``zarr.json`` is replaced by a tombstone instead
   (:mod:`caffe2ckpt.store.tombstone`): that path is never freed, so no later save can be met
@@ -31,7 +32,7 @@ from dataclasses import dataclass, replace
 
 from caffe2ckpt.errors import CheckpointError, CheckpointNotFoundError
 from caffe2ckpt.history.lineage import Save
-from caffe2ckpt.history.scan import PrefixScan
+from caffe2ckpt.history.scan import PrefixScan, scan
 from caffe2ckpt.store import runs
 from caffe2ckpt.store.layout import (
     COMMITS_DIR,
@@ -44,12 +45,12 @@ from caffe2ckpt.store.layout import (
 )
 from caffe2ckpt.store.manifest import Manifest
 from caffe2ckpt.store.protocol import CheckpointStore
-from caffe2ckpt.store.records import RecordRef, delete_record
+from caffe2ckpt.store.records import CommitRecord, RecordRef, delete_record
 from caffe2ckpt.store.tombstone import is_tombstone, tombstone
 from caffe2ckpt.store.zarrgroup import GROUP_FILE, parse_manifest
 
-__all__ = ["Leftover", "find_leftovers", "is_checkpoint_prefix", "remove_leftovers",
-           "remove_saves"]
+__all__ = ["Leftover", "References", "find_leftovers", "is_checkpoint_prefix",
+           "remove_leftovers", "remove_saves"]
 
 logger = logging.getLogger(__name__)
 
@@ -109,12 +110,44 @@ def _remove_group(store: CheckpointStore, group: str, save_id: str) -> bool:
     return True
 
 
+class References:
+    """Which groups readable records need (:attr:`CommitRecord.closure`), kept up to date as
+    saves are removed: a group is deleted only once no record needs it."""
+
+    def __init__(self, records: Iterable[CommitRecord]) -> None:
+        self._needed: dict[str, set[RecordRef]] = {}
+        for record in records:
+            for group in record.closure:
+                self._needed.setdefault(group, set()).add(record.ref)
+
+    def drop(self, save: Save) -> None:
+        """``save``'s records are gone."""
+        for record in save.records.values():
+            for group in record.closure:
+                needed = self._needed.get(group)
+                if needed is not None:
+                    needed.discard(record.ref)
+                    if not needed:
+                        del self._needed[group]
+
+    def __contains__(self, group: object) -> bool:
+        return group in self._needed
+
+
 def remove_saves(store: CheckpointStore, saves: Iterable[Save], *, fence: int,
-                 nodes: Collection[str] | None = None,
-                 doing: str = "remove checkpoints") -> list[Save]:
-    """Remove ``saves`` (records first, then their groups), each after checking that no run of
-    the family ``nodes`` (None: of any family) newer than ``fence`` (a generation) has claimed
-    the prefix. Returns those removed.
+                 nodes: Collection[str] | None = None, doing: str = "remove checkpoints",
+                 references: References | None = None) -> list[Save]:
+    """Remove ``saves``, each after checking that no run of the family ``nodes`` (None: of any
+    family) newer than ``fence`` (a generation) has claimed the prefix: its records first,
+    then each group of its closure that no readable record needs any longer (a group a kept
+    differential save builds on stays until that save goes too). Returns those removed.
+
+    ``references`` are the records' references as the caller knows them (the run that holds
+    the family, or ``gc``, which keeps every family's newest save: nothing newer can need more
+    than those saves need); without it they are read again after each save's records are
+    deleted, so a differential save committed meanwhile on top of a removed save is seen (or
+    finds its base gone and takes its record back:
+    :meth:`~caffe2ckpt.store.protocol.CheckpointStore.save_node`).
 
     Raises:
         CheckpointFencedError: a newer run claimed the prefix; the saves not removed yet stay.
@@ -125,8 +158,14 @@ def remove_saves(store: CheckpointStore, saves: Iterable[Save], *, fence: int,
                          f"{save.save_id})", nodes)
         for record in save.records.values():
             delete_record(store.location, record.ref)
-        for record in save.records.values():
-            _remove_group(store, record.group, save.save_id)
+        if references is None:
+            needed: References | frozenset[str] = scan(store, nodes).referenced
+        else:
+            references.drop(save)
+            needed = references
+        for group, save_id in save.closure().items():
+            if group not in needed:
+                _remove_group(store, group, save_id)
         removed.append(save)
         logger.info("deleted epoch %d (save %s, nodes %s) under %s", save.epoch, save.save_id,
                     sorted(save.records), store.location.display())

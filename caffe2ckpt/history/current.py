@@ -36,7 +36,7 @@ from collections.abc import Collection, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from caffe2ckpt.history.cleanup import remove_saves
+from caffe2ckpt.history.cleanup import References, remove_saves
 from caffe2ckpt.history.lineage import History, Save
 from caffe2ckpt.history.retention import RetentionPlan, plan_retention
 from caffe2ckpt.history.scan import Family, family_history, newest_save, scan
@@ -62,6 +62,7 @@ class CurrentRun:
         self.run: runs.Run | None = None
         self._next_parent: Any = _UNSET  # the parent the next run starts from, once given
         self._last_epoch: int | None = None  # the newest epoch the current run saved
+        self._last_save: str | None = None  # and the id of that save
         self._family: Family | None = None  # the lineage view, once read
         self._reading: History | None = None  # the one reading of a resume
         self._newest_read: Any = _UNSET  # the newest save as a resume found it
@@ -90,7 +91,7 @@ class CurrentRun:
             logger.debug("cannot write the hint of %s: %s", sorted(self.nodes), exc)
             run = self._claim(parent, writer)
             self._vouch(newest, run.generation)  # failing twice: the claim fails
-        self.run, self._next_parent, self._last_epoch = run, _UNSET, None
+        self.run, self._next_parent, self._last_epoch, self._last_save = run, _UNSET, None, None
         return run
 
     def _claim(self, parent: tuple[int, int] | None, writer: dict[str, Any] | None
@@ -122,7 +123,7 @@ class CurrentRun:
         """The run is over (a new one is about to choose where to resume): forget it and the
         lineage view, which other writers may change from now on; the next save claims
         again."""
-        self.run, self._next_parent, self._last_epoch = None, _UNSET, None
+        self.run, self._next_parent, self._last_epoch, self._last_save = None, _UNSET, None, None
         if not self._resuming:
             self.forget()
 
@@ -161,6 +162,15 @@ class CurrentRun:
             parent = self.parent_below(epoch)
         return self.start(parent, writer)
 
+    def base_for(self, epoch: int) -> str | None:
+        """The save a save of ``epoch`` in the held run may build on (differential saves): the
+        run's newest committed save, if the save continues the run; None for a new run's
+        first save."""
+        run = self.run
+        if run is None or self._last_epoch is None or epoch <= self._last_epoch:
+            return None
+        return self._last_save
+
     def supersedes_above(self) -> int | None:
         """While the held run has not committed yet: the epoch above which its first commit
         will supersede the lineage (-1: a fresh start supersedes it all); else None."""
@@ -176,6 +186,8 @@ class CurrentRun:
             self.forget()
             return
         first = self._last_epoch is None
+        if first or save.epoch > self._last_epoch:  # type: ignore[operator]
+            self._last_save = save.save_id
         self._last_epoch = save.epoch if first else max(self._last_epoch, save.epoch)
         if first:
             self._mark(save)
@@ -333,7 +345,7 @@ class CurrentRun:
                 return []
         generation, nodes = self._fence()
         removed = remove_saves(self.store, plan.delete, fence=generation, nodes=nodes,
-                               doing="apply retention")
+                               doing="apply retention", references=self._references(family))
         self._family = family.without(removed) if self._keeps() else None
         return removed
 
@@ -355,9 +367,21 @@ class CurrentRun:
     def remove(self, saves: Iterable[Save]) -> list[Save]:
         """Remove ``saves`` (fenced like retention)."""
         generation, nodes = self._fence()
-        removed = remove_saves(self.store, list(saves), fence=generation, nodes=nodes)
+        references = self._references(self.family()) if self.run is not None else None
+        removed = remove_saves(self.store, list(saves), fence=generation, nodes=nodes,
+                               references=references)
         self._family = self.family().without(removed) if self._family is not None else None
+        if any(s.save_id == self._last_save for s in removed):
+            self._last_save = None  # the next save is a new run's or whole: nothing to build on
         return removed
+
+    def _references(self, family: Family) -> References | None:
+        """What the family's records need, from the view, when this run holds the family
+        (no other writer can add a record that needs its groups: a differential save builds
+        only on saves of its own run); else None (read again at each removal)."""
+        if self.run is None:
+            return None
+        return References(r for s in family.saves() for r in s.records.values())
 
 
 def _same(read: CommitRecord | str, record: CommitRecord) -> bool:

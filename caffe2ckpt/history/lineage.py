@@ -68,6 +68,14 @@ class Save:
     def first(self) -> CommitRecord:
         return self.records[min(self.records)]
 
+    def closure(self) -> dict[str, str]:
+        """Every group the save's records need (differential saves build on older groups),
+        with the save id each belongs to."""
+        out: dict[str, str] = {}
+        for record in self.records.values():
+            out.update(record.closure)
+        return out
+
     @property
     def parent(self) -> tuple[int, int] | None:
         """Where its run started, as its records say (model-2 runs only; see the run log)."""

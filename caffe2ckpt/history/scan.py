@@ -85,7 +85,12 @@ class PrefixScan:
     partial: list[PartialSave] = field(default_factory=list)
     unreadable: list[tuple[RecordRef, str]] = field(default_factory=list)
     newest_generation: int = 0  # the run log's newest run when the scan listed it
-    referenced: frozenset[str] = frozenset()  # group paths readable records name
+    referenced: frozenset[str] = frozenset()  # group paths readable records need
+
+    def records(self) -> list[CommitRecord]:
+        """Every readable record: of committed saves and of partial ones."""
+        return [*(r for s in self.saves() for r in s.records.values()),
+                *(r for p in self.partial for r in p.records.values())]
 
     def saves(self) -> list[Save]:
         """Every committed save of every family, newest epoch first."""
@@ -223,7 +228,8 @@ def scan(store: CheckpointStore, nodes: Iterable[str] | None = None) -> PrefixSc
         superseded = history.superseded(lineage)
         if lineage or superseded:
             found[family_nodes] = Family(family_nodes, lineage, superseded)
-    referenced = frozenset(r.group for recs in by_save.values() for r in recs.values())
+    referenced = frozenset(group for recs in by_save.values() for r in recs.values()
+                           for group in r.closure)
     return PrefixScan(found, _partial_saves(by_save, found, wanted), unreadable, generation,
                       referenced)
 

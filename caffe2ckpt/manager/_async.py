@@ -26,10 +26,12 @@ class AsyncSaving:
     and set ``_save_group_ran`` to the save group that ran."""
 
     def _init_async(self, async_save: bool) -> None:
-        # this manager's key for its background saves in each process running its nodes
-        self._background = f"manager-{uuid.uuid4().hex}" if async_save else None
-        if self._background is not None:  # a manager never closed leaves no buffers behind here
-            weakref.finalize(self, nodeops.forget_saves, self._background)
+        # this manager's key for its background saves (and differential state) in each process
+        # running its nodes
+        self._key = f"manager-{uuid.uuid4().hex}"
+        self._background = self._key if async_save else None
+        # a manager never closed leaves no buffers behind here
+        weakref.finalize(self, nodeops.forget_saves, self._key)
         # the epoch in flight, its save id and its nodes
         self._pending: tuple[int, str, set[str]] | None = None
         self._save_group_ran: Any = None  # the last save group run: its session holds the saves
@@ -84,6 +86,7 @@ class AsyncSaving:
         """Wait for a background save (raising its failure) and release its buffers, also on
         the nodes of a remote session. The manager stays usable."""
         if self._background is None:
+            nodeops.release_saves(self._key)  # differential state kept here
             return
         try:
             self.wait_until_finished()

@@ -348,7 +348,8 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
 
     def _save_group(self, epoch: int, into: dict[str, CommitRecord], *, stop: bool,
                     stop_conditions: Sequence[str], metrics: dict[str, float] | None,
-                    writer: dict[str, Any] | None, claim: Run | None = None) -> TaskGroup:
+                    writer: dict[str, Any] | None, claim: Run | None = None,
+                    options: StepManagerOptions | None = None) -> TaskGroup:
         epoch = check_epoch(epoch)
         self.wait_until_finished()
         if claim is None:
@@ -366,6 +367,10 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
                         stop_conditions=tuple(stop_conditions), metrics=metrics, writer=writer,
                         parent=run.parent)
         record = self._record_save(epoch, save_id, into)
+        delta = None
+        if options is not None and options.delta_saves:
+            base = self.current().base_for(epoch) if claim is None else None
+            delta = nodeops.DeltaArgs(self._key, options, base)
 
         def collect(node: str, file_node: str, result: Timed | None) -> None:
             self._save_group_ran = group
@@ -375,18 +380,20 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
 
         group = self._group("checkpoint_save", lambda node, file_node: partial(
             nodeops.save, self._store, node, file_node, epoch, self._names(node), info,
-            self._background), collect, epoch=epoch)
+            self._background, delta), collect, epoch=epoch)
         return group
 
     def save_checkpoint(self, session: Session, epoch: int, *, stop: bool = False,
                         stop_conditions: Sequence[str] = (),
                         metrics: dict[str, float] | None = None,
-                        writer: dict[str, Any] | None = None) -> SaveOutcome:
+                        writer: dict[str, Any] | None = None,
+                        options: StepManagerOptions | None = None) -> SaveOutcome:
         """Run the save of ``epoch`` on ``session`` and return its outcome (what the runner
-        uses; :meth:`save` is Caffe2's runnable)."""
+        uses; :meth:`save` is Caffe2's runnable). ``options`` with ``delta_saves`` make it a
+        differential save (see :mod:`caffe2ckpt.store.delta`)."""
         into: dict[str, CommitRecord] = {}
         session.run(self._save_group(epoch, into, stop=stop, stop_conditions=stop_conditions,
-                                     metrics=metrics, writer=writer))
+                                     metrics=metrics, writer=writer, options=options))
         if self.pending_epoch == epoch:
             return SaveOutcome(epoch, pending=True)
         return self._outcome(epoch, into)

@@ -24,17 +24,21 @@ from typing import Any
 
 from caffe2ckpt.background import BackgroundSaves
 from caffe2ckpt.errors import CheckpointNotFoundError, CheckpointWriteError, writing
+from caffe2ckpt.policy import StepManagerOptions
+from caffe2ckpt.store.delta import DeltaTracker, DeltaWrite
 from caffe2ckpt.store.layout import group_name
 from caffe2ckpt.store.protocol import CheckpointStore, SaveInfo
 from caffe2ckpt.store.records import CommitRecord
 from caffe2ckpt.workspace import Workspace
 
-__all__ = ["DB_EXISTS", "Timed", "blob_names", "db_exists", "forget_saves", "load",
-           "manifest_names", "release_saves", "save", "saves_for", "wait_saves", "worker_info"]
+__all__ = ["DB_EXISTS", "DeltaArgs", "Timed", "blob_names", "db_exists", "forget_saves", "load",
+           "manifest_names", "release_saves", "save", "saves_for", "tracker_for", "wait_saves",
+           "worker_info"]
 
 DB_EXISTS = "caffe2ckpt/db_exists"
 
 _saves: dict[tuple[str, str], BackgroundSaves] = {}  # (manager key, node) -> its saves here
+_trackers: dict[tuple[str, str], DeltaTracker] = {}  # (manager key, node) -> its delta state
 _saves_lock = threading.Lock()
 _forgotten: deque[str] = deque()  # keys of collected managers, dropped by the next registry user
 
@@ -51,6 +55,18 @@ def _registry() -> Iterator[dict[tuple[str, str], BackgroundSaves]]:
 def _drop(key: str) -> None:
     for k in [k for k in _saves if k[0] == key]:
         del _saves[k]
+    for k in [k for k in _trackers if k[0] == key]:
+        del _trackers[k]
+
+
+def tracker_for(key: str, node: str, options: StepManagerOptions) -> DeltaTracker:
+    """This process's differential state of ``node`` for the manager ``key`` (made on first
+    use, and again when the options change)."""
+    with _registry():
+        tracker = _trackers.get((key, node))
+        if tracker is None or tracker.options != options:
+            tracker = _trackers[(key, node)] = DeltaTracker(node, options)
+        return tracker
 
 
 @dataclass(frozen=True)
@@ -82,6 +98,8 @@ def release_saves(key: str, node: str | None = None, ws: Workspace | None = None
     """
     with _registry() as registry:
         released = [registry.pop(k) for k in list(registry) if k[0] == key and node in (None, k[1])]
+        for k in [k for k in _trackers if k[0] == key and node in (None, k[1])]:
+            del _trackers[k]
     errors = []
     for saves in released:
         try:
@@ -123,11 +141,23 @@ def manifest_names(store: CheckpointStore, record: CommitRecord, ws: Workspace) 
     return list(store.manifest(record).blobs)
 
 
+@dataclass(frozen=True)
+class DeltaArgs:
+    """What a node needs for a differential save: the manager's key (its trackers here), the
+    options, and the save the new one may build on (its id; None: write everything whole)."""
+
+    key: str
+    options: StepManagerOptions
+    base: str | None
+
+
 def save(store: CheckpointStore, node: str, file_node: str, epoch: int, names: Sequence[str],
-         info: SaveInfo, background: str | None, ws: Workspace) -> Timed | None:
+         info: SaveInfo, background: str | None, delta: DeltaArgs | None,
+         ws: Workspace) -> Timed | None:
     """Save and commit ``names`` of the node's workspace as ``epoch``; the commit record names
     this process as the worker. With a ``background`` key, only snapshot them here and write
-    in the background (:func:`wait_saves` collects the record); returns None then."""
+    in the background (:func:`wait_saves` collects the record); returns None then. With
+    ``delta``, write only what changed since the save it builds on (:mod:`~.store.delta`)."""
     try:
         blobs = {n: ws[n] for n in names}
     except KeyError:
@@ -137,15 +167,38 @@ def save(store: CheckpointStore, node: str, file_node: str, epoch: int, names: S
             "longer in its workspace") from None
     info = replace(info, writer={**(info.writer or {}), "worker": worker_info()})
     where = store.location.display(group_name(file_node, epoch))
+    hints = ws.take_changed()  # taken at every save: hints never pile up
+    tracker = plan = None
+    if delta is not None:
+        tracker = tracker_for(delta.key, file_node, delta.options)
+        for blob, rows in hints.items():
+            tracker.mark_changed(blob, rows)
+        plan = tracker.plan(delta.base, blobs)
+        blobs = plan.whole
 
     def write(snapshot: dict[str, Any]) -> Timed:
         with writing(f"saving node {file_node!r} epoch {epoch} to {where!r}", epoch):
-            return _timed(lambda: store.save_node(file_node, epoch, snapshot, info))
+            return _timed(lambda: _commit(store, file_node, epoch, snapshot, info, tracker, plan))
 
     if background is None:
         return write(blobs)
     saves_for(background, node).submit(epoch, node, blobs, write)
     return None
+
+
+def _commit(store: CheckpointStore, node: str, epoch: int, blobs: dict[str, Any],
+            info: SaveInfo, tracker: DeltaTracker | None, plan: DeltaWrite | None
+            ) -> CommitRecord:
+    """One node's save; its tracker (differential saves) learns how it ended."""
+    try:
+        record = store.save_node(node, epoch, blobs, info, plan)
+    except BaseException:
+        if tracker is not None and plan is not None:
+            tracker.failed(plan)
+        raise
+    if tracker is not None and plan is not None:
+        tracker.committed(record, plan, blobs)
+    return record
 
 
 def wait_saves(background: str, node: str, epoch: int | None, ws: Workspace) -> Timed | None:

@@ -48,6 +48,7 @@ from caffe2ckpt.naming import check_epoch, check_node_name, get_ckpt_filename
 from caffe2ckpt.policy import StepManagerOptions, should_save
 from caffe2ckpt.preemption import PreemptionWatch
 from caffe2ckpt.steps.abstract import AbstractCheckpointManager
+from caffe2ckpt.store.delta import DeltaTracker, DeltaWrite
 from caffe2ckpt.store.layout import ROOT_METADATA, new_save_id
 from caffe2ckpt.store.protocol import CheckpointStore, SaveInfo
 from caffe2ckpt.store.records import CommitRecord
@@ -59,6 +60,7 @@ __all__ = ["BlobMetadata", "RootMetadata", "StepCheckpointManager", "StepMetadat
 logger = logging.getLogger(__name__)
 
 Items = Mapping[str, Mapping[str, Any]]  # {node: {blob name: array}}
+ChangedRows = Mapping[str, Mapping[str, Any]]  # {node: {blob name: row ids}}
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,7 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
         self._last_save_time: float | None = None
         self._protected: set[int] = set()
         self._others: dict[int, Save] = {}  # without ``nodes`` and before a save: every family
+        self._trackers: dict[str, DeltaTracker] = {}  # delta_saves: each node's state
         if metadata is not None:
             self._write_root_metadata(dict(metadata))
         self.reload()
@@ -235,7 +238,7 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
                            now=time.monotonic())
 
     def save(self, step: int, items: Items, *, metrics: Mapping[str, float] | None = None,
-             force: bool = False) -> bool:
+             force: bool = False, changed_rows: ChangedRows | None = None) -> bool:
         """Save ``items`` (``{node: {blob: array}}``) as ``step`` if :meth:`should_save` says so
         (or ``force``); return whether it saved. Retention runs after the commit.
 
@@ -248,9 +251,17 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
 
         With ``enable_async_checkpointing`` this returns once the arrays are copied; the write
         and commit finish in the background (see :meth:`wait_until_finished`).
+
+        With ``delta_saves`` and ``delta_detection="hints"``, ``changed_rows`` (``{node:
+        {blob: row ids}}``) says which rows of which blobs changed since the previous save
+        (rows of a blob not listed, and blobs not listed, are compared by digest only, so a
+        blob missing here is written whole unless it did not change at all). A hint that
+        misses changed rows is found at restore (:class:`CheckpointCorruptedError`), never
+        returned as data.
         """
         step = check_epoch(step)
         blobs = self._check_items(step, items)
+        self._check_hints(step, blobs, changed_rows)
         if not (force or self.should_save(step)):
             return False
         self.wait_until_finished()
@@ -263,17 +274,50 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
         info = SaveInfo(save_id=save_id, nodes=sorted(blobs), metrics=values, writer=_writer(),
                         parent=run.parent)
         self._last_save_time = time.monotonic()
+        base = current.base_for(step)
+        plans = {node: self._plan(node, base, b, (changed_rows or {}).get(node))
+                 for node, b in blobs.items()}
         if self._background is None:
-            records = {node: self._save_node(step, node, b, info) for node, b in blobs.items()}
+            records = {node: self._save_node(step, node, plans[node].whole, info, plans[node])
+                       for node in blobs}
             self._committed(current, Save(step, save_id, records))
             return True
         # recorded before any submit: if a snapshot fails, the nodes already submitted are still
         # waited for (and the incomplete save reported) by wait_until_finished
         self._pending = (step, save_id, current, sorted(blobs))
-        for node, b in blobs.items():
-            self._background.submit(step, node, b, lambda snapshot, n=node: self._save_node(
-                step, n, snapshot, info))
+        for node in blobs:
+            self._background.submit(step, node, plans[node].whole,
+                                    lambda snapshot, n=node: self._save_node(
+                                        step, n, snapshot, info, plans[n]))
         return True
+
+    def _plan(self, node: str, base: str | None, blobs: dict[str, np.ndarray],
+              hints: Mapping[str, Any] | None) -> DeltaWrite:
+        """What the save of ``node`` writes (everything, unless ``delta_saves``)."""
+        if not self.options.delta_saves:
+            return DeltaWrite(blobs, {}, {})
+        tracker = self._trackers.get(node)
+        if tracker is None:
+            tracker = self._trackers[node] = DeltaTracker(node, self.options)
+        for blob, rows in (hints or {}).items():
+            tracker.mark_changed(blob, rows)
+        return tracker.plan(base, blobs)
+
+    def _check_hints(self, step: int, blobs: dict[str, dict[str, np.ndarray]],
+                     changed_rows: ChangedRows | None) -> None:
+        if changed_rows is None:
+            return
+        if not (self.options.delta_saves and self.options.delta_detection == "hints"):
+            raise JobDefinitionError(
+                f"save({step}, changed_rows=...): hints are used only with "
+                "StepManagerOptions(delta_saves=True, delta_detection='hints')")
+        for node, hints in changed_rows.items():
+            unknown = sorted(set(hints) - set(blobs.get(node, {}))) if isinstance(
+                hints, Mapping) else None
+            if node not in blobs or unknown is None or unknown:
+                raise InvalidLocationError(
+                    f"save({step}, changed_rows=...): node {node!r} must be a node of the "
+                    f"step mapping blobs of it to row ids (unknown: {unknown})")
 
     def _run_of(self, nodes: list[str]) -> CurrentRun:
         """The run (and lineage view) of the family ``nodes``: this manager's family."""
@@ -282,10 +326,20 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
         return self._current
 
     def _save_node(self, step: int, node: str, blobs: dict[str, np.ndarray],
-                   info: SaveInfo) -> CommitRecord:
+                   info: SaveInfo, plan: DeltaWrite) -> CommitRecord:
         where = self._store.location.display(get_ckpt_filename(node, step))
+        tracker = self._trackers.get(node)
         with writing(f"saving step {step} of node {node!r} to {where!r}", step):
-            return self._store.save_node(node, step, blobs, info)
+            try:
+                record = self._store.save_node(node, step, blobs, info,
+                                               plan if tracker is not None else None)
+            except BaseException:
+                if tracker is not None:
+                    tracker.failed(plan)
+                raise
+        if tracker is not None:
+            tracker.committed(record, plan, blobs)
+        return record
 
     def _check_items(self, step: int, items: Items) -> dict[str, dict[str, np.ndarray]]:
         if not isinstance(items, Mapping) or not items:

@@ -45,7 +45,7 @@ from caffe2ckpt.store.manifest import (
 )
 from caffe2ckpt.store.zarrgroup import CRC_BYTES
 
-__all__ = ["read_node"]
+__all__ = ["read_arrays", "read_node"]
 
 # A read claiming more than this (a quarter of the machine's memory) checks every chunk file's
 # size before allocating its destination, so a crafted manifest claiming petabytes is corruption,
@@ -83,7 +83,7 @@ def read_node(
     location: Location, path: str, manifest: Manifest, crcs: dict[str, tuple[int, ...]],
     names: list[str] | None = None, *, metadata: dict[str, str] | None = None,
 ) -> dict[str, np.ndarray]:
-    """Read and verify blobs ``names`` (default: all) of the group at ``path``.
+    """Read and verify blobs ``names`` (default: all) stored whole in the group at ``path``.
 
     ``crcs`` gives every chunk's CRC32C by array path (:meth:`Manifest.chunk_crcs`): a chunk
     must hold its own checksum and that one. ``metadata`` maps metadata files of the group
@@ -96,8 +96,32 @@ def read_node(
         CheckpointCorruptedError: a chunk is missing, truncated or fails its checksum, or a
             metadata file is missing or changed.
     """
-    blobs = manifest.blobs
+    blobs = manifest.stored_blobs
     wanted = [blobs[n] for n in (blobs if names is None else names) if n in blobs]
+    arrays, packed = _read(location, path, manifest, crcs, wanted, metadata)
+    out: dict[str, np.ndarray] = {}
+    for info in wanted:
+        if info.path is not None:
+            out[info.name] = _restored(arrays[info.path], info)
+        else:
+            view = np.ndarray(info.shape, _dtype(info.dtype), buffer=packed, offset=info.offset)
+            out[info.name] = np.asfortranarray(view) if info.order == "F" else view
+    return out
+
+
+def read_arrays(location: Location, path: str, manifest: Manifest,
+                crcs: dict[str, tuple[int, ...]], infos: list[BlobInfo], *,
+                metadata: dict[str, str] | None = None) -> dict[str, np.ndarray]:
+    """Read and verify the arrays ``infos`` of the group at ``path`` (each its own array, e.g.
+    a row overlay's), restored to their dtype: by array path. As :func:`read_node`."""
+    arrays, _ = _read(location, path, manifest, crcs, infos, metadata)
+    return {info.path: _restored(arrays[info.path], info) for info in infos}  # type: ignore[index]
+
+
+def _read(location: Location, path: str, manifest: Manifest, crcs: dict[str, tuple[int, ...]],
+          wanted: list[BlobInfo], metadata: dict[str, str] | None
+          ) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Read ``wanted`` into new arrays: by array path, and the packed array's bytes."""
     where = f"checkpoint {location.display(path)!r} (node {manifest.node!r}, epoch {manifest.epoch})"
     with_packed = bool(manifest.packed_nbytes) and any(info.path is None for info in wanted)
     files = _Files(path, manifest, [info for info in wanted if info.path is not None],
@@ -116,28 +140,20 @@ def read_node(
         (functools.partial(_check_metadata, location, manifest, where, f"{path}/{rel}",
                            owners.get(rel) or rel, digest)
          for rel, digest in (metadata or {}).items())))
-    out: dict[str, np.ndarray] = {}
-    for info in wanted:
-        if info.path is not None:
-            out[info.name] = _restored(arrays[info.name], info)
-        else:
-            view = np.ndarray(info.shape, _dtype(info.dtype), buffer=flats[PACKED_ARRAY],
-                              offset=info.offset)
-            out[info.name] = np.asfortranarray(view) if info.order == "F" else view
-    return out
+    return arrays, flats[PACKED_ARRAY]
 
 
 def _destinations(location: Location, manifest: Manifest, wanted: list[BlobInfo],
                   with_packed: bool) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """The uninitialised arrays the blobs ``wanted`` are read into, by blob name, and their
-    bytes by array path (the packed array's too: empty unless ``with_packed``)."""
+    """The uninitialised arrays the blobs ``wanted`` are read into, and their bytes, by array
+    path (the packed array's too: empty unless ``with_packed``)."""
     empty = aligned_empty if location.is_local else _copy_target
     arrays: dict[str, np.ndarray] = {}
     flats: dict[str, np.ndarray] = {}  # destination bytes by array path
     for info in wanted:
         if info.path is not None:
             dtype, shape = stored_spec(info)
-            arrays[info.name] = data = empty(shape, dtype)
+            arrays[info.path] = data = empty(shape, dtype)
             flats[info.path] = data.reshape(shape[0], -1).view(np.uint8)
     flats[PACKED_ARRAY] = empty((manifest.packed_nbytes if with_packed else 0,),
                                 np.dtype(np.uint8))

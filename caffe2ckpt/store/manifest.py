@@ -33,6 +33,7 @@ import functools
 import itertools
 import math
 import re
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -45,7 +46,8 @@ __all__ = ["CHUNK_BYTES", "FORMAT_VERSION", "MAX_BLOB_BYTES", "PACKED_ARRAY", "B
            "stored_spec"]
 
 FORMAT_VERSION = 3
-_READABLE_FORMATS = frozenset({1, 2, 3})
+DELTA_FORMAT = 4  # a differential save's group: format 3 plus a "delta" section
+_READABLE_FORMATS = frozenset({1, 2, 3, 4})
 CHUNK_BYTES = 16 * 1024 * 1024
 PACKED_ARRAY = "_packed"
 _KINDS = frozenset("biufcSU")
@@ -107,6 +109,16 @@ class Manifest:
     format: int = FORMAT_VERSION
     # the packed blobs' bytes when the parser already added them up (else computed on demand)
     packed_blob_bytes: int | None = field(default=None, repr=False, compare=False)
+    # format 4 (a differential save): blobs not stored whole here, by name: their kind ("same":
+    # nothing here; "rows": a row overlay here), their logical dtype, shape and order; the
+    # overlays' arrays (row ids, values); and the group of the save this one builds on
+    inherited: dict[str, tuple[str, BlobInfo]] = field(default_factory=dict)
+    overlays: dict[str, tuple[BlobInfo, BlobInfo]] = field(default_factory=dict)
+    base: str = ""
+
+    def __post_init__(self) -> None:
+        if self.inherited and self.format < DELTA_FORMAT:
+            object.__setattr__(self, "format", DELTA_FORMAT)
 
     @property
     def padded_edges(self) -> bool:
@@ -114,16 +126,38 @@ class Manifest:
         return self.format >= 2
 
     @functools.cached_property
-    def blobs(self) -> dict[str, BlobInfo]:
-        """Every blob by name (arrays first, then packed ones, each in saved order)."""
+    def stored_blobs(self) -> dict[str, BlobInfo]:
+        """The blobs stored whole in this group (arrays first, then packed ones, each in saved
+        order)."""
         return {**self.arrays, **{b.name: b for b in self.packed}}
 
     @functools.cached_property
+    def blobs(self) -> dict[str, BlobInfo]:
+        """Every blob of the node's checkpoint by name: those stored whole here, then (a
+        differential save) those read through other groups, with their logical dtype and
+        shape."""
+        if not self.inherited:
+            return self.stored_blobs
+        return {**self.stored_blobs, **{n: info for n, (_, info) in self.inherited.items()}}
+
+    @functools.cached_property
     def nbytes(self) -> int:
+        """The bytes of every blob of the node's checkpoint (not only those stored here)."""
         packed = self.packed_blob_bytes
         if packed is None:
             packed = sum(b.nbytes for b in self.packed)
-        return sum(b.nbytes for b in self.arrays.values()) + packed
+        return (sum(b.nbytes for b in self.arrays.values()) + packed
+                + sum(info.nbytes for _, info in self.inherited.values()))
+
+    @property
+    def stored_nbytes(self) -> int:
+        """The bytes of data this group holds: its whole blobs and its overlays."""
+        return (self.nbytes - sum(info.nbytes for _, info in self.inherited.values())
+                + sum(info.nbytes for info in self.overlay_arrays()))
+
+    def overlay_arrays(self) -> list[BlobInfo]:
+        """The arrays of this group's row overlays (ids, then values, per blob)."""
+        return [info for pair in self.overlays.values() for info in pair]
 
     def to_dict(self) -> dict[str, Any]:
         packed = self.packed
@@ -147,7 +181,18 @@ class Manifest:
                 "offsets": [b.offset for b in packed],
                 "fortran": [i for i, b in enumerate(packed) if b.order == "F"],
             },
+            **({"delta": self._delta_dict()} if self.format >= DELTA_FORMAT else {}),
         }
+
+    def _delta_dict(self) -> dict[str, Any]:
+        def entry(info: BlobInfo) -> dict[str, Any]:
+            return {"path": info.path, "dtype": info.dtype, "shape": list(info.shape),
+                    "order": info.order, "chunk_rows": info.chunk_rows}
+        return {"base": self.base,
+                "blobs": {n: {"kind": kind, "dtype": i.dtype, "shape": list(i.shape),
+                              "order": i.order} for n, (kind, i) in self.inherited.items()},
+                "overlays": {n: {"rows": entry(r), "values": entry(v)}
+                             for n, (r, v) in self.overlays.items()}}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Manifest:
@@ -184,22 +229,31 @@ class Manifest:
         _check_chunks(PACKED_ARRAY, "the packed array", (nbytes,), 1, chunk, version)
         packed_crcs = (_crcs(columns["crc32c"], _ceil_div(nbytes, chunk) if nbytes else 0)
                        if version < 3 else ())
+        inherited, overlays, base = (_delta_section(data["delta"], set(arrays) | set(names),
+                                                    set(paths))
+                                     if version >= DELTA_FORMAT else ({}, {}, ""))
         return cls(node=str(data["node"]), epoch=int(data["epoch"]),
                    save_id=str(data["save_id"]), arrays=arrays, packed=packed,
                    packed_nbytes=nbytes, packed_chunk=chunk, packed_crcs=packed_crcs,
-                   format=version, packed_blob_bytes=packed_bytes)
+                   format=version, packed_blob_bytes=packed_bytes, inherited=inherited,
+                   overlays=overlays, base=base)
 
-    def chunk_crcs(self, recorded: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
-        """The CRC32C of every chunk, by array path: from the commit record's ``recorded``
-        (format 3), else from this manifest. Raises ValueError if a count is not the array's
-        number of chunks."""
+    def chunk_crcs(self, recorded: dict[str, tuple[int, ...]],
+                   only: Collection[str] | None = None) -> dict[str, tuple[int, ...]]:
+        """The CRC32C of every chunk (of the arrays at paths ``only``, if given), by array path:
+        from the commit record's ``recorded`` (format 3 on), else from this manifest. Raises
+        ValueError if a count is not the array's number of chunks."""
         out = {}
         arrays = [(info.path, stored_spec(info)[1], info.chunk_rows, info.crcs)
                   for info in self.arrays.values()]
         if self.packed_nbytes:
             arrays.append((PACKED_ARRAY, (self.packed_nbytes,), self.packed_chunk,
                            self.packed_crcs))
+        arrays += [(info.path, stored_spec(info)[1], info.chunk_rows, ())
+                   for info in self.overlay_arrays()]
         for path, shape, rows, own in arrays:
+            if only is not None and path not in only:
+                continue
             crcs = own if self.format < 3 else recorded.get(path, ())
             if len(crcs) != _ceil_div(shape[0], rows):
                 raise ValueError(f"array {path!r}: {len(crcs)} chunk checksums recorded for "
@@ -210,7 +264,8 @@ class Manifest:
     def files(self) -> list[str]:
         """Every file of the group, relative to it: chunks first, then the arrays' metadata,
         the group's ``zarr.json`` last (exactly what the writer creates)."""
-        chunks = [f"{info.path}/{key}" for info in self.arrays.values()
+        chunks = [f"{info.path}/{key}"
+                  for info in [*self.arrays.values(), *self.overlay_arrays()]
                   for key in chunk_keys(len(stored_spec(info)[1]),
                                         _ceil_div(info.shape[0], info.chunk_rows))]
         if self.packed_nbytes:
@@ -223,9 +278,56 @@ class Manifest:
         files: dict[str, str | None] = {"zarr.json": None}
         if self.packed_nbytes:
             files[f"{PACKED_ARRAY}/zarr.json"] = None
-        for info in self.arrays.values():
+        for info in [*self.arrays.values(), *self.overlay_arrays()]:
             files[f"{info.path}/zarr.json"] = info.name
         return files
+
+
+_OVERLAY = re.compile(r"_(rows|values)\.[A-Za-z0-9_.%~-]{1,200}")
+
+
+def _delta_section(data: dict[str, Any], stored: set[str], paths: set[str]
+                   ) -> tuple[dict[str, tuple[str, BlobInfo]],
+                              dict[str, tuple[BlobInfo, BlobInfo]], str]:
+    """A format-4 manifest's ``delta`` section: inherited blobs (logical info and kind), their
+    overlays' arrays (row ids: 1-d int32 or int64; values: the blob's dtype, its row shape),
+    and the base group's name (for people and plain-zarr readers; records decide)."""
+    inherited = {}
+    for name, entry in data["blobs"].items():
+        kind = entry["kind"]
+        if kind not in ("same", "rows") or name in stored:
+            raise ValueError(f"blob {name!r:.80}: bad delta entry")
+        info = BlobInfo(name, entry["dtype"], _shape(entry["shape"], entry["dtype"], name),
+                        entry["order"])
+        if info.order not in ("C", "F"):
+            raise ValueError(f"blob {name!r:.80}: bad order")
+        inherited[name] = (kind, info)
+    overlays = {}
+    for name, entry in data["overlays"].items():
+        if inherited.get(name, ("",))[0] != "rows":
+            raise ValueError(f"blob {name!r:.80}: an overlay of a blob that has none")
+        rows = _overlay_info(name, entry["rows"], "rows", paths)
+        values = _overlay_info(name, entry["values"], "values", paths)
+        logical = inherited[name][1]
+        if (rows.dtype not in ("<i4", "<i8") or len(rows.shape) != 1
+                or values.dtype != logical.dtype or values.shape[0] != rows.shape[0]
+                or values.shape[1:] != logical.shape[1:]):
+            raise ValueError(f"blob {name!r:.80}: its overlay does not fit the blob")
+        overlays[name] = (rows, values)
+    if len(overlays) != sum(kind == "rows" for kind, _ in inherited.values()):
+        raise ValueError("a blob of kind 'rows' has no overlay")
+    base = data["base"]
+    if not isinstance(base, str) or len(base) > 400:
+        raise ValueError("bad base group")
+    return inherited, overlays, base
+
+
+def _overlay_info(name: str, entry: dict[str, Any], part: str, paths: set[str]) -> BlobInfo:
+    info = _array_info(name, entry, FORMAT_VERSION, pattern=_OVERLAY)
+    if not info.path.startswith(f"_{part}.") or info.path in paths:  # type: ignore[union-attr]
+        raise ValueError(f"blob {name!r:.80}: bad overlay path")
+    paths.add(info.path)  # type: ignore[arg-type]
+    return info
 
 
 def _crcs(values: list[Any], count: int) -> tuple[int, ...]:
@@ -282,14 +384,15 @@ def _shape(shape: Any, dtype: str, name: str) -> tuple[int, ...]:
     return dims
 
 
-def _array_info(name: str, entry: dict[str, Any], version: int) -> BlobInfo:
+def _array_info(name: str, entry: dict[str, Any], version: int,
+                pattern: re.Pattern[str] = _SEGMENT) -> BlobInfo:
     shape = _shape(entry["shape"], entry["dtype"], name)
     rows = _size(entry["chunk_rows"], f"blob {name!r:.80}: chunk_rows")
     info = BlobInfo(name, entry["dtype"], shape, entry["order"], path=entry["path"],
                     chunk_rows=rows)
     info.nbytes  # noqa: B018 - validates the dtype
     if (not info.shape or min(info.shape) <= 0 or info.order not in ("C", "F")
-            or not isinstance(info.path, str) or not _SEGMENT.fullmatch(info.path)
+            or not isinstance(info.path, str) or not pattern.fullmatch(info.path)
             or info.path in (".", "..") or info.path.startswith(".")
             or not 0 < info.chunk_rows <= info.shape[0]):
         raise ValueError(f"bad array entry for blob {name!r}")

@@ -46,6 +46,7 @@ from caffe2ckpt.errors import (
     CheckpointCorruptedError,
     CheckpointError,
     CheckpointNotFoundError,
+    CheckpointWriteError,
     StorageCredentialsError,
 )
 from caffe2ckpt.fs import strictjson
@@ -53,10 +54,24 @@ from caffe2ckpt.fs.iopool import pool
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.naming import check_epoch, check_node_name
 from caffe2ckpt.store import runs
+from caffe2ckpt.store.chainread import read_chained
+from caffe2ckpt.store.delta import DeltaWrite
 from caffe2ckpt.store.groupread import read_node
-from caffe2ckpt.store.layout import HINTS_DIR, group_name, hint_name, save_generation
+from caffe2ckpt.store.layout import (
+    HINTS_DIR,
+    group_name,
+    hint_name,
+    parse_group_name,
+    save_generation,
+)
 from caffe2ckpt.store.manifest import Manifest
-from caffe2ckpt.store.records import CommitRecord, RecordRef, read_record, write_record
+from caffe2ckpt.store.records import (
+    CommitRecord,
+    RecordRef,
+    delete_record,
+    read_record,
+    write_record,
+)
 from caffe2ckpt.store.zarrgroup import (
     DEFAULT_PACK_THRESHOLD,
     GROUP_FILE,
@@ -104,9 +119,11 @@ class CheckpointStore:
     # -- saving ----------------------------------------------------------------------------------
 
     def save_node(self, node: str, epoch: int, blobs: dict[str, np.ndarray],
-                  info: SaveInfo) -> CommitRecord:
+                  info: SaveInfo, delta: DeltaWrite | None = None) -> CommitRecord:
         """Write and commit ``blobs`` as ``node``'s checkpoint of ``epoch`` (see the module
-        docstring for the phases)."""
+        docstring for the phases). With ``delta`` (a differential save), ``blobs`` are the
+        blobs it writes whole and ``delta`` says what the rest are; once the record is written
+        the save checks that the save it builds on still stands (:meth:`_check_base`)."""
         check_node_name(node)
         check_epoch(epoch)
         started, start = time.time(), time.perf_counter()
@@ -117,7 +134,10 @@ class CheckpointStore:
         try:
             batch = self.location.sync_batch()
             plan = plan_group(node=node, epoch=epoch, save_id=info.save_id, blobs=blobs,
-                              pack_threshold=self.pack_threshold)
+                              pack_threshold=self.pack_threshold,
+                              delta=None if delta is None else delta.layout)
+            if delta is not None:
+                delta.manifest = plan.manifest
             path = self._take_path(node, epoch, info.save_id, plan, batch)
             crcs = write_arrays(self.location, self.location.path(path), plan, batch)
             self.location.make_durable(batch, [], pool())
@@ -139,11 +159,36 @@ class CheckpointStore:
             seconds=time.perf_counter() - start, stop=info.stop,
             stop_conditions=list(info.stop_conditions), metrics=dict(info.metrics or {}),
             metadata=plan.digests(), writer=dict(info.writer or {}), parent=info.parent,
-            path=path, crcs=crcs, started=started)
+            path=path, crcs=crcs, started=started,
+            delta=None if delta is None else delta.record(plan.manifest.stored_nbytes))
         write_record(self.location, record)
+        if record.delta is not None:
+            self._check_base(record, delta.base)  # type: ignore[union-attr]
         logger.debug("committed %s (%d bytes, %.3f s)", self.location.display(path),
                      record.nbytes, record.seconds)
         return record
+
+    def _check_base(self, record: CommitRecord, base: RecordRef | None) -> None:
+        """After a differential save's record is written: the record of the save it builds on
+        must still be there, else the record is taken back and the save fails. A remover
+        deletes a save's records first and then reads the records to see which groups are
+        still referenced, so either it finds this record (and keeps the groups it needs) or
+        this check finds the base's record gone."""
+        try:
+            if base is not None:
+                self.read_record(base)
+                return
+            why = "names no base"
+        except CheckpointError as exc:
+            why = f"cannot be confirmed: {exc}"
+        except OSError as exc:
+            why = f"cannot be confirmed: {type(exc).__name__}: {exc}"
+        delete_record(self.location, record.ref)
+        raise CheckpointWriteError(
+            f"checkpoint {self.where(record)!r} (node {record.node!r}, epoch {record.epoch}) is "
+            f"not committed: the save it builds on (epoch {base.epoch if base else '?'}, save "
+            f"{base.save_id if base else '?'}) {why}; the next save is written whole",
+            epoch=record.epoch)
 
     def _take_path(self, node: str, epoch: int, save_id: str, plan: GroupPlan,
                    batch: object) -> str:
@@ -213,11 +258,13 @@ class CheckpointStore:
         """``record``'s group as a URL, for messages."""
         return self.location.display(record.group)
 
-    def _group_json(self, record: CommitRecord) -> bytes:
-        """The group's ``zarr.json``, which must be the one ``record`` vouches for."""
-        node, epoch, where = record.node, record.epoch, self.where(record)
+    def _group_json(self, group: str, digest: str | None, node: str, epoch: int,
+                    save_id: str) -> bytes:
+        """The ``zarr.json`` of ``group`` (of ``node``'s save ``save_id``, for the checkpoint of
+        ``epoch``), which must have the SHA-256 ``digest`` a commit record vouches for."""
+        where = self.location.display(group)
         try:
-            raw = self.location.read_bytes(f"{self.group_path(record)}/{GROUP_FILE}",
+            raw = self.location.read_bytes(f"{self.location.path(group)}/{GROUP_FILE}",
                                            limit=strictjson.MAX_BYTES)
         except CheckpointNotFoundError as exc:
             raise CheckpointCorruptedError(
@@ -229,23 +276,34 @@ class CheckpointStore:
             raise CheckpointCorruptedError(
                 f"checkpoint {where!r} (node {node!r}, epoch {epoch}): its group metadata is "
                 f"unreadable: {exc}", node=node, epoch=epoch, blob=GROUP_FILE) from exc
-        if hashlib.sha256(raw).hexdigest() != record.metadata.get(GROUP_FILE):
+        if hashlib.sha256(raw).hexdigest() != digest:
             raise CheckpointCorruptedError(
                 f"checkpoint {where!r} (node {node!r}, epoch {epoch}) holds group metadata "
-                f"that its commit record (save {record.save_id!r}) does not name",
+                f"that its commit record (save {save_id!r}) does not name",
                 node=node, epoch=epoch, blob=GROUP_FILE)
         return raw
+
+    def group_manifest(self, group: str, digest: str | None, save_id: str, *, node: str,
+                       epoch: int) -> Manifest:
+        """The manifest of ``group``, which must be the one a record of the checkpoint of
+        ``node`` at ``epoch`` vouches for (``digest``) and say it is save ``save_id``'s."""
+        where = self.location.display(group)
+        manifest = parse_manifest(self._group_json(group, digest, node, epoch, save_id), where,
+                                  node=node, epoch=epoch)
+        parsed = parse_group_name(group)
+        if (parsed is None or (manifest.node, manifest.epoch, manifest.save_id)
+                != (node, parsed.epoch, save_id)):
+            raise CheckpointCorruptedError(
+                f"checkpoint {where!r} says it is node {manifest.node!r} epoch "
+                f"{manifest.epoch} save {manifest.save_id!r}", node=node, epoch=epoch,
+                blob=GROUP_FILE)
+        return manifest
 
     def manifest(self, record: CommitRecord) -> Manifest:
         """The manifest of the group ``record`` commits, checked against the record."""
         node, epoch = record.node, record.epoch
-        manifest = parse_manifest(self._group_json(record), self.where(record), node=node,
-                                  epoch=epoch)
-        if (manifest.node, manifest.epoch, manifest.save_id) != (node, epoch, record.save_id):
-            raise CheckpointCorruptedError(
-                f"checkpoint {self.where(record)!r} says it is node {manifest.node!r} epoch "
-                f"{manifest.epoch} save {manifest.save_id!r}", node=node, epoch=epoch,
-                blob=GROUP_FILE)
+        manifest = self.group_manifest(record.group, record.metadata.get(GROUP_FILE),
+                                       record.save_id, node=node, epoch=epoch)
         if manifest.nbytes != record.nbytes:  # before anything is allocated for the blobs
             raise CheckpointCorruptedError(
                 f"checkpoint {self.where(record)!r} (node {node!r}, epoch {epoch}): its "
@@ -256,6 +314,12 @@ class CheckpointStore:
                 f"checkpoint {self.where(record)!r} (node {node!r}, epoch {epoch}): its "
                 "manifest lists other arrays than its commit record", node=node, epoch=epoch,
                 blob=GROUP_FILE)
+        chained = set(record.delta.chains) if record.delta is not None else set()
+        if chained != set(manifest.inherited):
+            raise CheckpointCorruptedError(
+                f"checkpoint {self.where(record)!r} (node {node!r}, epoch {epoch}): its "
+                "manifest and its commit record disagree on which blobs come from other saves",
+                node=node, epoch=epoch, blob=GROUP_FILE)
         return manifest
 
     def chunk_crcs(self, record: CommitRecord, manifest: Manifest) -> dict[str, tuple[int, ...]]:
@@ -278,5 +342,13 @@ class CheckpointStore:
         manifest = self.manifest(record)
         metadata = {name: digest for name, digest in record.metadata.items()
                     if name != GROUP_FILE}  # checked by manifest()
-        return read_node(self.location, self.group_path(record), manifest,
-                         self.chunk_crcs(record, manifest), names, metadata=metadata)
+        wanted = list(manifest.blobs) if names is None else names
+        chained = [n for n in wanted if n in manifest.inherited]
+        if chained:  # the own group's overlays are read with their chains
+            overlays = {f"{i.path}/{GROUP_FILE}" for i in manifest.overlay_arrays()}
+            metadata = {k: v for k, v in metadata.items() if k not in overlays}
+        out = read_node(self.location, self.group_path(record), manifest,
+                        self.chunk_crcs(record, manifest), wanted, metadata=metadata)
+        if chained:
+            out.update(read_chained(self, record, manifest, chained))
+        return out

@@ -38,13 +38,15 @@ from caffe2ckpt.errors import (
 from caffe2ckpt.fs import strictjson
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.naming import MAX_EPOCH
+from caffe2ckpt.store.chains import DeltaRecord
 from caffe2ckpt.store.layout import COMMITS_DIR, group_name, save_generation
 
 __all__ = ["RECORD_FORMAT", "CommitRecord", "RecordRef", "delete_record", "list_records",
            "read_record", "record_path", "write_record"]
 
 RECORD_FORMAT = 3
-_READABLE_FORMATS = frozenset({1, 2, 3})
+DELTA_RECORD_FORMAT = 4  # a differential save (caffe2ckpt.store.chains); others stay format 3
+_READABLE_FORMATS = frozenset({1, 2, 3, 4})
 _SUFFIX = ".json"
 
 
@@ -100,7 +102,12 @@ class CommitRecord:
     path: str = ""  # the group, relative to the prefix ("" in formats 1-2: <node>.<epoch>)
     crcs: dict[str, tuple[int, ...]] = field(default_factory=dict)  # array -> chunk CRC32Cs
     started: float = 0.0  # when the save began (its leftovers' age counts from here)
+    delta: DeltaRecord | None = None  # a differential save: what it needs from other groups
     format: int = RECORD_FORMAT
+
+    def __post_init__(self) -> None:
+        if self.delta is not None and self.format < DELTA_RECORD_FORMAT:
+            object.__setattr__(self, "format", DELTA_RECORD_FORMAT)
 
     @property
     def generation(self) -> int:
@@ -116,12 +123,29 @@ class CommitRecord:
         """The group this record commits, relative to the prefix."""
         return self.path or group_name(self.node, self.epoch)
 
+    @property
+    def closure(self) -> dict[str, str]:
+        """Every group this record needs (its own and, for a differential save, those it builds
+        on), with the save id each belongs to: what a remover must not delete while the record
+        stands."""
+        own = {self.group: self.save_id}
+        return own if self.delta is None else {**self.delta.closure(), **own}
+
+    @property
+    def bytes_written(self) -> int:
+        """The bytes of data this save wrote (all of them, unless it is differential)."""
+        return self.nbytes if self.delta is None else self.delta.written
+
     def to_dict(self) -> dict[str, Any]:
         """As JSON-ready data; non-finite metrics become the strings "nan", "inf", "-inf"."""
         data = asdict(self)
         data["metrics"] = {k: v if math.isfinite(v) else repr(v) for k, v in self.metrics.items()}
         data["parent"] = None if self.parent is None else list(self.parent)
         data["crcs"] = {k: list(v) for k, v in self.crcs.items()}
+        if self.delta is None:
+            del data["delta"]
+        else:
+            data["delta"] = self.delta.to_dict()
         return data
 
     @classmethod
@@ -145,6 +169,10 @@ class CommitRecord:
                 raise ValueError(f"path {path!r:.80} is not a group of this save")
             crcs = {str(k): _crcs(v) for k, v in data["crcs"].items()}
             started = float(_number(data, "started", float, _MAX_TIME))
+        delta = None
+        if version >= DELTA_RECORD_FORMAT:
+            delta = DeltaRecord.from_dict(data["delta"], node=node, epoch=epoch,
+                                          save_id=save_id, path=path)
         return cls(
             epoch=epoch,
             node=node,
@@ -163,6 +191,7 @@ class CommitRecord:
             path=path,
             crcs=crcs,
             started=started,
+            delta=delta,
             format=version,
         )
 

@@ -52,6 +52,7 @@ from caffe2ckpt.fs import localio, strictjson
 from caffe2ckpt.fs.iopool import pool as _pool
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.naming import blob_path
+from caffe2ckpt.store.chains import overlay_paths
 from caffe2ckpt.store.manifest import (
     PACKED_ARRAY,
     BlobInfo,
@@ -61,8 +62,8 @@ from caffe2ckpt.store.manifest import (
     chunk_rows,
 )
 
-__all__ = ["ATTRS_KEY", "CRC_BYTES", "DEFAULT_PACK_THRESHOLD", "GROUP_FILE", "GroupPlan",
-           "parse_manifest", "plan_group", "write_arrays"]
+__all__ = ["ATTRS_KEY", "CRC_BYTES", "DEFAULT_PACK_THRESHOLD", "GROUP_FILE", "DeltaLayout",
+           "GroupPlan", "parse_manifest", "plan_group", "stored_form", "write_arrays"]
 
 ATTRS_KEY = "caffe2ckpt"
 GROUP_FILE = "zarr.json"
@@ -102,7 +103,7 @@ def _array_metadata(dtype: np.dtype, shape: tuple[int, ...], chunks: tuple[int, 
     return json.dumps(meta, indent=2).encode()
 
 
-def _stored(arr: np.ndarray) -> np.ndarray:
+def stored_form(arr: np.ndarray) -> np.ndarray:
     """The C-contiguous little-endian numeric array that stores ``arr`` (no copy if possible)."""
     arr = np.ascontiguousarray(arr)
     kind = arr.dtype.kind
@@ -163,9 +164,38 @@ def _array_plan(path: str, data: np.ndarray, rows: int) -> _ArrayPlan:
                       metadata)
 
 
+@dataclass(frozen=True)
+class DeltaLayout:
+    """What a differential save's group holds besides its whole blobs: the blobs it does not
+    store whole (kind and logical info), the row overlays it stores (row ids, then values, by
+    blob; values in the blob's own dtype), and the group of the save it builds on."""
+
+    inherited: dict[str, tuple[str, BlobInfo]]
+    overlays: dict[str, tuple[np.ndarray, np.ndarray]]
+    base: str
+
+
+def _overlay_plans(overlays: dict[str, tuple[np.ndarray, np.ndarray]]
+                   ) -> tuple[dict[str, tuple[BlobInfo, BlobInfo]], list[_ArrayPlan]]:
+    infos, plans = {}, []
+    for name, (rows, values) in overlays.items():
+        rows_path, values_path = overlay_paths(blob_path(name))
+        pair = []
+        for path, arr in ((rows_path, rows), (values_path, values)):
+            data = stored_form(arr)
+            count = chunk_rows(data.shape, data.dtype.itemsize)
+            pair.append(BlobInfo(name, arr.dtype.str, arr.shape, "C", path=path,
+                                 chunk_rows=count))
+            plans.append(_array_plan(path, data, count))
+        infos[name] = (pair[0], pair[1])
+    return infos, plans
+
+
 def plan_group(*, node: str, epoch: int, save_id: str, blobs: dict[str, np.ndarray],
-               pack_threshold: int = DEFAULT_PACK_THRESHOLD) -> GroupPlan:
+               pack_threshold: int = DEFAULT_PACK_THRESHOLD,
+               delta: DeltaLayout | None = None) -> GroupPlan:
     """How ``blobs`` are written as a group: nothing is copied but the packed small blobs.
+    With ``delta``, the group of a differential save (manifest format 4).
 
     Raises:
         InvalidBlobError: the manifest would be larger than readers accept.
@@ -186,7 +216,7 @@ def plan_group(*, node: str, epoch: int, save_id: str, blobs: dict[str, np.ndarr
             packed.append(BlobInfo._make((name, dtype, arr.shape, order, None, 0, offset, ())))
             packed_bytes += nbytes
         else:
-            data = _stored(arr)
+            data = stored_form(arr)
             rows = chunk_rows(data.shape, data.dtype.itemsize)
             info = BlobInfo(name, dtype, arr.shape, order, path=blob_path(name),
                             chunk_rows=rows)
@@ -197,9 +227,14 @@ def plan_group(*, node: str, epoch: int, save_id: str, blobs: dict[str, np.ndarr
     if offset:
         metadata = _array_metadata(np.dtype(np.uint8), (offset,), (packed_chunk,))
         plans.append(_ArrayPlan(PACKED_ARRAY, (offset,), pieces, packed_chunk, metadata))
+    extra: dict[str, Any] = {}
+    if delta is not None:
+        overlays, overlay_plans = _overlay_plans(delta.overlays)
+        plans.extend(overlay_plans)
+        extra = {"inherited": delta.inherited, "overlays": overlays, "base": delta.base}
     manifest = Manifest(node=node, epoch=epoch, save_id=save_id, arrays=arrays, packed=packed,
                         packed_nbytes=offset, packed_chunk=packed_chunk,
-                        packed_blob_bytes=packed_bytes)
+                        packed_blob_bytes=packed_bytes, **extra)
     group = {"attributes": {ATTRS_KEY: manifest.to_dict()}, "zarr_format": 3,
              "node_type": "group"}
     try:

@@ -1,0 +1,148 @@
+"""Differential saves, reader side: rebuild the blobs a save does not store whole.
+
+For each such blob the save's commit record gives its chain (:mod:`caffe2ckpt.store.chains`):
+the group holding it whole, then the groups whose row overlays apply, oldest first; the save's
+own overlay, if any, applies last. Every group's ``zarr.json`` must have the digest the record
+gives and say it is the save the record names; every array read is checked as any restore checks
+it (metadata digests, chunk sizes and CRC32Cs). Once its overlays are applied, each blob's digest
+must be the one recorded at save time: a changed-rows hint that missed rows, or any other wrong
+reconstruction, is :class:`~caffe2ckpt.errors.CheckpointCorruptedError` naming node, epoch, blob
+and the group, never wrong data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from caffe2ckpt.errors import CheckpointCorruptedError
+from caffe2ckpt.store.chains import ChainGroup
+from caffe2ckpt.store.delta import digest
+from caffe2ckpt.store.groupread import read_arrays, read_node
+from caffe2ckpt.store.manifest import PACKED_ARRAY, Manifest
+from caffe2ckpt.store.records import CommitRecord
+from caffe2ckpt.store.zarrgroup import GROUP_FILE
+
+if TYPE_CHECKING:
+    from caffe2ckpt.store.protocol import CheckpointStore
+
+__all__ = ["read_chained"]
+
+
+def read_chained(store: CheckpointStore, record: CommitRecord, manifest: Manifest,
+                 names: list[str]) -> dict[str, np.ndarray]:
+    """Rebuild the blobs ``names`` of ``record``'s differential save (whose verified manifest
+    is ``manifest``)."""
+    delta = record.delta
+    assert delta is not None
+    chains = {name: delta.chains[name] for name in names}
+    reader = _Reader(store, record)
+    out: dict[str, np.ndarray] = {}
+    for index in sorted({c[0] for c in chains.values()}):
+        blobs = [n for n, c in chains.items() if c[0] == index]
+        out.update(reader.whole(delta.groups[index], blobs, manifest))
+    overlaid = sorted({i for c in chains.values() for i in c[1:]},
+                      key=lambda i: delta.groups[i].epoch)
+    for index in overlaid:  # oldest first: every blob's overlays apply in its chain's order
+        blobs = [n for n, c in chains.items() if index in c[1:]]
+        group = delta.groups[index]
+        reader.apply(group.group, reader.source(group), group.crcs, group.metadata, blobs, out)
+    own = [n for n in names if n in manifest.overlays]
+    if own:
+        reader.apply(record.group, manifest, record.crcs, record.metadata, own, out)
+    for name in names:
+        if digest(out[name]) != delta.digests[name]:
+            raise reader.damage(name, record.group, "rebuilt from the saves it builds on, it "
+                                "differs from what was saved (a changed-rows hint that missed "
+                                "rows, or a damaged or wrong source)")
+    return out
+
+
+class _Reader:
+    """Reads the parts of one record's chains, naming the record's node and epoch in errors."""
+
+    def __init__(self, store: CheckpointStore, record: CommitRecord) -> None:
+        self.store, self.record = store, record
+
+    def damage(self, blob: str, group: str, why: str) -> CheckpointCorruptedError:
+        record = self.record
+        return CheckpointCorruptedError(
+            f"checkpoint of node {record.node!r} epoch {record.epoch} (save "
+            f"{record.save_id!r}): blob {blob!r}, from "
+            f"{self.store.location.display(group)!r}: {why}", node=record.node,
+            epoch=record.epoch, blob=blob)
+
+    def source(self, group: ChainGroup) -> Manifest:
+        return self.store.group_manifest(group.group, group.metadata.get(GROUP_FILE),
+                                         group.save_id, node=self.record.node,
+                                         epoch=self.record.epoch)
+
+    def _crcs(self, group: str, manifest: Manifest, crcs: dict[str, tuple[int, ...]],
+              paths: set[str], blob: str) -> dict[str, tuple[int, ...]]:
+        try:
+            return manifest.chunk_crcs(crcs, only=paths)
+        except ValueError as exc:
+            raise self.damage(blob, group, str(exc)) from exc
+
+    def whole(self, group: ChainGroup, blobs: list[str], target: Manifest
+              ) -> dict[str, np.ndarray]:
+        """Read ``blobs`` from ``group``, which stores them whole, as ``target`` describes
+        them."""
+        manifest = self.source(group)
+        paths = set()
+        for name in blobs:
+            info = manifest.stored_blobs.get(name)
+            logical = target.inherited[name][1]
+            if info is None or (info.dtype, info.shape, info.order) != (
+                    logical.dtype, logical.shape, logical.order):
+                raise self.damage(name, group.group, "that group does not hold the blob as "
+                                  "this save describes it")
+            paths.add(info.path or PACKED_ARRAY)
+        files = {f"{p}/{GROUP_FILE}" for p in paths}
+        crcs = self._crcs(group.group, manifest, group.crcs, paths, blobs[0])
+        with self.naming_this_save():
+            return read_node(self.store.location, self.store.location.path(group.group),
+                             manifest, crcs, blobs,
+                             metadata={f: d for f, d in group.metadata.items() if f in files})
+
+    @contextmanager
+    def naming_this_save(self) -> Iterator[None]:
+        """Damage found in an older group is reported as damage of the checkpoint being
+        read (which needs it), with the older group's own message."""
+        try:
+            yield
+        except CheckpointCorruptedError as exc:
+            if exc.epoch == self.record.epoch:
+                raise
+            raise CheckpointCorruptedError(
+                f"checkpoint of node {self.record.node!r} epoch {self.record.epoch} (save "
+                f"{self.record.save_id!r}) builds on epoch {exc.epoch}, which is damaged: {exc}",
+                node=self.record.node, epoch=self.record.epoch, blob=exc.blob) from exc
+
+    def apply(self, group: str, manifest: Manifest, crcs: dict[str, tuple[int, ...]],
+              metadata: dict[str, str], blobs: list[str], out: dict[str, np.ndarray]) -> None:
+        """Apply ``group``'s row overlays of ``blobs`` to the arrays in ``out``."""
+        infos = []
+        for name in blobs:
+            if name not in manifest.overlays:
+                raise self.damage(name, group, "that group holds no row overlay of the blob")
+            infos.extend(manifest.overlays[name])
+        paths = {i.path for i in infos}
+        files = {f"{p}/{GROUP_FILE}" for p in paths}
+        checksums = self._crcs(group, manifest, crcs, paths, blobs[0])  # type: ignore[arg-type]
+        with self.naming_this_save():
+            arrays = read_arrays(self.store.location, self.store.location.path(group), manifest,
+                                 checksums, infos,
+                                 metadata={f: d for f, d in metadata.items() if f in files})
+        for name in blobs:
+            rows_info, values_info = manifest.overlays[name]
+            rows, values = arrays[rows_info.path], arrays[values_info.path]  # type: ignore[index]
+            target = out[name]
+            if (rows.size and (rows[0] < 0 or rows[-1] >= target.shape[0]
+                               or np.any(rows[1:] <= rows[:-1]))
+                    or values.shape[1:] != target.shape[1:] or values.dtype != target.dtype):
+                raise self.damage(name, group, "its row overlay does not fit the blob")
+            target[rows] = values

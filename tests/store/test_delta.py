@@ -1,0 +1,279 @@
+"""Differential saves through the public step API: what each save writes, and that every kept
+step restores bit for bit whatever retention, gc, deletes and damage did to the chains."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from caffe2ckpt import StepCheckpointManager, StepManagerOptions
+from caffe2ckpt.cli import main as cli_main
+from caffe2ckpt.errors import (
+    CheckpointCorruptedError,
+    CheckpointWriteError,
+    InvalidBlobError,
+    InvalidLocationError,
+    JobDefinitionError,
+)
+from caffe2ckpt.history.scan import scan
+from caffe2ckpt.store.layout import parse_group_name
+from tests.stores import gone, open_store
+
+ROWS = 4096
+SMALL = 16 << 10  # delta_min_bytes in these tests: every table below is large enough
+
+
+class Model:
+    """A node's workspace: tables of several layouts whose rows change a few at a time, a
+    frozen blob and a step counter (packed)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.blobs = {
+            "emb/table": self.rng.random((ROWS, 64), dtype=np.float32),
+            "fortran": np.asfortranarray(self.rng.random((ROWS, 8))),
+            "big_endian": self.rng.integers(0, 1 << 30, (ROWS, 16)).astype(">i4"),
+            "names": np.array([[f"r{i}", f"c{i}"] for i in range(ROWS)], dtype="<U8"),
+            "frozen": self.rng.random((64, 64), dtype=np.float32),
+            "step": np.int64(0),
+        }
+
+    def step(self, fraction: float = 0.05) -> dict[str, np.ndarray]:
+        """Change ``fraction`` of each table's rows; return the rows changed per table."""
+        changed = {}
+        for name in ("emb/table", "fortran", "big_endian", "names"):
+            arr = self.blobs[name]
+            rows = np.sort(self.rng.choice(ROWS, int(ROWS * fraction), replace=False))
+            if arr.dtype.kind == "U":
+                arr[rows] = np.array([f"x{self.rng.integers(1 << 20)}"] * arr.shape[1])
+            else:
+                arr[rows] = self.rng.integers(0, 1 << 20, (rows.size, arr.shape[1]))
+            changed[name] = rows
+        self.blobs["step"] = self.blobs["step"] + 1
+        return changed
+
+    def copy(self) -> dict[str, np.ndarray]:
+        return {k: np.array(v, copy=True, order="K") for k, v in self.blobs.items()}
+
+
+def options(**kw) -> StepManagerOptions:
+    return StepManagerOptions(delta_saves=True, delta_min_bytes=SMALL, **kw)
+
+
+def reader(prefix: str) -> StepCheckpointManager:
+    return StepCheckpointManager(prefix, handle_preemption=False)
+
+
+def assert_same(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+    assert sorted(got) == sorted(want)
+    for name, arr in want.items():
+        assert got[name].dtype == arr.dtype and got[name].shape == arr.shape, name
+        assert got[name].tobytes(order="A") == arr.tobytes(order="A"), name
+        assert got[name].flags.f_contiguous == arr.flags.f_contiguous or arr.ndim < 2, name
+
+
+def check_all(prefix: str, states: dict[int, dict[str, np.ndarray]]) -> list[int]:
+    """Every step a fresh reader lists restores to what was saved; returns the steps."""
+    with reader(prefix) as r:
+        steps = r.all_steps()
+        for step in steps:
+            assert_same(r.restore(step)["n0"], states[step])
+    return steps
+
+
+def unreferenced_groups(prefix: str) -> list[str]:
+    """Groups under the prefix that hold data no readable record needs."""
+    store = open_store(prefix)
+    needed = scan(store).referenced
+    location = store.location
+    return sorted(name for name in location.list_names(location.root)
+                  if parse_group_name(name) and name not in needed and not gone(location, name))
+
+
+@pytest.mark.parametrize("detection", ["compare", "hints"])
+def test_every_kept_step_restores_bit_exact_across_chains_and_retention(prefix, detection):
+    model, states = Model(), {}
+    opts = options(delta_detection=detection, max_to_keep=2, keep_period=5)
+    with StepCheckpointManager(prefix, options=opts, handle_preemption=False) as mgr:
+        for step in range(14):
+            changed = model.step() if step else {}
+            hints = {"n0": changed} if detection == "hints" and step else None
+            mgr.save(step, {"n0": model.blobs}, changed_rows=hints)
+            states[step] = model.copy()
+            assert check_all(prefix, states) == mgr.all_steps()
+    assert mgr.all_steps() == [0, 5, 10, 12, 13]
+    assert unreferenced_groups(prefix) == []
+    depths = [(r.epoch, r.delta.depth if r.delta else 0)
+              for r in sorted(scan(open_store(prefix)).records(), key=lambda r: r.epoch)]
+    assert depths == [(0, 0), (5, 0), (10, 0), (12, 2), (13, 3)]
+
+
+def test_a_delta_writes_the_changed_rows_and_nothing_for_unchanged_blobs(prefix):
+    model = Model()
+    with StepCheckpointManager(prefix, options=options(), handle_preemption=False) as mgr:
+        mgr.save(0, {"n0": model.blobs})
+        model.step(0.05)
+        mgr.save(1, {"n0": model.blobs})
+    store = open_store(prefix)
+    first, second = sorted(scan(store).records(), key=lambda r: r.epoch)
+    assert first.delta is None and second.delta is not None
+    assert second.nbytes == first.nbytes
+    # 5% of the rows and their ids, the packed step and frozen blob (changed: step)
+    assert second.bytes_written <= 0.07 * second.nbytes, (second.bytes_written, second.nbytes)
+    manifest = store.manifest(second)
+    assert set(manifest.overlays) == {"emb/table", "fortran", "big_endian", "names"}
+    assert manifest.inherited["frozen"][0] == "same" and "frozen" not in manifest.stored_blobs
+    files = store.location.list_names(store.group_path(second))
+    assert not any(name.startswith("emb") for name in files)  # no array of the table itself
+
+
+def test_nan_payloads_and_negative_zero_are_changes(prefix):
+    table = np.zeros((ROWS, 16), np.float32)
+    with StepCheckpointManager(prefix, options=options(), handle_preemption=False) as mgr:
+        mgr.save(0, {"n0": {"t": table}})
+        table[3, 0] = -0.0
+        table.view(np.uint32)[7, 1] = 0x7FC00001  # a NaN with a payload
+        table.view(np.uint32)[9, 2] = 0x7FC00002
+        mgr.save(1, {"n0": {"t": table}})
+        table.view(np.uint32)[9, 2] = 0x7FC00003  # NaN to another NaN
+        mgr.save(2, {"n0": {"t": table}})
+    with reader(prefix) as r:
+        assert r.restore(2)["n0"]["t"].tobytes() == table.tobytes()
+    manifest = open_store(prefix).manifest(r._step(2).records["n0"])
+    assert manifest.overlays["t"][0].shape == (1,)
+
+
+def test_a_hint_that_misses_rows_is_damage_at_restore_never_data(prefix):
+    table = np.zeros((ROWS, 16), np.float32)
+    opts = options(delta_detection="hints")
+    with StepCheckpointManager(prefix, options=opts, handle_preemption=False) as mgr:
+        mgr.save(0, {"n0": {"t": table}})
+        table[[1, 2, 3]] = 5.0
+        mgr.save(1, {"n0": {"t": table}}, changed_rows={"n0": {"t": [1, 2]}})  # misses row 3
+    with reader(prefix) as r, pytest.raises(CheckpointCorruptedError) as caught:
+        r.restore(1)
+    assert (caught.value.node, caught.value.epoch, caught.value.blob) == ("n0", 1, "t")
+    assert "hint" in str(caught.value)
+
+
+def test_chains_are_bounded_by_length_and_by_overlay_bytes(prefix):
+    model = Model()
+    with StepCheckpointManager(prefix, options=options(max_delta_chain=2),
+                               handle_preemption=False) as mgr:
+        for step in range(7):
+            model.step() if step else None
+            mgr.save(step, {"n0": model.blobs})
+    depths = [r.delta.depth if r.delta else 0
+              for r in sorted(scan(open_store(prefix)).records(), key=lambda r: r.epoch)
+              if r.node == "n0"]
+    assert depths == [0, 1, 2, 0, 1, 2, 0]
+    # overlays of 5% each may reach 12% of a blob: the third delta writes the tables whole
+    second = "memory://fraction" if prefix.startswith("memory") else f"{prefix}-fraction"
+    with StepCheckpointManager(second, options=options(max_delta_fraction=0.12),
+                               handle_preemption=False) as mgr:
+        for step in range(4):
+            model.step() if step else None
+            mgr.save(step, {"n0": model.blobs})
+        kinds = open_store(second).manifest(mgr._step(3).records["n0"]).inherited
+    assert "emb/table" not in kinds and kinds["frozen"][0] == "same"
+
+
+def test_bad_hints_are_refused_before_anything_is_written(prefix):
+    table = np.zeros((ROWS, 16), np.float32)
+    with StepCheckpointManager(prefix, options=options(), handle_preemption=False) as mgr:
+        with pytest.raises(JobDefinitionError, match="delta_detection='hints'"):
+            mgr.save(0, {"n0": {"t": table}}, changed_rows={"n0": {"t": [1]}})
+    opts = options(delta_detection="hints")
+    with StepCheckpointManager(prefix, options=opts, handle_preemption=False) as mgr:
+        with pytest.raises(InvalidLocationError, match="'n1'"):
+            mgr.save(0, {"n0": {"t": table}}, changed_rows={"n1": {"t": [1]}})
+        with pytest.raises(InvalidLocationError, match="'u'"):
+            mgr.save(0, {"n0": {"t": table}}, changed_rows={"n0": {"u": [1]}})
+        mgr.save(0, {"n0": {"t": table}})
+        with pytest.raises(InvalidBlobError, match=r"blob 't'.*4095"):
+            mgr.save(1, {"n0": {"t": table}}, changed_rows={"n0": {"t": [ROWS]}})
+        with pytest.raises(InvalidBlobError, match="integers"):
+            mgr.save(1, {"n0": {"t": table}}, changed_rows={"n0": {"t": [0.5]}})
+        assert mgr.all_steps() == [0]
+
+
+@pytest.mark.parametrize("option, value", [
+    ("max_delta_chain", 0), ("max_delta_chain", 65), ("max_delta_chain", 2.0),
+    ("max_delta_fraction", 0), ("max_delta_fraction", 1.5), ("delta_min_bytes", 0),
+    ("delta_detection", "rows"), ("delta_saves", 1)])
+def test_delta_options_are_validated(option, value):
+    with pytest.raises(JobDefinitionError, match=option):
+        StepManagerOptions(**{option: value})
+
+
+def test_a_deleted_base_fails_the_next_save_which_commits_nothing(prefix):
+    model, states = Model(), {}
+    with StepCheckpointManager(prefix, options=options(), handle_preemption=False) as mgr:
+        for step in range(2):
+            model.step() if step else None
+            mgr.save(step, {"n0": model.blobs})
+            states[step] = model.copy()
+        with reader(prefix) as other:
+            other.delete(1)  # the newest: the base of the next save
+        model.step()
+        with pytest.raises(CheckpointWriteError, match="builds on.*epoch 1"):
+            mgr.save(2, {"n0": model.blobs})
+        model.step()
+        mgr.save(3, {"n0": model.blobs})
+        states[3] = model.copy()
+    assert check_all(prefix, states) == [0, 3]
+    assert all(r.delta is None for r in scan(open_store(prefix)).records())
+
+
+def test_gc_keeps_every_chain_a_kept_step_needs_and_sweeps_the_rest(prefix, capsys):
+    model, states = Model(), {}
+    with StepCheckpointManager(prefix, options=options(), handle_preemption=False) as mgr:
+        for step in range(8):
+            model.step() if step else None
+            mgr.save(step, {"n0": model.blobs})
+            states[step] = model.copy()
+    assert cli_main(["gc", prefix, "--keep-last", "2", "--yes", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [d["epoch"] for d in doc["delete"]] == [0, 1, 2, 3, 4, 5]
+    assert check_all(prefix, states) == [6, 7]  # depth 1 and 2 on the whole save of 5
+    assert unreferenced_groups(prefix) == []
+    assert not gone(open_store(prefix).location, "n0.5")  # pinned by 6 and 7
+    assert cli_main(["gc", prefix, "--keep-last", "1", "--yes"]) == 0
+    capsys.readouterr()
+    assert check_all(prefix, states) == [7]
+    assert unreferenced_groups(prefix) == []
+
+
+def test_a_damaged_base_is_found_in_every_step_built_on_it(prefix):
+    model, states = Model(), {}
+    with StepCheckpointManager(prefix, options=options(), handle_preemption=False) as mgr:
+        for step in range(4):
+            model.step() if step else None
+            mgr.save(step, {"n0": model.blobs})
+            states[step] = model.copy()
+    store = open_store(prefix)
+    chunk = store.location.path("n0.0", "emb%2Ftable", "c.0.0")
+    data = bytearray(store.location.read_bytes(chunk, limit=1 << 30))
+    data[100] ^= 1
+    store.location.replace_file(chunk, bytes(data))
+    with reader(prefix) as r:
+        for step in range(4):
+            with pytest.raises(CheckpointCorruptedError) as caught:
+                r.restore(step)
+            assert (caught.value.epoch, caught.value.blob) == (step, "emb/table")
+        assert_same(r.restore(3, blobs=["fortran"])["n0"], {"fortran": states[3]["fortran"]})
+
+
+def test_async_differential_saves_restore_bit_exact(prefix):
+    model, states = Model(), {}
+    opts = options(enable_async_checkpointing=True, max_to_keep=3)
+    with StepCheckpointManager(prefix, options=opts, handle_preemption=False) as mgr:
+        for step in range(7):
+            model.step() if step else None
+            mgr.save(step, {"n0": model.blobs})
+            states[step] = model.copy()
+    assert check_all(prefix, states) == [4, 5, 6]
+    assert [r.delta is not None for r in sorted(scan(open_store(prefix)).records(),
+                                                 key=lambda r: r.epoch)] == [True, False, True]
