@@ -24,6 +24,7 @@ from caffe2ckpt.policy import StepManagerOptions
 from caffe2ckpt.runner import JobRunner
 from caffe2ckpt.session import LocalSession, Session
 from caffe2ckpt.steps import AbstractCheckpointManager, StepCheckpointManager
+from caffe2ckpt.steps.plainzarr import materialize, zarr_store
 from caffe2ckpt.workspace import Workspace, WorkspaceType
 
 __all__ = [
@@ -57,4 +58,6 @@ __all__ = [
     "db_name",
     "epoch_limiter",
     "get_ckpt_filename",
+    "materialize",
+    "zarr_store",
 ]

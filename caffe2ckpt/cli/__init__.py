@@ -7,6 +7,7 @@ Commands (``caffe2ckpt COMMAND --help`` for each)::
     caffe2ckpt verify PREFIX [--epoch N]       re-read every committed checkpoint, check checksums
     caffe2ckpt gc PREFIX [--keep-last N] ...   remove leftovers and old epochs (dry run: no --yes)
     caffe2ckpt diff PREFIX A B                 which blobs changed between epochs A and B
+    caffe2ckpt materialize PREFIX --epoch E DEST   an epoch as ordinary whole Zarr groups
 
 Every command takes ``--json`` (one JSON document on stdout) and ``--storage-options JSON``.
 ``main(argv)`` returns the exit code instead of exiting, so it can be called in-process.
@@ -33,6 +34,7 @@ from caffe2ckpt.cli._context import (
 from caffe2ckpt.cli.diff import cmd_diff
 from caffe2ckpt.cli.gc import cmd_gc
 from caffe2ckpt.cli.ls import cmd_ls
+from caffe2ckpt.cli.materialize import cmd_materialize
 from caffe2ckpt.cli.render import Progress, render
 from caffe2ckpt.cli.show import cmd_show
 from caffe2ckpt.cli.verify import cmd_verify
@@ -51,6 +53,7 @@ __all__ = ["build_parser", "main"]
 PROG = "caffe2ckpt"
 COMMANDS: dict[str, Callable[[Context, argparse.Namespace], tuple[Document, int]]] = {
     "ls": cmd_ls, "show": cmd_show, "verify": cmd_verify, "gc": cmd_gc, "diff": cmd_diff,
+    "materialize": cmd_materialize,
 }
 
 DESCRIPTION = """\
@@ -135,6 +138,16 @@ blob. The exit code is 0 whether or not anything changed.
 examples:
   caffe2ckpt diff checkpoints/regression 6 7
   caffe2ckpt diff checkpoints/regression 0 7 --node trainer_0 --all --json
+""",
+    "materialize": """\
+Reads every node of the epoch (or only --node), verified as a restore is (a differential
+epoch's chain resolved, its digests checked), and writes each as DEST/<node>.<epoch>: an
+ordinary Zarr v3 group that zarr-python and TensorStore read, whatever kind the epoch is.
+Existing groups at DEST are never overwritten.
+
+examples:
+  caffe2ckpt materialize checkpoints/regression --epoch 7 /tmp/epoch7
+  caffe2ckpt materialize s3://bucket/run --epoch 12 --node trainer_0 ./plain
 """,
 }
 
@@ -259,6 +272,13 @@ def build_parser() -> argparse.ArgumentParser:
     nodes(p, "only this node")
     p.add_argument("--all", action="store_true",
                    help="also list unchanged blobs (always listed with --json)")
+
+    p = command("materialize", "write an epoch as ordinary whole Zarr groups (deltas resolved)")
+    p.add_argument("--epoch", metavar="E", type=_epoch, required=True, help="the epoch")
+    p.add_argument("dest", metavar="DEST", help="where to write <node>.<epoch> groups")
+    nodes(p, "only this node")
+    p.add_argument("--dest-storage-options", metavar="JSON", type=_storage_options,
+                   help="fsspec options for DEST as a JSON object (default: none)")
     return parser
 
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import datetime
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from caffe2ckpt.cli.render import Progress, epochs_text
 from caffe2ckpt.errors import (
     CheckpointCorruptedError,
+    CheckpointError,
     CheckpointNotFoundError,
 )
 from caffe2ckpt.fs.location import Location
@@ -22,6 +24,7 @@ from caffe2ckpt.store.layout import COMMITS_DIR, RUNS_DIR, parse_group_name
 from caffe2ckpt.store.manifest import Manifest
 from caffe2ckpt.store.protocol import CheckpointStore
 from caffe2ckpt.store.records import CommitRecord, list_records
+from caffe2ckpt.store.zarrgroup import parse_manifest
 
 EXIT_OK = 0
 EXIT_DAMAGED = 1  # verification found damage (verify, show --verify, diff of damaged data)
@@ -137,11 +140,12 @@ def checked_manifest(store: CheckpointStore, record: CommitRecord) -> Manifest:
 
 
 def read_units(manifest: Manifest) -> list[list[str]]:
-    """How blobs are read: each own array alone, every packed blob in one read."""
+    """How blobs are read: each own array alone, every packed blob in one read, each blob of a
+    differential save that other groups hold alone (its chain resolved)."""
     units = [[name] for name in manifest.arrays]
     if manifest.packed:
         units.append([b.name for b in manifest.packed])
-    return units
+    return units + [[name] for name in manifest.inherited]
 
 
 def leftover_bytes(location: Location, item: Leftover) -> int | None:
@@ -157,7 +161,34 @@ def leftover_bytes(location: Location, item: Leftover) -> int | None:
 def leftover_doc(location: Location, item: Leftover) -> Document:
     return {"kind": item.kind, "path": item.path, "url": location.display(item.path),
             "age_seconds": None if math.isinf(item.age) else round(item.age, 3),
-            "bytes": leftover_bytes(location, item), "live": item.live}
+            "bytes": leftover_bytes(location, item), "live": item.live,
+            "save_id": item.save_id}
+
+
+def save_kind(records: Sequence[CommitRecord], location: Location) -> Document:
+    """Whether a save is whole (``full``) or differential (``delta``: it builds on older
+    groups), the bytes of data it wrote and, for a delta, the groups it needs per node."""
+    delta = [r for r in records if r.delta is not None]
+    out: Document = {"kind": "delta" if delta else "full",
+                     "bytes_written": sum(r.bytes_written for r in records)}
+    if delta:
+        out["builds_on"] = {r.node: [location.display(g) for g in sorted(r.delta.closure())]
+                            for r in delta}  # type: ignore[union-attr]
+        out["depth"] = max(r.delta.depth for r in delta)  # type: ignore[union-attr]
+    return out
+
+
+def group_bytes(store: CheckpointStore, group: str) -> int | None:
+    """The bytes of data the group at ``group`` holds, as its manifest says (None: it cannot
+    be read)."""
+    parsed = parse_group_name(group)
+    try:
+        raw = store.location.read_bytes(f"{store.location.path(group)}/zarr.json",
+                                        limit=64 << 20)
+        return parse_manifest(raw, group, node=parsed.node,  # type: ignore[union-attr]
+                              epoch=parsed.epoch).stored_nbytes  # type: ignore[union-attr]
+    except (CheckpointError, ValueError, AttributeError):
+        return None
 
 
 def known_nodes(location: Location) -> set[str]:
@@ -198,7 +229,10 @@ def check_node(store: CheckpointStore, record: CommitRecord, progress: Progress)
     for names in read_units(manifest):
         state, error = "ok", None
         try:
-            read_node(store.location, path, manifest, crcs, names)
+            if names[0] in manifest.inherited:
+                store.load_node(record, names)  # through its chain, digest checked
+            else:
+                read_node(store.location, path, manifest, crcs, names)
         except CheckpointCorruptedError as exc:
             state, error = "bad", {"blob": exc.blob, "error": str(exc)}
         except OSError as exc:

@@ -27,6 +27,7 @@ from caffe2ckpt.cli._context import (
     CLIError,
     Context,
     Document,
+    group_bytes,
     json_metrics,
     known_nodes,
     leftover_doc,
@@ -131,6 +132,29 @@ def _plans(store: CheckpointStore, found: PrefixScan, families: list[Family],
     return keep, delete, refusals
 
 
+def _pinned(store: CheckpointStore, found: PrefixScan,
+            delete: list[tuple[Save, Document]]) -> list[Document]:
+    """Groups of saves that are gone (or go now) that differential saves which stay still
+    build on: their bytes stay. Each delete document learns what removing it ``frees``: its
+    own groups' data, unless a save that stays needs them."""
+    going = {(s.epoch, s.save_id) for s, _ in delete}
+    staying = [r for s in found.saves() if (s.epoch, s.save_id) not in going
+               for r in s.records.values()]
+    staying += [r for p in found.partial for r in p.records.values()]
+    needed: dict[str, set[int]] = {}
+    for record in staying:
+        for group in record.closure:
+            needed.setdefault(group, set()).add(record.epoch)
+    for save, doc in delete:
+        doc["bytes_written"] = sum(r.bytes_written for r in save.records.values())
+        doc["frees"] = sum(r.bytes_written for r in save.records.values()
+                           if r.group not in needed)
+    own = {r.group for r in staying}
+    return [{"path": group, "url": store.location.display(group),
+             "bytes": group_bytes(store, group), "pinned_by": sorted(epochs)}
+            for group, epochs in sorted(needed.items()) if group not in own]
+
+
 def _skipped(found: PrefixScan, wanted: set[str] | None) -> list[Document]:
     damaged = {ref.save_id for ref, _ in found.unreadable}
     return [{"kind": "partial save", "epoch": p.epoch,
@@ -172,6 +196,7 @@ def cmd_gc(ctx: Context, args: argparse.Namespace) -> tuple[Document, int]:
     wanted = set(args.node) if args.node else None
     families = _check_arguments(location, args, found, wanted)
     keep, delete, refusals = _plans(store, found, families, options, wanted)
+    pinned = _pinned(store, found, delete)
     items = find_leftovers(store, found, min_age=args.min_age, nodes=wanted, live=True)
     leftovers = [(item, leftover_doc(location, item)) for item in items if not item.live]
     in_use = [{"kind": item.kind, "path": item.path,
@@ -180,17 +205,18 @@ def cmd_gc(ctx: Context, args: argparse.Namespace) -> tuple[Document, int]:
     code = EXIT_OK
     if args.yes:
         fence = found.newest_generation
-        work = [(doc, lambda i=item: bool(remove_leftovers(store, [i], fence=fence)))
+        references = References(found.records())  # what the records need, as gc removes
+        work = [(doc, lambda i=item: bool(remove_leftovers(store, [i], fence=fence,
+                                                           references=references)))
                 for item, doc in leftovers]
-        references = References(found.records())
         work += [(doc, lambda s=save: bool(remove_saves(store, [s], fence=fence, doing="gc",
                                                         references=references)))
                  for save, doc in delete]
         code = _carry_out(ctx, work)
     delete_docs = [doc for _, doc in delete]
     left_docs = [doc for _, doc in leftovers]
-    freed = sum(d["bytes"] or 0 for d in (*delete_docs, *left_docs)  # planned, or done
-                if d.get("done", not args.yes))
+    freed = sum(d.get("frees", d["bytes"]) or 0 for d in (*delete_docs, *left_docs)
+                if d.get("done", not args.yes))  # planned, or done
     doc = {"prefix": location.display(), "dry_run": not args.yes,
            "min_age_seconds": args.min_age, "nodes": sorted(wanted) if wanted else None,
            "retention": {"keep_last": args.keep_last, "keep_every": args.keep_every,
@@ -198,5 +224,7 @@ def cmd_gc(ctx: Context, args: argparse.Namespace) -> tuple[Document, int]:
            "leftovers": left_docs, "skipped": _skipped(found, wanted) + in_use,
            "delete": sorted(delete_docs, key=lambda d: (d["epoch"], d["save_id"])),
            "keep": sorted(keep, key=lambda d: (d["epoch"], d["save_id"])),
-           "bytes_freed": freed, **({"refused": "; ".join(refusals)} if refusals else {})}
+           "bytes_freed": freed, "pinned": pinned,
+           "bytes_pinned": sum(p["bytes"] or 0 for p in pinned),
+           **({"refused": "; ".join(refusals)} if refusals else {})}
     return doc, EXIT_DAMAGED if refusals else code

@@ -15,6 +15,7 @@ from caffe2ckpt.cli._context import (
     json_metrics,
     leftover_doc,
     open_prefix,
+    save_kind,
     utc,
 )
 from caffe2ckpt.history.cleanup import find_leftovers
@@ -44,6 +45,7 @@ def _row(epoch: int, state: str, save_id: str, records: list[CommitRecord], loca
         "writer": records[0].writer if records else {}, "node_workers": node_workers(records),
         "stop": any(r.stop for r in records), "save_ids": [save_id],
         "paths": {r.node: location.display(r.group) for r in records},
+        **save_kind(records, location),
         **({"error": error} if error else {}),
     }
 

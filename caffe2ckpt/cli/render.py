@@ -135,12 +135,12 @@ def render_ls(doc: dict[str, Any]) -> str:
         if e.get("error"):
             state += f": {e['error']}"
         rows.append([e["epoch"], ",".join(e["nodes"]), human_bytes(e["bytes"]),
-                     metrics_text(e["metrics"]), human_time(e["created"]),
+                     _written(e), metrics_text(e["metrics"]), human_time(e["created"]),
                      writer_text(e["writer"], e.get("node_workers")),
                      state])
     if rows:
-        out += ["", table(["EPOCH", "NODES", "BYTES", "METRICS", "CREATED", "WRITER", "STATE"],
-                          rows, right=["EPOCH", "BYTES"])]
+        out += ["", table(["EPOCH", "NODES", "BYTES", "WRITTEN", "METRICS", "CREATED", "WRITER",
+                           "STATE"], rows, right=["EPOCH", "BYTES", "WRITTEN"])]
     else:
         out.append("no committed epochs")
     if doc["leftovers"]:
@@ -153,18 +153,28 @@ def render_ls(doc: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def _written(row: dict[str, Any]) -> str:
+    """The bytes a save wrote, and whether it is a delta (on how many saves in a row)."""
+    written = human_bytes(row.get("bytes_written", row["bytes"]))
+    return f"{written} delta" if row.get("kind") == "delta" else written
+
+
 def render_show(doc: dict[str, Any]) -> str:
     blobs = doc["blobs"]
     check = "verified" if doc["verified"] else "recorded, not read (add --verify to check them)"
+    kind = (f" ({human_bytes(doc['bytes_written'])} written: a delta)"
+            if doc.get("kind") == "delta" else "")
     out = [(f"{doc['prefix']} epoch {doc['epoch']}: nodes {', '.join(doc['nodes'])}; "
-           f"{plural(len(blobs), 'blob')}, {human_bytes(sum(b['bytes'] for b in blobs))}; "
+           f"{plural(len(blobs), 'blob')}, {human_bytes(sum(b['bytes'] for b in blobs))}{kind}; "
            f"checksums {check}")]
     rows = []
     for b in blobs:
         if b["storage"] == "array":
             storage = f"array {b['path']}, {plural(b['chunks'], 'chunk')}"
-        else:
+        elif b["storage"] == "packed":
             storage = f"packed @{b['offset']}"
+        else:  # a differential save's: unchanged, or a row overlay on older groups
+            storage = f"{b['storage']} on {', '.join(b['from'])}"
         state = {"recorded": "crc32c recorded", "ok": "ok", "bad": "BAD",
                  "error": "READ ERROR"}[b["checksum"]]
         rows.append([b["node"], b["name"], b["dtype"], shape_text(b["shape"]),
@@ -224,6 +234,10 @@ def render_gc(doc: dict[str, Any]) -> str:
     if doc["skipped"]:
         out += ["Left alone:"] + [f"  {x['path']}: {x['reason']}" for x in doc["skipped"]] + [""]
     out += _gc_epochs(doc, remove_word)
+    if doc.get("pinned"):
+        out += [(f"Kept for differential epochs that stay (they build on them): "
+                 f"{plural(len(doc['pinned']), 'group')}, {human_bytes(doc['bytes_pinned'])}: "
+                 + ", ".join(p["path"] for p in doc["pinned"])), ""]
     out.append(_gc_outcome(doc))
     return "\n".join(out)
 
@@ -310,8 +324,12 @@ def diff_detail(blob: dict[str, Any]) -> str:
     return text
 
 
+def render_materialize(doc: dict[str, Any]) -> str:
+    return "\n".join(f"wrote {group}" for group in doc["groups"])
+
+
 RENDERERS = {"ls": render_ls, "show": render_show, "verify": render_verify, "gc": render_gc,
-             "diff": render_diff}
+             "diff": render_diff, "materialize": render_materialize}
 
 
 def render(command: str, doc: dict[str, Any]) -> str:

@@ -17,6 +17,7 @@ from caffe2ckpt.cli._context import (
     open_prefix,
     require_nodes,
     require_save,
+    save_kind,
 )
 from caffe2ckpt.errors import (
     CheckpointCorruptedError,
@@ -64,7 +65,11 @@ def cmd_show(ctx: Context, args: argparse.Namespace) -> tuple[Document, int]:
             entry = {"node": node, "name": info.name, "dtype": info.dtype,
                      "shape": list(info.shape), "order": info.order, "bytes": info.nbytes,
                      "checksum": states.get(info.name, "recorded")}
-            if info.path is not None:
+            inherited = manifest.inherited.get(info.name)
+            if inherited is not None:  # a differential save's: read through older groups
+                entry.update(storage=inherited.kind,
+                             **{"from": [store.location.display(g) for g in inherited.chain]})
+            elif info.path is not None:
                 entry.update(storage="array", path=info.path, chunks=len(crcs[info.path]),
                              chunk_rows=info.chunk_rows)
             else:
@@ -75,5 +80,6 @@ def cmd_show(ctx: Context, args: argparse.Namespace) -> tuple[Document, int]:
            "save_id": save.save_id, "superseded": found.is_superseded(save),
            "paths": {n: store.where(save.records[n]) for n in nodes},
            "verified": bool(args.verify), "blobs": blobs, "problems": problems,
-           "metrics": json_metrics(save.metrics)}
+           "metrics": json_metrics(save.metrics),
+           **save_kind([save.records[n] for n in nodes], store.location)}
     return doc, EXIT_DAMAGED if problems else EXIT_OK

@@ -45,7 +45,7 @@ from caffe2ckpt.store.layout import (
 )
 from caffe2ckpt.store.manifest import Manifest
 from caffe2ckpt.store.protocol import CheckpointStore
-from caffe2ckpt.store.records import CommitRecord, RecordRef, delete_record
+from caffe2ckpt.store.records import CommitRecord, RecordRef, delete_record, record_path
 from caffe2ckpt.store.tombstone import is_tombstone, tombstone
 from caffe2ckpt.store.zarrgroup import GROUP_FILE, parse_manifest
 
@@ -120,9 +120,9 @@ class References:
             for group in record.closure:
                 self._needed.setdefault(group, set()).add(record.ref)
 
-    def drop(self, save: Save) -> None:
-        """``save``'s records are gone."""
-        for record in save.records.values():
+    def drop(self, records: Iterable[CommitRecord]) -> None:
+        """``records`` are gone."""
+        for record in records:
             for group in record.closure:
                 needed = self._needed.get(group)
                 if needed is not None:
@@ -158,18 +158,39 @@ def remove_saves(store: CheckpointStore, saves: Iterable[Save], *, fence: int,
                          f"{save.save_id})", nodes)
         for record in save.records.values():
             delete_record(store.location, record.ref)
-        if references is None:
-            needed: References | frozenset[str] = scan(store, nodes).referenced
-        else:
-            references.drop(save)
-            needed = references
-        for group, save_id in save.closure().items():
-            if group not in needed:
-                _remove_group(store, group, save_id)
+        _remove_unneeded(store, save.closure(), list(save.records.values()), references, nodes)
         removed.append(save)
         logger.info("deleted epoch %d (save %s, nodes %s) under %s", save.epoch, save.save_id,
                     sorted(save.records), store.location.display())
     return removed
+
+
+def _remove_unneeded(store: CheckpointStore, groups: dict[str, str],
+                     gone: Collection[CommitRecord], references: References | None,
+                     nodes: Collection[str] | None) -> None:
+    """Remove each of ``groups`` (path -> save id) that no readable record needs now that the
+    records ``gone`` were deleted (``references``: as the caller knows them; None: read the
+    records again). A group of another save (one ``gone`` built on) whose own record is still
+    there, unreadable, stays too: like that save's, it is left for a person to inspect."""
+    if references is None:
+        needed: References | frozenset[str] = scan(store, nodes).referenced
+    else:
+        references.drop(gone)
+        needed = references
+    own = {r.group for r in gone}
+    for group, save_id in groups.items():
+        if group not in needed and (group in own or not _has_record(store, group, save_id)):
+            _remove_group(store, group, save_id)
+
+
+def _has_record(store: CheckpointStore, group: str, save_id: str) -> bool:
+    """Whether a record file of the save ``save_id`` for the group ``group``'s node and epoch
+    exists (readable or not)."""
+    parsed = parse_group_name(group)
+    if parsed is None:
+        return False
+    ref = RecordRef(epoch=parsed.epoch, node=parsed.node, save_id=save_id)
+    return store.location.exists(record_path(store.location, ref))
 
 
 @dataclass(frozen=True)
@@ -181,8 +202,12 @@ class Leftover:
     path: str  # relative to the prefix (a partial save: its groups, comma-separated)
     age: float  # seconds since the save started (inf if the filesystem does not say)
     save_id: str | None = None
-    records: tuple[RecordRef, ...] = ()  # the records of a partial save
+    records: tuple[CommitRecord, ...] = ()  # the records of a partial save
     live: bool = False  # a save of a run no newer run has overtaken: never removed
+
+    @property
+    def refs(self) -> tuple[RecordRef, ...]:
+        return tuple(r.ref for r in self.records)
 
 
 def _age(store: CheckpointStore, path: str, now: float) -> float:
@@ -265,8 +290,7 @@ def _partial_leftovers(found: PrefixScan, now: float, keep: set[str],
         if (wanted and not set(part.have) <= wanted) or part.save_id in keep:
             continue
         yield Leftover("partial save", ", ".join(part.records[n].group for n in part.have),
-                       now - part.started, part.save_id,
-                       tuple(r.ref for r in part.records.values()))
+                       now - part.started, part.save_id, tuple(part.records.values()))
 
 
 def _temporary_leftovers(store: CheckpointStore, now: float) -> Iterator[Leftover]:
@@ -326,13 +350,17 @@ def _recorded(store: CheckpointStore, group: str, save_id: str) -> bool:
         return True  # unreadable: it may name this group; left for a person to inspect
 
 
-def _remove_leftover(store: CheckpointStore, item: Leftover) -> bool:
+def _remove_leftover(store: CheckpointStore, item: Leftover,
+                     references: References | None) -> bool:
     location = store.location
     if item.kind == "partial save":
-        for ref in item.records:
+        for ref in item.refs:
             delete_record(location, ref)
-        for group in item.path.split(", "):
-            _remove_group(store, group, item.save_id)  # type: ignore[arg-type]
+        # its groups, and those it built on, each unless a record that stays needs it
+        groups = dict.fromkeys(item.path.split(", "), item.save_id)
+        for record in item.records:
+            groups.update(record.closure)
+        _remove_unneeded(store, groups, item.records, references, None)
         return True
     if item.kind == "uncommitted save":
         if _recorded(store, item.path, item.save_id):  # type: ignore[arg-type]
@@ -346,10 +374,12 @@ def _remove_leftover(store: CheckpointStore, item: Leftover) -> bool:
 
 
 def remove_leftovers(store: CheckpointStore, leftovers: Sequence[Leftover], *,
-                     fence: int) -> list[Leftover]:
+                     fence: int, references: References | None = None) -> list[Leftover]:
     """Remove what :func:`find_leftovers` found, each after checking the fence (no run newer
     than ``fence`` claimed the prefix) and, for a save's group, that it still is the save's and
-    that no record of it appeared meanwhile. Returns the leftovers removed.
+    that no record of it appeared meanwhile; a partial save's groups only once no readable
+    record needs them (``references`` as :func:`remove_saves` takes them). Returns the
+    leftovers removed.
 
     Raises:
         CheckpointFencedError: a run started; the leftovers not removed yet stay.
@@ -357,7 +387,7 @@ def remove_leftovers(store: CheckpointStore, leftovers: Sequence[Leftover], *,
     removed = []
     for item in leftovers:
         runs.check_fence(store.location, fence, f"remove leftover {item.path}")
-        if _remove_leftover(store, item):
+        if _remove_leftover(store, item, references):
             removed.append(item)
             logger.info("removed %s %s under %s", item.kind, item.path,
                         store.location.display())

@@ -301,7 +301,7 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
             tracker = self._trackers[node] = DeltaTracker(node, self.options)
         for blob, rows in (hints or {}).items():
             tracker.mark_changed(blob, rows)
-        return tracker.plan(base, blobs)
+        return tracker.plan(base, blobs, self._store.has_record)
 
     def _check_hints(self, step: int, blobs: dict[str, dict[str, np.ndarray]],
                      changed_rows: ChangedRows | None) -> None:

@@ -95,7 +95,7 @@ class _Reader:
         paths = set()
         for name in blobs:
             info = manifest.stored_blobs.get(name)
-            logical = target.inherited[name][1]
+            logical = target.inherited[name].info
             if info is None or (info.dtype, info.shape, info.order) != (
                     logical.dtype, logical.shape, logical.order):
                 raise self.damage(name, group.group, "that group does not hold the blob as "

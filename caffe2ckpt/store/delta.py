@@ -27,6 +27,7 @@ a failed save leaves it at the last save it wrote, and hints taken for it are gi
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +38,7 @@ from caffe2ckpt.errors import InvalidBlobError
 from caffe2ckpt.policy import StepManagerOptions
 from caffe2ckpt.store.chains import ChainGroup, DeltaRecord
 from caffe2ckpt.store.layout import parse_group_name
-from caffe2ckpt.store.manifest import PACKED_ARRAY, BlobInfo, Manifest
+from caffe2ckpt.store.manifest import PACKED_ARRAY, BlobInfo, Inherited, Manifest
 from caffe2ckpt.store.records import CommitRecord, RecordRef
 from caffe2ckpt.store.zarrgroup import GROUP_FILE, DeltaLayout, stored_form
 
@@ -98,6 +99,11 @@ class _Saved:
     links: dict[str, list[_Link]]  # blob -> the groups that rebuild it, whole source first
     overlay_bytes: dict[str, int]  # blob -> bytes of the overlays in its chain
 
+    def ref(self, node: str) -> RecordRef:
+        """The record of this save for ``node``."""
+        return RecordRef(epoch=parse_group_name(self.group).epoch,  # type: ignore[union-attr]
+                         node=node, save_id=self.save_id)
+
 
 @dataclass
 class DeltaWrite:
@@ -154,9 +160,12 @@ class DeltaTracker:
         with self._lock:
             self._hints.setdefault(blob, []).append(ids.astype(np.int64, copy=True))
 
-    def plan(self, base: str | None, blobs: dict[str, np.ndarray]) -> DeltaWrite:
+    def plan(self, base: str | None, blobs: dict[str, np.ndarray],
+             stands: Callable[[RecordRef], bool]) -> DeltaWrite:
         """What a save of ``blobs`` writes if it builds on the save ``base`` (its save id;
-        None: a new run's first save, written whole)."""
+        None: a new run's first save, written whole). ``stands(ref)`` says whether the record
+        ``ref`` of the base is still there (someone may have deleted or damaged it): if not,
+        everything is written whole."""
         with self._lock:
             hints = {b: np.unique(np.concatenate(r)) for b, r in self._hints.items()}
             self._hints = {}
@@ -164,7 +173,8 @@ class DeltaTracker:
         infos = {name: _info(arr) for name, arr in blobs.items()}
         saved = self._saved
         if (saved is None or base is None or saved.save_id != base
-                or saved.depth >= self.options.max_delta_chain):
+                or saved.depth >= self.options.max_delta_chain
+                or not stands(saved.ref(self.node))):
             return DeltaWrite(dict(blobs), infos, digests, hints=hints)
         try:
             return _Planner(self, saved, blobs, DeltaWrite({}, infos, digests,
@@ -234,7 +244,7 @@ class _Planner:
                  out: DeltaWrite) -> None:
         self.tracker, self.saved, self.blobs, self.out = tracker, saved, blobs, out
         self.options = tracker.options
-        self.inherited: dict[str, tuple[str, BlobInfo]] = {}
+        self.inherited: dict[str, Inherited] = {}
         self.overlays: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
     def plan(self) -> DeltaWrite:
@@ -243,14 +253,15 @@ class _Planner:
             if kind == "whole":
                 self.out.whole[name] = arr
                 continue
-            self.inherited[name] = (kind, BlobInfo(name, *self.out.infos[name]))
-            self.out.links[name] = self.saved.links[name]
+            links = self.saved.links[name]
+            self.inherited[name] = Inherited(kind, BlobInfo(name, *self.out.infos[name]),
+                                             tuple(link.group for link in links))
+            self.out.links[name] = links
         if self.inherited:
             group = self.saved.group
             self.out.layout = DeltaLayout(self.inherited, self.overlays, group)
             self.out.depth = self.saved.depth + 1
-            self.out.base = RecordRef(epoch=parse_group_name(group).epoch,  # type: ignore[union-attr]
-                                      node=self.tracker.node, save_id=self.saved.save_id)
+            self.out.base = self.saved.ref(self.tracker.node)
         return self.out
 
     def _kind(self, name: str, arr: np.ndarray) -> str:

@@ -122,7 +122,8 @@ def _read(location: Location, path: str, manifest: Manifest, crcs: dict[str, tup
           wanted: list[BlobInfo], metadata: dict[str, str] | None
           ) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """Read ``wanted`` into new arrays: by array path, and the packed array's bytes."""
-    where = f"checkpoint {location.display(path)!r} (node {manifest.node!r}, epoch {manifest.epoch})"
+    where = (f"checkpoint {location.display(path)!r} (node {manifest.node!r}, epoch "
+             f"{manifest.epoch})")
     with_packed = bool(manifest.packed_nbytes) and any(info.path is None for info in wanted)
     files = _Files(path, manifest, [info for info in wanted if info.path is not None],
                    with_packed, crcs)

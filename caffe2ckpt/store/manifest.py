@@ -42,7 +42,7 @@ import numpy as np
 from caffe2ckpt.fs.localio import DIRECT_ALIGN
 
 __all__ = ["CHUNK_BYTES", "FORMAT_VERSION", "MAX_BLOB_BYTES", "PACKED_ARRAY", "BlobInfo",
-           "BlobManifestError", "Manifest", "chunk_key", "chunk_keys", "chunk_rows", "itemsize",
+           "BlobManifestError", "Inherited", "Manifest", "chunk_key", "chunk_keys", "chunk_rows", "itemsize",
            "stored_spec"]
 
 FORMAT_VERSION = 3
@@ -94,6 +94,18 @@ class BlobInfo(NamedTuple):
         return itemsize(self.dtype) * math.prod(self.shape)
 
 
+class Inherited(NamedTuple):
+    """A blob a differential save does not store whole: ``kind`` "same" (nothing of it here)
+    or "rows" (a row overlay here), its logical ``info`` (dtype, shape, order) and the
+    ``chain`` of groups that rebuild it as of the save it builds on (the group holding it whole,
+    then those with overlays, oldest first): what a plain-zarr reader follows. The commit
+    record holds the same chain with the digests that vouch for it."""
+
+    kind: str
+    info: BlobInfo
+    chain: tuple[str, ...]
+
+
 @dataclass(frozen=True, kw_only=True)
 class Manifest:
     """What a node's group holds: ``arrays`` (own Zarr arrays) and ``packed`` blobs."""
@@ -112,7 +124,7 @@ class Manifest:
     # format 4 (a differential save): blobs not stored whole here, by name: their kind ("same":
     # nothing here; "rows": a row overlay here), their logical dtype, shape and order; the
     # overlays' arrays (row ids, values); and the group of the save this one builds on
-    inherited: dict[str, tuple[str, BlobInfo]] = field(default_factory=dict)
+    inherited: dict[str, Inherited] = field(default_factory=dict)
     overlays: dict[str, tuple[BlobInfo, BlobInfo]] = field(default_factory=dict)
     base: str = ""
 
@@ -138,7 +150,7 @@ class Manifest:
         shape."""
         if not self.inherited:
             return self.stored_blobs
-        return {**self.stored_blobs, **{n: info for n, (_, info) in self.inherited.items()}}
+        return {**self.stored_blobs, **{n: i.info for n, i in self.inherited.items()}}
 
     @functools.cached_property
     def nbytes(self) -> int:
@@ -147,12 +159,12 @@ class Manifest:
         if packed is None:
             packed = sum(b.nbytes for b in self.packed)
         return (sum(b.nbytes for b in self.arrays.values()) + packed
-                + sum(info.nbytes for _, info in self.inherited.values()))
+                + sum(i.info.nbytes for i in self.inherited.values()))
 
     @property
     def stored_nbytes(self) -> int:
         """The bytes of data this group holds: its whole blobs and its overlays."""
-        return (self.nbytes - sum(info.nbytes for _, info in self.inherited.values())
+        return (self.nbytes - sum(i.info.nbytes for i in self.inherited.values())
                 + sum(info.nbytes for info in self.overlay_arrays()))
 
     def overlay_arrays(self) -> list[BlobInfo]:
@@ -189,8 +201,9 @@ class Manifest:
             return {"path": info.path, "dtype": info.dtype, "shape": list(info.shape),
                     "order": info.order, "chunk_rows": info.chunk_rows}
         return {"base": self.base,
-                "blobs": {n: {"kind": kind, "dtype": i.dtype, "shape": list(i.shape),
-                              "order": i.order} for n, (kind, i) in self.inherited.items()},
+                "blobs": {n: {"kind": b.kind, "dtype": b.info.dtype, "shape": list(b.info.shape),
+                              "order": b.info.order, "chain": list(b.chain)}
+                          for n, b in self.inherited.items()},
                 "overlays": {n: {"rows": entry(r), "values": entry(v)}
                              for n, (r, v) in self.overlays.items()}}
 
@@ -283,12 +296,12 @@ class Manifest:
         return files
 
 
+_MAX_CHAIN = 65  # groups in a chain (caffe2ckpt.store.chains.MAX_GROUPS)
 _OVERLAY = re.compile(r"_(rows|values)\.[A-Za-z0-9_.%~-]{1,200}")
 
 
 def _delta_section(data: dict[str, Any], stored: set[str], paths: set[str]
-                   ) -> tuple[dict[str, tuple[str, BlobInfo]],
-                              dict[str, tuple[BlobInfo, BlobInfo]], str]:
+                   ) -> tuple[dict[str, Inherited], dict[str, tuple[BlobInfo, BlobInfo]], str]:
     """A format-4 manifest's ``delta`` section: inherited blobs (logical info and kind), their
     overlays' arrays (row ids: 1-d int32 or int64; values: the blob's dtype, its row shape),
     and the base group's name (for people and plain-zarr readers; records decide)."""
@@ -299,22 +312,25 @@ def _delta_section(data: dict[str, Any], stored: set[str], paths: set[str]
             raise ValueError(f"blob {name!r:.80}: bad delta entry")
         info = BlobInfo(name, entry["dtype"], _shape(entry["shape"], entry["dtype"], name),
                         entry["order"])
-        if info.order not in ("C", "F"):
-            raise ValueError(f"blob {name!r:.80}: bad order")
-        inherited[name] = (kind, info)
+        chain = entry["chain"]
+        if (info.order not in ("C", "F") or not isinstance(chain, list)
+                or not 0 < len(chain) <= _MAX_CHAIN
+                or not all(isinstance(g, str) and len(g) <= 400 for g in chain)):
+            raise ValueError(f"blob {name!r:.80}: bad delta entry")
+        inherited[name] = Inherited(kind, info, tuple(chain))
     overlays = {}
     for name, entry in data["overlays"].items():
-        if inherited.get(name, ("",))[0] != "rows":
+        if name not in inherited or inherited[name].kind != "rows":
             raise ValueError(f"blob {name!r:.80}: an overlay of a blob that has none")
         rows = _overlay_info(name, entry["rows"], "rows", paths)
         values = _overlay_info(name, entry["values"], "values", paths)
-        logical = inherited[name][1]
+        logical = inherited[name].info
         if (rows.dtype not in ("<i4", "<i8") or len(rows.shape) != 1
                 or values.dtype != logical.dtype or values.shape[0] != rows.shape[0]
                 or values.shape[1:] != logical.shape[1:]):
             raise ValueError(f"blob {name!r:.80}: its overlay does not fit the blob")
         overlays[name] = (rows, values)
-    if len(overlays) != sum(kind == "rows" for kind, _ in inherited.values()):
+    if len(overlays) != sum(i.kind == "rows" for i in inherited.values()):
         raise ValueError("a blob of kind 'rows' has no overlay")
     base = data["base"]
     if not isinstance(base, str) or len(base) > 400:

@@ -155,7 +155,7 @@ class CheckpointStore:
         record = CommitRecord(
             epoch=epoch, node=node, save_id=info.save_id, nodes=list(info.nodes),
             nbytes=plan.manifest.nbytes,
-            blob_count=len(plan.manifest.arrays) + len(plan.manifest.packed),
+            blob_count=len(plan.manifest.blobs),
             seconds=time.perf_counter() - start, stop=info.stop,
             stop_conditions=list(info.stop_conditions), metrics=dict(info.metrics or {}),
             metadata=plan.digests(), writer=dict(info.writer or {}), parent=info.parent,
@@ -243,6 +243,15 @@ class CheckpointStore:
     def read_record(self, ref: RecordRef) -> CommitRecord:
         return read_record(self.location, ref)
 
+    def has_record(self, ref: RecordRef) -> bool:
+        """Whether the record ``ref`` is there and readable (False also when it cannot be
+        read now)."""
+        try:
+            read_record(self.location, ref)
+        except (CheckpointError, OSError):
+            return False
+        return True
+
     def read_or_reason(self, ref: RecordRef) -> CommitRecord | str:
         """The record ``ref`` names, or why it is not a valid record (I/O errors propagate)."""
         try:
@@ -314,8 +323,10 @@ class CheckpointStore:
                 f"checkpoint {self.where(record)!r} (node {node!r}, epoch {epoch}): its "
                 "manifest lists other arrays than its commit record", node=node, epoch=epoch,
                 blob=GROUP_FILE)
-        chained = set(record.delta.chains) if record.delta is not None else set()
-        if chained != set(manifest.inherited):
+        delta = record.delta
+        chains = {} if delta is None else {name: tuple(delta.groups[i].group for i in chain)
+                                           for name, chain in delta.chains.items()}
+        if chains != {name: i.chain for name, i in manifest.inherited.items()}:
             raise CheckpointCorruptedError(
                 f"checkpoint {self.where(record)!r} (node {node!r}, epoch {epoch}): its "
                 "manifest and its commit record disagree on which blobs come from other saves",

@@ -35,6 +35,8 @@ import bisect
 import functools
 import hashlib
 import json
+import threading
+from collections.abc import Callable, Iterator, MutableMapping
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -57,13 +59,16 @@ from caffe2ckpt.store.manifest import (
     PACKED_ARRAY,
     BlobInfo,
     BlobManifestError,
+    Inherited,
     Manifest,
     chunk_keys,
     chunk_rows,
+    stored_spec,
 )
 
 __all__ = ["ATTRS_KEY", "CRC_BYTES", "DEFAULT_PACK_THRESHOLD", "GROUP_FILE", "DeltaLayout",
-           "GroupPlan", "parse_manifest", "plan_group", "stored_form", "write_arrays"]
+           "GroupPlan", "epoch_store", "parse_manifest", "plan_group", "stored_form",
+           "write_arrays"]
 
 ATTRS_KEY = "caffe2ckpt"
 GROUP_FILE = "zarr.json"
@@ -136,7 +141,7 @@ def _chunks(shape: tuple[int, ...], rows: int, row_bytes: int,
 class _ArrayPlan(NamedTuple):
     path: str  # relative to the group
     shape: tuple[int, ...]  # of the stored array
-    data: np.ndarray | _Packed  # (rows, bytes per row) uint8 view of the stored array
+    data: np.ndarray | _Packed | None  # (rows, bytes per row) uint8 view of the stored array
     rows: int  # per chunk
     metadata: bytes  # its zarr.json
 
@@ -158,6 +163,16 @@ class GroupPlan:
         return out
 
 
+def _deferred_plan(info: BlobInfo) -> tuple[BlobInfo, _ArrayPlan]:
+    """A blob's own array planned from its dtype and shape alone (no data yet)."""
+    dtype, shape = stored_spec(info)
+    rows = chunk_rows(shape, dtype.itemsize)
+    info = BlobInfo(info.name, info.dtype, info.shape, info.order, path=blob_path(info.name),
+                    chunk_rows=rows)
+    metadata = _array_metadata(dtype, shape, (rows, *shape[1:]))
+    return info, _ArrayPlan(info.path, shape, None, rows, metadata)  # type: ignore[arg-type]
+
+
 def _array_plan(path: str, data: np.ndarray, rows: int) -> _ArrayPlan:
     metadata = _array_metadata(data.dtype, data.shape, (rows, *data.shape[1:]))
     return _ArrayPlan(path, data.shape, data.reshape(data.shape[0], -1).view(np.uint8), rows,
@@ -170,7 +185,7 @@ class DeltaLayout:
     store whole (kind and logical info), the row overlays it stores (row ids, then values, by
     blob; values in the blob's own dtype), and the group of the save it builds on."""
 
-    inherited: dict[str, tuple[str, BlobInfo]]
+    inherited: dict[str, Inherited]
     overlays: dict[str, tuple[np.ndarray, np.ndarray]]
     base: str
 
@@ -191,11 +206,14 @@ def _overlay_plans(overlays: dict[str, tuple[np.ndarray, np.ndarray]]
     return infos, plans
 
 
-def plan_group(*, node: str, epoch: int, save_id: str, blobs: dict[str, np.ndarray],
+def plan_group(*, node: str, epoch: int, save_id: str,
+               blobs: dict[str, np.ndarray | BlobInfo],
                pack_threshold: int = DEFAULT_PACK_THRESHOLD,
                delta: DeltaLayout | None = None) -> GroupPlan:
     """How ``blobs`` are written as a group: nothing is copied but the packed small blobs.
-    With ``delta``, the group of a differential save (manifest format 4).
+    With ``delta``, the group of a differential save (manifest format 4). A blob given as a
+    :class:`BlobInfo` (dtype, shape, order; at least ``pack_threshold`` bytes) is planned as an
+    array of its own without its data (``data`` None: :func:`epoch_store` fills it later).
 
     Raises:
         InvalidBlobError: the manifest would be larger than readers accept.
@@ -208,6 +226,10 @@ def plan_group(*, node: str, epoch: int, save_id: str, blobs: dict[str, np.ndarr
     packed_bytes = 0
     dtypes: dict[np.dtype, str] = {}  # dtype.str makes a new string on every call
     for name, arr in blobs.items():  # per blob: this loop is most of a save of 10,000 tiny ones
+        if isinstance(arr, BlobInfo):
+            arrays[name], plan = _deferred_plan(arr)
+            plans.append(plan)
+            continue
         nbytes, flags = arr.nbytes, arr.flags
         order = "C" if flags.c_contiguous or not flags.f_contiguous else "F"
         dtype = dtypes.get(arr.dtype) or dtypes.setdefault(arr.dtype, arr.dtype.str)
@@ -349,6 +371,90 @@ _OWN_WRITE_BYTES = 16 * 1024
 def _as_bytes(part: Any) -> Any:
     """A part of :class:`_Packed` (an array, or zeros) as one byte per item, to slice."""
     return part.reshape(-1).view(np.uint8) if isinstance(part, np.ndarray) else part
+
+
+def write_group(location: Location, root: str, plan: GroupPlan) -> dict[str, tuple[int, ...]]:
+    """Write the group ``plan`` describes at ``root`` (which must not exist: its ``zarr.json``
+    is created exclusively first), durably; return every chunk's CRC32C by array path."""
+    batch = location.sync_batch()
+    try:
+        location.create_group(root, GROUP_FILE, plan.group_json, batch=batch)
+        crcs = write_arrays(location, root, plan, batch)
+        location.make_durable(batch, [], _pool())
+    except BaseException:
+        if batch is not None:
+            batch.close()
+        raise
+    return crcs
+
+
+def epoch_store(plan: GroupPlan, load: Callable[[str], np.ndarray]) -> zarr.abc.store.Store:
+    """A read-only Zarr store holding the group ``plan`` describes (blobs planned without their
+    data are read with ``load(name)`` when one of their keys is first asked for)."""
+    from zarr.core.buffer import default_buffer_prototype
+
+    return zarr.storage.MemoryStore(_LazyGroup(plan, load, default_buffer_prototype().buffer),
+                                    read_only=True)
+
+
+class _LazyGroup(MutableMapping[str, Any]):
+    """A group's files by key, as Zarr buffers; an array planned without data is read whole
+    (``load``) and cut into its chunk files the first time one of its keys is looked up."""
+
+    def __init__(self, plan: GroupPlan, load: Callable[[str], np.ndarray], buffer: Any) -> None:
+        self._buffer, self._load, self._lock = buffer, load, threading.Lock()
+        self._files: dict[str, Any] = {GROUP_FILE: buffer.from_bytes(plan.group_json)}
+        self._pending: dict[str, tuple[str, _ArrayPlan]] = {}  # chunk key -> (blob, array)
+        names = {info.path: name for name, info in plan.manifest.arrays.items()}
+        for array in plan.arrays:
+            self._files[f"{array.path}/{GROUP_FILE}"] = buffer.from_bytes(array.metadata)
+            row_bytes = 1 if array.data is None else array.data.shape[1]  # keys only: any
+            for key, rows, padding in _chunks(array.shape, array.rows, row_bytes, padded=True):
+                if array.data is None:
+                    self._pending[f"{array.path}/{key}"] = (names[array.path], array)
+                else:
+                    self._files[f"{array.path}/{key}"] = buffer.from_bytes(
+                        _chunk_bytes(array.data, rows, padding))
+
+    def _fill(self, key: str) -> None:
+        with self._lock:
+            if key not in self._pending:
+                return
+            name, array = self._pending[key]
+            data = stored_form(self._load(name))
+            flat = data.reshape(data.shape[0], -1).view(np.uint8)
+            for chunk, rows, padding in _chunks(array.shape, array.rows, flat.shape[1],
+                                                padded=True):
+                path = f"{array.path}/{chunk}"
+                self._files[path] = self._buffer.from_bytes(_chunk_bytes(flat, rows, padding))
+                self._pending.pop(path, None)
+
+    def __getitem__(self, key: str) -> Any:
+        self._fill(key)
+        return self._files[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._files or key in self._pending
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([*self._files, *self._pending])
+
+    def __len__(self) -> int:
+        return len(self._files) + len(self._pending)
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        raise TypeError("this store is read-only")
+
+    def __delitem__(self, key: str) -> None:
+        raise TypeError("this store is read-only")
+
+
+def _chunk_bytes(data: np.ndarray | _Packed, rows: slice, padding: int) -> bytes:
+    """One chunk file's bytes: the rows, ``padding`` zeros, then their CRC32C."""
+    chunk = data[rows]
+    raw = (np.ascontiguousarray(chunk).tobytes() if isinstance(chunk, np.ndarray)
+           else b"".join(bytes(part) for part in chunk)) + bytes(padding)
+    return raw + google_crc32c.value(raw).to_bytes(CRC_BYTES, "little")
 
 
 def parse_manifest(raw: bytes, where: str, *, node: str, epoch: int) -> Manifest:

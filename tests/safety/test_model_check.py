@@ -181,7 +181,10 @@ from caffe2ckpt import (
     epoch_limiter,
 )
 from caffe2ckpt.cli import main as cli_main
+from caffe2ckpt.fs.location import Location
+from caffe2ckpt.history.scan import scan
 from caffe2ckpt.metadata import ZarrMetadataHandler
+from caffe2ckpt.store.protocol import CheckpointStore
 from tests.s3server import KINDS
 
 SEEDS = int(os.environ.get("CAFFE2CKPT_MODEL_CHECK_SEEDS", "36"))
@@ -190,6 +193,7 @@ FIRST_SEED = int(os.environ.get("CAFFE2CKPT_MODEL_CHECK_FIRST_SEED", "0"))
 OPS = int(os.environ.get("CAFFE2CKPT_MODEL_CHECK_OPS", "30"))
 S3_SEEDS = int(os.environ.get("CAFFE2CKPT_MODEL_CHECK_S3_SEEDS", "1"))
 S3_OPS = int(os.environ.get("CAFFE2CKPT_MODEL_CHECK_S3_OPS", "15"))
+DELTA_SEEDS = int(os.environ.get("CAFFE2CKPT_MODEL_CHECK_DELTA_SEEDS", "16"))
 
 FAMILIES: dict[str, tuple[str, ...]] = {"A": ("trainer_0", "trainer_1"), "B": ("solo_0",)}
 COUNT = "epoch_limiter.0/epochs_done"  # epoch_limiter's checkpointed count (on the first node)
@@ -210,9 +214,32 @@ class Boom(RuntimeError):
 # blob derives from the trace, so "bit-exact" is a comparison with blobs_for(family, trace).
 
 
+CHANGED = BIG // 100  # rows of the big blob each epoch changes (differential saves see them)
+
+
 def _w(index: int, trace: np.ndarray) -> np.ndarray:
-    rng = np.random.default_rng(zlib.crc32(trace.tobytes()) * 4 + index)
-    return rng.standard_normal(BIG if index == 0 else 5).astype(np.float32)
+    return _w_of(index, tuple(trace.tolist())).copy()
+
+
+@lru_cache(maxsize=8192)
+def _w_of(index: int, trace: tuple[int, ...]) -> np.ndarray:
+    """The blob ``w`` after ``trace``: drawn whole at its first epoch; each later epoch of the
+    trace redraws :data:`CHANGED` of its rows (a few of the small node's)."""
+    rng = np.random.default_rng(zlib.crc32(np.asarray(trace, np.int64).tobytes()) * 4 + index)
+    size = BIG if index == 0 else 5
+    if len(trace) == 1:
+        return rng.standard_normal(size).astype(np.float32)
+    out = _w_of(index, trace[:-1]).copy()
+    rows = changed_rows(index, trace)
+    out[rows] = rng.standard_normal(rows.size).astype(np.float32)
+    return out
+
+
+def changed_rows(index: int, trace: tuple[int, ...]) -> np.ndarray:
+    """The rows of ``w`` the last epoch of ``trace`` redrew (what a task's hint says)."""
+    rng = np.random.default_rng(zlib.crc32(np.asarray(trace, np.int64).tobytes()) + 7)
+    size = BIG if index == 0 else 5
+    return np.sort(rng.choice(size, CHANGED if index == 0 else 2, replace=False))
 
 
 @lru_cache(maxsize=4096)
@@ -283,6 +310,9 @@ class MSave:
     damaged_node: str | None = None  # whose record was damaged/deleted, or whose group is left
     verified: bool = False  # read once through plain zarr
     chunk: tuple[str, str] | None = None  # (node, blob) of a flipped chunk byte: never loads
+    # with differential saves: every (node, blob) a restore may name, the save's own flipped
+    # chunk or one in a group its chains read (Harness.refresh_damage)
+    damage: set[tuple[str, str]] = field(default_factory=set)
 
     @property
     def key(self) -> tuple[int, int]:
@@ -486,7 +516,7 @@ def _init(index: int, token: int, ws) -> None:
 
 
 def _epoch(index: int, node: str, token: int, crash_at: int | None, seen: dict,
-           hooks: dict[int, Any], ws) -> None:
+           hooks: dict[int, Any], hints: bool, ws) -> None:
     trace = np.asarray(ws["trace"])
     if node not in seen:  # what this run loaded (or initialised)
         seen[node] = {name: np.array(ws[name]) for name in ws if name in ("trace", "w", COUNT)}
@@ -497,17 +527,20 @@ def _epoch(index: int, node: str, token: int, crash_at: int | None, seen: dict,
     trace = np.append(trace, np.int64(token))
     ws["trace"] = trace
     ws["w"] = _w(index, trace)
+    if hints:  # what a differential save with delta_detection="hints" is told
+        ws.mark_changed("w", changed_rows(index, tuple(trace.tolist())))
 
 
 def build_job(fam: str, limit: int, token: int, crash_at: int | None, seen: dict,
-              hooks: dict[int, Any] | None = None, exits: list | None = None) -> Job:
+              hooks: dict[int, Any] | None = None, exits: list | None = None,
+              hints: bool = False) -> Job:
     nodes = FAMILIES[fam]
     with Job(name=f"model-check-{fam}") as job:
         for index, node in enumerate(nodes):
             with Node(node):
                 with job.init_group:
                     Task(partial(_init, index, token), name="init")
-                Task(partial(_epoch, index, node, token, crash_at, seen, hooks or {}),
+                Task(partial(_epoch, index, node, token, crash_at, seen, hooks or {}, hints),
                      name="epoch")
                 if exits is not None:
                     with job.exit_group:
@@ -543,15 +576,39 @@ def gen_of(save_id: str) -> int:
 
 
 def read_plain_zarr(path: str) -> dict[str, np.ndarray]:
-    """A node group read with plain zarr, as the README's "Storage format" section shows."""
+    """A node group read with plain zarr, as the README's "Storage format" section shows: the
+    blobs stored whole in it, and (a differential save) each other blob rebuilt from the chain
+    its manifest names: read whole from the chain's first group, then each group's row
+    overlay (``values`` at ``rows``), the group's own last."""
     group = zarr.open_group(path, mode="r")
     manifest = group.attrs["caffe2ckpt"]
+    out = _plain_whole(group, manifest, None)
+    root = path.rstrip("/").rpartition("/")[0]
+    for name, entry in (manifest.get("delta") or {}).get("blobs", {}).items():
+        chain = entry["chain"]
+        first = zarr.open_group(f"{root}/{chain[0]}", mode="r")
+        arr = np.array(_plain_whole(first, first.attrs["caffe2ckpt"], name)[name])
+        for source in [*chain[1:], path.rstrip("/").rpartition("/")[2]]:
+            at = zarr.open_group(f"{root}/{source}", mode="r")
+            overlay = at.attrs["caffe2ckpt"]["delta"]["overlays"].get(name)
+            if overlay is None:  # the save's own group, for a blob of kind "same"
+                continue
+            arr[np.asarray(at[overlay["rows"]["path"]][...])] = np.asarray(
+                at[overlay["values"]["path"]][...])
+        out[name] = arr
+    return out
+
+
+def _plain_whole(group: Any, manifest: dict[str, Any], only: str | None) -> dict[str, np.ndarray]:
+    """The blobs stored whole in ``group`` (only ``only``, if given), through plain zarr."""
     out = {name: np.asarray(group[info["path"]][...])
-           for name, info in manifest.get("arrays", {}).items()}
+           for name, info in manifest.get("arrays", {}).items() if only in (None, name)}
     packed = manifest.get("packed") or {}
-    if packed.get("names"):
+    if packed.get("names") and (only is None or only in packed["names"]):
         data = np.asarray(group["_packed"][...])
         for i, name in enumerate(packed["names"]):
+            if only not in (None, name):
+                continue
             dtype, shape = np.dtype(packed["dtypes"][i]), tuple(packed["shapes"][i])
             start = packed["offsets"][i]
             raw = data[start:start + dtype.itemsize * math.prod(shape)]
@@ -581,9 +638,12 @@ class StepsState:
 class Harness:
     """Applies operations to a prefix and to the model, and checks them against each other."""
 
-    def __init__(self, seed: int, url: str) -> None:
+    def __init__(self, seed: int, url: str, deltas: dict[str, Any] | None = None) -> None:
         self.seed = seed
         self.url = url
+        # differential saves for every writer (StepManagerOptions fields), or None
+        self.deltas = deltas
+        self.damaged: dict[str, set[str]] = {}  # group -> arrays with a flipped chunk byte
         self.model = Model()
         self.ops: list[dict[str, Any]] = []
         self.rng = random.Random(seed)
@@ -623,6 +683,8 @@ class Harness:
         if not isinstance(got, CheckpointCorruptedError):
             self.fail(f"{what}: a save with a flipped chunk byte (node {node}, blob {blob})",
                       "CheckpointCorruptedError", got)
+        if (got.node, got.blob) in save.damage:  # damage its chains read: any of them first
+            return
         self.expect(f"{what}: the error names node, epoch and blob", (node, save.epoch, blob),
                     (got.node, got.epoch, got.blob))
 
@@ -632,6 +694,7 @@ class Harness:
         self.ops.append(op)
         token = len(self.ops) * 100  # unique per operation: the data it writes names it
         try:
+            self.refresh_damage()
             getattr(self, f"_op_{op['op']}")(op, token)
             self.check()
         except ModelCheckFailure:
@@ -650,10 +713,10 @@ class Harness:
     def _options(self, op: dict[str, Any], **extra: Any) -> StepManagerOptions | None:
         keep_last, keep_every = op.get("keep_last"), op.get("keep_every")
         every = op.get("save_every")
-        if not (keep_last or keep_every or every or extra):
+        if not (keep_last or keep_every or every or extra or self.deltas):
             return None
         return StepManagerOptions(max_to_keep=keep_last, keep_period=keep_every,
-                                  save_interval_steps=every, **extra)
+                                  save_interval_steps=every, **extra, **(self.deltas or {}))
 
     def _op_run(self, op: dict[str, Any], token: int) -> None:
         model, fam = self.model, op["fam"]
@@ -673,7 +736,8 @@ class Harness:
         gc_run: dict[str, Any] = {}
         if beside is not None:
             hooks[beside["at"]] = partial(self._gc_beside, beside, gc_run)
-        job = build_job(fam, op["limit"], token, crash, seen, hooks, exits)
+        hints = bool(self.deltas) and self.deltas.get("delta_detection") == "hints"
+        job = build_job(fam, op["limit"], token, crash, seen, hooks, exits, hints)
         if op.get("reuse"):  # a manager kept across runs, as Caffe2's tests (and retries) do
             key = (fam, op["async"], op["mode"] != "fresh")
             if op["reuse"] == "new" or key not in self.managers:
@@ -933,7 +997,7 @@ class Harness:
             op["acts"] = acts
         asynchronous = op["async"]
         options = self._options(op, enable_async_checkpointing=asynchronous) if (
-            asynchronous or op.get("keep_last") or op.get("keep_every")) else None
+            asynchronous or op.get("keep_last") or op.get("keep_every") or self.deltas) else None
         mgr = StepCheckpointManager(self.url, nodes=list(FAMILIES[fam]), options=options,
                                     handle_preemption=False)
         st = StepsState(fam, op.get("keep_last"), op.get("keep_every"))
@@ -1116,7 +1180,59 @@ class Harness:
         data = bytearray(fs.cat_file(path))
         data[(op["pick"] // len(chunks)) % len(data)] ^= 0xFF
         fs.pipe_file(path, bytes(data))
-        save.chunk = (op["node"], path[len(group) + 1:].split("/")[0])
+        array = path[len(group) + 1:].split("/")[0]
+        save.chunk = (op["node"], array)
+        self.damaged.setdefault(group.rpartition("/")[2], set()).add(array)
+        self.refresh_damage()
+
+    def refresh_damage(self) -> None:
+        """With differential saves, a flipped chunk byte damages every kept save whose chains
+        read that array (its own group's, or an older group's its manifests name: the one
+        holding a blob whole, or an overlay of it): such a save never loads, and its restore
+        names the node and the blob (``_packed`` for a packed source). Runs on before every
+        operation and check: a live run may build new saves on a damaged group."""
+        if not self.deltas or not self.damaged:
+            return
+        fs, root = fsspec.core.url_to_fs(self.url)
+        root = root.rstrip("/")
+        groups: dict[str, dict[str, Any]] = {}
+        for path in fs.ls(root, detail=False):
+            name = path.rstrip("/").rpartition("/")[2]
+            try:
+                attrs = json.loads(fs.cat_file(f"{root}/{name}/zarr.json"))["attributes"]
+                groups[name] = attrs["caffe2ckpt"]
+            except (OSError, ValueError, KeyError):
+                continue  # not a group, or a tombstone
+        by_save: dict[tuple[int, int], dict[str, str]] = {}
+        for name, manifest in groups.items():
+            key = (manifest["epoch"], gen_of(manifest["save_id"]))
+            by_save.setdefault(key, {})[manifest["node"]] = name
+        for save in self.model.saves.values():
+            if save.state not in ("committed", "damaged"):
+                continue
+            save.damage = set()
+            for node, name in by_save.get(save.key, {}).items():
+                save.damage |= {(node, blob) for blob in self._damage_in(groups, name)}
+            own = save.chunk if save.chunk in save.damage else None
+            save.chunk = own or (min(save.damage) if save.damage else None)
+
+    def _damage_in(self, groups: dict[str, dict[str, Any]], name: str) -> set[str]:
+        """The blobs (``_packed`` for a packed one) a restore of the group ``name`` may name
+        as damaged."""
+        manifest, bad = groups[name], self.damaged.get(name, set())
+        hit = {a if not a.startswith(("_rows.", "_values.")) else a.partition(".")[2]
+               for a in bad}
+        for blob, entry in (manifest.get("delta") or {}).get("blobs", {}).items():
+            first, *overlays = entry["chain"]
+            source = groups.get(first, {})
+            packed = blob in ((source.get("packed") or {}).get("names") or [])
+            array = "_packed" if packed else source.get("arrays", {}).get(blob, {}).get("path")
+            if array in self.damaged.get(first, set()):
+                hit.add(array if packed else blob)
+            if any({f"_rows.{blob}", f"_values.{blob}"} & self.damaged.get(g, set())
+                   for g in overlays):
+                hit.add(blob)
+        return hit
 
     # -- generating operations -------------------------------------------------------------------
 
@@ -1281,6 +1397,7 @@ class Harness:
 
     def check(self, full: bool = False) -> None:
         model = self.model
+        self.refresh_damage()
         code, ls = cli("ls", self.url)
         if model.gens == 0:  # nothing was ever written
             self.expect("ls: exit code on an empty prefix", 3, code)
@@ -1307,12 +1424,21 @@ class Harness:
                     sorted(s.key for s in model.saves.values() if s.state == "partial"),
                     sorted((r["epoch"], gen_of(r["save_ids"][0])) for r in rows
                            if r["state"] == "partial"))
+        # with differential saves, the group of a save whose records are gone (deleted,
+        # damaged) may be needed by a save built on it (then it is no leftover) until that
+        # save's records go too: neither side is predicted for those (the final gc and the
+        # leak check show that none is left behind)
+        maybe = {s.key for s in model.saves.values()
+                 if s.state in ("gone", "damaged", "partial", "orphan")} if self.deltas else set()
         self.expect("ls --json: leftovers (kind, group of the node whose record was deleted "
                     "or whose save was fenced, epoch, live: its run not overtaken)",
                     sorted(("uncommitted save", s.damaged_node, s.epoch, model.live(s.gen))
-                           for s in model.uncommitted()),
+                           for s in model.uncommitted() if s.key not in maybe),
                     sorted((x["kind"], x["path"].split(".")[0], int(x["path"].split(".")[1]),
-                            x.get("live")) for x in ls.get("leftovers", [])))
+                            x.get("live")) for x in ls.get("leftovers", [])
+                           if not (x["kind"] == "uncommitted save"
+                                   and (int(x["path"].split(".")[1]), gen_of(x["save_id"]))
+                                   in maybe)))
         # (a) every API agrees on the newest epoch; (d) all_steps is the lineage
         newest_over_all = None
         for fam in model.families():
@@ -1432,6 +1558,20 @@ class Harness:
         self.check(full=True)
         self.check_leaks()
 
+    def pinnable(self, kept: Any) -> set[tuple[int, int]]:
+        """With differential saves: the saves whose groups a kept save may still need (so they
+        may outlive their records): the up to ``max_delta_chain`` saves its run committed
+        before it (a run's first save is whole, and after that many in a row the next is)."""
+        if not self.deltas:
+            return set()
+        chain = self.deltas.get("max_delta_chain", 4)
+        out: set[tuple[int, int]] = set()
+        for save in kept:
+            before = sorted(s.epoch for s in self.model.saves.values()
+                            if s.gen == save.gen and s.fam == save.fam and s.epoch < save.epoch)
+            out.update((epoch, save.gen) for epoch in before[-chain:])
+        return out
+
     def check_leaks(self) -> None:
         """Every file under the prefix is one of: a record of a committed (lineage or
         superseded) or damaged save; a file of such a save's groups (one group per node, whose
@@ -1445,6 +1585,8 @@ class Harness:
         root = root.rstrip("/")
         files = sorted(p[len(root) + 1:] for p in fs.find(root))
         kept = {s.key: s for s in model.saves.values() if s.state in ("committed", "damaged")}
+        pinned = self.pinnable(kept.values())
+        needed = scan(CheckpointStore(Location(self.url))).referenced if pinned else frozenset()
         bad: list[str] = [f for f in files if ".tmp-" in f]
         records: list[tuple[int, str, int]] = []
         runs_seen: set[int] = set()
@@ -1498,12 +1640,16 @@ class Harness:
             manifest = attrs.get("caffe2ckpt") or {}
             save_id = str(manifest.get("save_id", "g0-0"))
             key = (int(parts[1]), gen_of(save_id) if save_id.startswith("g") else 0)
-            if key not in kept or (len(parts) == 3 and parts[2] != save_id) or (
+            if (key not in kept and not (key in pinned and name in needed)) or (
+                    len(parts) == 3 and parts[2] != save_id) or (
                     manifest.get("node"), manifest.get("epoch")) != (parts[0], key[0]):
                 bad += [f"{name}/{x}" for x in inside]
                 continue
-            found.append((*key, parts[0]))
+            if key in kept:
+                found.append((*key, parts[0]))
             arrays = {info["path"] for info in manifest.get("arrays", {}).values()}
+            arrays |= {entry[part]["path"] for entry in (manifest.get("delta") or {}).get(
+                "overlays", {}).values() for part in ("rows", "values")}
             if (manifest.get("packed") or {}).get("names"):
                 arrays.add("_packed")
             for x in inside:
@@ -1545,12 +1691,14 @@ def prefix(kind: str):
             shutil.rmtree(root, ignore_errors=True)
 
 
-def replay(seed: int, steps: int = OPS, kind: str = "memory") -> list[dict[str, Any]]:
+def replay(seed: int, steps: int = OPS, kind: str = "memory",
+           deltas: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Run the first ``steps`` operations of ``seed``, then the end of a sequence
     (:meth:`Harness.finish`: fence, gc, full check, leak check); raises ModelCheckFailure;
-    returns the operations."""
+    returns the operations. ``deltas``: every writer saves differentially with these
+    ``StepManagerOptions`` fields."""
     with prefix(kind) as url:
-        harness = Harness(seed, url)
+        harness = Harness(seed, url, deltas)
         try:
             for _ in range(steps):
                 harness.apply(harness.gen_op())
@@ -1560,11 +1708,12 @@ def replay(seed: int, steps: int = OPS, kind: str = "memory") -> list[dict[str, 
         return harness.ops
 
 
-def run_ops(ops: list[dict[str, Any]], kind: str = "memory", seed: int = -1) -> None:
+def run_ops(ops: list[dict[str, Any]], kind: str = "memory", seed: int = -1,
+            deltas: dict[str, Any] | None = None) -> None:
     """Apply an explicit operation list (e.g. a minimised failure), then the end of a sequence
     (a ``{"op": "finish"}`` in the list is that end, done anyway)."""
     with prefix(kind) as url:
-        harness = Harness(seed, url)
+        harness = Harness(seed, url, deltas)
         try:
             for op in copy.deepcopy(ops):
                 if op["op"] != "finish":
@@ -1582,6 +1731,20 @@ def test_model_check_memory(seed):
 @pytest.mark.parametrize("seed", range(FIRST_SEED + 1000, FIRST_SEED + 1000 + LOCAL_SEEDS))
 def test_model_check_local(seed):
     replay(seed, OPS, "local")
+
+
+def delta_options(seed: int) -> dict[str, Any]:
+    """The differential-save options of a sequence: chains of 1, 2 or 4; rows compared or
+    hinted by the job's tasks (step managers give no hints: their blobs are compared by
+    digest); every blob of 1 KiB or more may be overlaid."""
+    rng = random.Random(seed)
+    return {"delta_saves": True, "max_delta_chain": rng.choice([1, 2, 4]),
+            "delta_detection": rng.choice(["compare", "hints"]), "delta_min_bytes": 1024}
+
+
+@pytest.mark.parametrize("seed", range(FIRST_SEED + 3000, FIRST_SEED + 3000 + DELTA_SEEDS))
+def test_model_check_deltas(seed):
+    replay(seed, OPS, "memory" if seed % 8 else "local", delta_options(seed))
 
 
 def s3_server_of(request, kind: str):

@@ -4,21 +4,29 @@ step restores bit for bit whatever retention, gc, deletes and damage did to the 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
+import zarr
 
+import caffe2ckpt
 from caffe2ckpt import StepCheckpointManager, StepManagerOptions
 from caffe2ckpt.cli import main as cli_main
 from caffe2ckpt.errors import (
     CheckpointCorruptedError,
+    CheckpointNotFoundError,
     CheckpointWriteError,
     InvalidBlobError,
     InvalidLocationError,
     JobDefinitionError,
 )
 from caffe2ckpt.history.scan import scan
-from caffe2ckpt.store.layout import parse_group_name
+from caffe2ckpt.store import runs
+from caffe2ckpt.store.delta import DeltaTracker
+from caffe2ckpt.store.layout import new_save_id, parse_group_name
+from caffe2ckpt.store.protocol import SaveInfo
+from caffe2ckpt.store.records import delete_record
 from tests.stores import gone, open_store
 
 ROWS = 4096
@@ -37,7 +45,7 @@ class Model:
             "big_endian": self.rng.integers(0, 1 << 30, (ROWS, 16)).astype(">i4"),
             "names": np.array([[f"r{i}", f"c{i}"] for i in range(ROWS)], dtype="<U8"),
             "frozen": self.rng.random((64, 64), dtype=np.float32),
-            "step": np.int64(0),
+            "step": np.array(0, np.int64),
         }
 
     def step(self, fraction: float = 0.05) -> dict[str, np.ndarray]:
@@ -51,7 +59,7 @@ class Model:
             else:
                 arr[rows] = self.rng.integers(0, 1 << 20, (rows.size, arr.shape[1]))
             changed[name] = rows
-        self.blobs["step"] = self.blobs["step"] + 1
+        self.blobs["step"] = np.array(self.blobs["step"] + 1)
         return changed
 
     def copy(self) -> dict[str, np.ndarray]:
@@ -208,7 +216,7 @@ def test_delta_options_are_validated(option, value):
         StepManagerOptions(**{option: value})
 
 
-def test_a_deleted_base_fails_the_next_save_which_commits_nothing(prefix):
+def test_a_deleted_base_makes_the_next_save_whole(prefix):
     model, states = Model(), {}
     with StepCheckpointManager(prefix, options=options(), handle_preemption=False) as mgr:
         for step in range(2):
@@ -218,13 +226,33 @@ def test_a_deleted_base_fails_the_next_save_which_commits_nothing(prefix):
         with reader(prefix) as other:
             other.delete(1)  # the newest: the base of the next save
         model.step()
-        with pytest.raises(CheckpointWriteError, match="builds on.*epoch 1"):
-            mgr.save(2, {"n0": model.blobs})
-        model.step()
-        mgr.save(3, {"n0": model.blobs})
-        states[3] = model.copy()
-    assert check_all(prefix, states) == [0, 3]
+        mgr.save(2, {"n0": model.blobs})
+        states[2] = model.copy()
+    assert check_all(prefix, states) == [0, 2]
     assert all(r.delta is None for r in scan(open_store(prefix)).records())
+    assert unreferenced_groups(prefix) == []
+
+
+def test_a_base_deleted_while_a_delta_is_written_takes_its_record_back(prefix):
+    """The remover deletes the base's records, then reads the records to see what is still
+    needed; the saver writes its record, then reads the base's: one of them sees the other."""
+    store, model = open_store(prefix), Model()
+    info = SaveInfo(save_id=new_save_id(runs.claim(store.location, nodes=["n0"],
+                                                   parent=None).generation), nodes=["n0"])
+    tracker = DeltaTracker("n0", options())
+    plan = tracker.plan(None, model.blobs, store.has_record)
+    base = store.save_node("n0", 0, plan.whole, info, plan)
+    tracker.committed(base, plan, plan.whole)
+    model.step()
+    plan = tracker.plan(info.save_id, model.blobs, store.has_record)
+    assert plan.layout is not None
+    delete_record(store.location, base.ref)  # between the plan and the commit
+    later = replace(info, save_id=new_save_id(info.generation))
+    with pytest.raises(CheckpointWriteError, match="builds on.*epoch 0"):
+        store.save_node("n0", 1, plan.whole, later, plan)
+    tracker.failed(plan)
+    assert scan(store).records() == []
+    assert tracker.plan(later.save_id, model.blobs, store.has_record).layout is None
 
 
 def test_gc_keeps_every_chain_a_kept_step_needs_and_sweeps_the_rest(prefix, capsys):
@@ -277,3 +305,77 @@ def test_async_differential_saves_restore_bit_exact(prefix):
     assert check_all(prefix, states) == [4, 5, 6]
     assert [r.delta is not None for r in sorted(scan(open_store(prefix)).records(),
                                                  key=lambda r: r.epoch)] == [True, False, True]
+
+
+def test_every_kept_step_reads_bit_exact_through_plain_zarr(prefix, tmp_path):
+    model, states = Model(), {}
+    with StepCheckpointManager(prefix, options=options(max_to_keep=3),
+                               handle_preemption=False) as mgr:
+        for step in range(6):
+            model.step() if step else None
+            mgr.save(step, {"n0": model.blobs})
+            states[step] = model.copy()
+    for step in (3, 4, 5):  # whole (3) and deltas on it
+        store = caffe2ckpt.zarr_store(prefix, step, "n0")
+        assert_same(read_group(zarr.open_group(store=store, mode="r")), states[step])
+        [url] = caffe2ckpt.materialize(prefix, step, str(tmp_path / "plain"))
+        assert url.endswith(f"n0.{step}")
+        assert_same(read_group(zarr.open_group(url, mode="r")), states[step])
+    with pytest.raises(FileExistsError, match="exists already"):
+        caffe2ckpt.materialize(prefix, 5, str(tmp_path / "plain"))
+    with pytest.raises(CheckpointNotFoundError, match="epoch 1 is not committed"):
+        caffe2ckpt.zarr_store(prefix, 1, "n0")
+    with pytest.raises(CheckpointNotFoundError, match=r"no node\(s\) \['n9'\]"):
+        caffe2ckpt.materialize(prefix, 5, str(tmp_path / "other"), nodes=["n9"])
+
+
+def read_group(group) -> dict[str, np.ndarray]:
+    """A whole group's blobs through plain zarr, from its manifest (own arrays and packed)."""
+    manifest = group.attrs["caffe2ckpt"]
+    out = {name: np.asarray(group[info["path"]][...], order=info["order"])
+           for name, info in manifest["arrays"].items()}
+    packed = manifest["packed"]
+    data = np.asarray(group["_packed"][...]) if packed["names"] else None
+    for i, name in enumerate(packed["names"]):
+        dtype, shape = np.dtype(packed["dtypes"][i]), tuple(packed["shapes"][i])
+        raw = data[packed["offsets"][i]:packed["offsets"][i] + dtype.itemsize * int(np.prod(shape))]
+        out[name] = raw.view(dtype).reshape(shape)
+        if i in packed["fortran"]:
+            out[name] = np.asfortranarray(out[name])
+    for name, info in manifest["arrays"].items():  # stored little-endian, strings as units
+        dtype = np.dtype(info["dtype"])
+        arr = out[name]
+        if dtype.kind in "US":
+            arr = np.ascontiguousarray(arr).view(dtype.newbyteorder("<") if dtype.kind == "U"
+                                                 else dtype).reshape(info["shape"])
+        out[name] = np.asarray(arr.astype(dtype), order=info["order"])
+    return out
+
+
+def test_the_cli_tells_deltas_pinned_groups_and_materializes(prefix, tmp_path, capsys):
+    model = Model()
+    with StepCheckpointManager(prefix, options=options(), handle_preemption=False) as mgr:
+        for step in range(3):
+            model.step() if step else None
+            mgr.save(step, {"n0": model.blobs})
+    assert cli_main(["ls", prefix, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["epochs"]
+    assert [(r["kind"], r.get("depth")) for r in rows] == [("full", None), ("delta", 1),
+                                                            ("delta", 2)]
+    assert rows[2]["bytes_written"] < 0.1 * rows[2]["bytes"]
+    assert [g.rpartition("/")[2] for g in rows[2]["builds_on"]["n0"]] == ["n0.0", "n0.1"]
+    assert cli_main(["show", prefix, "--json", "--verify"]) == 0
+    blobs = {b["name"]: b for b in json.loads(capsys.readouterr().out)["blobs"]}
+    assert blobs["emb/table"]["storage"] == "rows" and blobs["frozen"]["storage"] == "same"
+    assert blobs["emb/table"]["checksum"] == "ok"
+    assert cli_main(["gc", prefix, "--keep-last", "1", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [(p["path"], p["pinned_by"]) for p in doc["pinned"]] == [("n0.0", [2]), ("n0.1", [2])]
+    assert doc["bytes_freed"] == 0 and doc["bytes_pinned"] > 0  # both epochs stay as data
+    assert cli_main(["verify", prefix, "--json", "--no-progress"]) == 0
+    capsys.readouterr()
+    dest = str(tmp_path / "m")
+    assert cli_main(["materialize", prefix, "--epoch", "2", dest, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["groups"][0].endswith("n0.2")
+    assert cli_main(["materialize", prefix, "--epoch", "7", dest]) == 3
+    assert "epoch 7 is not committed" in capsys.readouterr().err
