@@ -1,4 +1,5 @@
 """Every benchmark in one run: checkpoint save/restore (W1, W2, W3) against raw files and peers,
+differential epochs (E1) against whole saves and plain Zarr rewritten in place,
 where a save's and a restore's time goes phase by phase (W1s, W2s, W3), async-save blocking time, latest-epoch lookup, per-epoch cost and resume time as history grows,
 save/restore on an S3 server against raw s3fs with every request counted (when moto and s3fs
 are installed: the "test" extra), Prefect's per-epoch overhead, and DaskSession's save
@@ -34,6 +35,7 @@ def main() -> int:
         ["bench_phases.py", *where, *smoke],
         ["bench_extras.py", *where, *smoke],
         ["bench_history.py", *where, *smoke],
+        ["bench_delta.py", *where, *smoke],
     ]
     if all(importlib.util.find_spec(m) is not None for m in ("moto", "flask", "s3fs")):
         runs.append(["bench_s3.py", *smoke])

@@ -16,13 +16,14 @@ from caffe2ckpt.history.current import CurrentRun
 from caffe2ckpt.history.lineage import Save
 from caffe2ckpt.history.scan import family_history, newest_save, scan
 from caffe2ckpt.store import runs
+from caffe2ckpt.store.layout import parse_group_name
 from caffe2ckpt.store.protocol import CheckpointStore
 from caffe2ckpt.store.records import CommitRecord, list_records
 from caffe2ckpt.store.tombstone import is_tombstone
 
 __all__ = ["committed_epochs", "delete_epoch", "epochs_with_records", "find_leftovers",
            "gone", "lineage_epochs", "load", "newest_epoch", "open_store", "record_of",
-           "records_at", "remove_leftovers", "retain", "save_at"]
+           "records_at", "remove_leftovers", "retain", "save_at", "unreferenced_groups"]
 
 
 def open_store(url: str, **options: Any) -> CheckpointStore:
@@ -37,6 +38,14 @@ def gone(location: Location, group: str) -> bool:
         return True
     raw = location.read_bytes(f"{path}/zarr.json", limit=4096)
     return location.list_names(path) == ["zarr.json"] and is_tombstone(raw)
+
+
+def unreferenced_groups(store: CheckpointStore) -> list[str]:
+    """Groups holding data that no readable record needs (tombstones aside): what a quiet
+    ``gc`` must leave none of."""
+    needed, location = scan(store).referenced, store.location
+    return sorted(n for n in location.list_names(location.root)
+                  if parse_group_name(n) and n not in needed and not gone(location, n))
 
 
 def newest_epoch(store: CheckpointStore, nodes: Iterable[str]) -> int | None:

@@ -150,7 +150,7 @@ def read_units(manifest: Manifest) -> list[list[str]]:
 
 def leftover_bytes(location: Location, item: Leftover) -> int | None:
     total = 0
-    for rel in item.path.split(", "):
+    for rel in filter(None, item.path.split(", ")):
         try:
             total += int(location.fs.du(location.path(rel), total=True))
         except (OSError, ValueError, TypeError):

@@ -33,12 +33,13 @@ from dataclasses import dataclass, replace
 from caffe2ckpt.errors import CheckpointError, CheckpointNotFoundError
 from caffe2ckpt.history.lineage import Save
 from caffe2ckpt.history.scan import PrefixScan, scan
-from caffe2ckpt.store import runs
+from caffe2ckpt.store import retired, runs
 from caffe2ckpt.store.layout import (
     COMMITS_DIR,
     HINTS_DIR,
     LEGACY_CLAIMS_DIR,
     LEGACY_STAGING_DIR,
+    RETIRED_DIR,
     RUNS_DIR,
     parse_group_name,
     save_generation,
@@ -55,7 +56,7 @@ __all__ = ["Leftover", "References", "find_leftovers", "is_checkpoint_prefix",
 logger = logging.getLogger(__name__)
 
 TEMPORARY_PREFIX = ".tmp-"  # local exclusive creates and replacements write these first
-_TEMPORARY_DIRS = ("", COMMITS_DIR, RUNS_DIR, HINTS_DIR)
+_TEMPORARY_DIRS = ("", COMMITS_DIR, RUNS_DIR, HINTS_DIR, RETIRED_DIR)
 
 
 def is_checkpoint_prefix(store: CheckpointStore) -> bool:
@@ -105,6 +106,9 @@ def _remove_group(store: CheckpointStore, group: str, save_id: str) -> bool:
                               [f for f in manifest.files() if f != GROUP_FILE])
         location.replace_file(f"{location.path(group)}/{GROUP_FILE}",
                               tombstone(parsed.node, parsed.epoch, save_id))
+        if location.is_local:  # a replacement cut short by an earlier, killed removal
+            for leftover in _temporaries(store, group, 0.0):
+                location.remove(location.path(leftover.path))
     else:
         location.remove_files(location.path(group), manifest.files())
     return True
@@ -156,13 +160,27 @@ def remove_saves(store: CheckpointStore, saves: Iterable[Save], *, fence: int,
     for save in saves:
         runs.check_fence(store.location, fence, f"{doing} (epoch {save.epoch}, save "
                          f"{save.save_id})", nodes)
+        for record in save.records.values():  # a kill from here on leaves a removal to finish
+            retired.retire(store.location, record)
         for record in save.records.values():
             delete_record(store.location, record.ref)
         _remove_unneeded(store, save.closure(), list(save.records.values()), references, nodes)
+        for record in save.records.values():
+            retired.forget(store.location, record.ref)
         removed.append(save)
         logger.info("deleted epoch %d (save %s, nodes %s) under %s", save.epoch, save.save_id,
                     sorted(save.records), store.location.display())
     return removed
+
+
+def _unfinished_removals(store: CheckpointStore, found: PrefixScan) -> Iterator[Leftover]:
+    """Removals cut short (:mod:`caffe2ckpt.store.retired`): the groups their records named
+    that no readable record needs are leftovers whatever their run (none is written again)."""
+    for ref, groups in retired.unfinished(store.location):
+        left = sorted(g for g, i in groups.items() if g not in found.referenced
+                      and parse_group_name(g) is not None and not _has_record(store, g, i))
+        yield Leftover("unfinished removal", ", ".join(left), math.inf, ref.save_id,
+                       retired=ref, groups=tuple((g, groups[g]) for g in left))
 
 
 def _remove_unneeded(store: CheckpointStore, groups: dict[str, str],
@@ -204,6 +222,8 @@ class Leftover:
     save_id: str | None = None
     records: tuple[CommitRecord, ...] = ()  # the records of a partial save
     live: bool = False  # a save of a run no newer run has overtaken: never removed
+    retired: RecordRef | None = None  # an unfinished removal: its retire note
+    groups: tuple[tuple[str, str], ...] = ()  # ... and the groups (path, save id) it removes
 
     @property
     def refs(self) -> tuple[RecordRef, ...]:
@@ -264,18 +284,23 @@ class _Runs:
 
 
 def _group_leftovers(store: CheckpointStore, found: PrefixScan, now: float,
-                     keep: set[str], wanted: set[str] | None) -> Iterator[Leftover]:
-    """Groups no readable record names (``keep``: save ids left for a person or a live run)."""
+                     keep: set[str], wanted: set[str] | None,
+                     retiring: set[str]) -> Iterator[Leftover]:
+    """Groups no readable record names (``keep``: save ids left for a person or a live run;
+    ``retiring``: groups of unfinished removals, listed as those)."""
     location = store.location
     partial_groups = {r.group for p in found.partial for r in p.records.values()}
     for name in sorted(location.list_names(location.root)):
         parsed = parse_group_name(name)
         if (parsed is None or name in found.referenced or name in partial_groups
+                or name in retiring
                 or (wanted and parsed.node not in wanted)
                 or not location.fs.isdir(location.path(name))):
             continue
         manifest = _identity(store, name)
-        if manifest == TOMBSTONE:
+        if manifest == TOMBSTONE:  # a removal's replacement of its zarr.json cut short
+            if location.is_local:
+                yield from _temporaries(store, name, now)
             continue
         save_id = manifest.save_id if isinstance(manifest, Manifest) else parsed.save_id
         if save_id in keep:
@@ -295,13 +320,17 @@ def _partial_leftovers(found: PrefixScan, now: float, keep: set[str],
 
 def _temporary_leftovers(store: CheckpointStore, now: float) -> Iterator[Leftover]:
     """Temporary files of exclusive creates and replacements that were interrupted."""
-    location = store.location
     for directory in _TEMPORARY_DIRS:
-        for name in location.list_names(location.path(directory) if directory
-                                        else location.root):
-            if name.startswith(TEMPORARY_PREFIX):
-                path = f"{directory}/{name}" if directory else name
-                yield Leftover("temporary file", path, _age(store, location.path(path), now))
+        yield from _temporaries(store, directory, now)
+
+
+def _temporaries(store: CheckpointStore, directory: str, now: float) -> Iterator[Leftover]:
+    """The temporary files in ``directory`` (relative to the prefix; "" for the prefix)."""
+    location = store.location
+    for name in location.list_names(location.path(directory) if directory else location.root):
+        if name.startswith(TEMPORARY_PREFIX):
+            path = f"{directory}/{name}" if directory else name
+            yield Leftover("temporary file", path, _age(store, location.path(path), now))
 
 
 def _staged_leftovers(store: CheckpointStore, now: float,
@@ -327,13 +356,17 @@ def find_leftovers(store: CheckpointStore, found: PrefixScan, *, min_age: float 
     now = time.time()
     wanted = None if nodes is None else set(nodes)
     damaged = {ref.save_id for ref, _ in found.unreadable}
-    items = [*_group_leftovers(store, found, now, damaged, wanted),
+    unfinished = [item for item in _unfinished_removals(store, found)
+                  if wanted is None or item.retired.node in wanted]  # type: ignore[union-attr]
+    retiring = {group for item in unfinished for group, _ in item.groups}
+    items = [*_group_leftovers(store, found, now, damaged, wanted, retiring),
              *_partial_leftovers(found, now, damaged, wanted),
              *(_temporary_leftovers(store, now) if wanted is None else ()),
              *_staged_leftovers(store, now, wanted)]
     runs_now = _Runs(store)
     items = [replace(item, live=True) if runs_now.live(item.save_id) else item
              for item in items if item.age >= min_age]
+    items += unfinished  # a removed save's run never writes its groups again: never live
     return [item for item in items if live or not item.live]
 
 
@@ -353,6 +386,11 @@ def _recorded(store: CheckpointStore, group: str, save_id: str) -> bool:
 def _remove_leftover(store: CheckpointStore, item: Leftover,
                      references: References | None) -> bool:
     location = store.location
+    if item.retired is not None:  # finish the removal: its groups, then its note
+        for group, save_id in item.groups:
+            _remove_group(store, group, save_id)
+        retired.forget(location, item.retired)
+        return True
     if item.kind == "partial save":
         for ref in item.refs:
             delete_record(location, ref)

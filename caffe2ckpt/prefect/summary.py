@@ -96,13 +96,18 @@ def _message(state: Any) -> str:
 
 def chart_series(rows: Mapping[int, dict[str, Any]]) -> list[Series]:
     """Panels for the run's history (rows in :data:`CHARTED`): each metric (the first
-    ``_METRIC_PANELS`` names), then the save seconds and the save MB/s per epoch."""
+    ``_METRIC_PANELS`` names), then the save seconds, the save MB/s and the MiB each save
+    wrote (a differential save writes only what changed) per epoch."""
     kept = [(e, rows[e]) for e in sorted(rows) if rows[e]["status"] in CHARTED]
     names = list(dict.fromkeys(n for _, r in kept for n in r.get("values", {})))
     series = [Series(name, [(e, r["values"][name]) for e, r in kept if name in r.get("values", {})])
               for name in names[:_METRIC_PANELS]]
     series.append(Series("save seconds", [(e, r["seconds"]) for e, r in kept]))
     series.append(Series("save MB/s", [(e, r["MB/s"]) for e, r in kept if r["MB/s"] is not None]))
+    written = [(e, r["written_bytes"] / (1 << 20)) for e, r in kept
+               if r.get("written_bytes") is not None]
+    if written:
+        series.append(Series("save MiB written", written))
     return series if kept else []
 
 
@@ -115,6 +120,19 @@ def _writers(rows: Mapping[int, dict[str, Any]], this_run: str | None) -> list[s
     return (["", "Written by (epochs in the checkpoints table):", ""]
             + [f"- {who}: epochs {epoch_ranges(es)}" for who, es in epochs.items()]
             if epochs else [])
+
+
+def _inspect(summary: Summary, epoch: int, delta: bool) -> list[str]:
+    """Python lines that open the newest epoch's group with plain zarr (a differential epoch
+    through :func:`caffe2ckpt.zarr_store`, which resolves what it builds on)."""
+    if delta:
+        return ["import caffe2ckpt, zarr",
+                f"store = caffe2ckpt.zarr_store({summary.url!r}, {epoch}, {summary.file_node!r})",
+                "g = zarr.open_group(store=store, mode='r')",
+                "print(list(g.array_keys()))"]
+    path = db_name(epoch, summary.file_node, summary.url)  # type: ignore[arg-type]
+    return ["import zarr", f"g = zarr.open_group({path!r}, mode='r')",
+            "m = g.attrs['caffe2ckpt']", "print(list(m['arrays']), m['packed']['names'])"]
 
 
 def summary_markdown(summary: Summary, rows: Mapping[int, dict[str, Any]], *,
@@ -141,14 +159,12 @@ def summary_markdown(summary: Summary, rows: Mapping[int, dict[str, Any]], *,
     else:
         lines.append(f"- Training: at epoch **{epoch}**{target}, started from epoch "
                      f"{summary.start}")
-    chart = chart_markdown(chart_series(rows), "metrics, save seconds and save MB/s per epoch")
+    chart = chart_markdown(chart_series(rows),
+                           "metrics, save seconds, save MB/s and MiB written per epoch")
     if chart:
         lines += ["", "## Epochs", "", chart]
     newest = max((e for e, r in rows.items() if r["status"] == COMMITTED), default=None)
     if summary.url is not None and summary.file_node is not None and newest is not None:
-        path = db_name(newest, summary.file_node, summary.url)  # not a failed or deleted epoch
         lines += ["", f"Checkpoints: `{summary.url}`", "", "Inspect them with:", "", "```python",
-                  "import zarr", f"g = zarr.open_group({path!r}, mode='r')",
-                  "m = g.attrs['caffe2ckpt']", "print(list(m['arrays']), m['packed']['names'])",
-                  "```"]
+                  *_inspect(summary, newest, bool(rows[newest].get("delta"))), "```"]
     return "\n".join(lines + _writers(rows, run["flow_run_id"]))

@@ -1,7 +1,8 @@
 """The rows of the checkpoint table artifact, and markdown-safe text for what commit records say.
 
-Columns: ``epoch``, ``status``, a column per metric, ``nodes``, ``bytes`` (``"12.3 MiB"``),
-``seconds``, ``MB/s``, ``written by`` and ``path``.
+Columns: ``epoch``, ``status``, a column per metric, ``nodes``, ``bytes`` (``"12.3 MiB"``: what
+the epoch holds), ``written`` (what its save wrote: all of it, or for a differential save
+``"640.0 KiB delta"``), ``seconds``, ``MB/s`` (written), ``written by`` and ``path``.
 
 ``written by`` names the flow run that committed the epoch, relative to the run showing the
 table: ``this run, attempt 2`` for the run's own saves (of any of its attempts), else the writing
@@ -35,7 +36,8 @@ __all__ = ["COLUMNS", "COMMITTED", "DELETED", "SUPERSEDED", "checkpoint_row", "c
            "epoch_ranges", "failed_row", "format_metric", "md_text", "plain_text", "run_id",
            "run_link", "writer_cell"]
 
-COLUMNS = ["epoch", "status", "nodes", "bytes", "seconds", "MB/s", "written by", "path"]
+COLUMNS = ["epoch", "status", "nodes", "bytes", "written", "seconds", "MB/s", "written by",
+           "path"]
 COMMITTED, SUPERSEDED, DELETED = "committed", "superseded", "deleted (retention)"  # statuses
 METRICS_AFTER = "status"  # metric columns go right after this one
 _MARKDOWN = re.compile(r"([\\`*\[\]<>|#])")  # links, images, HTML, code, emphasis, tables
@@ -168,8 +170,11 @@ def checkpoint_row(epoch: int, records: Mapping[str, CommitRecord],
                    this_run: str | None = None) -> dict[str, Any]:
     """The table row of a committed epoch, as seen by flow run ``this_run`` (its metrics as
     text under ``"metrics"`` and as numbers under ``"values"``, the writer's record under
-    ``"writer"``: none is a column)."""
+    ``"writer"``, the bytes written under ``"written_bytes"`` and whether it is a differential
+    save under ``"delta"``: none is a column)."""
     nbytes = sum(r.nbytes for r in records.values())
+    written = sum(r.bytes_written for r in records.values())
+    delta = any(r.delta is not None for r in records.values())
     seconds = max((r.seconds for r in records.values()), default=0.0)
     writer = _writer(records)
     return {
@@ -180,8 +185,11 @@ def checkpoint_row(epoch: int, records: Mapping[str, CommitRecord],
         "writer": writer,
         "nodes": ", ".join(sorted(records)),
         "bytes": human_bytes(nbytes),
+        "written": human_bytes(written) + (" delta" if delta else ""),
+        "written_bytes": written,
+        "delta": delta,
         "seconds": round(seconds, 4),
-        "MB/s": round(nbytes / seconds / 1e6, 1) if seconds > 0 else None,
+        "MB/s": round(written / seconds / 1e6, 1) if seconds > 0 else None,
         "written by": writer_cell(writer, this_run),
         "path": ", ".join(records[node].group for node in sorted(records)),
     }

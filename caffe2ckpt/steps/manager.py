@@ -81,6 +81,8 @@ class StepMetadata:
     created: float
     writer: dict[str, Any]
     stop: bool
+    kind: str = "full"  # "delta": a differential save (it builds on older saves)
+    bytes_written: int = 0  # the bytes of data its save wrote (nbytes unless a delta)
 
 
 @dataclass(frozen=True)
@@ -421,9 +423,12 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
             return RootMetadata(directory=self._store.location.url, steps=self.all_steps(),
                                 custom=self._read_root_metadata())
         info = self._step(step)
+        records = info.records.values()
         return StepMetadata(step=info.epoch, nodes=sorted(info.records), nbytes=info.nbytes,
                             metrics=info.metrics, created=info.created,
-                            writer=dict(info.first.writer), stop=info.stop)
+                            writer=dict(info.first.writer), stop=info.stop,
+                            kind="delta" if any(r.delta for r in records) else "full",
+                            bytes_written=sum(r.bytes_written for r in records))
 
     def metrics(self, step: int) -> dict[str, float] | None:
         """The metrics saved with ``step`` (None if it has none)."""

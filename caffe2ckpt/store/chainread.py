@@ -13,6 +13,7 @@ and the group, never wrong data.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
@@ -35,24 +36,33 @@ __all__ = ["read_chained"]
 def read_chained(store: CheckpointStore, record: CommitRecord, manifest: Manifest,
                  names: list[str]) -> dict[str, np.ndarray]:
     """Rebuild the blobs ``names`` of ``record``'s differential save (whose verified manifest
-    is ``manifest``)."""
+    is ``manifest``). Every group of the chains is read at once (the sources whole, the
+    overlays beside them: one round of reads, not one per save of the chain); the overlays are
+    then applied oldest first, and each blob's digest checked."""
     delta = record.delta
     assert delta is not None
     chains = {name: delta.chains[name] for name in names}
     reader = _Reader(store, record)
-    out: dict[str, np.ndarray] = {}
-    for index in sorted({c[0] for c in chains.values()}):
-        blobs = [n for n, c in chains.items() if c[0] == index]
-        out.update(reader.whole(delta.groups[index], blobs, manifest))
+    sources = sorted({c[0] for c in chains.values()})
     overlaid = sorted({i for c in chains.values() for i in c[1:]},
-                      key=lambda i: delta.groups[i].epoch)
-    for index in overlaid:  # oldest first: every blob's overlays apply in its chain's order
-        blobs = [n for n, c in chains.items() if index in c[1:]]
-        group = delta.groups[index]
-        reader.apply(group.group, reader.source(group), group.crcs, group.metadata, blobs, out)
+                      key=lambda i: delta.groups[i].epoch)  # oldest first
     own = [n for n in names if n in manifest.overlays]
-    if own:
-        reader.apply(record.group, manifest, record.crcs, record.metadata, own, out)
+    with ThreadPoolExecutor(max_workers=len(sources) + len(overlaid) + 1) as threads:
+        wholes = [threads.submit(reader.whole, delta.groups[i],
+                                 [n for n, c in chains.items() if c[0] == i], manifest)
+                  for i in sources]
+        overlays = [threads.submit(reader.overlays, delta.groups[i],
+                                   [n for n, c in chains.items() if i in c[1:]])
+                    for i in overlaid]
+        if own:
+            overlays.append(threads.submit(reader.own_overlays, manifest, own))
+        wait([*wholes, *overlays])
+    out: dict[str, np.ndarray] = {}
+    for future in wholes:  # the first failure in chain order is raised
+        out.update(future.result())
+    for future in overlays:
+        for name, (group, rows, values) in future.result().items():
+            reader.apply(name, group, rows, values, out[name])
     for name in names:
         if digest(out[name]) != delta.digests[name]:
             raise reader.damage(name, record.group, "rebuilt from the saves it builds on, it "
@@ -122,9 +132,20 @@ class _Reader:
                 f"{self.record.save_id!r}) builds on epoch {exc.epoch}, which is damaged: {exc}",
                 node=self.record.node, epoch=self.record.epoch, blob=exc.blob) from exc
 
-    def apply(self, group: str, manifest: Manifest, crcs: dict[str, tuple[int, ...]],
-              metadata: dict[str, str], blobs: list[str], out: dict[str, np.ndarray]) -> None:
-        """Apply ``group``'s row overlays of ``blobs`` to the arrays in ``out``."""
+    def overlays(self, group: ChainGroup, blobs: list[str]
+                 ) -> dict[str, tuple[str, np.ndarray, np.ndarray]]:
+        """The row overlays of ``blobs`` in ``group``: by blob, (group, row ids, values)."""
+        return self._read_overlays(group.group, self.source(group), group.crcs, group.metadata,
+                                   blobs)
+
+    def own_overlays(self, manifest: Manifest, blobs: list[str]
+                     ) -> dict[str, tuple[str, np.ndarray, np.ndarray]]:
+        record = self.record
+        return self._read_overlays(record.group, manifest, record.crcs, record.metadata, blobs)
+
+    def _read_overlays(self, group: str, manifest: Manifest, crcs: dict[str, tuple[int, ...]],
+                       metadata: dict[str, str], blobs: list[str]
+                       ) -> dict[str, tuple[str, np.ndarray, np.ndarray]]:
         infos = []
         for name in blobs:
             if name not in manifest.overlays:
@@ -137,12 +158,15 @@ class _Reader:
             arrays = read_arrays(self.store.location, self.store.location.path(group), manifest,
                                  checksums, infos,
                                  metadata={f: d for f, d in metadata.items() if f in files})
-        for name in blobs:
-            rows_info, values_info = manifest.overlays[name]
-            rows, values = arrays[rows_info.path], arrays[values_info.path]  # type: ignore[index]
-            target = out[name]
-            if (rows.size and (rows[0] < 0 or rows[-1] >= target.shape[0]
-                               or np.any(rows[1:] <= rows[:-1]))
-                    or values.shape[1:] != target.shape[1:] or values.dtype != target.dtype):
-                raise self.damage(name, group, "its row overlay does not fit the blob")
-            target[rows] = values
+        return {name: (group, arrays[manifest.overlays[name][0].path],  # type: ignore[index]
+                       arrays[manifest.overlays[name][1].path])  # type: ignore[index]
+                for name in blobs}
+
+    def apply(self, name: str, group: str, rows: np.ndarray, values: np.ndarray,
+              target: np.ndarray) -> None:
+        """Write ``values`` at ``rows`` of ``target`` (checked to fit first)."""
+        if (rows.size and (rows[0] < 0 or rows[-1] >= target.shape[0]
+                           or np.any(rows[1:] <= rows[:-1]))
+                or values.shape[1:] != target.shape[1:] or values.dtype != target.dtype):
+            raise self.damage(name, group, "its row overlay does not fit the blob")
+        target[rows] = values

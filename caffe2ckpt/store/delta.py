@@ -273,8 +273,8 @@ class _Planner:
         rows = self._changed(name, arr)
         if rows is None:
             return "same" if self.out.digests[name] == saved.digests.get(name) else "whole"
-        if not rows.size:
-            return "same"
+        if not rows.size:  # no changed row: the digests agree (a hint of none is checked here)
+            return "same" if self.out.digests[name] == saved.digests.get(name) else "whole"
         values = arr[rows]
         cost = _overlay_nbytes(rows, values)
         overlays = len(saved.links[name])  # the chain's groups: whole source + overlays so far

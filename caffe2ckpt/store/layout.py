@@ -9,6 +9,7 @@
       _runs/<generation:012d>.json     the run log: one entry per run, never edited
       _runs/<generation:012d>.committed.json   written once a run's first save committed
       _hints/<family>.json             the newest save of a job family (a hint only)
+      _retired/<record name>           a removal in progress: the groups the record named
       _metadata.json                   root metadata of a StepCheckpointManager
       _claims/, _staging/              storage model 2: claims still give generations,
                                        ``gc`` sweeps staged leftovers
@@ -41,6 +42,7 @@ __all__ = [
     "HINTS_DIR",
     "LEGACY_CLAIMS_DIR",
     "LEGACY_STAGING_DIR",
+    "RETIRED_DIR",
     "MAX_GENERATION",
     "ROOT_METADATA",
     "RUNS_DIR",
@@ -60,6 +62,7 @@ __all__ = [
 COMMITS_DIR = "_commits"
 RUNS_DIR = "_runs"
 HINTS_DIR = "_hints"
+RETIRED_DIR = "_retired"  # removals in progress: the groups a removed save's record named
 ROOT_METADATA = "_metadata.json"
 LEGACY_CLAIMS_DIR = "_claims"
 LEGACY_STAGING_DIR = "_staging"

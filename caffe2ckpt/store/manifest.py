@@ -305,37 +305,41 @@ def _delta_section(data: dict[str, Any], stored: set[str], paths: set[str]
     """A format-4 manifest's ``delta`` section: inherited blobs (logical info and kind), their
     overlays' arrays (row ids: 1-d int32 or int64; values: the blob's dtype, its row shape),
     and the base group's name (for people and plain-zarr readers; records decide)."""
-    inherited = {}
-    for name, entry in data["blobs"].items():
-        kind = entry["kind"]
-        if kind not in ("same", "rows") or name in stored:
-            raise ValueError(f"blob {name!r:.80}: bad delta entry")
-        info = BlobInfo(name, entry["dtype"], _shape(entry["shape"], entry["dtype"], name),
-                        entry["order"])
-        chain = entry["chain"]
-        if (info.order not in ("C", "F") or not isinstance(chain, list)
-                or not 0 < len(chain) <= _MAX_CHAIN
-                or not all(isinstance(g, str) and len(g) <= 400 for g in chain)):
-            raise ValueError(f"blob {name!r:.80}: bad delta entry")
-        inherited[name] = Inherited(kind, info, tuple(chain))
-    overlays = {}
-    for name, entry in data["overlays"].items():
-        if name not in inherited or inherited[name].kind != "rows":
-            raise ValueError(f"blob {name!r:.80}: an overlay of a blob that has none")
-        rows = _overlay_info(name, entry["rows"], "rows", paths)
-        values = _overlay_info(name, entry["values"], "values", paths)
-        logical = inherited[name].info
-        if (rows.dtype not in ("<i4", "<i8") or len(rows.shape) != 1
-                or values.dtype != logical.dtype or values.shape[0] != rows.shape[0]
-                or values.shape[1:] != logical.shape[1:]):
-            raise ValueError(f"blob {name!r:.80}: its overlay does not fit the blob")
-        overlays[name] = (rows, values)
+    inherited = {name: _inherited(name, entry, stored) for name, entry in data["blobs"].items()}
+    overlays = {name: _overlay(name, entry, inherited.get(name), paths)
+                for name, entry in data["overlays"].items()}
     if len(overlays) != sum(i.kind == "rows" for i in inherited.values()):
         raise ValueError("a blob of kind 'rows' has no overlay")
     base = data["base"]
     if not isinstance(base, str) or len(base) > 400:
         raise ValueError("bad base group")
     return inherited, overlays, base
+
+
+def _inherited(name: str, entry: dict[str, Any], stored: set[str]) -> Inherited:
+    """One blob a differential save does not store whole."""
+    kind, chain = entry["kind"], entry["chain"]
+    info = BlobInfo(name, entry["dtype"], _shape(entry["shape"], entry["dtype"], name),
+                    entry["order"])
+    if (kind not in ("same", "rows") or name in stored or info.order not in ("C", "F")
+            or not isinstance(chain, list) or not 0 < len(chain) <= _MAX_CHAIN
+            or not all(isinstance(g, str) and len(g) <= 400 for g in chain)):
+        raise ValueError(f"blob {name!r:.80}: bad delta entry")
+    return Inherited(kind, info, tuple(chain))
+
+
+def _overlay(name: str, entry: dict[str, Any], blob: Inherited | None,
+             paths: set[str]) -> tuple[BlobInfo, BlobInfo]:
+    """The row overlay of ``blob`` (which must be of kind "rows"): ids, then values."""
+    if blob is None or blob.kind != "rows":
+        raise ValueError(f"blob {name!r:.80}: an overlay of a blob that has none")
+    rows = _overlay_info(name, entry["rows"], "rows", paths)
+    values = _overlay_info(name, entry["values"], "values", paths)
+    if (rows.dtype not in ("<i4", "<i8") or len(rows.shape) != 1
+            or values.dtype != blob.info.dtype or values.shape[0] != rows.shape[0]
+            or values.shape[1:] != blob.info.shape[1:]):
+        raise ValueError(f"blob {name!r:.80}: its overlay does not fit the blob")
+    return rows, values
 
 
 def _overlay_info(name: str, entry: dict[str, Any], part: str, paths: set[str]) -> BlobInfo:

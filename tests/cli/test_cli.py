@@ -142,7 +142,8 @@ def test_ls_lists_every_epoch_with_bytes_metrics_and_writer(tree, capsys):
     assert code == 0 and err == ""
     assert "6 committed epochs, newest 5" in out
     header = next(line for line in out.splitlines() if line.startswith("EPOCH"))
-    assert header.split() == ["EPOCH", "NODES", "BYTES", "METRICS", "CREATED", "WRITER", "STATE"]
+    assert header.split() == ["EPOCH", "NODES", "BYTES", "WRITTEN", "METRICS", "CREATED",
+                              "WRITER", "STATE"]
     rows = [line for line in out.splitlines() if line.strip()[:1].isdigit()]
     assert len(rows) == 6
     assert "acc=nan loss=0.333333" in rows[2] and rows[2].rstrip().endswith("committed")
@@ -374,7 +375,8 @@ def test_gc_yes_removes_exactly_the_expected_epochs_and_leftovers(tree, capsys):
     groups = {p.split("/")[-1] for p in loc.fs.ls(loc.root, detail=False)}
     removed = {f"{n}.{e}" for n in NODES for e in (1, 2)}  # tombstones: paths stay used
     assert groups == ({f"{n}.{e}" for n in NODES for e in (0, 3, 4, 5)} | removed
-                      | {"_commits", "_runs", "_hints"})
+                      | {"_commits", "_runs", "_hints", "_retired"})
+    assert loc.list_names(loc.path("_retired")) == []  # every removal finished
     assert all(gone(loc, group) for group in removed)
     assert not any("/trainer_0.9/" in p or "/trainer_1.7/" in p for p in remaining)
     for epoch in (0, 3, 4, 5):

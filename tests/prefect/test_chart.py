@@ -71,6 +71,10 @@ def test_the_chart_shows_the_runs_history_only():
                                                 [(0, 0.1), (1, 0.1), (2, 0.1)],
                                                 [(0, 10.0), (1, 10.0)]]
     assert chart_series({3: row("superseded", 1.0)}) == []
+    # rows of saves as the table makes them say what each wrote (a delta writes little)
+    rows = {0: row("committed", None) | {"written_bytes": 8 << 20},
+            1: row("committed", None) | {"written_bytes": 1 << 19}}
+    assert chart_series(rows)[-1] == Series("save MiB written", [(0, 8.0), (1, 0.5)])
 
 
 def test_the_reason_for_an_attempt_is_read_from_the_state_history():

@@ -225,7 +225,7 @@ def test_checkpoint_table_has_a_compact_column_per_metric():
     table = checkpoint_table(rows)
     # metric columns right after "status", in first-seen order; a name taken by a column is prefixed
     assert list(table[0]) == ["epoch", "status", "loss", "acc", "metric epoch", "nodes", "bytes",
-                              "seconds", "MB/s", "written by", "path"]
+                              "written", "seconds", "MB/s", "written by", "path"]
     assert all(list(row) == list(table[0]) for row in table)
     assert [(r["loss"], r["acc"], r["metric epoch"]) for r in table] == [
         ("", "", ""), ("0.1235", "NaN", "3"),
@@ -243,6 +243,7 @@ def test_checkpoint_table_bytes_are_human_readable(nbytes, text):
     """Two nodes of ``nbytes`` each."""
     row = checkpoint_row(7, {n: record(7, n, {}, nbytes=nbytes) for n in ("trainer_0", "trainer_1")})
     assert checkpoint_table([row])[0]["bytes"] == text
+    assert checkpoint_table([row])[0]["written"] == text  # a whole save writes all of it
 
 
 THIS_RUN = "5f1c7a9e-0000-4000-8000-00000000abcd"

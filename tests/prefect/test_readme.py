@@ -64,6 +64,7 @@ BLOCKS = {
     # Only defines its flow: running it needs a Dask scheduler and a prefix every worker can reach
     # (tests/prefect/test_dask_prefect.py runs PrefectSession(nodes=DaskSession(...)) flows).
     "Running on a cluster #1": (None, None),
+    "Differential epochs #1": (None, "True [2, 3, 4]"),
     "Storage format #1": (regression_checkpoints, "trainer_0.10 True"),
     "Storage format #2": (regression_checkpoints, "(32768, 8) 0.50399417"),
 }

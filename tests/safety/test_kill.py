@@ -28,7 +28,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from caffe2ckpt.cli import main as cli_main
 from caffe2ckpt.fs.location import Location
+from caffe2ckpt.history.scan import scan
 from caffe2ckpt.store.protocol import CheckpointStore
 from tests.stores import (
     committed_epochs,
@@ -37,6 +39,7 @@ from tests.stores import (
     load,
     newest_epoch,
     records_at,
+    unreferenced_groups,
 )
 
 pytestmark = pytest.mark.slow
@@ -58,7 +61,7 @@ SCRIPT = textwrap.dedent('''
     from caffe2ckpt.metadata import ZarrMetadataHandler
 
     NODES = ["trainer_0", "trainer_1"]
-    BIG = 2_000_000  # float64: 16 MB per node, its own Zarr array
+    BIG = (31_250, 64)  # float64: 16 MB per node, its own Zarr array; 5% of its rows move
     SMALL = 200  # packed
 
 
@@ -82,7 +85,8 @@ SCRIPT = textwrap.dedent('''
         def fn(ws):
             step = int(ws["step"]) + 1
             rng = np.random.default_rng([11, i, step])
-            ws["big"] = ws["big"] * 0.5 + rng.standard_normal(BIG)
+            rows = rng.choice(BIG[0], BIG[0] // 20, replace=False)
+            ws["big"][rows] = ws["big"][rows] * 0.5 + rng.standard_normal((rows.size, BIG[1]))
             for k in range(SMALL):
                 noise = rng.integers(0, 1 << 30, size=k + 1, dtype=np.int32)
                 ws[f"small/{k:03d}"] = ws[f"small/{k:03d}"] ^ noise
@@ -102,8 +106,13 @@ SCRIPT = textwrap.dedent('''
 
     prefix, out, epochs, EVENTS = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
     ASYNC = sys.argv[5] == "async"
-    # "retention": every commit is followed by a retention pass (kills land in deletions too)
-    OPTIONS = StepManagerOptions(max_to_keep=3, keep_period=4) if sys.argv[5] == "retention" else None
+    # "retention": every commit is followed by a retention pass (kills land in deletions too);
+    # "delta": the same with differential saves (chains of 3); "delta-all": deltas, all kept
+    OPTIONS = {"retention": StepManagerOptions(max_to_keep=3, keep_period=4),
+               "delta": StepManagerOptions(max_to_keep=3, keep_period=4, delta_saves=True,
+                                           max_delta_chain=3),
+               "delta-all": StepManagerOptions(delta_saves=True, max_delta_chain=3)}.get(
+                   sys.argv[5])
     with Job(name="kill-test") as job:
         for i, node in enumerate(NODES):
             with Node(node):
@@ -197,12 +206,14 @@ def check_epochs(store: CheckpointStore, ref_store: CheckpointStore, epochs: lis
 
 
 @pytest.mark.parametrize(("mode", "kills"), [("sync", KILLS), ("async", KILLS // 2),
-                                             ("retention", KILLS // 2)])
+                                             ("retention", KILLS // 2), ("delta", KILLS // 2)])
 def test_sigkill_at_random_instants_loses_nothing(tmp_path, reference, mode, kills):
     """With ``async``, the saves write in a background thread while the next epoch runs: the
     kills then land mostly in the middle of those background writes. With ``retention``, every
     commit is followed by a retention pass (``max_to_keep=3, keep_period=4``): kills land in
-    its deletions too."""
+    its deletions too. ``delta`` is ``retention`` with differential saves (chains of 3): kills
+    land in saves of overlays and in deletions of saves other kept saves build on; a quiet
+    ``gc`` then leaves no group that no record needs."""
     script, ref_prefix, ref_out = reference
     log = tmp_path / "stderr.log"
 
@@ -251,12 +262,17 @@ def test_sigkill_at_random_instants_loses_nothing(tmp_path, reference, mode, kil
     candidates = epochs_with_records(store, NODES)
     uncommitted = [e for e in candidates if records_at(store, NODES, e) is None]
     assert not uncommitted, f"epochs with records that do not commit: {uncommitted}"
-    if mode == "retention":  # the newest 3, every 4th, and the epoch the last run resumed from
+    if mode in ("retention", "delta"):  # the newest 3, every 4th, the last run's start
         resumed = events.read_text().rsplit("resumed_from=", 1)[1].split()[0]
         kept = {EPOCHS, EPOCHS - 1, EPOCHS - 2, *range(0, EPOCHS + 1, 4)}
         kept |= set() if resumed == "None" else {int(resumed)}
         assert sorted(candidates) == sorted(kept), f"committed epochs: {candidates}"
         check_epochs(store, ref_store, candidates)
+        if mode == "delta":
+            assert any(r.delta for r in scan(store).records()), "no differential save"
+            assert cli_main(["gc", str(prefix), "--min-age", "0", "--yes"]) == 0
+            check_epochs(store, ref_store, candidates)
+            assert unreferenced_groups(store) == []
         return
     assert sorted(candidates) == list(range(EPOCHS + 1)), f"committed epochs: {candidates}"
     previous: dict[str, dict[str, np.ndarray]] = {}
@@ -284,20 +300,34 @@ GC_SCRIPT = textwrap.dedent('''
 GC_KEPT = [0, 5, 10, 11, 12]  # --keep-last 3 --keep-every 5 over epochs 0..12
 
 
-def test_sigkill_during_gc_loses_nothing_kept(tmp_path, reference):
+@pytest.fixture(scope="module")
+def delta_reference(tmp_path_factory, reference) -> Path:
+    """The uninterrupted run again with differential saves (chains of 3), every epoch kept."""
+    script = reference[0]
+    tmp = tmp_path_factory.mktemp("kill-delta-reference")
+    run_to_completion(script, tmp / "prefix", tmp / "out.npz", tmp / "events", tmp / "err.log",
+                      "delta-all")
+    return tmp / "prefix"
+
+
+@pytest.mark.parametrize("kind", ["whole", "delta"])
+def test_sigkill_during_gc_loses_nothing_kept(tmp_path, reference, delta_reference, kind):
     """``caffe2ckpt gc --keep-last 3 --keep-every 5 --yes`` over the reference run's 13 epochs
     (it removes 8 saves of 2 nodes) is SIGKILLed at a random instant of its run, on a fresh copy
     of the prefix each time: every epoch still committed loads bit-exact, the epochs gc keeps
-    are all there, and a gc run to completion then leaves exactly them and no leftovers."""
+    are all there, and a gc run to completion then leaves exactly them and no leftovers. With
+    ``delta`` the saves are differential (chains of 3): a kept epoch's chain outlives the
+    epochs it builds on, and nothing else does."""
     _, ref_prefix, _ = reference
     ref_store = CheckpointStore(Location(str(ref_prefix)))
+    source = ref_prefix if kind == "whole" else delta_reference
     script = tmp_path / "gc.py"
     script.write_text(GC_SCRIPT)
     args = ["--keep-last", "3", "--keep-every", "5", "--min-age", "0", "--yes"]
 
     def copy(name: str) -> Path:  # hard links: gc only unlinks, the reference stays whole
         target = tmp_path / name
-        shutil.copytree(ref_prefix, target, copy_function=os.link)
+        shutil.copytree(source, target, copy_function=os.link)
         return target
 
     def gc(prefix: Path) -> subprocess.Popen:
@@ -334,6 +364,7 @@ def test_sigkill_during_gc_loses_nothing_kept(tmp_path, reference):
         proc.stdout.close()
         assert committed_epochs(store, NODES) == GC_KEPT
         assert find_leftovers(store, min_age=0) == []
+        assert unreferenced_groups(store) == []
         check_epochs(store, ref_store, GC_KEPT)
     print(f"\ngc took {duration:.3f} s after import ({ready - began:.2f} s to import); "
           f"{KILLS} kills: {dict(landed)}")

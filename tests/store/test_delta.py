@@ -24,10 +24,10 @@ from caffe2ckpt.errors import (
 from caffe2ckpt.history.scan import scan
 from caffe2ckpt.store import runs
 from caffe2ckpt.store.delta import DeltaTracker
-from caffe2ckpt.store.layout import new_save_id, parse_group_name
+from caffe2ckpt.store.layout import new_save_id
 from caffe2ckpt.store.protocol import SaveInfo
 from caffe2ckpt.store.records import delete_record
-from tests.stores import gone, open_store
+from tests.stores import gone, open_store, unreferenced_groups
 
 ROWS = 4096
 SMALL = 16 << 10  # delta_min_bytes in these tests: every table below is large enough
@@ -91,15 +91,6 @@ def check_all(prefix: str, states: dict[int, dict[str, np.ndarray]]) -> list[int
     return steps
 
 
-def unreferenced_groups(prefix: str) -> list[str]:
-    """Groups under the prefix that hold data no readable record needs."""
-    store = open_store(prefix)
-    needed = scan(store).referenced
-    location = store.location
-    return sorted(name for name in location.list_names(location.root)
-                  if parse_group_name(name) and name not in needed and not gone(location, name))
-
-
 @pytest.mark.parametrize("detection", ["compare", "hints"])
 def test_every_kept_step_restores_bit_exact_across_chains_and_retention(prefix, detection):
     model, states = Model(), {}
@@ -112,7 +103,7 @@ def test_every_kept_step_restores_bit_exact_across_chains_and_retention(prefix, 
             states[step] = model.copy()
             assert check_all(prefix, states) == mgr.all_steps()
     assert mgr.all_steps() == [0, 5, 10, 12, 13]
-    assert unreferenced_groups(prefix) == []
+    assert unreferenced_groups(open_store(prefix)) == []
     depths = [(r.epoch, r.delta.depth if r.delta else 0)
               for r in sorted(scan(open_store(prefix)).records(), key=lambda r: r.epoch)]
     assert depths == [(0, 0), (5, 0), (10, 0), (12, 2), (13, 3)]
@@ -124,6 +115,10 @@ def test_a_delta_writes_the_changed_rows_and_nothing_for_unchanged_blobs(prefix)
         mgr.save(0, {"n0": model.blobs})
         model.step(0.05)
         mgr.save(1, {"n0": model.blobs})
+    with reader(prefix) as r:
+        meta = [r.metadata(step) for step in (0, 1)]
+    assert [(m.kind, m.bytes_written == m.nbytes) for m in meta] == [("full", True),
+                                                                     ("delta", False)]
     store = open_store(prefix)
     first, second = sorted(scan(store).records(), key=lambda r: r.epoch)
     assert first.delta is None and second.delta is not None
@@ -230,7 +225,7 @@ def test_a_deleted_base_makes_the_next_save_whole(prefix):
         states[2] = model.copy()
     assert check_all(prefix, states) == [0, 2]
     assert all(r.delta is None for r in scan(open_store(prefix)).records())
-    assert unreferenced_groups(prefix) == []
+    assert unreferenced_groups(open_store(prefix)) == []
 
 
 def test_a_base_deleted_while_a_delta_is_written_takes_its_record_back(prefix):
@@ -266,12 +261,12 @@ def test_gc_keeps_every_chain_a_kept_step_needs_and_sweeps_the_rest(prefix, caps
     doc = json.loads(capsys.readouterr().out)
     assert [d["epoch"] for d in doc["delete"]] == [0, 1, 2, 3, 4, 5]
     assert check_all(prefix, states) == [6, 7]  # depth 1 and 2 on the whole save of 5
-    assert unreferenced_groups(prefix) == []
+    assert unreferenced_groups(open_store(prefix)) == []
     assert not gone(open_store(prefix).location, "n0.5")  # pinned by 6 and 7
     assert cli_main(["gc", prefix, "--keep-last", "1", "--yes"]) == 0
     capsys.readouterr()
     assert check_all(prefix, states) == [7]
-    assert unreferenced_groups(prefix) == []
+    assert unreferenced_groups(open_store(prefix)) == []
 
 
 def test_a_damaged_base_is_found_in_every_step_built_on_it(prefix):

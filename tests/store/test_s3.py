@@ -280,3 +280,46 @@ def test_faults_of_a_save_on_s3(fault_templates, sc, kind, classes):
     print("\n".join(outcomes))
     assert not failures, (f"{len(failures)} of {len(classes)} faults broke the protocol on S3:\n"
                           + "\n".join(failures))
+
+
+def test_a_delta_save_on_s3_sends_few_requests_and_no_listing(s3, monkeypatch):
+    """A differential save of a step (5% of a table's rows changed, a frozen blob, a moved
+    packed blob) on the wire: its group's ``zarr.json``, the overlay's two arrays (metadata and
+    chunk each), the packed array, the record and the hint (PUTs); the base's record read before
+    planning and after the commit, and the fence check (GETs). At most 16 requests, no LIST,
+    and the bytes uploaded are the changed rows, their ids and the packed blobs."""
+    import numpy as np
+    from aiobotocore.client import AioBaseClient
+
+    from caffe2ckpt import StepCheckpointManager, StepManagerOptions
+
+    options, bucket = s3
+    rng = np.random.default_rng(0)
+    table = rng.random((16384, 64), dtype=np.float32)  # 4 MiB: an array of its own
+    blobs = {"table": table, "frozen": rng.random((256, 256), dtype=np.float32),
+             "dense": rng.random(4096, dtype=np.float32)}
+    calls: list[tuple[str, str, int]] = []
+    real = AioBaseClient._make_api_call
+
+    async def counted(client, operation, params):
+        body = params.get("Body", b"")
+        calls.append((operation, params.get("Key", params.get("Prefix", "")),
+                      len(body) if isinstance(body, bytes | bytearray | memoryview) else -1))
+        return await real(client, operation, params)
+    opts = StepManagerOptions(delta_saves=True, delta_min_bytes=1 << 20)
+    with StepCheckpointManager(f"s3://{bucket}/delta", options=opts, storage_options=options,
+                               handle_preemption=False) as mgr:
+        mgr.save(0, {"n": blobs})
+        rows = np.sort(rng.choice(16384, 819, replace=False))
+        table[rows] += 1
+        blobs["dense"] += 1
+        monkeypatch.setattr(AioBaseClient, "_make_api_call", counted)
+        mgr.save(1, {"n": blobs}, force=True)
+        monkeypatch.undo()
+    ops = [op for op, _key, _n in calls]
+    assert len(calls) <= 16 and "ListObjectsV2" not in ops, calls
+    assert set(ops) == {"PutObject", "GetObject"}, calls
+    up = sum(n for op, _key, n in calls if op == "PutObject")
+    changed = rows.size * (64 * 4 + 4)  # values and int32 ids
+    packed = blobs["dense"].nbytes + 8  # the dense blob and the chunk's CRC (and alignment)
+    assert changed + packed <= up <= changed + packed + 16 << 10, (up, calls)

@@ -1,0 +1,58 @@
+"""Retire notes: ``_retired/<record name>``, written just before a commit record is deleted to
+remove its save, and deleted once the removal is done.
+
+A removal deletes a save's records first and its groups after (so no record ever names a
+missing group). A kill between the two would leave groups that no record names; ``gc`` removes
+such leftovers, but never those of a run that may still be saving. The note says which groups
+the record named (its closure), so ``gc`` can finish the removal whatever the run: a removed
+save's groups are never written again, and any of them that a readable record still needs is
+kept.
+"""
+
+from __future__ import annotations
+
+import json
+
+from caffe2ckpt.errors import CheckpointError
+from caffe2ckpt.fs import strictjson
+from caffe2ckpt.fs.location import Location
+from caffe2ckpt.store.layout import RETIRED_DIR
+from caffe2ckpt.store.records import CommitRecord, RecordRef, record_path
+
+__all__ = ["forget", "retire", "unfinished"]
+
+
+def _path(location: Location, ref: RecordRef) -> str:
+    return location.path(RETIRED_DIR, ref.filename)
+
+
+def retire(location: Location, record: CommitRecord) -> None:
+    """Note the groups ``record`` names, before it is deleted."""
+    data = json.dumps({"epoch": record.epoch, "node": record.node, "save_id": record.save_id,
+                       "groups": record.closure}, sort_keys=True).encode()
+    location.replace_file(_path(location, record.ref), data)
+
+
+def forget(location: Location, ref: RecordRef) -> None:
+    """The removal of the record ``ref`` is done (missing is fine)."""
+    location.remove(_path(location, ref))
+
+
+def unfinished(location: Location) -> list[tuple[RecordRef, dict[str, str]]]:
+    """Removals cut short: each note whose record is gone, with the groups it names (path ->
+    save id; none if the note is unreadable: then only the note is left to delete). A note whose
+    record is still there belongs to a removal in progress, or one that stopped before deleting
+    anything: it is not listed."""
+    out = []
+    for name in sorted(location.list_names(location.path(RETIRED_DIR))):
+        ref = RecordRef.parse(name)
+        if ref is None or location.exists(record_path(location, ref)):
+            continue
+        try:
+            note = strictjson.loads(location.read_bytes(_path(location, ref),
+                                                        limit=strictjson.MAX_BYTES))
+            groups = {str(g): str(i) for g, i in note["groups"].items()}
+        except (CheckpointError, ValueError, KeyError, TypeError, AttributeError):
+            groups = {}
+        out.append((ref, groups))
+    return out

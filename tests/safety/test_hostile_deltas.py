@@ -1,0 +1,124 @@
+"""Hostile differential records and manifests: a chain into another node's group, out of the
+prefix, onto itself or forward in time, into another run, a million entries, indices out of
+range. Each is a damaged record of its own node and epoch (listed as such, never restored,
+never followed by a remover), and nothing else changes."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+import pytest
+
+from caffe2ckpt import (
+    CheckpointCorruptedError,
+    StepCheckpointManager,
+    StepManagerOptions,
+)
+from caffe2ckpt.cli import main as cli_main
+from caffe2ckpt.store.records import list_records, record_path
+from tests.stores import open_store
+
+OPTIONS = StepManagerOptions(delta_saves=True, delta_min_bytes=1024)
+
+
+@pytest.fixture
+def saved(prefix):
+    """Steps 0 (whole), 1 and 2 (deltas) of nodes n0 and n1; returns the expected tables."""
+    tables, states = {n: np.zeros((2048, 8), np.float32) for n in ("n0", "n1")}, {}
+    with StepCheckpointManager(prefix, options=OPTIONS, handle_preemption=False) as mgr:
+        for step in range(3):
+            for t in tables.values():
+                t[step * 10:(step + 1) * 10] = step + 1
+            mgr.save(step, {n: {"t": t} for n, t in tables.items()})
+            states[step] = {n: t.copy() for n, t in tables.items()}
+    return states
+
+
+def rewrite(prefix: str, epoch: int, node: str, change) -> None:
+    """Replace the record of ``node`` at ``epoch`` by ``change(its JSON)``."""
+    store = open_store(prefix)
+    ref = next(r for r in list_records(store.location) if (r.epoch, r.node) == (epoch, node))
+    path = record_path(store.location, ref)
+    data = json.loads(store.location.read_bytes(path, limit=1 << 30))
+    store.location.replace_file(path, json.dumps(change(copy.deepcopy(data))).encode())
+
+
+def _group(name):
+    def change(record):
+        record["delta"]["groups"][0]["group"] = name
+        return record
+    return change
+
+
+COUNT = 100_000  # 15 MB of record: parsed, then refused (a million is refused by its size)
+
+
+def _million(record):
+    entry = record["delta"]["groups"][0]
+    record["delta"]["groups"] = [dict(entry, group=f"n0.{i}") for i in range(COUNT)]
+    return record
+
+
+def _field(path, value):
+    def change(record):
+        target = record["delta"]
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = value
+        return record
+    return change
+
+
+def _other_run(record):
+    record["delta"]["groups"][0]["save_id"] = "g999-18eb0000000000000000000"
+    return record
+
+
+HOSTILE = {
+    "another node's group": _group("n1.0"),
+    "out of the prefix": _group("../elsewhere/n0.0"),
+    "a nested path": _group("n0.0/../n0.1"),
+    "itself": _group("n0.2"),
+    "a newer epoch": _group("n0.7"),
+    "another run's save": _other_run,
+    "100,000 groups": _million,
+    "an index out of range": _field(("chains", "t"), [0, 5]),
+    "epochs going back": _field(("chains", "t"), [1, 0]),
+    "a missing digest": _field(("digests",), {}),
+    "an unknown algorithm": _field(("algorithm",), "crc8"),
+    "a negative depth": _field(("depth",), -1),
+    "a bad metadata digest": _field(("groups", 0, "metadata", "zarr.json"), "00"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_a_hostile_delta_record_is_damage_of_its_own_epoch(prefix, saved, name, capsys):
+    rewrite(prefix, 2, "n0", HOSTILE[name])
+    with StepCheckpointManager(prefix, handle_preemption=False) as reader:
+        assert reader.all_steps() == [0, 1]  # epoch 2 is not committed: n0's record is damage
+        got = reader.restore(1)
+        assert all(np.array_equal(got[n]["t"], saved[1][n]) for n in ("n0", "n1"))
+    assert cli_main(["ls", prefix, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["epochs"]
+    assert [r["state"] for r in rows if r["epoch"] == 2] == ["damaged record"]
+    assert cli_main(["gc", prefix, "--keep-last", "1", "--min-age", "0", "--yes"]) == 0
+    capsys.readouterr()
+    with StepCheckpointManager(prefix, handle_preemption=False) as reader:
+        got = reader.restore(1)  # the newest committed step stays, and loads
+        assert all(np.array_equal(got[n]["t"], saved[1][n]) for n in ("n0", "n1"))
+
+
+def test_a_manifest_whose_chain_differs_from_its_record_is_damage(prefix, saved):
+    store = open_store(prefix)
+    record = next(r for r in (store.read_record(ref) for ref in list_records(store.location))
+                  if (r.epoch, r.node) == (2, "n0"))
+    group = store.location.path(record.group, "zarr.json")
+    meta = json.loads(store.location.read_bytes(group, limit=1 << 20))
+    meta["attributes"]["caffe2ckpt"]["delta"]["blobs"]["t"]["chain"] = ["n0.0"]
+    store.location.replace_file(group, json.dumps(meta).encode())
+    with StepCheckpointManager(prefix, handle_preemption=False) as reader:
+        with pytest.raises(CheckpointCorruptedError) as caught:
+            reader.restore(2)
+    assert (caught.value.node, caught.value.epoch) == ("n0", 2)
