@@ -22,7 +22,7 @@ import numpy as np
 
 from caffe2ckpt.errors import InvalidBlobError
 
-__all__ = ["Workspace", "WorkspaceType", "as_blob", "check_blob_name"]
+__all__ = ["Workspace", "WorkspaceType", "as_blob", "check_blob_name", "check_rows"]
 
 # dtype kinds stored bit-exactly: bool, signed/unsigned int, float, complex, and fixed-width
 # byte (S) and unicode (U) strings, which are stored as their raw code units.
@@ -47,6 +47,20 @@ def check_blob_name(name: object) -> str:
     except UnicodeEncodeError as exc:
         raise InvalidBlobError(f"blob name {name!r} is not valid unicode (lone surrogate)") from exc
     return name
+
+
+def check_rows(where: str, name: str, rows: Any, arr: np.ndarray) -> np.ndarray:
+    """``rows`` as int64 row indices of blob ``name`` (``arr``), or :class:`InvalidBlobError`
+    naming ``where`` and the blob: not integers, or outside ``0 .. len(arr) - 1``."""
+    ids = np.asarray(rows).reshape(-1)
+    if ids.size and not np.issubdtype(ids.dtype, np.integer):
+        raise InvalidBlobError(f"{where}, blob {name!r}: changed rows must be integers, got "
+                               f"dtype {ids.dtype}")
+    length = arr.shape[0] if arr.ndim else 0
+    if ids.size and not (0 <= ids.min() and ids.max() < length):
+        raise InvalidBlobError(f"{where}, blob {name!r}: changed rows must be from 0 to "
+                               f"{length - 1}, got {int(ids.min())} .. {int(ids.max())}")
+    return ids.astype(np.int64)
 
 
 def as_blob(name: str, value: Any) -> np.ndarray:
@@ -176,18 +190,15 @@ class Workspace(MutableMapping[str, np.ndarray]):
         misses changed rows is found when the epoch is restored, never returned as data.
 
         Raises:
-            InvalidBlobError: no such blob, or ``rows`` are not integers.
+            InvalidBlobError: no such blob, or ``rows`` are not row indices of it.
         """
         if name not in self._blobs and self.parent is not None and name in self.parent:
             self.parent.mark_changed(name, rows)
             return
         if name not in self._blobs:
             raise InvalidBlobError(f"mark_changed: the workspace has no blob {name!r}")
-        ids = np.asarray(rows).reshape(-1)
-        if ids.size and not np.issubdtype(ids.dtype, np.integer):
-            raise InvalidBlobError(f"mark_changed: blob {name!r}: rows must be integers, got "
-                                   f"dtype {ids.dtype}")
-        self._changed.setdefault(name, []).append(ids.astype(np.int64))
+        ids = check_rows("mark_changed", name, rows, self._blobs[name])
+        self._changed.setdefault(name, []).append(ids)
 
     def take_changed(self) -> dict[str, np.ndarray]:
         """The rows :meth:`mark_changed` noted since the last call, by blob (then forgotten)."""

@@ -37,12 +37,15 @@ class _Reader:
     """Reads the blobs of one committed node checkpoint on demand."""
 
     def __init__(self, store: CheckpointStore, record: CommitRecord) -> None:
-        self.store, self.manifest = store, checked_manifest(store, record)
+        self.store, self.record = store, record
+        self.manifest = checked_manifest(store, record)
         self.path = store.group_path(record)
         self.crcs = store.chunk_crcs(record, self.manifest)
         self._packed: dict[str, np.ndarray] | None = None
 
     def read(self, name: str) -> np.ndarray:
+        if name in self.manifest.inherited:  # a differential save's: through its chain
+            return self.store.load_node(self.record, [name])[name]
         if self.manifest.blobs[name].path is not None:
             return read_node(self.store.location, self.path, self.manifest, self.crcs,
                              [name])[name]

@@ -173,13 +173,17 @@ def remove_saves(store: CheckpointStore, saves: Iterable[Save], *, fence: int,
     return removed
 
 
-def _unfinished_removals(store: CheckpointStore, found: PrefixScan) -> Iterator[Leftover]:
+def _unfinished_removals(store: CheckpointStore, found: PrefixScan,
+                         now: float) -> Iterator[Leftover]:
     """Removals cut short (:mod:`caffe2ckpt.store.retired`): the groups their records named
-    that no readable record needs are leftovers whatever their run (none is written again)."""
+    that no readable record needs are leftovers whatever their run (none is written again),
+    once the newest of them is older than the grace period, like any leftover (a crafted note
+    naming a save in progress cannot reach it in time)."""
     for ref, groups in retired.unfinished(store.location):
-        left = sorted(g for g, i in groups.items() if g not in found.referenced
-                      and parse_group_name(g) is not None and not _has_record(store, g, i))
-        yield Leftover("unfinished removal", ", ".join(left), math.inf, ref.save_id,
+        left = sorted(g for g, i in groups.items()
+                      if g not in found.referenced and not _has_record(store, g, i))
+        age = min((_save_age(store, g, now) for g in left), default=math.inf)
+        yield Leftover("unfinished removal", ", ".join(left), age, ref.save_id,
                        retired=ref, groups=tuple((g, groups[g]) for g in left))
 
 
@@ -350,15 +354,18 @@ def find_leftovers(store: CheckpointStore, found: PrefixScan, *, min_age: float 
     ``min_age`` seconds. Only under a caffe2ckpt prefix (:func:`is_checkpoint_prefix`). Left
     alone: a save one of whose records is unreadable (for a person to inspect), and every save
     of a run no newer run of its family has overtaken (it may still be writing): with ``live``
-    those are listed too, marked ``live`` (``ls`` shows them; nothing removes them)."""
+    those are listed too, marked ``live`` (``ls`` shows them; nothing removes them). A removal
+    that a kill cut short (its retire note: :mod:`caffe2ckpt.store.retired`) is finished
+    whatever the run."""
     if not is_checkpoint_prefix(store):
         return []
     now = time.time()
     wanted = None if nodes is None else set(nodes)
     damaged = {ref.save_id for ref, _ in found.unreadable}
-    unfinished = [item for item in _unfinished_removals(store, found)
+    unfinished = [item for item in _unfinished_removals(store, found, now)
                   if wanted is None or item.retired.node in wanted]  # type: ignore[union-attr]
     retiring = {group for item in unfinished for group, _ in item.groups}
+    unfinished = [item for item in unfinished if item.age >= min_age]
     items = [*_group_leftovers(store, found, now, damaged, wanted, retiring),
              *_partial_leftovers(found, now, damaged, wanted),
              *(_temporary_leftovers(store, now) if wanted is None else ()),

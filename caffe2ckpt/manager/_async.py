@@ -85,14 +85,11 @@ class AsyncSaving:
     def close(self) -> None:
         """Wait for a background save (raising its failure) and release its buffers, also on
         the nodes of a remote session. The manager stays usable."""
-        if self._background is None:
-            nodeops.release_saves(self._key)  # differential state kept here
-            return
         try:
             self.wait_until_finished()
-        finally:
+        finally:  # buffers and differential state, where the nodes ran and here
             session = self._saves_session()
             if session is not None and not getattr(session, "closed", False):
                 session.run(self._group("checkpoint_release", lambda node, _: partial(
-                    nodeops.release_saves, self._background, node)))
-            nodeops.release_saves(self._background)
+                    nodeops.release_saves, self._key, node)))
+            nodeops.release_saves(self._key)

@@ -182,7 +182,12 @@ def save(store: CheckpointStore, node: str, file_node: str, epoch: int, names: S
 
     if background is None:
         return write(blobs)
-    saves_for(background, node).submit(epoch, node, blobs, write)
+    try:
+        saves_for(background, node).submit(epoch, node, blobs, write)
+    except BaseException:  # nothing was written: the hints count for the next save
+        if tracker is not None and plan is not None:
+            tracker.failed(plan)
+        raise
     return None
 
 

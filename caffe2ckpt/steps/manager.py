@@ -53,7 +53,7 @@ from caffe2ckpt.store.layout import ROOT_METADATA, new_save_id
 from caffe2ckpt.store.protocol import CheckpointStore, SaveInfo
 from caffe2ckpt.store.records import CommitRecord
 from caffe2ckpt.store.zarrgroup import DEFAULT_PACK_THRESHOLD
-from caffe2ckpt.workspace import as_blob
+from caffe2ckpt.workspace import as_blob, check_rows
 
 __all__ = ["BlobMetadata", "RootMetadata", "StepCheckpointManager", "StepMetadata"]
 
@@ -264,6 +264,9 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
         step = check_epoch(step)
         blobs = self._check_items(step, items)
         self._check_hints(step, blobs, changed_rows)
+        for node, hints in (changed_rows or {}).items():  # kept until a save takes them
+            for blob, rows in hints.items():
+                self._tracker(node).mark_changed(blob, rows)
         if not (force or self.should_save(step)):
             return False
         self.wait_until_finished()
@@ -277,33 +280,45 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
                         parent=run.parent)
         self._last_save_time = time.monotonic()
         base = current.base_for(step)
-        plans = {node: self._plan(node, base, b, (changed_rows or {}).get(node))
-                 for node, b in blobs.items()}
-        if self._background is None:
-            records = {node: self._save_node(step, node, plans[node].whole, info, plans[node])
-                       for node in blobs}
-            self._committed(current, Save(step, save_id, records))
-            return True
-        # recorded before any submit: if a snapshot fails, the nodes already submitted are still
-        # waited for (and the incomplete save reported) by wait_until_finished
-        self._pending = (step, save_id, current, sorted(blobs))
-        for node in blobs:
-            self._background.submit(step, node, plans[node].whole,
-                                    lambda snapshot, n=node: self._save_node(
-                                        step, n, snapshot, info, plans[n]))
+        plans: dict[str, DeltaWrite] = {}
+        started: set[str] = set()  # nodes whose save ran (or runs): they settle their hints
+        try:
+            for node, b in blobs.items():
+                plans[node] = self._plan(node, base, b)
+            if self._background is None:
+                records = {}
+                for node in blobs:
+                    started.add(node)
+                    records[node] = self._save_node(step, node, plans[node].whole, info,
+                                                    plans[node])
+                self._committed(current, Save(step, save_id, records))
+                return True
+            # recorded before any submit: if a snapshot fails, the nodes already submitted are
+            # still waited for (and the incomplete save reported) by wait_until_finished
+            self._pending = (step, save_id, current, sorted(blobs))
+            for node in blobs:
+                self._background.submit(step, node, plans[node].whole,
+                                        lambda snapshot, n=node: self._save_node(
+                                            step, n, snapshot, info, plans[n]))
+                started.add(node)
+        except BaseException:
+            for node, plan in plans.items():  # their hints count for the next save
+                if node not in started and node in self._trackers:
+                    self._trackers[node].failed(plan)
+            raise
         return True
 
-    def _plan(self, node: str, base: str | None, blobs: dict[str, np.ndarray],
-              hints: Mapping[str, Any] | None) -> DeltaWrite:
-        """What the save of ``node`` writes (everything, unless ``delta_saves``)."""
-        if not self.options.delta_saves:
-            return DeltaWrite(blobs, {}, {})
+    def _tracker(self, node: str) -> DeltaTracker:
         tracker = self._trackers.get(node)
         if tracker is None:
             tracker = self._trackers[node] = DeltaTracker(node, self.options)
-        for blob, rows in (hints or {}).items():
-            tracker.mark_changed(blob, rows)
-        return tracker.plan(base, blobs, self._store.has_record)
+        return tracker
+
+    def _plan(self, node: str, base: str | None, blobs: dict[str, np.ndarray]) -> DeltaWrite:
+        """What the save of ``node`` writes (everything, unless ``delta_saves``)."""
+        if not self.options.delta_saves:
+            return DeltaWrite(blobs, {}, {})
+        return self._tracker(node).plan(base, blobs, self._store.has_record)
 
     def _check_hints(self, step: int, blobs: dict[str, dict[str, np.ndarray]],
                      changed_rows: ChangedRows | None) -> None:
@@ -320,6 +335,9 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
                 raise InvalidLocationError(
                     f"save({step}, changed_rows=...): node {node!r} must be a node of the "
                     f"step mapping blobs of it to row ids (unknown: {unknown})")
+            for blob, rows in hints.items():
+                check_rows(f"save({step}, changed_rows=...): node {node!r}", blob, rows,
+                           blobs[node][blob])
 
     def _run_of(self, nodes: list[str]) -> CurrentRun:
         """The run (and lineage view) of the family ``nodes``: this manager's family."""

@@ -86,8 +86,10 @@ def materialize(url: str, epoch: int, dest: str, *, nodes: Sequence[str] | None 
         try:
             write_group(out, out.path(path), plan)
         except FileExistsError:
-            raise FileExistsError(f"{out.display(path)} exists already: materialize never "
-                                  "overwrites a group; choose another destination") from None
+            raise FileExistsError(
+                f"{out.display(path)} exists already: materialize never overwrites a group "
+                "(one it left unfinished lacks array metadata: delete it); choose another "
+                "destination") from None
         written.append(out.display(path))
     return written
 

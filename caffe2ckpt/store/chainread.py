@@ -165,8 +165,8 @@ class _Reader:
     def apply(self, name: str, group: str, rows: np.ndarray, values: np.ndarray,
               target: np.ndarray) -> None:
         """Write ``values`` at ``rows`` of ``target`` (checked to fit first)."""
-        if (rows.size and (rows[0] < 0 or rows[-1] >= target.shape[0]
-                           or np.any(rows[1:] <= rows[:-1]))
+        if (target.ndim == 0 or rows.size and (rows[0] < 0 or rows[-1] >= target.shape[0]
+                                               or np.any(rows[1:] <= rows[:-1]))
                 or values.shape[1:] != target.shape[1:] or values.dtype != target.dtype):
             raise self.damage(name, group, "its row overlay does not fit the blob")
         target[rows] = values

@@ -29,12 +29,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import xxhash
 
-from caffe2ckpt.errors import InvalidBlobError
 from caffe2ckpt.policy import StepManagerOptions
 from caffe2ckpt.store.chains import ChainGroup, DeltaRecord
 from caffe2ckpt.store.layout import parse_group_name
@@ -151,14 +149,11 @@ class DeltaTracker:
         self._shadow: dict[str, np.ndarray] = {}  # compare: large blobs as last saved (stored)
         self._hints: dict[str, list[np.ndarray]] = {}  # hints: rows changed since that save
 
-    def mark_changed(self, blob: str, rows: Any) -> None:
-        """Note that rows ``rows`` of ``blob`` changed since the last save (hints)."""
-        ids = np.asarray(rows).reshape(-1)
-        if ids.size and not np.issubdtype(ids.dtype, np.integer):
-            raise InvalidBlobError(f"node {self.node!r}, blob {blob!r}: changed rows must be "
-                                   f"integers, got dtype {ids.dtype}")
+    def mark_changed(self, blob: str, rows: np.ndarray) -> None:
+        """Note that rows ``rows`` (int64 ids, checked by the caller against the blob:
+        :func:`caffe2ckpt.workspace.check_rows`) of ``blob`` changed since the last save."""
         with self._lock:
-            self._hints.setdefault(blob, []).append(ids.astype(np.int64, copy=True))
+            self._hints.setdefault(blob, []).append(np.array(rows, np.int64))
 
     def plan(self, base: str | None, blobs: dict[str, np.ndarray],
              stands: Callable[[RecordRef], bool]) -> DeltaWrite:
@@ -277,9 +272,8 @@ class _Planner:
             return "same" if self.out.digests[name] == saved.digests.get(name) else "whole"
         values = arr[rows]
         cost = _overlay_nbytes(rows, values)
-        overlays = len(saved.links[name])  # the chain's groups: whole source + overlays so far
-        if (cost >= arr.nbytes or overlays > self.options.max_delta_chain
-                or saved.overlay_bytes.get(name, 0) + cost
+        # (the chain's length is bounded by the save's depth: plan() writes a save whole then)
+        if (cost >= arr.nbytes or saved.overlay_bytes.get(name, 0) + cost
                 > self.options.max_delta_fraction * arr.nbytes):
             return "whole"
         ids = rows.astype(np.int32 if arr.shape[0] < 2**31 else np.int64)
@@ -296,12 +290,8 @@ class _Planner:
                 return None
             return changed_rows(stored_form(arr), shadow)
         rows = self.out.hints.get(name)
-        if rows is None:
-            return None
-        if rows.size and not (0 <= rows[0] and rows[-1] < arr.shape[0]):
-            raise InvalidBlobError(
-                f"node {self.tracker.node!r}, blob {name!r}: changed rows must be from 0 to "
-                f"{arr.shape[0] - 1}, got {int(rows[0])} .. {int(rows[-1])}")
+        if rows is None or (rows.size and not (0 <= rows[0] and rows[-1] < arr.shape[0])):
+            return None  # no hint, or one for another shape of the blob: compare digests
         return rows
 
 

@@ -331,8 +331,8 @@ def _inherited(name: str, entry: dict[str, Any], stored: set[str]) -> Inherited:
 def _overlay(name: str, entry: dict[str, Any], blob: Inherited | None,
              paths: set[str]) -> tuple[BlobInfo, BlobInfo]:
     """The row overlay of ``blob`` (which must be of kind "rows"): ids, then values."""
-    if blob is None or blob.kind != "rows":
-        raise ValueError(f"blob {name!r:.80}: an overlay of a blob that has none")
+    if blob is None or blob.kind != "rows" or not blob.info.shape:
+        raise ValueError(f"blob {name!r:.80}: an overlay of a blob that has no rows")
     rows = _overlay_info(name, entry["rows"], "rows", paths)
     values = _overlay_info(name, entry["values"], "values", paths)
     if (rows.dtype not in ("<i4", "<i8") or len(rows.shape) != 1

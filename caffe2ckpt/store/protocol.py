@@ -183,12 +183,18 @@ class CheckpointStore:
             why = f"cannot be confirmed: {exc}"
         except OSError as exc:
             why = f"cannot be confirmed: {type(exc).__name__}: {exc}"
-        delete_record(self.location, record.ref)
-        raise CheckpointWriteError(
-            f"checkpoint {self.where(record)!r} (node {record.node!r}, epoch {record.epoch}) is "
-            f"not committed: the save it builds on (epoch {base.epoch if base else '?'}, save "
-            f"{base.save_id if base else '?'}) {why}; the next save is written whole",
-            epoch=record.epoch)
+        what = (f"checkpoint {self.where(record)!r} (node {record.node!r}, epoch "
+                f"{record.epoch}): the save it builds on (epoch {base.epoch if base else '?'}, "
+                f"save {base.save_id if base else '?'}) {why}")
+        try:
+            delete_record(self.location, record.ref)
+        except Exception as undo:  # reported: its record may stand, naming data that is gone
+            raise CheckpointWriteError(
+                f"{what}, and taking its record back failed ({type(undo).__name__}: {undo}): "
+                "it may be committed but unreadable; the next save is written whole",
+                epoch=record.epoch, maybe_committed=True) from undo
+        raise CheckpointWriteError(f"{what}: it is not committed; the next save is written "
+                                   "whole", epoch=record.epoch)
 
     def _take_path(self, node: str, epoch: int, save_id: str, plan: GroupPlan,
                    batch: object) -> str:

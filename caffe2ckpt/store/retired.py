@@ -16,7 +16,7 @@ import json
 from caffe2ckpt.errors import CheckpointError
 from caffe2ckpt.fs import strictjson
 from caffe2ckpt.fs.location import Location
-from caffe2ckpt.store.layout import RETIRED_DIR
+from caffe2ckpt.store.layout import RETIRED_DIR, parse_group_name, save_generation
 from caffe2ckpt.store.records import CommitRecord, RecordRef, record_path
 
 __all__ = ["forget", "retire", "unfinished"]
@@ -51,8 +51,20 @@ def unfinished(location: Location) -> list[tuple[RecordRef, dict[str, str]]]:
         try:
             note = strictjson.loads(location.read_bytes(_path(location, ref),
                                                         limit=strictjson.MAX_BYTES))
-            groups = {str(g): str(i) for g, i in note["groups"].items()}
+            groups = {g: i for g, i in note["groups"].items() if _named(ref, g, i)}
         except (CheckpointError, ValueError, KeyError, TypeError, AttributeError):
             groups = {}
         out.append((ref, groups))
     return out
+
+
+def _named(ref: RecordRef, group: object, owner: object) -> bool:
+    """Whether a note of the record ``ref`` may name ``group`` (of save ``owner``): its own
+    group, or an older group of its node written by its run (what a record's closure holds);
+    anything else in a note is ignored."""
+    parsed = parse_group_name(group) if isinstance(group, str) else None
+    if parsed is None or not isinstance(owner, str) or parsed.node != ref.node:
+        return False
+    own = parsed.epoch == ref.epoch and owner == ref.save_id
+    return (parsed.save_id in (None, owner) and (own or parsed.epoch < ref.epoch)
+            and save_generation(owner) == ref.generation > 0)

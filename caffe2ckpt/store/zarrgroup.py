@@ -268,11 +268,12 @@ def plan_group(*, node: str, epoch: int, save_id: str,
 
 
 def write_arrays(location: Location, root: str, plan: GroupPlan,
-                 batch: localio.SyncBatch | None) -> dict[str, tuple[int, ...]]:
+                 batch: localio.SyncBatch | None, *,
+                 metadata: bool = True) -> dict[str, tuple[int, ...]]:
     """Write every array of ``plan`` into the group at ``root`` (whose ``zarr.json`` exists):
-    metadata files and chunks concurrently, each handed to ``batch`` for its flush (local
-    disks; the caller makes the batch durable). Returns every chunk's CRC32C, by array path.
-    Every write has finished when this returns, also when it raises."""
+    metadata files (unless not ``metadata``) and chunks concurrently, each handed to ``batch``
+    for its flush (local disks; the caller makes the batch durable). Returns every chunk's
+    CRC32C, by array path. Every write has finished when this returns, also when it raises."""
     if location.is_local:
         for array in plan.arrays:
             location.makedirs(f"{root}/{array.path}", batch=batch)
@@ -281,8 +282,10 @@ def write_arrays(location: Location, root: str, plan: GroupPlan,
     futures: list[Future[Any]] = []
     chunks: list[tuple[str, Future[int]]] = []
     for array in plan.arrays:
-        futures.append(_pool().submit(location.write_file, f"{root}/{array.path}/zarr.json",
-                                      [array.metadata], batch=batch))
+        if metadata:
+            futures.append(_pool().submit(location.write_file,
+                                          f"{root}/{array.path}/zarr.json", [array.metadata],
+                                          batch=batch))
         for key, rows, padding in _chunks(array.shape, array.rows, array.data.shape[1],
                                           padded=True):
             future = _pool().submit(_write_chunk, location, f"{root}/{array.path}/{key}",
@@ -375,11 +378,19 @@ def _as_bytes(part: Any) -> Any:
 
 def write_group(location: Location, root: str, plan: GroupPlan) -> dict[str, tuple[int, ...]]:
     """Write the group ``plan`` describes at ``root`` (which must not exist: its ``zarr.json``
-    is created exclusively first), durably; return every chunk's CRC32C by array path."""
+    is created exclusively first), durably; return every chunk's CRC32C by array path. Each
+    array's ``zarr.json`` is written once every chunk is durable, so a group cut short lacks
+    array metadata (a reader fails) instead of missing chunks (read as zeros)."""
     batch = location.sync_batch()
     try:
         location.create_group(root, GROUP_FILE, plan.group_json, batch=batch)
-        crcs = write_arrays(location, root, plan, batch)
+        crcs = write_arrays(location, root, plan, batch, metadata=False)
+        location.make_durable(batch, [], _pool())
+        batch = location.sync_batch()
+        if batch is not None:
+            batch.add_dirs([f"{root}/{array.path}" for array in plan.arrays])
+        _wait_all([_pool().submit(location.write_file, f"{root}/{array.path}/{GROUP_FILE}",
+                                  [array.metadata], batch=batch) for array in plan.arrays])
         location.make_durable(batch, [], _pool())
     except BaseException:
         if batch is not None:

@@ -122,3 +122,73 @@ def test_a_manifest_whose_chain_differs_from_its_record_is_damage(prefix, saved)
         with pytest.raises(CheckpointCorruptedError) as caught:
             reader.restore(2)
     assert (caught.value.node, caught.value.epoch) == ("n0", 2)
+
+
+def test_crafted_retire_notes_cannot_remove_what_they_do_not_own(prefix, saved, monkeypatch,
+                                                                 capsys):
+    """A retire note is followed only for its own node's groups of its own run, older than
+    its epoch, and (like any leftover) after the grace period: a note naming another node's
+    group, another run's, a newer one, or the group of a save still in progress removes
+    nothing of them (found by review)."""
+    from caffe2ckpt.store import protocol
+
+    store = open_store(prefix)
+    refs = {(r.epoch, r.node): r for r in list_records(store.location)}
+    sid = refs[(2, "n0")].save_id
+    with StepCheckpointManager(prefix, options=OPTIONS, handle_preemption=False) as mgr:
+        mgr.restore(2)
+        monkeypatch.setattr(protocol, "write_record", _refuse)
+        for step, first in ((3, "n0"), (4, "n1")):  # leaves n0.3 and n1.4 uncommitted, live
+            with pytest.raises(Exception, match="refused"):
+                mgr.save(step, {n: {"t": saved[2][n]} for n in (first, *NODES)}, force=True)
+        monkeypatch.undo()
+    groups = {"n0": "n0.3", "n1": "n1.4"}
+    progress = {n: store.location.list_names(store.location.path(g)) for n, g in groups.items()}
+    pending = {n: json.loads(store.location.read_bytes(
+        store.location.path(g, "zarr.json"), limit=1 << 20))["attributes"]["caffe2ckpt"][
+            "save_id"] for n, g in groups.items()}
+    crafted = {  # record name -> groups: none of them may be removed on its account
+        f"000000000009.n0.{sid}.json": {"n1.4": pending["n1"]},  # another node's group
+        "000000000009.n0.g77-18eb0000000000000000aaaa.json": {"n0.3": pending["n0"]},  # run
+        f"000000000001.n0.{sid}.json": {"n0.3": pending["n0"]},  # newer than the note
+    }
+    write_notes(store, crafted)
+    assert cli_main(["gc", prefix, "--min-age", "0", "--yes"]) == 0
+    # a note of its own node and run: followed, but (a save in progress is recent) only
+    # after the grace period, like any leftover
+    write_notes(store, {f"000000000009.n0.{sid}.json": {"n0.3": pending["n0"]}})
+    assert cli_main(["gc", prefix, "--yes"]) == 0
+    capsys.readouterr()
+    assert {n: store.location.list_names(store.location.path(g))
+            for n, g in groups.items()} == progress
+    with StepCheckpointManager(prefix, handle_preemption=False) as reader:
+        for step in (0, 1, 2):
+            got = reader.restore(step)
+            assert all(np.array_equal(got[n]["t"], saved[step][n]) for n in ("n0", "n1"))
+
+
+NODES = ("n0", "n1")
+
+
+def write_notes(store, notes: dict) -> None:
+    for name, groups in notes.items():
+        store.location.replace_file(store.location.path("_retired", name),
+                                    json.dumps({"groups": groups}).encode())
+
+
+def _refuse(*args, **kwargs):
+    raise OSError("record refused")
+
+
+def test_a_row_overlay_of_a_0d_blob_is_damage(prefix, saved):
+    store = open_store(prefix)
+    record = next(r for r in (store.read_record(ref) for ref in list_records(store.location))
+                  if (r.epoch, r.node) == (2, "n0"))
+    group = store.location.path(record.group, "zarr.json")
+    meta = json.loads(store.location.read_bytes(group, limit=1 << 20))
+    meta["attributes"]["caffe2ckpt"]["delta"]["blobs"]["t"]["shape"] = []
+    store.location.replace_file(group, json.dumps(meta).encode())
+    with StepCheckpointManager(prefix, handle_preemption=False) as reader:
+        with pytest.raises(CheckpointCorruptedError) as caught:
+            reader.restore(2)
+    assert (caught.value.node, caught.value.epoch) == ("n0", 2)

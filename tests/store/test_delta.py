@@ -66,6 +66,19 @@ class Model:
         return {k: np.array(v, copy=True, order="K") for k, v in self.blobs.items()}
 
 
+def save_steps(mgr: StepCheckpointManager, model: Model, steps: int,
+               states: dict[int, dict[str, np.ndarray]] | None = None) -> dict:
+    """Save steps 0..``steps``-1 of ``model`` (changed before each but the first); return
+    (and fill) what each step holds."""
+    states = {} if states is None else states
+    for step in range(steps):
+        if step:
+            model.step()
+        mgr.save(step, {"n0": model.blobs})
+        states[step] = model.copy()
+    return states
+
+
 def options(**kw) -> StepManagerOptions:
     return StepManagerOptions(delta_saves=True, delta_min_bytes=SMALL, **kw)
 
@@ -165,9 +178,7 @@ def test_chains_are_bounded_by_length_and_by_overlay_bytes(prefix):
     model = Model()
     with StepCheckpointManager(prefix, options=options(max_delta_chain=2),
                                handle_preemption=False) as mgr:
-        for step in range(7):
-            model.step() if step else None
-            mgr.save(step, {"n0": model.blobs})
+        save_steps(mgr, model, 7)
     depths = [r.delta.depth if r.delta else 0
               for r in sorted(scan(open_store(prefix)).records(), key=lambda r: r.epoch)
               if r.node == "n0"]
@@ -176,9 +187,7 @@ def test_chains_are_bounded_by_length_and_by_overlay_bytes(prefix):
     second = "memory://fraction" if prefix.startswith("memory") else f"{prefix}-fraction"
     with StepCheckpointManager(second, options=options(max_delta_fraction=0.12),
                                handle_preemption=False) as mgr:
-        for step in range(4):
-            model.step() if step else None
-            mgr.save(step, {"n0": model.blobs})
+        save_steps(mgr, model, 4)
         kinds = open_store(second).manifest(mgr._step(3).records["n0"]).inherited
     assert "emb/table" not in kinds and kinds["frozen"][0] == "same"
 
@@ -214,10 +223,7 @@ def test_delta_options_are_validated(option, value):
 def test_a_deleted_base_makes_the_next_save_whole(prefix):
     model, states = Model(), {}
     with StepCheckpointManager(prefix, options=options(), handle_preemption=False) as mgr:
-        for step in range(2):
-            model.step() if step else None
-            mgr.save(step, {"n0": model.blobs})
-            states[step] = model.copy()
+        save_steps(mgr, model, 2, states)
         with reader(prefix) as other:
             other.delete(1)  # the newest: the base of the next save
         model.step()
@@ -253,10 +259,7 @@ def test_a_base_deleted_while_a_delta_is_written_takes_its_record_back(prefix):
 def test_gc_keeps_every_chain_a_kept_step_needs_and_sweeps_the_rest(prefix, capsys):
     model, states = Model(), {}
     with StepCheckpointManager(prefix, options=options(), handle_preemption=False) as mgr:
-        for step in range(8):
-            model.step() if step else None
-            mgr.save(step, {"n0": model.blobs})
-            states[step] = model.copy()
+        save_steps(mgr, model, 8, states)
     assert cli_main(["gc", prefix, "--keep-last", "2", "--yes", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert [d["epoch"] for d in doc["delete"]] == [0, 1, 2, 3, 4, 5]
@@ -272,10 +275,7 @@ def test_gc_keeps_every_chain_a_kept_step_needs_and_sweeps_the_rest(prefix, caps
 def test_a_damaged_base_is_found_in_every_step_built_on_it(prefix):
     model, states = Model(), {}
     with StepCheckpointManager(prefix, options=options(), handle_preemption=False) as mgr:
-        for step in range(4):
-            model.step() if step else None
-            mgr.save(step, {"n0": model.blobs})
-            states[step] = model.copy()
+        save_steps(mgr, model, 4, states)
     store = open_store(prefix)
     chunk = store.location.path("n0.0", "emb%2Ftable", "c.0.0")
     data = bytearray(store.location.read_bytes(chunk, limit=1 << 30))
@@ -293,10 +293,7 @@ def test_async_differential_saves_restore_bit_exact(prefix):
     model, states = Model(), {}
     opts = options(enable_async_checkpointing=True, max_to_keep=3)
     with StepCheckpointManager(prefix, options=opts, handle_preemption=False) as mgr:
-        for step in range(7):
-            model.step() if step else None
-            mgr.save(step, {"n0": model.blobs})
-            states[step] = model.copy()
+        save_steps(mgr, model, 7, states)
     assert check_all(prefix, states) == [4, 5, 6]
     assert [r.delta is not None for r in sorted(scan(open_store(prefix)).records(),
                                                  key=lambda r: r.epoch)] == [True, False, True]
@@ -306,10 +303,7 @@ def test_every_kept_step_reads_bit_exact_through_plain_zarr(prefix, tmp_path):
     model, states = Model(), {}
     with StepCheckpointManager(prefix, options=options(max_to_keep=3),
                                handle_preemption=False) as mgr:
-        for step in range(6):
-            model.step() if step else None
-            mgr.save(step, {"n0": model.blobs})
-            states[step] = model.copy()
+        save_steps(mgr, model, 6, states)
     for step in (3, 4, 5):  # whole (3) and deltas on it
         store = caffe2ckpt.zarr_store(prefix, step, "n0")
         assert_same(read_group(zarr.open_group(store=store, mode="r")), states[step])
@@ -350,9 +344,7 @@ def read_group(group) -> dict[str, np.ndarray]:
 def test_the_cli_tells_deltas_pinned_groups_and_materializes(prefix, tmp_path, capsys):
     model = Model()
     with StepCheckpointManager(prefix, options=options(), handle_preemption=False) as mgr:
-        for step in range(3):
-            model.step() if step else None
-            mgr.save(step, {"n0": model.blobs})
+        save_steps(mgr, model, 3)
     assert cli_main(["ls", prefix, "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["epochs"]
     assert [(r["kind"], r.get("depth")) for r in rows] == [("full", None), ("delta", 1),
@@ -374,3 +366,74 @@ def test_the_cli_tells_deltas_pinned_groups_and_materializes(prefix, tmp_path, c
     assert json.loads(capsys.readouterr().out)["groups"][0].endswith("n0.2")
     assert cli_main(["materialize", prefix, "--epoch", "7", dest]) == 3
     assert "epoch 7 is not committed" in capsys.readouterr().err
+
+
+def test_hints_of_a_save_that_failed_on_another_node_count_for_the_next(prefix, monkeypatch):
+    """Node a's save fails; node b's was never attempted: both nodes' hints stay for the next
+    save, which restores bit-exact (found by review)."""
+    tables = {n: np.zeros((ROWS, 16), np.float32) for n in ("a", "b")}
+    opts = options(delta_detection="hints")
+    with StepCheckpointManager(prefix, options=opts, handle_preemption=False) as mgr:
+        mgr.save(0, {n: {"t": t} for n, t in tables.items()})
+        real = mgr._store.save_node
+
+        def failing(node, *args, **kw):
+            if node == "a":
+                raise OSError("a transient I/O error")
+            return real(node, *args, **kw)
+        monkeypatch.setattr(mgr._store, "save_node", failing)
+        for t in tables.values():
+            t[[5, 6]] = 1.0
+        with pytest.raises(CheckpointWriteError, match="transient"):
+            mgr.save(1, {n: {"t": t} for n, t in tables.items()},
+                     changed_rows={n: {"t": [5, 6]} for n in tables})
+        monkeypatch.undo()
+        for t in tables.values():
+            t[9] = 2.0
+        mgr.save(2, {n: {"t": t} for n, t in tables.items()},
+                 changed_rows={n: {"t": [9]} for n in tables})
+    with reader(prefix) as r:
+        got = r.restore(2)
+    assert all(np.array_equal(got[n]["t"], t) for n, t in tables.items())
+
+
+def test_hints_given_with_steps_the_policy_skips_count_for_the_next_save(prefix):
+    table = np.zeros((ROWS, 16), np.float32)
+    opts = options(delta_detection="hints", save_interval_steps=2)
+    states = {}
+    with StepCheckpointManager(prefix, options=opts, handle_preemption=False) as mgr:
+        for step in range(5):
+            table[step] = step + 1
+            if mgr.save(step, {"n0": {"t": table}}, changed_rows={"n0": {"t": [step]}}):
+                states[step] = table.copy()
+    assert sorted(states) == [0, 2, 4]
+    with reader(prefix) as r:
+        for step, want in states.items():
+            assert np.array_equal(r.restore(step)["n0"]["t"], want), step
+
+
+def test_a_hint_for_rows_a_blob_no_longer_has_is_no_hint(prefix):
+    """A hint noted before the blob shrank is not a promise about the new blob: it is
+    compared by digest (written whole if it changed), and later saves are not blocked."""
+    ws = caffe2ckpt.Workspace({"t": np.zeros((ROWS, 4), np.float32)})
+    with pytest.raises(InvalidBlobError, match=r"mark_changed, blob 't'.*0 to 4095"):
+        ws.mark_changed("t", [ROWS])
+    tracker = DeltaTracker("n0", options(delta_detection="hints"))
+    store = open_store(prefix)
+    info = SaveInfo(save_id=new_save_id(runs.claim(store.location, nodes=["n0"],
+                                                   parent=None).generation), nodes=["n0"])
+    plan = tracker.plan(None, {"t": ws["t"]}, store.has_record)
+    tracker.committed(store.save_node("n0", 0, plan.whole, info, plan), plan, plan.whole)
+    tracker.mark_changed("t", np.array([ROWS - 1]))
+    smaller = np.ones((ROWS // 2, 4), np.float32)
+    assert tracker.plan(info.save_id, {"t": smaller}, store.has_record).whole == {"t": smaller}
+
+
+def test_diff_reads_differential_epochs(prefix, capsys):
+    model = Model()
+    with StepCheckpointManager(prefix, options=options(), handle_preemption=False) as mgr:
+        save_steps(mgr, model, 3)
+    assert cli_main(["diff", prefix, "1", "2", "--json"]) == 0
+    blobs = {b["name"]: b for b in json.loads(capsys.readouterr().out)["blobs"]}
+    assert blobs["emb/table"]["status"] == "changed" and blobs["frozen"]["status"] == "same"
+    assert blobs["emb/table"]["differing"] == int(ROWS * 0.05) * 64

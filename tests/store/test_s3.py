@@ -39,6 +39,23 @@ def s3(s3_server, s3_bucket):
     return {**s3_server.options(), "skip_instance_cache": True}, s3_bucket
 
 
+def count_requests(monkeypatch) -> list[tuple[str, str, int]]:
+    """Every S3 request from now on (where s3fs calls S3, in aiobotocore): operation, key (or
+    prefix) and bytes up, in the list returned."""
+    from aiobotocore.client import AioBaseClient
+
+    calls: list[tuple[str, str, int]] = []
+    real = AioBaseClient._make_api_call
+
+    async def counted(client, operation, params):
+        body = params.get("Body", b"")
+        calls.append((operation, params.get("Key", params.get("Prefix", "")),
+                      len(body) if isinstance(body, bytes | bytearray | memoryview) else -1))
+        return await real(client, operation, params)
+    monkeypatch.setattr(AioBaseClient, "_make_api_call", counted)
+    return calls
+
+
 def manager(options, url: str, **kw) -> MultiNodeCheckpointManager:
     return MultiNodeCheckpointManager(url, storage_options=options,
                                       metadata_handler=ZarrMetadataHandler(), **kw)
@@ -100,7 +117,6 @@ def test_a_save_on_s3_sends_puts_and_one_fence_check_and_nothing_else(s3, monkey
     another save's); no LIST, HEAD, DELETE or COPY, nothing else downloaded, and the bytes
     uploaded for the group's chunks are the payload's."""
     import numpy as np
-    from aiobotocore.client import AioBaseClient
 
     from caffe2ckpt.store import runs
     from caffe2ckpt.store.layout import new_save_id
@@ -110,15 +126,7 @@ def test_a_save_on_s3_sends_puts_and_one_fence_check_and_nothing_else(s3, monkey
     store = CheckpointStore(Location(f"s3://{bucket}/wire", options))
     run = runs.claim(store.location, nodes=["n"], parent=None)
     blobs = {"w": np.arange(1 << 18, dtype=np.float32), "v": np.ones(3000)}
-    calls: list[tuple[str, str, int]] = []
-    real = AioBaseClient._make_api_call
-
-    async def counted(client, operation, params):
-        body = params.get("Body", b"")
-        calls.append((operation, params.get("Key", params.get("Prefix", "")),
-                      len(body) if isinstance(body, bytes | bytearray | memoryview) else -1))
-        return await real(client, operation, params)
-    monkeypatch.setattr(AioBaseClient, "_make_api_call", counted)
+    calls = count_requests(monkeypatch)
     for taken in (False, True):  # a first save of epoch 1, then a second one
         calls.clear()
         epoch = 1
@@ -289,7 +297,6 @@ def test_a_delta_save_on_s3_sends_few_requests_and_no_listing(s3, monkeypatch):
     planning and after the commit, and the fence check (GETs). At most 16 requests, no LIST,
     and the bytes uploaded are the changed rows, their ids and the packed blobs."""
     import numpy as np
-    from aiobotocore.client import AioBaseClient
 
     from caffe2ckpt import StepCheckpointManager, StepManagerOptions
 
@@ -298,14 +305,6 @@ def test_a_delta_save_on_s3_sends_few_requests_and_no_listing(s3, monkeypatch):
     table = rng.random((16384, 64), dtype=np.float32)  # 4 MiB: an array of its own
     blobs = {"table": table, "frozen": rng.random((256, 256), dtype=np.float32),
              "dense": rng.random(4096, dtype=np.float32)}
-    calls: list[tuple[str, str, int]] = []
-    real = AioBaseClient._make_api_call
-
-    async def counted(client, operation, params):
-        body = params.get("Body", b"")
-        calls.append((operation, params.get("Key", params.get("Prefix", "")),
-                      len(body) if isinstance(body, bytes | bytearray | memoryview) else -1))
-        return await real(client, operation, params)
     opts = StepManagerOptions(delta_saves=True, delta_min_bytes=1 << 20)
     with StepCheckpointManager(f"s3://{bucket}/delta", options=opts, storage_options=options,
                                handle_preemption=False) as mgr:
@@ -313,7 +312,7 @@ def test_a_delta_save_on_s3_sends_few_requests_and_no_listing(s3, monkeypatch):
         rows = np.sort(rng.choice(16384, 819, replace=False))
         table[rows] += 1
         blobs["dense"] += 1
-        monkeypatch.setattr(AioBaseClient, "_make_api_call", counted)
+        calls = count_requests(monkeypatch)
         mgr.save(1, {"n": blobs}, force=True)
         monkeypatch.undo()
     ops = [op for op, _key, _n in calls]
