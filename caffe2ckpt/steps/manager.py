@@ -48,19 +48,19 @@ from caffe2ckpt.naming import check_epoch, check_node_name, get_ckpt_filename
 from caffe2ckpt.policy import StepManagerOptions, should_save
 from caffe2ckpt.preemption import PreemptionWatch
 from caffe2ckpt.steps.abstract import AbstractCheckpointManager
+from caffe2ckpt.steps.hints import ChangedRows, check_hints
 from caffe2ckpt.store.delta import DeltaTracker, DeltaWrite
 from caffe2ckpt.store.layout import ROOT_METADATA, new_save_id
 from caffe2ckpt.store.protocol import CheckpointStore, SaveInfo
 from caffe2ckpt.store.records import CommitRecord
 from caffe2ckpt.store.zarrgroup import DEFAULT_PACK_THRESHOLD
-from caffe2ckpt.workspace import as_blob, check_rows
+from caffe2ckpt.workspace import as_blob
 
 __all__ = ["BlobMetadata", "RootMetadata", "StepCheckpointManager", "StepMetadata"]
 
 logger = logging.getLogger(__name__)
 
 Items = Mapping[str, Mapping[str, Any]]  # {node: {blob name: array}}
-ChangedRows = Mapping[str, Mapping[str, Any]]  # {node: {blob name: row ids}}
 
 
 @dataclass(frozen=True)
@@ -263,7 +263,7 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
         """
         step = check_epoch(step)
         blobs = self._check_items(step, items)
-        self._check_hints(step, blobs, changed_rows)
+        check_hints(step, blobs, changed_rows, self.options)
         for node, hints in (changed_rows or {}).items():  # kept until a save takes them
             for blob, rows in hints.items():
                 self._tracker(node).mark_changed(blob, rows)
@@ -319,25 +319,6 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
         if not self.options.delta_saves:
             return DeltaWrite(blobs, {}, {})
         return self._tracker(node).plan(base, blobs, self._store.has_record)
-
-    def _check_hints(self, step: int, blobs: dict[str, dict[str, np.ndarray]],
-                     changed_rows: ChangedRows | None) -> None:
-        if changed_rows is None:
-            return
-        if not (self.options.delta_saves and self.options.delta_detection == "hints"):
-            raise JobDefinitionError(
-                f"save({step}, changed_rows=...): hints are used only with "
-                "StepManagerOptions(delta_saves=True, delta_detection='hints')")
-        for node, hints in changed_rows.items():
-            unknown = sorted(set(hints) - set(blobs.get(node, {}))) if isinstance(
-                hints, Mapping) else None
-            if node not in blobs or unknown is None or unknown:
-                raise InvalidLocationError(
-                    f"save({step}, changed_rows=...): node {node!r} must be a node of the "
-                    f"step mapping blobs of it to row ids (unknown: {unknown})")
-            for blob, rows in hints.items():
-                check_rows(f"save({step}, changed_rows=...): node {node!r}", blob, rows,
-                           blobs[node][blob])
 
     def _run_of(self, nodes: list[str]) -> CurrentRun:
         """The run (and lineage view) of the family ``nodes``: this manager's family."""

@@ -31,7 +31,6 @@ with one extra trailing axis, and restored to the exact original dtype.
 
 from __future__ import annotations
 
-import bisect
 import functools
 import hashlib
 import json
@@ -65,6 +64,7 @@ from caffe2ckpt.store.manifest import (
     chunk_rows,
     stored_spec,
 )
+from caffe2ckpt.store.packing import Packed
 
 __all__ = ["ATTRS_KEY", "CRC_BYTES", "DEFAULT_PACK_THRESHOLD", "GROUP_FILE", "DeltaLayout",
            "GroupPlan", "epoch_store", "parse_manifest", "plan_group", "stored_form",
@@ -77,9 +77,8 @@ GROUP_FILE = "zarr.json"
 # restore, which made most of the time of a workspace of many medium arrays (W2s, 69 MiB in 200
 # arrays, benchmarks/bench_phases.py: 144 files and 76 fsyncs at 64 KiB, save 0.80x raw, restore
 # 0.62x; 21 files and 14 fsyncs at 1 MiB, 0.94-1.03x and 1.06-1.08x). Packing copies a blob
-# once, a chunk at a time on the I/O threads (_Packed); restored packed blobs share one buffer.
+# once, a chunk at a time on the I/O threads (Packed); restored packed blobs share one buffer.
 DEFAULT_PACK_THRESHOLD = 1 << 20
-_ALIGN = 64
 CRC_BYTES = 4  # every chunk file ends with the CRC32C of its bytes
 
 
@@ -141,7 +140,7 @@ def _chunks(shape: tuple[int, ...], rows: int, row_bytes: int,
 class _ArrayPlan(NamedTuple):
     path: str  # relative to the group
     shape: tuple[int, ...]  # of the stored array
-    data: np.ndarray | _Packed | None  # (rows, bytes per row) uint8 view of the stored array
+    data: np.ndarray | Packed | None  # (rows, bytes per row) uint8 view of the stored array
     rows: int  # per chunk
     metadata: bytes  # its zarr.json
 
@@ -221,7 +220,7 @@ def plan_group(*, node: str, epoch: int, save_id: str,
     pack_threshold = max(1, pack_threshold)
     arrays: dict[str, BlobInfo] = {}
     packed: list[BlobInfo] = []
-    pieces = _Packed()
+    pieces = Packed()
     plans: list[_ArrayPlan] = []
     packed_bytes = 0
     dtypes: dict[np.dtype, str] = {}  # dtype.str makes a new string on every call
@@ -298,7 +297,7 @@ def write_arrays(location: Location, root: str, plan: GroupPlan,
     return {path: tuple(values) for path, values in crcs.items()}
 
 
-def _write_chunk(location: Location, path: str, data: np.ndarray | _Packed, rows: slice,
+def _write_chunk(location: Location, path: str, data: np.ndarray | Packed, rows: slice,
                  padding: int, batch: localio.SyncBatch | None) -> int:
     """Write one chunk file: rows ``rows`` of ``data`` (taken here, on an I/O thread: a packed
     chunk is assembled by the thread that writes it), then ``padding`` zero bytes, then the
@@ -315,65 +314,6 @@ def _write_chunk(location: Location, path: str, data: np.ndarray | _Packed, rows
     buffers.append(crc.to_bytes(CRC_BYTES, "little"))
     location.write_file(path, buffers, batch=batch)
     return crc
-
-
-class _Packed:
-    """The packed array's bytes, never held whole: :meth:`add` places each small blob at the
-    next aligned offset (no copy), and each chunk is assembled when it is written, on the I/O
-    threads: from the blobs' own memory when they are large enough to be written one by one,
-    else joined (a few chunks at a time, never every small blob of the save at once). W2s
-    (bench_phases.py): save 0.97x raw with every chunk joined, 1.19x written from the blobs."""
-
-    def __init__(self) -> None:
-        self.parts: list[Any] = []  # the blobs and the zeros between them, back to back
-        self.starts: list[int] = []  # where each part starts (ascending)
-        self.filled = 0  # where the last part ends
-        self.nbytes = 0  # where the next blob may start (before alignment)
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (self.nbytes, 1)  # rows of one byte, like an own array's data
-
-    def add(self, arr: np.ndarray) -> int:
-        """Place C-contiguous ``arr`` at the next multiple of :data:`_ALIGN`; its offset."""
-        offset = -(-self.nbytes // _ALIGN) * _ALIGN
-        if arr.nbytes:
-            if offset > self.filled:
-                self.starts.append(self.filled)
-                self.parts.append(bytes(offset - self.filled))
-            self.starts.append(offset)
-            self.parts.append(arr)  # C-contiguous: its buffer is its bytes
-            self.filled = offset + arr.nbytes
-        self.nbytes = offset + arr.nbytes
-        return offset
-
-    def __getitem__(self, rows: slice) -> np.ndarray | list[Any]:
-        """Bytes ``rows.start`` to ``rows.stop``: the blobs' own buffers (bytes views) and the
-        zeros between them, written as they are, if they average :data:`_OWN_WRITE_BYTES` or
-        more; else joined into one (bytes, 1) uint8 array (one write, not thousands)."""
-        start, stop = rows.start, min(rows.stop, self.filled)
-        first = max(0, bisect.bisect_right(self.starts, start) - 1)
-        last = bisect.bisect_left(self.starts, stop)  # parts[first:last] overlap the window
-        parts = self.parts[first:last]
-        if parts:
-            head, tail = start - self.starts[first], stop - self.starts[last - 1]
-            if len(parts) == 1:
-                parts[0] = _as_bytes(parts[0])[head:tail]
-            else:
-                parts[0], parts[-1] = _as_bytes(parts[0])[head:], _as_bytes(parts[-1])[:tail]
-        parts.append(bytes(rows.stop - max(stop, start)))  # zeros after the last blob
-        if (rows.stop - rows.start) >= _OWN_WRITE_BYTES * len(parts):
-            return [_as_bytes(part) for part in parts]
-        return np.frombuffer(b"".join(parts), np.uint8).reshape(-1, 1)
-
-
-# packed chunks whose parts average this many bytes are written from the blobs' own memory
-_OWN_WRITE_BYTES = 16 * 1024
-
-
-def _as_bytes(part: Any) -> Any:
-    """A part of :class:`_Packed` (an array, or zeros) as one byte per item, to slice."""
-    return part.reshape(-1).view(np.uint8) if isinstance(part, np.ndarray) else part
 
 
 def write_group(location: Location, root: str, plan: GroupPlan) -> dict[str, tuple[int, ...]]:
@@ -460,7 +400,7 @@ class _LazyGroup(MutableMapping[str, Any]):
         raise TypeError("this store is read-only")
 
 
-def _chunk_bytes(data: np.ndarray | _Packed, rows: slice, padding: int) -> bytes:
+def _chunk_bytes(data: np.ndarray | Packed, rows: slice, padding: int) -> bytes:
     """One chunk file's bytes: the rows, ``padding`` zeros, then their CRC32C."""
     chunk = data[rows]
     raw = (np.ascontiguousarray(chunk).tobytes() if isinstance(chunk, np.ndarray)

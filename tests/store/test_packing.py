@@ -1,5 +1,5 @@
 """The packed array is assembled a chunk at a time when it is written (store/zarrgroup.py,
-``_Packed``): every chunk holds exactly the bytes a whole packed buffer would, and a packed array
+``Packed`` in store/packing.py): every chunk holds exactly the bytes a whole packed buffer would, and a packed array
 of several chunks round-trips and reads with plain zarr."""
 
 from __future__ import annotations
