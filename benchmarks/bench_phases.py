@@ -61,7 +61,7 @@ from bench_checkpoint import drop_caches, make_workload, raw_load, raw_save
 
 import caffe2ckpt
 from caffe2ckpt.fs.location import Location
-from caffe2ckpt.store import groupread, protocol, zarrgroup
+from caffe2ckpt.store import groupread, packing, protocol, zarrgroup
 
 NODE = "trainer_0"
 SEED = 20240601
@@ -125,7 +125,7 @@ def instrumented(clock: Clock):
     from caffe2ckpt.fs import localio
 
     patches = [
-        (protocol, "plan_group", "plan"), (zarrgroup._Packed, "__getitem__", "packing"),
+        (protocol, "plan_group", "plan"), (packing.Packed, "__getitem__", "packing"),
         (protocol.CheckpointStore, "_take_path", "take path"),
         (protocol, "write_arrays", "write"), (Location, "make_durable", "flush"),
         (protocol.runs, "check_fence", "fence"), (protocol, "write_record", "record"),

@@ -145,11 +145,12 @@ def test_crafted_retire_notes_cannot_remove_what_they_do_not_own(prefix, saved, 
     sid = refs[(2, "n0")].save_id
     with StepCheckpointManager(prefix, options=OPTIONS, handle_preemption=False) as mgr:
         mgr.restore(2)
-        monkeypatch.setattr(protocol, "write_record", _refuse)
-        for step, first in ((3, "n0"), (4, "n1")):  # leaves n0.3 and n1.4 uncommitted, live
-            with pytest.raises(Exception, match="refused"):
-                mgr.save(step, {n: {"t": saved[2][n]} for n in (first, *NODES)}, force=True)
-        monkeypatch.undo()
+        with monkeypatch.context() as patch:
+            patch.setattr(protocol, "write_record", _refuse)
+            for step, first in ((3, "n0"), (4, "n1")):  # leaves n0.3, n1.4 uncommitted, live
+                with pytest.raises(Exception, match="refused"):
+                    mgr.save(step, {n: {"t": saved[2][n]} for n in (first, *NODES)},
+                             force=True)
     groups = {"n0": "n0.3", "n1": "n1.4"}
     progress = {n: store.location.list_names(store.location.path(g)) for n, g in groups.items()}
     pending = {n: json.loads(store.location.read_bytes(

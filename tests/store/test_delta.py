@@ -381,13 +381,13 @@ def test_hints_of_a_save_that_failed_on_another_node_count_for_the_next(prefix, 
             if node == "a":
                 raise OSError("a transient I/O error")
             return real(node, *args, **kw)
-        monkeypatch.setattr(mgr._store, "save_node", failing)
         for t in tables.values():
             t[[5, 6]] = 1.0
-        with pytest.raises(CheckpointWriteError, match="transient"):
+        with monkeypatch.context() as patch, pytest.raises(CheckpointWriteError,
+                                                           match="transient"):
+            patch.setattr(mgr._store, "save_node", failing)
             mgr.save(1, {n: {"t": t} for n, t in tables.items()},
                      changed_rows={n: {"t": [5, 6]} for n in tables})
-        monkeypatch.undo()
         for t in tables.values():
             t[9] = 2.0
         mgr.save(2, {n: {"t": t} for n, t in tables.items()},
