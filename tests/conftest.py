@@ -13,6 +13,9 @@ os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="caffe2ckpt-prefect-home-")
 os.environ.pop("PREFECT_API_URL", None)
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+# Dask's schedulers and workers (also in the processes they start) log at INFO to stderr, which
+# lands among pytest's dots: warnings and errors only
+os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
 
 import fsspec
 import pytest

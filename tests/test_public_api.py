@@ -24,6 +24,15 @@ def test_all_is_exactly_the_public_names_and_sorted():
         assert getattr(caffe2ckpt, name) is not None
 
 
+def test_the_readme_error_tree_names_every_public_error():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    tree = text.split("## Errors", 1)[1].split("```")[1]
+    named = {line.strip("│├└─ ").split(" ")[0] for line in tree.splitlines() if line.strip()}
+    assert named == set(errors.__all__)
+
+
 def test_error_tree():
     assert issubclass(errors.CheckpointNotFoundError, FileNotFoundError)
     assert issubclass(errors.CheckpointCorruptedError, ValueError)
@@ -37,3 +46,14 @@ def test_import_does_not_import_prefect_or_zarr_eagerly_outside_storage():
     code = "import sys, caffe2ckpt, caffe2ckpt.metadata; print('prefect' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_the_license_file_is_the_license_pyproject_names():
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "Apache-2.0"
+    text = (root / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text

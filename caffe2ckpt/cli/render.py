@@ -161,7 +161,10 @@ def _written(row: dict[str, Any]) -> str:
 
 def render_show(doc: dict[str, Any]) -> str:
     blobs = doc["blobs"]
-    check = "verified" if doc["verified"] else "recorded, not read (add --verify to check them)"
+    if not doc["verified"]:
+        check = "recorded, not read (add --verify to check them)"
+    else:
+        check = "read and checked: DAMAGE FOUND (below)" if doc["problems"] else "verified"
     kind = (f" ({human_bytes(doc['bytes_written'])} written: a delta)"
             if doc.get("kind") == "delta" else "")
     out = [(f"{doc['prefix']} epoch {doc['epoch']}: nodes {', '.join(doc['nodes'])}; "

@@ -41,6 +41,7 @@ code that turns URLs into filesystems; it does not import zarr or prefect.
 from __future__ import annotations
 
 import posixpath
+import re
 from concurrent.futures import Executor
 from typing import Any
 
@@ -64,6 +65,7 @@ def _resolve(url: str, storage_options: dict[str, Any] | None,
         raise InvalidLocationError(f"a checkpoint prefix must be a non-empty string, got {url!r}")
     if "\x00" in url:
         raise InvalidLocationError(f"checkpoint prefix {url!r} contains a NUL character")
+    _check_scheme(url)
     if filesystem is not None:
         return filesystem, filesystem._strip_protocol(url)
     try:
@@ -75,6 +77,29 @@ def _resolve(url: str, storage_options: dict[str, Any] | None,
             raise translate(url, exc) from exc
         raise InvalidLocationError(
             f"cannot open checkpoint prefix {url!r}: {type(exc).__name__}: {exc}") from exc
+
+
+# a scheme and one slash ("s3:/bucket"): a local path no one means; "<scheme>://" with HTTP(S)
+_ONE_SLASH = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+):/(?!/)")
+_READ_ONLY = frozenset({"http", "https"})
+
+
+def _check_scheme(url: str) -> None:
+    """Refuse URLs that cannot be what the user meant: ``s3:/x`` (one slash: read as a local
+    folder named ``s3:``) and ``http(s)://`` (fsspec's HTTP filesystem cannot list or write)."""
+    one = _ONE_SLASH.match(url)
+    if one:
+        scheme, fixed = one.group(1), f"{one.group(1)}://{url[one.end():]}"
+        raise InvalidLocationError(
+            f"checkpoint prefix {url!r} has one slash after '{scheme}:': it would be a local "
+            f"folder named '{scheme}:'; did you mean {fixed!r}?")
+    scheme = url.partition("://")[0].lower() if "://" in url else ""
+    if scheme in _READ_ONLY:
+        raise InvalidLocationError(
+            f"checkpoint prefix {url!r}: {scheme}:// cannot be a checkpoint prefix (an HTTP "
+            "server can be neither listed nor written); use a local folder, s3://, gs:// or "
+            "memory://, or the S3 endpoint of an object store with --storage-options "
+            "'{\"client_kwargs\": {\"endpoint_url\": \"http://...\"}}'")
 
 
 def _backend(fs: Any) -> type[Location]:

@@ -241,6 +241,7 @@ def test_show_verify_marks_the_damaged_blob_bad(tree, capsys):
     code, out, _ = run(capsys, "show", tree, "--epoch", 4, "--verify")
     assert code == 1
     assert "BAD" in out and "'trainer_1'" in out and "epoch 4" in out and repr(BIG) in out
+    assert "DAMAGE FOUND" in out.splitlines()[0] and "verified" not in out.splitlines()[0]
 
     loc = Location(tree)  # damaged group metadata: found without --verify too
     loc.fs.pipe_file(loc.path("trainer_0.3", "zarr.json"), b"{}")

@@ -207,3 +207,19 @@ class TestS3(LocationContract):
     @pytest.fixture
     def location(self, s3_bucket):
         return Location(f"s3://{s3_bucket}/contract")
+
+
+@pytest.mark.parametrize(("url", "message"), [
+    ("s3:/bucket/run", r"one slash after 's3:'.*did you mean 's3://bucket/run'"),
+    ("memory:/run", r"did you mean 'memory://run'"),
+    ("http://example.com/run", r"http:// cannot be a checkpoint prefix.*endpoint_url"),
+    ("HTTPS://example.com/run", r"https:// cannot be a checkpoint prefix"),
+])
+def test_urls_no_one_means_are_refused_saying_what_was_meant(url, message):
+    with pytest.raises(InvalidLocationError, match=message):
+        Location(url)
+
+
+@pytest.mark.parametrize("url", ["C:/data/run", "relative/run", "/tmp/a:/b"])
+def test_paths_that_only_look_like_urls_stay_local_paths(url):
+    assert isinstance(Location(url), LocalLocation)
