@@ -104,7 +104,8 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
             :meth:`delete` touch only steps saved by exactly these nodes (or a subset). Default:
             any node; retention then touches steps saved by the nodes this manager saved.
         metadata: custom root metadata, stored once (never overwritten) in ``_metadata.json``.
-        storage_options, filesystem: how to reach ``directory`` (fsspec).
+        storage_options: fsspec options for ``directory`` (credentials, endpoint, ...).
+        filesystem: an fsspec filesystem to use instead of one made from the URL.
         handle_preemption: watch SIGTERM (main thread only) until :meth:`close`; see
             :meth:`reached_preemption`.
     """
