@@ -26,6 +26,13 @@ def test_the_site_builds_strictly(tmp_path):
     assert (tmp_path / "site" / "reference" / "index.html").exists()
 
 
+def test_the_front_page_gives_the_readmes_two_commands():
+    readme = [line for line in (REPO / "README.md").read_text().splitlines()
+              if line.startswith(("pip", "python"))][:2]
+    front = (REPO / "docs" / "index.md").read_text()
+    assert all(command in front for command in readme), readme
+
+
 def test_the_api_reference_names_every_public_name():
     text = (REPO / "docs" / "reference.md").read_text()
     named = set(re.findall(r"^::: ([\w.]+)$", text, re.MULTILINE))
