@@ -1,6 +1,6 @@
 """JobRunner: the epoch loop, and the only place it exists.
 
-Run order (Caffe2's, with the deliberate differences listed in the README):
+Run order (Caffe2's, with the deliberate differences listed in docs/concepts.md):
 
 1. with a manager: ``set_params`` with the job's nodes, then ``get_resume_from_epoch_id``;
 2. fresh start: run ``init_group``, ``init`` the manager, save epoch 0;

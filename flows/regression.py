@@ -6,7 +6,7 @@ retry it) and it resumes from the newest committed epoch. ``--fail-at-epoch N`` 
 ``regression-failure-demo`` instead: the same training, failing once in epoch N to show a retry
 resuming. ``prefect.yaml`` deploys ``regression`` with a schedule. With ``--dask-scheduler``
 (or the flow parameter ``dask_scheduler``) each node lives on a worker of that Dask cluster
-(``pip install ".[dask]"``; see the README, "Running on a cluster"). ``--storage-options JSON``
+(``pip install ".[dask]"``; see docs/dask.md). ``--storage-options JSON``
 (the flow parameter ``storage_options``) goes to the checkpoint managers' filesystem, e.g. an
 S3 endpoint and credentials: ``'{"endpoint_url": "http://127.0.0.1:8333", "key": "k",
 "secret": "s"}'``.

@@ -24,10 +24,10 @@ def test_all_is_exactly_the_public_names_and_sorted():
         assert getattr(caffe2ckpt, name) is not None
 
 
-def test_the_readme_error_tree_names_every_public_error():
+def test_the_docs_error_tree_names_every_public_error():
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[1] / "docs" / "concepts.md").read_text()
     tree = text.split("## Errors", 1)[1].split("```")[1]
     named = {line.strip("│├└─ ").split(" ")[0] for line in tree.splitlines() if line.strip()}
     assert named == set(errors.__all__)

@@ -5,7 +5,7 @@ uses :data:`IO_THREADS`; processes that share a machine (Dask workers holding no
 budget (:func:`set_io_threads`), since their threads share its cores and disks: on 2 cores and
 one disk, two worker processes saving 256 MiB each at once took about 5% longer with 8 threads
 each than with 4 (or 2) each, while one process saved as fast with 4 threads as with 8 (measured
-with ``benchmarks/bench_dask.py``; see the README, Performance).
+with ``benchmarks/bench_dask.py``; see docs/performance.md).
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """A seeded randomized model check of the public operations against an independent reference
 model of storage model 3 (DESIGN.md section 5 with its "Rules added after the review of model 3",
-the README's "Going back supersedes", "Save policies, retention..." and "The Orbax-style step
-API", and the definitions in the docstring of ``caffe2ckpt.history.lineage``).
+docs/concepts.md's "Going back supersedes" and "Save policies, retention...", docs/steps.md, and the definitions in the docstring of ``caffe2ckpt.history.lineage``).
 
 Each sequence (one seed) starts on an empty prefix and applies operations chosen by
 ``random.Random(seed)``:
@@ -329,7 +328,7 @@ class MRun:
 
 @dataclass
 class Model:
-    """Storage model 3 as the README and DESIGN.md define it (see the module docstring)."""
+    """Storage model 3 as docs/storage.md and DESIGN.md define it (see the module docstring)."""
 
     gens: int = 0
     runs: dict[int, MRun] = field(default_factory=dict)
@@ -576,7 +575,7 @@ def gen_of(save_id: str) -> int:
 
 
 def read_plain_zarr(path: str) -> dict[str, np.ndarray]:
-    """A node group read with plain zarr, as the README's "Storage format" section shows: the
+    """A node group read with plain zarr, as docs/storage.md's "Layout" section shows: the
     blobs stored whole in it, and (a differential save) each other blob rebuilt from the chain
     its manifest names: read whole from the chain's first group, then each group's row
     overlay (``values`` at ``rows``), the group's own last."""
@@ -618,7 +617,7 @@ def _plain_whole(group: Any, manifest: dict[str, Any], only: str | None) -> dict
 
 @dataclass
 class StepsState:
-    """A ``StepCheckpointManager(nodes=...)``'s state as the README and its docstrings describe
+    """A ``StepCheckpointManager(nodes=...)``'s state as docs/steps.md and its docstrings describe
     it: the run it holds (and where that run started, its newest save), where its next run
     starts (a restored step), the step retention protects (the one restored). For a manager
     kept open across operations (``keep``), also when its view was read (see ``fresh``)."""

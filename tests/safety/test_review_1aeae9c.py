@@ -1,6 +1,6 @@
 """Regression tests for the defects of the outside review of 1aeae9c (/work/shared/REVIEW_1aeae9c.md,
 storage model 3) and the issue that filed it ("going back supersedes before it commits"). Each
-test asserts what DESIGN.md section 5 ("Rules added after the review of model 3") and the README
+test asserts what DESIGN.md section 5 ("Rules added after the review of model 3") and the docs
 call correct, so each fails on 1aeae9c (the closing note of the issue lists which was run there).
 
 Only the public API is used: the runner, the managers, ``StepCheckpointManager``,

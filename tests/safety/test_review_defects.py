@@ -1,6 +1,6 @@
 """Regression tests for the defects of the outside review of 75dd0ff (/work/shared/REVIEW_75dd0ff.md)
 and the Dask final-save case found afterwards. Each test asserts the behaviour DESIGN.md section 5
-("model 3"), the README and the review's "Fix" paragraphs call correct, so each fails on 75dd0ff.
+("model 3"), the docs and the review's "Fix" paragraphs call correct, so each fails on 75dd0ff.
 
 Only the public API is used (``caffe2ckpt``'s managers, runner, errors, ZarrMetadataHandler, the
 ``caffe2ckpt`` CLI through ``cli.main`` and the files on disk); interleavings and faults go through
