@@ -17,11 +17,19 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.objects import StateType
 
 from caffe2ckpt.naming import db_name
-from caffe2ckpt.prefect.chart import Series, chart_markdown
-from caffe2ckpt.prefect.table import COMMITTED, DELETED, epoch_ranges, md_text, writer_cell
+from caffe2ckpt.prefect.chart import Marker, Series, chart_markdown
+from caffe2ckpt.prefect.table import (
+    COMMITTED,
+    DELETED,
+    epoch_ranges,
+    md_text,
+    plain_text,
+    run_id,
+    writer_cell,
+)
 
-__all__ = ["CHARTED", "Summary", "attempt_reason", "chart_series", "reason_from_states",
-           "summary_markdown"]
+__all__ = ["CHARTED", "Summary", "attempt_reason", "chart_markers", "chart_series",
+           "reason_from_states", "summary_markdown"]
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +119,59 @@ def chart_series(rows: Mapping[int, dict[str, Any]]) -> list[Series]:
     return series if kept else []
 
 
+def _who(writer: Any) -> tuple[Any, Any]:
+    """Who wrote a save, to tell writers apart: (flow run id, attempt), or for a save made
+    outside Prefect (host, process id)."""
+    writer = writer if isinstance(writer, Mapping) else {}
+    rid = run_id(writer)
+    return (rid, writer.get("run_count")) if rid else (writer.get("host"), writer.get("pid"))
+
+
+def _handovers(rows: Mapping[int, dict[str, Any]],
+               summary: Summary | None) -> dict[tuple[int, Any], tuple[Any, Mapping[str, Any]]]:
+    """Where one writer took over from another: (epoch it started from, who took over) ->
+    (who wrote that epoch, the new writer's record). From the charted rows (an epoch written
+    by another run or attempt than the one before it) and from the epoch this attempt
+    resumed from (it may have saved nothing yet)."""
+    kept = [(e, rows[e].get("writer")) for e in sorted(rows) if rows[e]["status"] in CHARTED]
+    found = {(e, _who(new)): (_who(old), new) for (e, old), (_, new) in zip(kept, kept[1:])
+             if _who(old) != _who(new)}
+    if summary is not None and summary.resumed is not None:
+        epoch, old = summary.resumed
+        if _who(old) != _who(summary.this_run):
+            found.setdefault((epoch, _who(summary.this_run)), (_who(old), summary.this_run))
+    return found
+
+
+def _resume_label(writer: Mapping[str, Any], this_run: str | None) -> str:
+    """``attempt 2 resumed`` (this flow run), ``crimson-otter resumed`` (another one)."""
+    if run_id(writer) is not None and run_id(writer) == this_run:
+        count = writer.get("run_count")
+        return f"attempt {plain_text(count, 6)} resumed" if count not in (None, "") \
+            else "resumed"
+    name = writer.get("flow_run_name") or (run_id(writer) or "")[:8] or "a run"
+    return f"{plain_text(name, 20)} resumed"
+
+
+def chart_markers(rows: Mapping[int, dict[str, Any]],
+                  summary: Summary | None = None) -> list[Marker]:
+    """The chart's markers, from the writers of the charted rows (and ``summary``'s resume):
+    a run or attempt resumed at the epoch it started from; when a later attempt of the same
+    flow run took over, the attempt before it failed in the epoch after its last commit (the
+    epoch it was in: exact when every epoch is saved, its first possible one otherwise); a
+    save that failed (a ``FAILED`` row) at its epoch."""
+    this_run = summary.this_run.get("flow_run_id") if summary is not None else None
+    markers = {(e, "failed"): Marker(e, "failed", "save failed")
+               for e, r in rows.items() if str(r["status"]).startswith("FAILED")}
+    for (epoch, new), (old, writer) in _handovers(rows, summary).items():
+        markers[(epoch, f"resumed {new}")] = Marker(epoch, "resumed",
+                                                    _resume_label(writer, this_run))
+        if old[0] is not None and old[0] == new[0] and (old[1] or 0) < (new[1] or 0):
+            markers.setdefault((epoch + 1, "failed"), Marker(
+                epoch + 1, "failed", f"attempt {plain_text(old[1], 6)} failed"))
+    return sorted(markers.values())
+
+
 def _writers(rows: Mapping[int, dict[str, Any]], this_run: str | None) -> list[str]:
     """Markdown lines: which flow run (linked) and attempt wrote which epochs of the table."""
     epochs: dict[str, list[int]] = {}
@@ -160,7 +221,9 @@ def summary_markdown(summary: Summary, rows: Mapping[int, dict[str, Any]], *,
         lines.append(f"- Training: at epoch **{epoch}**{target}, started from epoch "
                      f"{summary.start}")
     chart = chart_markdown(chart_series(rows),
-                           "metrics, save seconds, save MB/s and MiB written per epoch")
+                           "metrics, save seconds, save MB/s and MiB written per epoch, "
+                           "where runs resumed and attempts failed",
+                           chart_markers(rows, summary))
     if chart:
         lines += ["", "## Epochs", "", chart]
     newest = max((e for e, r in rows.items() if r["status"] == COMMITTED), default=None)

@@ -4,7 +4,9 @@
 
 Starts a real ``prefect server`` (with its UI) on a free port of 127.0.0.1 with a home of its
 own, runs the example's failure demo against it (``flows/regression.py --fail-at-epoch``:
-attempt 1 fails, attempt 2 resumes, so the summary says why attempt 2 ran), then opens the
+attempt 1 fails, attempt 2 resumes, so the summary says why attempt 2 ran and its chart marks
+both) in a temporary folder, checkpointing to the relative ``checkpoints/regression`` so that
+no machine's temporary path shows in the pages, then opens the
 flow run's summary, checkpoints and progress artifact pages in Chromium and saves a PNG of each
 (``summary.png``, ``checkpoints.png``, ``progress.png``) in ``--out``. It checks what the
 browser rendered, not what was sent: the summary page must show the chart (an ``<img>`` whose
@@ -32,6 +34,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")
+# Relative to the flow's working folder (a temporary one): the pages then show this neutral
+# path, the example's default, rather than where the temporary folder happened to be.
+CHECKPOINTS = "checkpoints/regression"
 CHART = re.compile(r'<img[^>]*alt="caffe2ckpt-chart[^"]*"[^>]*src="data:image/svg\+xml;base64,'
                    r'|<img[^>]*src="data:image/svg\+xml;base64,[^"]*"[^>]*alt="caffe2ckpt-chart')
 
@@ -131,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             wait_healthy(api_url)
             run = subprocess.run(
                 [sys.executable, str(REPO / "flows" / "regression.py"), "--checkpoint-url",
-                 str(work / "checkpoints"), "--epochs", str(args.epochs), "--fail-at-epoch",
+                 CHECKPOINTS, "--epochs", str(args.epochs), "--fail-at-epoch",
                  str(max(1, args.epochs // 2))], env=env, cwd=work, capture_output=True,
                 text=True, timeout=600)
             if run.returncode != 0:

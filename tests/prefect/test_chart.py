@@ -29,7 +29,7 @@ def test_each_series_is_a_panel_with_its_finite_values():
     xs, ys = zip(*loss)
     assert xs == tuple(sorted(xs)) and ys == tuple(sorted(ys))  # falling loss: y grows downwards
     texts = [t.text for t in root.iter(f"{SVG}text")]
-    assert "loss" in texts and "epoch 1" in texts and "epoch 5" in texts and "4" in texts
+    assert "loss" in texts and "epoch" in texts and "4" in texts
 
 
 def test_a_loss_over_orders_of_magnitude_is_drawn_on_a_log_scale():
@@ -53,7 +53,8 @@ def test_the_markdown_is_an_image_with_an_svg_data_url():
     text = chart_markdown([Series("loss", [(1, 1.0), (2, 0.5)])], "per epoch ] [x](y)\nz")
     alt, _, url = text.partition("](data:image/svg+xml;base64,")
     assert alt == f"![{CHART_ID}: per epoch  x(y)z"
-    assert base64.b64decode(url.rstrip(")")).decode() == chart_svg([Series("loss", [(1, 1.0), (2, 0.5)])])
+    svg = chart_svg([Series("loss", [(1, 1.0), (2, 0.5)])])
+    assert base64.b64decode(url.rstrip(")")).decode() == svg
     assert chart_markdown([], "nothing") == ""
 
 
@@ -145,3 +146,136 @@ def test_the_summary_opens_the_newest_committed_epoch_not_a_failed_one():
     assert "zarr.open_group('/ckpt/trainer_0.4', mode='r')" in text
     assert "open_group" not in summary_markdown(summary, {5: row("FAILED: x")}, epoch=5,
                                                 final=False)
+
+
+# -- one epoch axis, ticks and markers (issue 28) ------------------------------------------------
+
+def panels_of(svg: str) -> list[dict]:
+    """Per panel, top to bottom: the top and bottom of its plot, its x tick labels as
+    (x, text), its y tick labels as (y, text) and its polyline's points."""
+    root = ET.fromstring(svg)
+    frames = sorted(float(r.get("y")) for r in root.iter(f"{SVG}rect") if r.get("fill") == "none")
+    out = []
+    for top in frames:
+        bottom = top + 102  # the plot's height
+        def inside(el, key, lo=top - 6, hi=bottom + 20):
+            return lo <= float(el.get(key)) <= hi
+        out.append({
+            "top": top, "bottom": bottom,
+            "xticks": [(float(t.get("x")), t.text) for t in root.iter(f"{SVG}text")
+                       if t.get("class") == "xtick" and inside(t, "y")],
+            "yticks": [(float(t.get("y")), t.text) for t in root.iter(f"{SVG}text")
+                       if t.get("class") == "ytick" and inside(t, "y", top, bottom + 5)],
+        })
+    for panel, line in zip(out, points_of(svg)):
+        panel["points"] = line
+    return out
+
+
+def test_every_panel_shares_one_epoch_axis():
+    loss = Series("loss", [(e, 1.0 / e) for e in range(1, 11)])  # from epoch 1
+    seconds = Series("save seconds", [(e, 0.1) for e in range(0, 11) if e != 4])  # no epoch 4
+    speed = Series("save MB/s", [(e, 10.0 * e) for e in range(3, 8)])  # a few epochs only
+    panels = panels_of(chart_svg([loss, seconds, speed]))
+    assert len(panels) == 3
+    x_of = [dict(zip([e for e, _ in s.points], (x for x, _ in p["points"])))
+            for s, p in zip([loss, seconds, speed], panels)]
+    for epoch in range(11):
+        xs = {round(xs[epoch], 1) for xs in x_of if epoch in xs}
+        assert len(xs) == 1, (epoch, xs)  # the same x in every panel that has the epoch
+    assert x_of[1][0] < x_of[0][1] < x_of[2][3] < x_of[1][5]  # one axis from epoch 0 to 10
+    assert round(x_of[1][3], 1) < round(x_of[1][5], 1) and 4 not in x_of[1]
+
+
+def test_both_axes_have_a_few_round_ticks_within_range():
+    seconds = [(e, 0.0067 + 0.005 * (e % 13)) for e in range(0, 13)]
+    svg = chart_svg([Series("loss", [(e, 10.0 ** -e) for e in range(1, 13)]),
+                     Series("save seconds", seconds)])
+    loss, seconds = panels_of(svg)
+    # x: the same 4-8 whole epochs under every panel, at the x of those epochs' points
+    assert loss["xticks"] == seconds["xticks"]
+    epochs = [int(text) for _, text in loss["xticks"]]
+    assert 4 <= len(epochs) <= 8 and epochs[0] >= 0 and epochs[-1] <= 12
+    point_x = {e: x for e, (x, _) in zip(range(0, 13), seconds["points"])}
+    assert all(abs(x - point_x[int(text)]) < 0.11 for x, text in loss["xticks"])
+    # y, log scale: powers of ten within the values' range
+    values = [float(text) for _, text in loss["yticks"]]
+    assert 2 <= len(values) <= 5 and all(1e-12 <= v <= 0.1 for v in values)
+    assert all(math.log10(v) == round(math.log10(v)) for v in values)
+    # y, linear: 3-5 round values within the range, higher values further up
+    ys, texts = zip(*seconds["yticks"])
+    values = [float(t) for t in texts]
+    assert 3 <= len(values) <= 5 and all(0.0067 <= v <= 0.0667 for v in values)
+    assert list(ys) == sorted(ys, reverse=True) and values == sorted(values)
+    assert all(seconds["top"] <= y - 4 <= seconds["bottom"] + 0.1 for y in ys)
+
+
+def test_nice_ticks_are_round_and_few():
+    from caffe2ckpt.prefect.chart import nice_ticks
+
+    assert nice_ticks(0, 12, 8, least_step=1) == [0, 2, 4, 6, 8, 10, 12]
+    assert nice_ticks(0.0067, 0.067, 5) == [0.02, 0.04, 0.06]
+    assert nice_ticks(43, 429, 5) == [100, 200, 300, 400]
+    assert nice_ticks(2.75, 2.75, 5) == [2.75]  # one value: one tick
+    assert nice_ticks(0, 1, 8, least_step=1) == [0, 1]  # whole epochs only
+
+
+def test_markers_cross_every_panel_at_their_epoch_and_are_labelled():
+    from caffe2ckpt.prefect.chart import Marker
+
+    series = [Series("loss", [(e, 1.0 / e) for e in range(1, 9)]),
+              Series("save seconds", [(e, 0.1) for e in range(0, 9)])]
+    markers = [Marker(5, "resumed", "attempt 2 resumed"), Marker(6, "failed", "attempt 1 <b>")]
+    svg = chart_svg(series, markers)
+    root = ET.fromstring(svg)
+    point_x = {e: x for e, (x, _) in zip(range(0, 9), points_of(svg)[1])}
+    lines = [ln for ln in root.iter(f"{SVG}line") if "marker" in (ln.get("class") or "")]
+    for marker in markers:
+        mine = [ln for ln in lines if ln.get("class") == f"marker {marker.kind}"]
+        assert len(mine) == 2  # one per panel
+        assert all(abs(float(ln.get("x1")) - point_x[marker.epoch]) < 0.11 for ln in mine)
+    labels = {t.text for t in root.iter(f"{SVG}text") if "marker-label" in (t.get("class") or "")}
+    assert labels == {"attempt 2 resumed", "attempt 1 <b>"}  # escaped, still the text
+    assert not list(root.iter(f"{SVG}b"))
+    # a marker past the last saved epoch widens the shared axis to it
+    wide = panels_of(chart_svg(series, [Marker(12, "failed", "save failed")]))
+    assert wide[0]["xticks"][-1][1] == "12"
+
+
+def _writer(count, rid="e5864d48-0000-4000-8000-000000000001", name="eminent-doberman"):
+    return {"flow_run_id": rid, "flow_run_name": name, "run_count": count}
+
+
+def test_the_summary_marks_where_runs_resumed_and_attempts_failed():
+    from caffe2ckpt.prefect.chart import Marker
+    from caffe2ckpt.prefect.summary import Summary, chart_markers, summary_markdown
+
+    other = _writer(1, rid="1a2b3c4d-0000-4000-8000-000000000002", name="crimson-otter")
+
+    def row(writer, status="committed"):
+        return {"status": status, "values": {"loss": 1.0}, "seconds": 0.1, "MB/s": 1.0,
+                "writer": writer}
+
+    # another run wrote 0-3; this run resumed from 3, attempt 1 failed after committing 5,
+    # attempt 2 resumed from 5; a save of attempt 2 failed at epoch 8
+    rows = {e: row(other) for e in range(4)} | {e: row(_writer(1)) for e in (4, 5)}
+    rows |= {6: row(_writer(2)), 7: row(_writer(2)), 8: row(None, "FAILED: disk full")}
+    summary = Summary(job="j", this_run=_writer(2), start=5, target=9, resumed=(5, _writer(1)))
+    assert chart_markers(rows, summary) == [
+        Marker(3, "resumed", "attempt 1 resumed"), Marker(5, "resumed", "attempt 2 resumed"),
+        Marker(6, "failed", "attempt 1 failed"), Marker(8, "failed", "save failed")]
+    # seen from a later flow run: the other run's resume is named
+    assert Marker(3, "resumed", "eminent-doberman resumed") in chart_markers(rows)
+    # a retry that resumed but saved nothing yet still shows both
+    fresh = Summary(job="j", this_run=_writer(2), start=5, target=9, resumed=(5, _writer(1)))
+    early = {e: row(_writer(1)) for e in range(6)}
+    assert chart_markers(early, fresh) == [Marker(5, "resumed", "attempt 2 resumed"),
+                                           Marker(6, "failed", "attempt 1 failed")]
+    # a fresh start, one attempt: no markers
+    assert chart_markers(early, Summary(job="j", this_run=_writer(1), start=0, target=9)) == []
+    # the summary's chart carries them
+    text = summary_markdown(summary, rows, epoch=8, final=False)
+    svg = base64.b64decode(text.partition("base64,")[2].partition(")")[0]).decode()
+    labels = [t.text for t in ET.fromstring(svg).iter(f"{SVG}text")
+              if "marker-label" in (t.get("class") or "")]
+    assert labels == ["attempt 1 resumed", "attempt 2 resumed", "attempt 1 failed", "save failed"]

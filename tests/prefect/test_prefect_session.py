@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import os
 import re
+import xml.etree.ElementTree as ET
 from typing import Any
 from uuid import UUID
 
@@ -153,6 +155,11 @@ def test_retry_resumes_from_last_committed_epoch_bit_identical(tmp_path, client)
     assert "Resumed** from epoch 2, written by this run, attempt 1\n" in summary
     assert "Finished at epoch **5**" in summary
     assert "- this run, attempt 1: epochs 0-2\n- this run, attempt 2: epochs 3-5" in summary
+    # its chart marks both: attempt 1 failed in epoch 3, attempt 2 resumed from epoch 2
+    svg = base64.b64decode(summary.partition("base64,")[2].partition(")")[0]).decode()
+    lines = ET.fromstring(svg).iter("{http://www.w3.org/2000/svg}line")
+    marked = {(ln.get("class"), ln.get("data-epoch")) for ln in lines if ln.get("data-epoch")}
+    assert marked == {("marker resumed", "2"), ("marker failed", "3")}, marked
 
 
 @pytest.mark.parametrize(("name", "shown"), [
