@@ -4,9 +4,11 @@ Without ``PREFECT_API_URL``, Prefect starts a temporary server (a uvicorn subpro
 use and stops it at interpreter exit. A process killed with SIGKILL never reaches that exit, and
 the server runs on by itself. :func:`temporary_server` starts Prefect's own temporary server
 (the same one Prefect would start, so flows behave exactly as without it) and hands each server
-process it spawns to a small reaper (``caffe2ckpt/prefect/_reaper.py``, run as a script). The reaper reads
-process ids from a pipe whose only writer is this process: when the pipe closes without a
-``release`` line (this process ended, however it ended) it stops those processes.
+process it spawns to a small reaper (``caffe2ckpt/prefect/_reaper.py``, run as a script). The
+reaper reads process ids, the server's API URL and this process's ``<host>:<pid>`` from a pipe
+whose only writer is this process: when the pipe closes without a ``release`` line (this process
+ended, however it ended) it marks the flow runs this process left unfinished *Crashed* (their
+end time is the time of death) and stops those processes.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import httpx
 from prefect.server.api.server import SubprocessASGIServer
 from prefect.settings import PREFECT_API_URL
 
-from caffe2ckpt.prefect.orphans import NOT_FINAL
+from caffe2ckpt.prefect.orphans import NOT_FINAL, process_id
 
 __all__ = ["temporary_server"]
 
@@ -92,13 +94,21 @@ def _wait_until_recorded(api_url: str, timeout: float = 30.0, still: float = 3.0
     logger.debug("the temporary server still records task runs after %.0f s", timeout)
 
 
+def _tell(reaper: IO[str], *lines: str) -> None:
+    """What the reaper needs to mark this process's flow runs Crashed if it dies: the server's
+    API URL and the ``infrastructure_pid`` :func:`run_job` gives them."""
+    reaper.write("".join(f"{line}\n" for line in lines))
+    reaper.flush()
+
+
 @contextlib.contextmanager
 def temporary_server(timeout: int | None = None) -> Iterator[str | None]:
     """Run the block on Prefect's temporary local server, stopped even if this process is killed.
 
     Yields ``None`` and does nothing when ``PREFECT_API_URL`` is set (a real server), or when
     Prefect's temporary server is already running in this process. Otherwise yields the server's
-    API URL; the server stops when the block ends, or when this process dies.
+    API URL; the server stops when the block ends, or when this process dies (after marking the
+    flow runs this process left unfinished *Crashed*, see ``_reaper.py``).
     """
     if PREFECT_API_URL.value() or None in SubprocessASGIServer._instances:
         yield None
@@ -112,6 +122,7 @@ def temporary_server(timeout: int | None = None) -> Iterator[str | None]:
     server.reaper = reaper.stdin
     try:
         server.start(timeout=timeout)
+        _tell(reaper.stdin, f"api {server.api_url}", f"owner {process_id()}")
         yield server.api_url
     finally:
         _drain_senders()

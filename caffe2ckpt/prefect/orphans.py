@@ -3,12 +3,15 @@
 A deployment's run has a worker (and the crash-retry automation) to notice that its process died. A
 flow called directly (``python flows/regression.py``) has nobody: killed with SIGKILL, it stays
 *Running* in the UI forever. So :func:`run_job` notes in each such run which process runs it
-(``infrastructure_pid`` = ``<host>:<pid>``, the field workers fill for theirs), and the next run of
-the same flow on the same host marks every *Running* run whose process no longer exists *Crashed*,
-with its task runs that never finished (submitted or running at the kill; the ones never started
-keep Prefect's generic names, ``epoch_group-1de``). Runs on other hosts are left alone (their
-processes cannot be checked from here); so is a run whose process id was reused by a live process
-(it stays *Running*).
+(``infrastructure_pid`` = ``<host>:<pid>``, the field workers fill for theirs). On the temporary
+server of :func:`~caffe2ckpt.prefect.temporary_server`, its reaper marks the runs of a process
+that died *Crashed* within seconds (``_reaper.py``). Elsewhere (a real ``prefect server``, or a
+reaper that could not reach its server), the next run of the same flow on the same host marks
+every *Running* run whose process no longer exists *Crashed*, with its task runs that never
+finished (submitted or running at the kill; one that never started is named as it would have
+been, ``epoch_group[trainer_1] e7``); their end time is then that later moment. Runs on other
+hosts are left alone (their processes cannot be checked from here); so is a run whose process
+id was reused by a live process (it stays *Running*).
 """
 
 from __future__ import annotations
@@ -32,12 +35,14 @@ from prefect.client.schemas.filters import (
     TaskRunFilterStateType,
 )
 from prefect.client.schemas.objects import TERMINAL_STATES, StateType
-
-NOT_FINAL = [t for t in StateType if t not in TERMINAL_STATES]  #: a run in one may still change
 from prefect.runtime import deployment, flow_run
 from prefect.states import Crashed
 
+from caffe2ckpt.prefect._reaper import GENERIC_NAME
+
 __all__ = ["claim_and_sweep", "process_id"]
+
+NOT_FINAL = [t for t in StateType if t not in TERMINAL_STATES]  #: a run in one may still change
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +109,9 @@ def _crash_unfinished_tasks(client: Any, run_id: Any, message: str) -> int:
             flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])),
             task_run_filter=unfinished, limit=200) if t.id not in done]:
         for task_run in tasks:  # pages of 200: each one marked leaves the filter
+            if generic := GENERIC_NAME.match(task_run.name or ""):  # it never started
+                client.request("PATCH", "/task_runs/{id}", path_params={"id": task_run.id},
+                               json={"name": generic.group(1)}).raise_for_status()
             client.set_task_run_state(task_run.id, Crashed(message=message), force=True)
             done.add(task_run.id)
     return len(done)

@@ -15,6 +15,7 @@ other task runner is refused up front. To spread nodes over machines, use a ``Da
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import socket
@@ -60,6 +61,17 @@ def _node_task(group_name: str) -> PrefectTask:
     return _run_node.with_options(name=group_name)
 
 
+def _labelled(group_name: str, label: str) -> PrefectTask:
+    """The group's task named ``label`` itself. Prefect records a task run first under a name
+    made from the task's (``<task name>-<3 hex digits>``) and renames it to ``task_run_name``
+    only once it starts: a run that never starts (its flow run was killed first) keeps the first
+    name, which thus says which node and epoch it was (``epoch_group[trainer_1] e7-1de``). A
+    shallow copy: the same function, task key and options, in microseconds."""
+    labelled = copy.copy(_node_task(group_name))
+    labelled.name = label
+    return labelled
+
+
 class PrefectSession:
     """Runs task groups as Prefect task runs and reports checkpoints as flow run artifacts.
 
@@ -86,7 +98,8 @@ class PrefectSession:
         if nodes is not None and workspaces is not None:
             raise JobDefinitionError("give PrefectSession either workspaces or a node session")
         self._local = nodes if nodes is not None else LocalSession(workspaces)
-        self._artifacts = CheckpointArtifacts(min_interval=artifacts_interval) if artifacts else None
+        self._artifacts = (CheckpointArtifacts(min_interval=artifacts_interval) if artifacts
+                           else None)
         self.epoch: int | None = None
 
     def workspace(self, node: str) -> Workspace:
@@ -139,12 +152,11 @@ class PrefectSession:
         wtype = group.workspace_type or WorkspaceType.PRIVATE
         epoch = group.epoch if group.epoch is not None else self.epoch
         suffix = f" e{epoch}" if epoch is not None else ""
-        node_task = _node_task(group.name)
-        futures = {
-            node: node_task.submit(f"{group.name}[{node}]{suffix}", quote(self._local.run_node),
-                                   node, quote(node_steps(tasks)), wtype)
-            for node, tasks in by_node.items()
-        }
+        futures = {}
+        for node, tasks in by_node.items():
+            label = f"{group.name}[{node}]{suffix}"
+            futures[node] = _labelled(group.name, label).submit(
+                label, quote(self._local.run_node), node, quote(node_steps(tasks)), wtype)
         try:
             wait(list(futures.values()))
             # A completed run's value is in memory (no persistence); State.result goes through

@@ -1,8 +1,9 @@
-"""``kill -9`` of ``python flows/regression.py``: its temporary Prefect server goes with it,
-silently, and the next run of the flow marks the killed run and its unfinished task runs
-*Crashed* (they would show *Running* or *Pending* forever). That next run, a successful one of
-100 epochs, logs no error (no telemetry, database-lock or flush errors) and leaves every one of
-its task runs recorded as finished."""
+"""``kill -9`` of a flow on caffe2ckpt's temporary Prefect server (``python flows/regression.py``):
+within seconds its flow run is *Crashed*, ending at the kill (not at the next run, which would
+show a run of 12 s as 55 s), with its unfinished task runs, and named as ours even if they never
+started; then the server goes too, silently. The next run of the flow, a successful one of 100
+epochs, logs no error (no telemetry, database-lock or flush errors) and leaves every one of its
+task runs recorded as finished."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import psutil
@@ -26,18 +28,52 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 SECOND_EPOCHS = 100
+FINAL = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
+AT_DEATH = 3.0  #: seconds: how soon after the kill a killed run must end
 
 
 def start(tmp_path: Path, ckpt: Path, epochs: int, log: str) -> subprocess.Popen:
+    return run_script(tmp_path, log, REPO / "flows/regression.py", "--checkpoint-url", str(ckpt),
+                      "--epochs", str(epochs))
+
+
+def run_script(tmp_path: Path, log: str, *args) -> subprocess.Popen:
     # as a user's shell: no API URL, and no analytics switch (caffe2ckpt.prefect sets the default)
     env = {k: v for k, v in os.environ.items()
            if k not in ("PREFECT_API_URL", "PREFECT_SERVER_ANALYTICS_ENABLED", "DO_NOT_TRACK")}
     env["PREFECT_HOME"] = str(tmp_path / "home")  # one home, as for a user's two runs
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     with open(tmp_path / log, "wb") as out:
-        return subprocess.Popen([sys.executable, str(REPO / "flows/regression.py"),
-                                 "--checkpoint-url", str(ckpt), "--epochs", str(epochs)],
-                                env=env, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        return subprocess.Popen([sys.executable, *map(str, args)], env=env, cwd=tmp_path,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def kill_9(proc: subprocess.Popen, log: Path) -> datetime:
+    """SIGKILL ``proc`` and wait until its temporary server is gone too (after its reaper marked
+    the runs); the time of the kill. Nothing may reach the terminal once ``proc`` is dead."""
+    servers = [p for p in psutil.Process(proc.pid).children()
+               if "uvicorn" in " ".join(p.cmdline())]
+    assert len(servers) == 1, [p.cmdline() for p in psutil.Process(proc.pid).children()]
+    killed_at = datetime.now(timezone.utc)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+    at_kill = log.stat().st_size
+    gone, alive = psutil.wait_procs(servers, timeout=60)
+    assert not alive, f"the temporary server {servers[0].pid} outlived its killed parent"
+    # the dying server writes to the user's terminal: nothing, once its parent is gone
+    after_kill = log.read_bytes()[at_kill:].decode(errors="replace")
+    assert after_kill == "", after_kill
+    return killed_at
+
+
+def end_time(tmp_path: Path, infrastructure_pid: str) -> datetime:
+    """The end time of the flow run with that infrastructure_pid (stored in UTC)."""
+    with sqlite3.connect(tmp_path / "home" / "prefect.db") as db:
+        (text,) = db.execute("SELECT end_time FROM flow_run WHERE infrastructure_pid = ?",
+                             (infrastructure_pid,)).fetchone()
+    assert text, f"flow run of {infrastructure_pid} has no end time"
+    value = datetime.fromisoformat(text)
+    return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
 
 
 def until(check, timeout: float, what: str):
@@ -66,28 +102,57 @@ def task_run_states(tmp_path: Path, infrastructure_pid: str) -> dict[str, int]:
     return dict(rows)
 
 
-def test_kill_9_stops_the_temporary_server_and_the_next_run_marks_the_run_crashed(tmp_path):
+def task_runs(tmp_path: Path, infrastructure_pid: str) -> dict[str, str]:
+    """{name: state type} of the task runs of the flow run with that infrastructure_pid."""
+    with sqlite3.connect(tmp_path / "home" / "prefect.db") as db:
+        rows = db.execute("SELECT t.name, t.state_type FROM task_run t JOIN flow_run r ON "
+                          "t.flow_run_id = r.id WHERE r.infrastructure_pid = ?",
+                          (infrastructure_pid,)).fetchall()
+    return dict(rows)
+
+
+def recorded(tmp_path: Path, infrastructure_pid: str) -> list[str]:
+    """The states of those task runs, or none while the server creates its database."""
+    try:
+        return list(task_runs(tmp_path, infrastructure_pid).values())
+    except sqlite3.OperationalError:  # no database, or not all its tables yet
+        return []
+
+
+def test_kill_9_mid_epoch_ends_the_run_and_its_task_runs_crashed_at_the_kill(tmp_path):
+    log = tmp_path / "killed.log"
+    proc = run_script(tmp_path, log.name, Path(__file__).with_name("killed_flow.py"))
+    killed = f"{socket.gethostname()}:{proc.pid}"
+    try:
+        # killed once the server recorded a task run finished, one running, one never started
+        until(lambda: sorted(recorded(tmp_path, killed)) == ["COMPLETED", "PENDING", "RUNNING"],
+              180, "the three task runs recorded")
+        killed_at = kill_9(proc, log)
+    finally:
+        stop_tree(proc)
+    state, message = runs(tmp_path)[killed]
+    assert state == "CRASHED" and f"({killed}) died" in message, (state, message)
+    assert abs((end_time(tmp_path, killed) - killed_at).total_seconds()) < AT_DEATH
+    assert task_runs(tmp_path, killed) == {"init[trainer_0]": "COMPLETED",
+                                           "epoch_group[trainer_0] e7": "CRASHED",
+                                           "epoch_group[trainer_1] e7": "CRASHED"}
+
+
+def test_kill_9_ends_the_run_at_the_kill_and_the_next_run_starts_clean(tmp_path):
     ckpt = tmp_path / "ckpt"
     first = start(tmp_path, ckpt, 1000, "first.log")
     try:
         until(lambda: len(list_records(Location(str(ckpt)))) >= 2 * 2, 180, "epoch 1 committed")
-        servers = [p for p in psutil.Process(first.pid).children()
-                   if "uvicorn" in " ".join(p.cmdline())]
-        assert len(servers) == 1, [p.cmdline() for p in psutil.Process(first.pid).children()]
-        os.kill(first.pid, signal.SIGKILL)
-        first.wait(timeout=10)
-        at_kill = (tmp_path / "first.log").stat().st_size
-        gone, alive = psutil.wait_procs(servers, timeout=30)
-        assert not alive, f"the temporary server {servers[0].pid} outlived its killed parent"
+        killed_at = kill_9(first, tmp_path / "first.log")
     finally:
         stop_tree(first)
-    # the dying server writes to the user's terminal: nothing, once its parent is gone
-    after_kill = (tmp_path / "first.log").read_bytes()[at_kill:].decode(errors="replace")
-    assert after_kill == "", after_kill
     killed = f"{socket.gethostname()}:{first.pid}"
-    assert runs(tmp_path)[killed][0] == "RUNNING"  # what the UI showed, forever
-    unfinished = sum(n for state, n in task_run_states(tmp_path, killed).items()
-                     if state not in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"))
+    # Crashed, not Running (what the UI showed until the next run), ending at the kill
+    state, message = runs(tmp_path)[killed]
+    assert state == "CRASHED" and f"({killed}) died" in message, (state, message)
+    assert abs((end_time(tmp_path, killed) - killed_at).total_seconds()) < AT_DEATH
+    # its task runs that never finished (submitted or running at the kill) are Crashed too
+    assert set(task_run_states(tmp_path, killed)) <= {"COMPLETED", "CRASHED"}
 
     # enough epochs that the server's task-run recorder lags behind the flow at its end
     second = start(tmp_path, tmp_path / "other", SECOND_EPOCHS, "second.log")
@@ -96,13 +161,8 @@ def test_kill_9_stops_the_temporary_server_and_the_next_run_marks_the_run_crashe
     finally:
         stop_tree(second)
     log = (tmp_path / "second.log").read_text()
-    state, message = runs(tmp_path)[killed]
-    assert state == "CRASHED" and killed in message, (state, message)
-    # its task runs that never finished (submitted or running at the kill) are Crashed too
-    left = task_run_states(tmp_path, killed)
-    assert set(left) <= {"COMPLETED", "CRASHED"}, left
-    assert left.get("CRASHED", 0) == unfinished, (left, unfinished)
-    assert f"left Running by process {killed}, which is gone" in log
+    assert runs(tmp_path)[killed] == (state, message)  # nothing left for its sweep
+    assert "left Running by process" not in log, log
     assert "ERROR" not in log and "Traceback" not in log and "Error" not in log, log
     assert runs(tmp_path)[f"{socket.gethostname()}:{second.pid}"][0] == "COMPLETED"
     # every task run of the second run was recorded, and recorded finished, before its

@@ -1,21 +1,29 @@
-"""The two halves of cleaning up after ``kill -9``, each on its own: the reaper stops a dead
-parent's server without letting it print a word, and the next run of the flow marks the killed
-run *Crashed* together with its task runs that never finished (on a real Prefect server)."""
+"""The two halves of cleaning up after ``kill -9``, each on its own: the reaper of a temporary
+server marks the dead parent's flow runs *Crashed* at once (through the server's API), then stops
+the server without letting it print a word, and stops it all the same when the API does not
+answer; the next run of the flow marks the killed run *Crashed* together with its task runs that
+never finished (on a real Prefect server, where no reaper outlives the process)."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import subprocess
 import sys
+import time
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+import pytest
 from prefect import flow, task
 from prefect.client.schemas.objects import StateType
+from prefect.settings import PREFECT_API_URL
 from prefect.states import Completed, Pending, Running
 
 from caffe2ckpt.prefect.orphans import claim_and_sweep
 
+NO_LONGER = 25.0  #: seconds: a reaper's API work has 20 s at most (_reaper.BUDGET_SECONDS)
 REAPER = Path(__file__).resolve().parents[2] / "caffe2ckpt" / "prefect" / "_reaper.py"
 
 # a server that, told to stop, prints to the terminal it shares with the user (as uvicorn does)
@@ -58,6 +66,67 @@ def test_the_reaper_leaves_a_released_server_alone():
         assert server.poll() is None
 
 
+def create_killed_run(client, flow_fn, owner: str) -> tuple:
+    """A flow run left *Running* by process ``owner``, with a task run never started (still named
+    as Prefect first names it), one running and one completed; (flow run, {label: task run})."""
+    killed = client.create_flow_run(flow=flow_fn, state=Running())
+    client.update_flow_run(killed.id, infrastructure_pid=owner)
+    made = {"never started": ("epoch_group[trainer_1] e7-1de", Pending()),
+            "running": ("epoch_group[trainer_0] e7", Running()),
+            "completed": ("checkpoint_init[trainer_0]", Completed())}
+    return killed, {label: client.create_task_run(left_behind, killed.id, dynamic_key=label,
+                                                  name=name, state=state)
+                    for label, (name, state) in made.items()}
+
+
+def test_the_reaper_marks_the_dead_parents_runs_crashed_before_it_stops_the_server(client):
+    @flow(name="killed-under-a-temporary-server")
+    def killed_flow() -> None:
+        """Only its definition is used: its runs are made by hand."""
+
+    owner = f"{socket.gethostname()}:{dead_pid()}"
+    killed, task_runs = create_killed_run(client, killed_flow, owner)
+    alive = client.create_flow_run(flow=killed_flow, state=Running())
+    client.update_flow_run(alive.id, infrastructure_pid=f"{socket.gethostname()}:{os.getpid()}")
+    with server_and_reaper() as (server, reaper):
+        reaper.stdin.write(f"api {PREFECT_API_URL.value()}\nowner {owner}\n")
+        died = datetime.now(timezone.utc)
+        reaper.stdin.close()  # the parent is gone
+        assert reaper.wait(timeout=60) == 0
+        assert server.wait(timeout=10) == -9
+        assert server.stdout.read() == ""
+
+    run = client.read_flow_run(killed.id)
+    assert run.state.type == StateType.CRASHED, run.state
+    assert f"({owner}) died" in run.state.message
+    assert abs(run.end_time - died) < timedelta(seconds=2), (run.end_time, died)
+    assert client.read_flow_run(alive.id).state.type == StateType.RUNNING  # not the dead one's
+    after = {label: client.read_task_run(t.id) for label, t in task_runs.items()}
+    assert after["never started"].state.type == after["running"].state.type == StateType.CRASHED
+    assert after["never started"].name == "epoch_group[trainer_1] e7"
+    assert after["running"].name == "epoch_group[trainer_0] e7"
+    assert after["completed"].state.type == StateType.COMPLETED
+
+
+@pytest.mark.parametrize("api", ["refused", "silent"])
+def test_a_reaper_whose_api_does_not_answer_still_stops_the_server(api):
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        if api == "silent":  # connects, and never answers
+            listener.listen(8)
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}/api"
+        if api == "refused":
+            listener.close()
+        with server_and_reaper() as (server, reaper):
+            reaper.stdin.write(f"api {url}\nowner {socket.gethostname()}:{dead_pid()}\n")
+            start = time.monotonic()
+            reaper.stdin.close()
+            assert reaper.wait(timeout=NO_LONGER + 30) == 0
+            assert server.wait(timeout=10) == -9
+            assert time.monotonic() - start < NO_LONGER
+            assert server.stdout.read() == ""
+
+
 def dead_pid() -> int:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
@@ -82,6 +151,8 @@ def test_the_next_run_marks_the_killed_run_and_its_unfinished_task_runs_crashed(
     task_runs = {label: client.create_task_run(left_behind, killed.id, dynamic_key=label,
                                                name=f"left_behind {label}", state=state)
                  for label, state in states.items()}
+    never_started = client.create_task_run(left_behind, killed.id, dynamic_key="never",
+                                           name="epoch_group[trainer_1] e7-1de", state=Pending())
 
     assert next_run() == [killed.name]
     run = client.read_flow_run(killed.id)
@@ -90,3 +161,6 @@ def test_the_next_run_marks_the_killed_run_and_its_unfinished_task_runs_crashed(
     assert after["pending"].type == after["running"].type == StateType.CRASHED
     assert "is gone" in after["pending"].message
     assert after["completed"].type == StateType.COMPLETED
+    never_started = client.read_task_run(never_started.id)
+    assert never_started.state.type == StateType.CRASHED
+    assert never_started.name == "epoch_group[trainer_1] e7"  # as it would have been named
