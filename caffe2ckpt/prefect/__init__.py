@@ -4,7 +4,8 @@
 - :func:`run_job` is the one-liner for a flow body, with an attempt cap for crash retries;
 - :func:`plan_run` says where a flow run starts and where it stops (e.g. N more epochs per run);
 - :class:`CheckpointArtifacts` keeps the checkpoint table, progress and summary artifacts;
-- :func:`create_crash_retry_automation` re-schedules crashed runs of a deployment;
+- :func:`create_crash_retry_automation` re-schedules crashed runs of a deployment, and
+  :func:`create_heartbeat_crash_automation` marks runs whose heartbeats stopped *Crashed*;
 - :func:`temporary_server` runs a block on Prefect's temporary server, stopped even on SIGKILL;
 - :func:`planned_failures` logs a planned failure (a demo, a drill) as one WARNING.
 
@@ -19,13 +20,11 @@ from caffe2ckpt.prefect import _environment
 _environment.apply()  # before the modules below import prefect
 
 from caffe2ckpt.prefect.artifacts import CheckpointArtifacts, artifact_key  # noqa: E402
-from caffe2ckpt.prefect.flow import (  # noqa: E402
-    AttemptLimitExceeded,
-    RunPlan,
+from caffe2ckpt.prefect.automations import (  # noqa: E402
     create_crash_retry_automation,
-    plan_run,
-    run_job,
+    create_heartbeat_crash_automation,
 )
+from caffe2ckpt.prefect.flow import AttemptLimitExceeded, RunPlan, plan_run, run_job  # noqa: E402
 from caffe2ckpt.prefect.localserver import temporary_server  # noqa: E402
 from caffe2ckpt.prefect.planned import planned_failures  # noqa: E402
 from caffe2ckpt.prefect.session import PrefectSession, in_flow_run  # noqa: E402
@@ -37,6 +36,7 @@ __all__ = [
     "RunPlan",
     "artifact_key",
     "create_crash_retry_automation",
+    "create_heartbeat_crash_automation",
     "in_flow_run",
     "plan_run",
     "planned_failures",

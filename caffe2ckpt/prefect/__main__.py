@@ -7,7 +7,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from caffe2ckpt.prefect.flow import create_crash_retry_automation
+from caffe2ckpt.prefect.automations import create_crash_retry_automation
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,11 +1,10 @@
-"""Flow helpers: the one-line flow body, a plan for how far a run trains (:func:`plan_run`), and
-the crash-retry automation with its attempt cap.
+"""Flow helpers: the one-line flow body (:func:`run_job`, with its attempt cap) and a plan for
+how far a run trains (:func:`plan_run`).
 
 ``@flow(retries=N)`` re-runs the flow body after an exception in the same process; a process
-that is killed is marked *Crashed* and is not retried by ``retries``. For that, a deployment can
-have an automation (:func:`create_crash_retry_automation`) that puts crashed runs back to
-``Scheduled`` (``AwaitingRetry``), so a worker runs the *same* flow run again in a new process.
-Automations have no attempt limit, so :func:`run_job` enforces one from ``run_count``.
+that is killed is marked *Crashed* and is not retried by ``retries``: for that, see
+:mod:`caffe2ckpt.prefect.automations`. Automations have no attempt limit, so :func:`run_job`
+enforces one from ``run_count``.
 """
 
 from __future__ import annotations
@@ -14,12 +13,7 @@ import logging
 import signal
 from collections.abc import Sequence
 from typing import NamedTuple
-from uuid import UUID
 
-from prefect.automations import Automation
-from prefect.client.schemas.objects import StateType
-from prefect.events.actions import ChangeFlowRunState
-from prefect.events.schemas.automations import EventTrigger, Posture
 from prefect.runtime import flow_run
 
 from caffe2ckpt.errors import (
@@ -36,8 +30,7 @@ from caffe2ckpt.prefect.orphans import claim_and_sweep
 from caffe2ckpt.prefect.session import PrefectSession
 from caffe2ckpt.runner import JobRunner
 
-__all__ = ["AttemptLimitExceeded", "RunPlan", "create_crash_retry_automation", "plan_run",
-           "run_job"]
+__all__ = ["AttemptLimitExceeded", "RunPlan", "plan_run", "run_job"]
 
 logger = logging.getLogger(__name__)
 
@@ -182,33 +175,3 @@ def _prefect_handles_sigterm() -> bool:
     except ImportError:  # an older Prefect: let the error end the run as Failed
         return False
     return is_prefect_sigterm_handler_installed()
-
-
-def create_crash_retry_automation(deployment_id: UUID | str, *, name: str | None = None) -> UUID:
-    """Create an automation that re-schedules crashed runs of one deployment (same run id).
-
-    Pair it with ``run_job(..., max_attempts=N)``: each re-run increments ``run_count``, and the
-    flow refuses to run past N, ending in *Failed* rather than looping.
-
-    Returns:
-        The automation's id.
-    """
-    automation = Automation(
-        name=name or f"caffe2ckpt-retry-crashed-{deployment_id}",
-        description="Put crashed flow runs of this deployment back to AwaitingRetry "
-                    "(caffe2ckpt resumes them from the newest committed epoch)",
-        trigger=EventTrigger(
-            expect={"prefect.flow-run.Crashed"},
-            match_related={"prefect.resource.id": f"prefect.deployment.{deployment_id}"},
-            for_each={"prefect.resource.id"},
-            posture=Posture.Reactive,
-            threshold=1,
-            within=0,
-        ),
-        actions=[ChangeFlowRunState(state=StateType.SCHEDULED, name="AwaitingRetry",
-                                    message="caffe2ckpt: retrying a crashed run")],
-    ).create()
-    logger.info("created automation %s for crashed runs of deployment %s", automation.id,
-                deployment_id)
-    return automation.id
-
