@@ -6,7 +6,8 @@
 - :class:`CheckpointArtifacts` keeps the checkpoint table, progress and summary artifacts;
 - :func:`create_crash_retry_automation` re-schedules crashed runs of a deployment;
 - :func:`temporary_server` runs a block on Prefect's temporary server, stopped even on SIGKILL;
-- :func:`planned_failures` logs a planned failure (a demo, a drill) as one WARNING.
+- :func:`planned_failures` logs a planned failure (a demo, a drill) as one WARNING;
+- :func:`quiet_task_runs` keeps task runs' INFO lines off the console (not out of the logs).
 
 Importing this package makes caffe2ckpt's own log lines flow run logs (whichever of prefect and
 this package is imported first) and turns off the analytics of a temporary server started from
@@ -19,6 +20,7 @@ from caffe2ckpt.prefect import _environment
 _environment.apply()  # before the modules below import prefect
 
 from caffe2ckpt.prefect.artifacts import CheckpointArtifacts, artifact_key  # noqa: E402
+from caffe2ckpt.prefect.console import quiet_task_runs  # noqa: E402
 from caffe2ckpt.prefect.flow import (  # noqa: E402
     AttemptLimitExceeded,
     RunPlan,
@@ -40,6 +42,7 @@ __all__ = [
     "in_flow_run",
     "plan_run",
     "planned_failures",
+    "quiet_task_runs",
     "run_job",
     "temporary_server",
 ]
