@@ -39,7 +39,7 @@ from caffe2ckpt.manager import BaseCheckpointManager, SaveOutcome, UploadTaskGro
 from caffe2ckpt.naming import check_node_name
 from caffe2ckpt.policy import StepManagerOptions, should_save
 from caffe2ckpt.preemption import PreemptionWatch
-from caffe2ckpt.session import RunEvent, Session, notify
+from caffe2ckpt.session import RunEvent, Session, notify, run_epoch
 
 __all__ = ["JobRunner"]
 
@@ -144,9 +144,14 @@ class JobRunner:
 
     def _start_fresh(self, session: Session) -> int:
         """Run the init group and save epoch 0 (a fresh start); return 0."""
-        job, cm = self.job, self.checkpoint_manager
+        job = self.job
         logger.info("Starting job %r from scratch", job.name)
         self._notify(session, "started", 0)
+        return run_epoch(session, 0, lambda: self._init_epoch(session))
+
+    def _init_epoch(self, session: Session) -> int:
+        """Epoch 0 of a fresh start: the init group, then the manager's init and its save."""
+        job, cm = self.job, self.checkpoint_manager
         session.run(job.init_group)
         if cm is not None:
             session.run(cm.init(job.nodes_to_checkpoint()))
@@ -182,7 +187,8 @@ class JobRunner:
             while not finished:
                 self._stop_if_preempted(epoch, session, preemption)
                 epoch += 1
-                finished = self._run_epoch(epoch, session, preemption)
+                finished = run_epoch(session, epoch,
+                                     lambda e=epoch: self._run_epoch(e, session, preemption))
         except BaseException:
             if cm is not None and cm.pending_epoch is not None:  # let it commit, then fail
                 try:
@@ -199,18 +205,43 @@ class JobRunner:
         """Run ``epoch``'s group and save it if the policy (or a preemption) says so; return
         whether a stop condition held."""
         job, cm = self.job, self.checkpoint_manager
-        logger.info("Running epoch %d of job %r", epoch, job.name)
+        logger.debug("Running epoch %d of job %r", epoch, job.name)
         self._notify(session, "epoch", epoch)
         session.run(job.epoch_group)
         met = [c.key for c in job.stop_conditions if bool(np.any(c.fetch()))]
         finished = bool(met)
         preempted = preemption is not None and preemption.requested
+        metrics = None
         if cm is not None and (preempted or should_save(
                 self.options, epoch, final=finished,
                 last_save_time=self._last_save_time, now=time.monotonic())):
+            metrics = job.fetch_metrics()
             self.save_checkpoints(epoch, session, stop=finished, stop_conditions=met,
-                                  metrics=job.fetch_metrics())
+                                  metrics=metrics)
+        logger.info("%s", self._epoch_line(epoch, metrics))
         return finished
+
+    def _epoch_line(self, epoch: int, metrics: dict[str, float] | None) -> str:
+        """The one INFO line of an epoch: its number, the job's metrics, what became of its
+        checkpoint."""
+        cm = self.checkpoint_manager
+        if metrics is None:
+            try:
+                metrics = self.job.fetch_metrics()
+            except JobDefinitionError:  # the save reports a bad metric; this line just omits it
+                metrics = {}
+        values = "".join(f", {name} {value:.6g}" for name, value in metrics.items())
+        if cm is None:
+            saved = "no checkpoint manager"
+        elif epoch in self.saved_epochs:
+            saved = f"checkpoint committed under {cm.url!r}"
+        elif cm.pending_epoch == epoch:
+            saved = f"checkpoint being written under {cm.url!r} in the background"
+        elif epoch in self.failed_saves:
+            saved = "checkpoint NOT saved (see the warning above)"
+        else:
+            saved = "no checkpoint (the save policy skips this epoch)"
+        return f"Epoch {epoch} of job {self.job.name!r} done{values}; {saved}"
 
     def _committed_epoch(self, epoch: int) -> bool:
         """Whether ``epoch`` is committed by (or was resumed by) this train() call."""
@@ -355,7 +386,7 @@ class JobRunner:
                 raise CheckpointWriteError(
                     f"checkpoint of epoch {epoch}: files cannot be accessed at {cm.url!r}"
                     + (f": {cause}" if cause else ""), epoch=epoch) from cause
-            logger.info("Saving checkpoints for epoch %d", epoch)
+            logger.debug("Saving checkpoints for epoch %d", epoch)
             self._last_save_time = time.monotonic()
             outcome = cm.save_checkpoint(session, epoch, stop=stop,
                                          stop_conditions=stop_conditions, metrics=metrics,

@@ -20,14 +20,16 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
 
 from caffe2ckpt.errors import JobDefinitionError
 from caffe2ckpt.job import Task, TaskGroup
 from caffe2ckpt.workspace import Workspace, WorkspaceType
 
 __all__ = ["LocalSession", "RunEvent", "Session", "Step", "as_group", "deliver", "node_steps",
-           "notify", "run_group", "run_node_tasks", "run_on", "wait_all"]
+           "notify", "run_epoch", "run_group", "run_node_tasks", "run_on", "wait_all"]
+
+T = TypeVar("T")
 
 Step = tuple[Callable[[Workspace], Any] | None, tuple[str, ...], bool]
 """One task as a node runs it: its function, its declared outputs, whether to keep its result."""
@@ -79,6 +81,14 @@ def notify(session: Session, event: RunEvent) -> None:
     listener = getattr(session, "notify", None)
     if listener is not None:
         listener(event)
+
+
+def run_epoch(session: Session, epoch: int, body: Callable[[], T]) -> T:
+    """Run ``body`` (everything epoch ``epoch`` runs: its groups and its save) through the
+    session's ``run_epoch`` if it has one (``PrefectSession`` makes it one parent task run, so
+    the epoch's task runs are grouped under it), else just call it."""
+    runner = getattr(session, "run_epoch", None)
+    return body() if runner is None else runner(epoch, body)
 
 
 def as_group(runnable: TaskGroup | Task) -> TaskGroup:

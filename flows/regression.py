@@ -28,6 +28,7 @@ from caffe2ckpt.prefect import (  # before prefect: routes caffe2ckpt logs
     PrefectSession,
     plan_run,
     planned_failures,
+    quiet_task_runs,
     run_job,
     temporary_server,
 )
@@ -38,6 +39,10 @@ from prefect.runtime import flow_run
 from caffe2ckpt import MultiNodeCheckpointManager
 from caffe2ckpt.example import InjectedFailure, build_job, epoch_number, node_names, positive_int
 from caffe2ckpt.metadata import ZarrMetadataHandler
+
+# The terminal shows one line per epoch (caffe2ckpt's); each task run's "Finished in state" and
+# the nodes' loss prints stay in the flow run's logs, out of the terminal (warnings still show).
+quiet_task_runs()
 
 
 @flow(name="regression", retries=2, retry_delay_seconds=1, log_prints=True)

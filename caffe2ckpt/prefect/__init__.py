@@ -7,7 +7,8 @@
 - :func:`create_crash_retry_automation` re-schedules crashed runs of a deployment, and
   :func:`create_heartbeat_crash_automation` marks runs whose heartbeats stopped *Crashed*;
 - :func:`temporary_server` runs a block on Prefect's temporary server, stopped even on SIGKILL;
-- :func:`planned_failures` logs a planned failure (a demo, a drill) as one WARNING.
+- :func:`planned_failures` logs a planned failure (a demo, a drill) as one WARNING;
+- :func:`quiet_task_runs` keeps task runs' INFO lines off the console (not out of the logs).
 
 Importing this package makes caffe2ckpt's own log lines flow run logs (whichever of prefect and
 this package is imported first) and turns off the analytics of a temporary server started from
@@ -24,6 +25,7 @@ from caffe2ckpt.prefect.automations import (  # noqa: E402
     create_crash_retry_automation,
     create_heartbeat_crash_automation,
 )
+from caffe2ckpt.prefect.console import quiet_task_runs  # noqa: E402
 from caffe2ckpt.prefect.flow import AttemptLimitExceeded, RunPlan, plan_run, run_job  # noqa: E402
 from caffe2ckpt.prefect.localserver import temporary_server  # noqa: E402
 from caffe2ckpt.prefect.planned import planned_failures  # noqa: E402
@@ -40,6 +42,7 @@ __all__ = [
     "in_flow_run",
     "plan_run",
     "planned_failures",
+    "quiet_task_runs",
     "run_job",
     "temporary_server",
 ]

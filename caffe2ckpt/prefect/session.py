@@ -2,9 +2,12 @@
 
 Inside a flow, ``session.run(group)`` submits one task run per node of the group (named like
 ``epoch_group[trainer_1] e7``) to the flow's task runner, waits for all of them, and then raises
-the first failure. The task run calls its node session's ``run_node``: by default a
-:class:`~caffe2ckpt.session.LocalSession`, whose workspaces live in the flow process, or a
-:class:`~caffe2ckpt.dask.DaskSession`, whose workspaces live on Dask workers. Only the steps go in
+the first failure. Each epoch (its groups and its save) runs inside one parent task run named
+``epoch N`` (``group_epochs``): Prefect nests the node task runs under it, and the flow run
+graph shows one expandable node per epoch instead of one per node and group. The task run
+calls its node session's ``run_node``: by default a :class:`~caffe2ckpt.session.LocalSession`,
+whose workspaces live in the flow process, or a :class:`~caffe2ckpt.dask.DaskSession`, whose
+workspaces live on Dask workers. Only the steps go in
 and their small results come back (``quote``d, ``NO_CACHE``, no result persistence): the
 checkpoint store is the only cache. Outside a flow it runs groups on the node session directly.
 
@@ -19,7 +22,7 @@ import copy
 import logging
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import lru_cache
 from typing import Any
 
@@ -54,6 +57,11 @@ def _run_node(label: str, run_node: RunNode, node: str, steps: list[Step],
     return run_node(node, steps, workspace_type)
 
 
+@task(name="epoch", cache_policy=NO_CACHE, persist_result=False, task_run_name="{label}")
+def _epoch(label: str, body: Callable[[], Any]) -> Any:
+    return body()
+
+
 @lru_cache(maxsize=1024)
 def _node_task(group_name: str) -> PrefectTask:
     """``_run_node`` named after the group, made once per name: ``with_options`` builds a new
@@ -84,6 +92,11 @@ class PrefectSession:
         artifacts_interval: upload the checkpoint table and progress at most this often
             (seconds), in the background; longer when uploads get slow (ten times the last
             one's duration). Failures and the end of the job are uploaded at once.
+        group_epochs: run each epoch (its groups and its save; epoch 0: the init groups and
+            the first save) inside one parent task run named ``epoch N``, so that the flow
+            run graph shows one expandable node per epoch; the node task runs keep their
+            names (``epoch_group[trainer_1] e7``). False: every node task run is a top-level
+            node of the graph, as before.
 
     Example:
         >>> from prefect import flow
@@ -94,13 +107,15 @@ class PrefectSession:
     """
 
     def __init__(self, workspaces: Mapping[str, Workspace] | None = None, *, nodes: Any = None,
-                 artifacts: bool = True, artifacts_interval: float = 2.0) -> None:
+                 artifacts: bool = True, artifacts_interval: float = 2.0,
+                 group_epochs: bool = True) -> None:
         if nodes is not None and workspaces is not None:
             raise JobDefinitionError("give PrefectSession either workspaces or a node session")
         self._local = nodes if nodes is not None else LocalSession(workspaces)
         self._artifacts = (CheckpointArtifacts(min_interval=artifacts_interval) if artifacts
                            else None)
         self.epoch: int | None = None
+        self.group_epochs = group_epochs
 
     def workspace(self, node: str) -> Workspace:
         return self._local.workspace(node)
@@ -141,6 +156,14 @@ class PrefectSession:
                 self._artifacts.flush()
             except Exception as exc:  # never hide the task's own failure
                 logger.warning("could not update checkpoint artifacts: %s", exc)
+
+    def run_epoch(self, epoch: int, body: Callable[[], Any]) -> Any:
+        """Call ``body`` (all that epoch ``epoch`` runs) inside a parent task run ``epoch N``
+        (see ``group_epochs``); outside a flow, or with ``group_epochs=False``, just call it."""
+        if not self.group_epochs or not in_flow_run():
+            return body()
+        _check_task_runner()
+        return _epoch(f"epoch {epoch}", quote(body))
 
     def run(self, runnable: TaskGroup | Task) -> None:
         group = as_group(runnable)

@@ -166,6 +166,7 @@ def test_kill_9_ends_the_run_at_the_kill_and_the_next_run_starts_clean(tmp_path)
     assert "ERROR" not in log and "Traceback" not in log and "Error" not in log, log
     assert runs(tmp_path)[f"{socket.gethostname()}:{second.pid}"][0] == "COMPLETED"
     # every task run of the second run was recorded, and recorded finished, before its
-    # temporary server stopped: init, checkpoint_init, each save and each epoch, per node
+    # temporary server stopped: init, checkpoint_init, each save and each epoch, per node, and
+    # each epoch's parent task run ("epoch 0" to "epoch N")
     assert task_run_states(tmp_path, f"{socket.gethostname()}:{second.pid}") == {
-        "COMPLETED": 2 * (2 + (SECOND_EPOCHS + 1) + SECOND_EPOCHS)}
+        "COMPLETED": 2 * (2 + (SECOND_EPOCHS + 1) + SECOND_EPOCHS) + SECOND_EPOCHS + 1}

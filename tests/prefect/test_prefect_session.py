@@ -69,7 +69,8 @@ def test_caffe2_job_through_prefect_with_named_task_runs(prefix, client):
     assert final == 4 and fetch(session, "trainer_0", total) == 145
     expected = (["init_group[trainer_0] e0", "checkpoint_init[trainer_0] e0"]
                 + [f"checkpoint_save[trainer_0] e{e}" for e in range(5)]
-                + [f"epoch_group[trainer_0] e{e}" for e in range(1, 5)])
+                + [f"epoch_group[trainer_0] e{e}" for e in range(1, 5)]
+                + [f"epoch {e}" for e in range(5)])  # each epoch's parent task run
     names = task_run_names(client, run_id, len(expected))
     assert sorted(expected) == [n for n in names if n in expected] and len(names) == len(expected)
 
