@@ -45,7 +45,8 @@ def test_task_runs_per_node_and_group_with_actors(tmp_path, dask_client, client)
     expected = sorted(
         [f"{g}[{n}] e0" for g in ("init_group", "checkpoint_init") for n in NODES]
         + [f"checkpoint_save[{n}] e{e}" for e in range(5) for n in NODES]
-        + [f"epoch_group[{n}] e{e}" for e in range(1, 5) for n in NODES])
+        + [f"epoch_group[{n}] e{e}" for e in range(1, 5) for n in NODES]
+        + [f"epoch {e}" for e in range(5)])  # the parent task run of each epoch's task runs
     assert sorted(r.name for r in finished_task_runs(client, run_id, len(expected))) == expected
 
 
