@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -22,6 +23,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parents[1]
+# the names caffe2ckpt gives task runs: "epoch_group[trainer_1] e7", "epoch 7"
+OURS = r".+\[.+\]( e\d+)?|epoch \d+"
 
 
 def start(repo: Path, home: Path, ckpt: Path, epochs: int, log: Path) -> subprocess.Popen:
@@ -57,14 +60,15 @@ def reading(db: Path, pid: int, killed_at: datetime) -> str:
             return f"no flow run with infrastructure_pid *:{pid} in {db}"
         tasks = con.execute("SELECT state_type, count(*) FROM task_run WHERE flow_run_id = ? "
                             "GROUP BY state_type", (row[0],)).fetchall()
-        generic = con.execute("SELECT name FROM task_run WHERE flow_run_id = ? AND name NOT "
-                              "LIKE '%[%'", (row[0],)).fetchall()
+        names = con.execute("SELECT name FROM task_run WHERE flow_run_id = ?",
+                            (row[0],)).fetchall()
+    generic = [name for (name,) in names if not re.fullmatch(OURS, name)]
     start, end = parse(row[2]), parse(row[3])
     shown = (end - start).total_seconds() if start and end else None
     after_kill = (end - killed_at).total_seconds() if end else None
     return (f"flow run {row[1]}; end - start {fmt(shown)}; end - kill {fmt(after_kill)}; "
             f"total_run_time {row[4]!r}; task runs {dict(tasks)}; "
-            f"generic task run names {[n for (n,) in generic]}")
+            f"generic task run names {generic}")
 
 
 def fmt(seconds: float | None) -> str:
