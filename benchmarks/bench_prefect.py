@@ -18,8 +18,10 @@ change in the machine's load hits all of them alike), and the medians are printe
   server together (less sensitive to other processes on the machine; Linux only for the server);
 - ``x local``: time per epoch against LocalSession's.
 
-Sessions: heartbeats on (30 s) and off without artifacts, and heartbeats off with the checkpoint
-artifacts (a "saved" event per epoch, as JobRunner sends, updating the table and progress bar).
+Sessions (each epoch's groups side by side in the flow run, ``group_epochs=False``, unless
+said): heartbeats on (30 s) and off without artifacts, heartbeats off with the checkpoint
+artifacts (a "saved" event per epoch, as JobRunner sends, updating the table and progress bar),
+and heartbeats off with each epoch inside its parent task run ``epoch N`` (the default).
 """
 
 from __future__ import annotations
@@ -56,18 +58,13 @@ def build_groups():
 def run_epochs(session, epochs: int, *, saves: bool = False) -> list[float]:
     """Seconds of each epoch of running the 3 groups on ``session`` (with ``saves``, followed by
     a "saved" event carrying two nodes' commit records, as JobRunner sends after a save)."""
+    from caffe2ckpt.session import RunEvent, run_epoch
     from caffe2ckpt.store.records import CommitRecord
-    from caffe2ckpt.session import RunEvent
 
     def event(kind: str, epoch: int, **info) -> RunEvent:
         return RunEvent(kind=kind, job="bench", epoch=epoch, max_epochs=epochs, **info)
 
-    groups = build_groups()
-    if saves:
-        session.notify(event("started", 0))
-    times = []
-    for epoch in range(1, epochs + 1):
-        start = time.perf_counter()
+    def one_epoch(epoch: int) -> None:
         session.notify(event("epoch", epoch))
         for group in groups:
             session.run(group)
@@ -76,6 +73,14 @@ def run_epochs(session, epochs: int, *, saves: bool = False) -> list[float]:
                                        nbytes=1 << 20, blob_count=4, seconds=0.01,
                                        metrics={"loss": 1 / epoch}) for n in NODES}
             session.notify(event("saved", epoch, records=records))
+
+    groups = build_groups()
+    if saves:
+        session.notify(event("started", 0))
+    times = []
+    for epoch in range(1, epochs + 1):
+        start = time.perf_counter()
+        run_epoch(session, epoch, lambda e=epoch: one_epoch(e))  # as JobRunner runs an epoch
         times.append(time.perf_counter() - start)
     if saves:
         session.notify(event("finished", epochs))
@@ -152,17 +157,20 @@ def main() -> None:
     from caffe2ckpt.prefect import PrefectSession
 
     @flow(name="bench-overhead")
-    def bench(epochs: int, artifacts: bool = False) -> tuple[list[float], int, float, float]:
+    def bench(epochs: int, artifacts: bool = False,
+              grouped: bool = False) -> tuple[list[float], int, float, float]:
         cpu = cpu_seconds(server)
-        times = run_epochs(PrefectSession(artifacts=artifacts), epochs, saves=artifacts)
+        times = run_epochs(PrefectSession(artifacts=artifacts, group_epochs=grouped), epochs,
+                           saves=artifacts)
         backlog = events_backlog()
         drained = drain_events()
         return times, backlog, drained, cpu_seconds(server) - cpu
 
-    sessions = {  # label: (heartbeat frequency, artifacts)
-        "heartbeat on (30 s)": (30, False),
-        "heartbeat off": (None, False),
-        "heartbeat off, artifacts": (None, True),
+    sessions = {  # label: (heartbeat frequency, artifacts, an epoch task run around each epoch)
+        "heartbeat on (30 s)": (30, False, False),
+        "heartbeat off": (None, False, False),
+        "heartbeat off, artifacts": (None, True, False),
+        "heartbeat off, epoch tasks": (None, False, True),
     }
     server: list[int] = []
     bench(2)  # start the temporary server and warm up
@@ -181,11 +189,11 @@ def main() -> None:
             cpu = cpu_seconds([])
             local.append(statistics.mean(run_epochs(LocalSession(), epochs)))
             local_cpu.append((cpu_seconds([]) - cpu) / epochs)
-            for label, (freq, artifacts) in sessions.items():
+            for label, (freq, artifacts, grouped) in sessions.items():
                 drain_events()
                 with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: freq}):
                     start = time.perf_counter()
-                    times, backlog, drained, cpu = bench(epochs, artifacts)
+                    times, backlog, drained, cpu = bench(epochs, artifacts, grouped)
                     wall = time.perf_counter() - start
                 quarter = max(len(times) // 4, 1)
                 runs[label].append((statistics.mean(times), statistics.mean(times[:quarter]),

@@ -157,6 +157,7 @@ class JobRunner:
             session.run(cm.init(job.nodes_to_checkpoint()))
             self._start_run(session, cm, parent=None)
             self.save_checkpoints(0, session)
+        logger.info("%s", self._epoch_line(0, None, session))
         return 0
 
     def _start_resumed(self, session: Session, resume: int) -> tuple[int, bool]:
@@ -218,19 +219,20 @@ class JobRunner:
             metrics = job.fetch_metrics()
             self.save_checkpoints(epoch, session, stop=finished, stop_conditions=met,
                                   metrics=metrics)
-        logger.info("%s", self._epoch_line(epoch, metrics))
+        logger.info("%s", self._epoch_line(epoch, metrics, session))
         return finished
 
-    def _epoch_line(self, epoch: int, metrics: dict[str, float] | None) -> str:
-        """The one INFO line of an epoch: its number, the job's metrics, what became of its
+    def _epoch_line(self, epoch: int, metrics: dict[str, float] | None, session: Session) -> str:
+        """The one INFO line of an epoch: its number, the job's metrics (those its save read;
+        read for the line only where the workspaces are in this process), what became of its
         checkpoint."""
         cm = self.checkpoint_manager
-        if metrics is None:
+        if metrics is None and not getattr(session, "remote", False):
             try:
                 metrics = self.job.fetch_metrics()
-            except JobDefinitionError:  # the save reports a bad metric; this line just omits it
-                metrics = {}
-        values = "".join(f", {name} {value:.6g}" for name, value in metrics.items())
+            except Exception as exc:  # noqa: BLE001 - a log line never fails an epoch
+                logger.debug("epoch %d: metrics not read for the log line: %r", epoch, exc)
+        values = "".join(f", {name} {value:.6g}" for name, value in (metrics or {}).items())
         if cm is None:
             saved = "no checkpoint manager"
         elif epoch in self.saved_epochs:

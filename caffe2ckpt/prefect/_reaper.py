@@ -39,9 +39,10 @@ BUDGET_SECONDS = 20.0  #: for all API work, after which the server is stopped re
 TASKS_STILL_SECONDS = 2.0  #: task-run counts unchanged this long: the server recorded them
 NOT_FINAL = ["SCHEDULED", "PENDING", "RUNNING", "PAUSED", "CANCELLING"]
 PAGE = 200
-# a task run that never started keeps the name Prefect gave it at creation, "<task name>-<3 hex>"
+# a task run that never started keeps the name Prefect gave it at creation, "<task name>-<key>"
+# (3 hex digits of its dynamic key when run in the flow's threads, the whole key otherwise)
 # (caffe2ckpt's task name is the run's label: "epoch_group[trainer_1] e7-1de")
-GENERIC_NAME = re.compile(r"^(.*\S\[.+\](?: e\d+)?)-[0-9a-f]{3}$")
+GENERIC_NAME = re.compile(r"^(.*\S\[.+\](?: e\d+)?)-[0-9a-f-]+$")
 
 
 def _alive(pid: int) -> bool:

@@ -38,6 +38,7 @@ from prefect.utilities.annotations import quote
 from caffe2ckpt.errors import JobDefinitionError, NodeLostError
 from caffe2ckpt.job import Task, TaskGroup
 from caffe2ckpt.prefect.artifacts import CheckpointArtifacts
+from caffe2ckpt.prefect.epochtask import run_in_epoch_task
 from caffe2ckpt.session import LocalSession, RunEvent, RunNode, Step, as_group, deliver, node_steps
 from caffe2ckpt.workspace import Workspace, WorkspaceType
 
@@ -51,15 +52,10 @@ def in_flow_run() -> bool:
     return FlowRunContext.get() is not None
 
 
-@task(cache_policy=NO_CACHE, persist_result=False, task_run_name="{label}")
+@task(retries=0, cache_policy=NO_CACHE, persist_result=False, task_run_name="{label}")
 def _run_node(label: str, run_node: RunNode, node: str, steps: list[Step],
               workspace_type: WorkspaceType) -> list[Any]:
     return run_node(node, steps, workspace_type)
-
-
-@task(name="epoch", cache_policy=NO_CACHE, persist_result=False, task_run_name="{label}")
-def _epoch(label: str, body: Callable[[], Any]) -> Any:
-    return body()
 
 
 @lru_cache(maxsize=1024)
@@ -163,7 +159,7 @@ class PrefectSession:
         if not self.group_epochs or not in_flow_run():
             return body()
         _check_task_runner()
-        return _epoch(f"epoch {epoch}", quote(body))
+        return run_in_epoch_task(epoch, body)
 
     def run(self, runnable: TaskGroup | Task) -> None:
         group = as_group(runnable)

@@ -95,7 +95,13 @@ BASH = {
 }
 
 
+NOT_CODE = {"", "json", "text"}  # fences that hold data or a drawing, not commands
+
+
 def test_every_block_is_covered():
+    fences = {line.strip()[3:] for page in PAGES for line in (REPO / page).read_text().splitlines()
+              if line.strip().startswith("```")}
+    assert fences <= {"python", "bash"} | NOT_CODE, fences - {"python", "bash"} - NOT_CODE
     assert sorted(python_blocks()) == sorted([*BLOCKS, *RUN_BY_BASH])
     assert sorted(doc_blocks("bash")) == sorted(BASH)
     tests = {name for name in globals() if name.startswith("test_")}

@@ -21,7 +21,7 @@ from prefect.runtime import flow_run
 from prefect.settings import PREFECT_API_URL
 
 from caffe2ckpt import JobRunner, MultiNodeCheckpointManager
-from caffe2ckpt.example import build_job
+from caffe2ckpt.example import InjectedFailure, build_job
 from caffe2ckpt.prefect import PrefectSession, quiet_task_runs
 from tests.prefect.conftest import finished_task_runs, poll
 from tests.prefect.test_regression_flow import lineage, writer
@@ -127,3 +127,84 @@ def test_the_graph_has_one_node_per_epoch_with_its_task_runs_nested(tmp_path, cl
             epoch = re.fullmatch(r"\w+\[trainer_\d\] e(\d+)", node["label"]).group(1)
             assert [by_id[e["id"]]["label"] for e in node["encapsulating"]] == [f"epoch {epoch}"]
     assert len(found) == node_runs + epochs + 1
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_a_failed_node_task_is_logged_once_not_again_by_its_epoch(tmp_path, grouped):
+    """A node's failure is logged by its task run; the epoch's parent task run that it passes
+    through adds no ERROR line (the parent still ends Failed), so grouping logs what the flat
+    graph logs."""
+    @flow(name="fails-in-epoch-2")
+    def train() -> None:
+        cm = MultiNodeCheckpointManager(str(tmp_path / "ckpt"))
+        JobRunner(build_job(4, 1, fail_at_epoch=2), cm).train(PrefectSession(group_epochs=grouped))
+
+    handler = _Records()
+    logger = logging.getLogger("prefect.task_runs")
+    logger.addHandler(handler)
+    try:
+        with pytest.raises(InjectedFailure):
+            train()
+    finally:
+        logger.removeHandler(handler)
+    errors = [(getattr(r, "task_run_name", ""), r.getMessage().split("\n")[0])
+              for r in handler.records if r.levelno >= logging.ERROR]
+    # "failed with exception", then "Finished in state Failed": the node's task run only
+    assert [name for name, _ in errors] == ["epoch_group[trainer_0] e2"] * 2, errors
+    assert sum(bool(r.exc_info) for r in handler.records) == 1
+
+
+RETRY_SCRIPT = """
+import sys
+import numpy as np
+from prefect import flow
+from caffe2ckpt import Job, JobRunner, MultiNodeCheckpointManager, Node, Task, epoch_limiter
+from caffe2ckpt.prefect import PrefectSession
+
+calls = []
+
+def fail_first(ws):
+    calls.append(1)
+    if len(calls) == 1:
+        raise RuntimeError("the first call fails")
+    ws["w"] = ws["w"] + 1
+
+with Job(name="retry-check") as job:
+    with Node("trainer_0"):
+        with job.init_group:
+            Task(lambda ws: ws.update(w=np.zeros(2)), name="init")
+        Task(fail_first, name="step")
+    epoch_limiter(job, 2)
+
+@flow(name="no-task-retries")
+def train() -> int:
+    return JobRunner(job, MultiNodeCheckpointManager(sys.argv[1])).train(PrefectSession())
+
+try:
+    train()
+except RuntimeError:
+    pass
+print("calls", len(calls))
+"""
+
+
+def test_an_epoch_is_never_retried_in_place(tmp_path):
+    """Prefect's default task retries (``PREFECT_TASKS_DEFAULT_RETRIES``, read when a task is
+    defined) do not apply to caffe2ckpt's task runs: a failed epoch is not run again on the
+    workspaces it changed (a flow retry resumes from a commit instead)."""
+    (tmp_path / "retry.py").write_text(RETRY_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PREFECT_API_URL": PREFECT_API_URL.value(),
+           "PREFECT_TASKS_DEFAULT_RETRIES": "2"}
+    out = subprocess.run([sys.executable, "retry.py", str(tmp_path / "ckpt")], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=180, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "calls 1" in out.stdout.splitlines(), (out.stdout, out.stderr[-3000:])

@@ -164,3 +164,10 @@ def test_the_next_run_marks_the_killed_run_and_its_unfinished_task_runs_crashed(
     never_started = client.read_task_run(never_started.id)
     assert never_started.state.type == StateType.CRASHED
     assert never_started.name == "epoch_group[trainer_1] e7"  # as it would have been named
+
+
+def test_the_reaper_and_the_sweep_agree_on_which_states_are_not_final():
+    """The reaper (stdlib only) spells out the states; the sweep takes them from Prefect."""
+    from caffe2ckpt.prefect import _reaper, orphans
+
+    assert sorted(_reaper.NOT_FINAL) == sorted(state.value for state in orphans.NOT_FINAL)
