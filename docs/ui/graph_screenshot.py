@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import os
 import shutil
 import subprocess
 import sys
@@ -31,7 +30,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from screenshots import BROWSERS, REPO, api, free_port, wait_healthy  # noqa: E402
+from screenshots import BROWSERS, REPO, api, prefect_server  # noqa: E402
 
 # The graph is a WebGL canvas: its bars are found by their colour (a completed run's green) in a
 # screenshot, decoded in the page. Returns the boxes of green runs at least 8 px wide, stacked.
@@ -157,34 +156,18 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="caffe2ckpt-graph-") as tmp:
-        work, port = Path(tmp), free_port()
-        api_url = f"http://127.0.0.1:{port}/api"
-        env = {**os.environ, "PREFECT_HOME": str(work / "home"), "PREFECT_API_URL": api_url,
-               "PREFECT_UI_API_URL": api_url, "PREFECT_UI_URL": f"http://127.0.0.1:{port}",
-               "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1"}
-        with open(work / "server.log", "wb") as log:
-            server = subprocess.Popen(
-                [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                 "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True)
-        try:
-            wait_healthy(api_url)
+        work = Path(tmp)
+        with prefect_server(work) as (api_url, env):
             run_flow(args.repo.resolve(), work, env, args.epochs)
             runs = api(api_url, "/flow_runs/filter", {"sort": "START_TIME_DESC", "limit": 1})
             summary, top = graph_summary(api_url, runs[0]["id"])
             print(f"graph of {args.repo} ({args.epochs} epochs): {summary}")
             expand = f"epoch {args.expand}"
             args.out.parent.mkdir(parents=True, exist_ok=True)
-            page = f"http://127.0.0.1:{port}/runs/flow-run/{runs[0]['id']}"
+            page = f"{api_url.removesuffix('/api')}/runs/flow-run/{runs[0]['id']}"
             for png in screenshots(chromium, page, args.out,
                                    top.index(expand) if expand in top else None):
                 print(f"graph: {png} ({page})")
-        finally:
-            server.terminate()
-            try:
-                server.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                server.kill()
     return 0
 
 

@@ -20,6 +20,7 @@ chromium``). ``tests/prefect/test_ui_screenshots.py`` runs it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -30,6 +31,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -87,6 +89,31 @@ class Browser:
                        timeout=120, check=True)
 
 
+@contextlib.contextmanager
+def prefect_server(work: Path) -> Iterator[tuple[str, dict[str, str]]]:
+    """A real ``prefect server`` on a free port of 127.0.0.1 with its home in ``work``: yields
+    its API URL and the environment that points a flow at it; stopped at the end."""
+    port = free_port()
+    api_url = f"http://127.0.0.1:{port}/api"
+    env = {**os.environ, "PREFECT_HOME": str(work / "home"), "PREFECT_API_URL": api_url,
+           "PREFECT_UI_API_URL": api_url, "PREFECT_UI_URL": f"http://127.0.0.1:{port}",
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1"}
+    with open(work / "server.log", "wb") as log:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+             "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True)
+    try:
+        wait_healthy(api_url)
+        yield api_url, env
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
 def first_row_epoch(dom: str) -> int | None:
     """The epoch in the first cell of the rendered table's first body row."""
     body = dom.partition("<tbody")[2]
@@ -122,18 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="caffe2ckpt-ui-") as tmp:
         work = Path(tmp)
-        port = free_port()
-        api_url = f"http://127.0.0.1:{port}/api"
-        env = {**os.environ, "PREFECT_HOME": str(work / "home"), "PREFECT_API_URL": api_url,
-               "PREFECT_UI_API_URL": api_url, "PREFECT_UI_URL": f"http://127.0.0.1:{port}",
-               "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1"}
-        with open(work / "server.log", "wb") as log:
-            server = subprocess.Popen(
-                [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                 "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True)
-        try:
-            wait_healthy(api_url)
+        with prefect_server(work) as (api_url, env):
             run = subprocess.run(
                 [sys.executable, str(REPO / "flows" / "regression.py"), "--checkpoint-url",
                  CHECKPOINTS, "--epochs", str(args.epochs), "--fail-at-epoch",
@@ -152,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                 if len(found) != 1:
                     missing.append(f"{kind}: {len(found)} artifacts with a key ending -{kind}")
                     continue
-                page = f"http://127.0.0.1:{port}/artifacts/artifact/{found[0]['id']}"
+                page = f"{api_url.removesuffix('/api')}/artifacts/artifact/{found[0]['id']}"
                 for _ in range(3):  # the UI renders after its API calls: give it three tries
                     if check(browser.dom(page)):
                         break
@@ -160,12 +176,6 @@ def main(argv: list[str] | None = None) -> int:
                     missing.append(f"{kind}: {page} does not show {what}")
                 browser.screenshot(page, args.out / f"{kind}.png")
                 print(f"{kind}: {args.out / f'{kind}.png'} ({page})")
-        finally:
-            server.terminate()
-            try:
-                server.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                server.kill()
     for line in missing:
         print(f"missing: {line}", file=sys.stderr)
     return 1 if missing else 0
