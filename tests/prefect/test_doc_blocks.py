@@ -198,9 +198,10 @@ def test_the_local_s3_block_runs_in_order(tmp_path):
     assert code == 0, text
     try:
         _wait_for_bucket("checkpoints")
-        code, text, leftovers = _run_block("\n".join([flow_line, *rest]), tmp_path, env)
-    finally:
-        leftovers += _stop_leftovers(tmp_path, env)
+        code, text, leftovers = _run_block("\n".join([flow_line, *rest]), tmp_path, env,
+                                           keep_running=True)
+    finally:  # the last line stopped SeaweedFS: it shuts down in seconds, more under load
+        leftovers += _stop_leftovers(tmp_path, env, grace=60)
     assert code == 0 and not leftovers, f"the block exited {code} ({leftovers}):\n{text}"
     finals = [line for line in text.splitlines() if line.startswith("final epoch:")]
     assert finals == ["final epoch: 10", "final epoch: 10"], text
@@ -314,9 +315,9 @@ def _as_from_a_terminal() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def _stop_leftovers(tmp_path: Path, env: dict) -> list[str]:
-    """Stop what the block left running (stopping takes a moment: 15 s of grace); the command
-    lines of those that had to be killed."""
+def _stop_leftovers(tmp_path: Path, env: dict, grace: float = 15) -> list[str]:
+    """Stop what the block left running (stopping takes a moment: ``grace`` seconds); the
+    command lines of those that had to be killed."""
     ours = []
     for proc in psutil.process_iter(["environ"]):
         try:
@@ -324,7 +325,7 @@ def _stop_leftovers(tmp_path: Path, env: dict) -> list[str]:
                 ours.append(proc)
         except psutil.Error:
             continue
-    _, alive = psutil.wait_procs(ours, timeout=15)
+    _, alive = psutil.wait_procs(ours, timeout=grace)
     found = []
     for proc in alive:
         try:
