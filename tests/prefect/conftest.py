@@ -4,6 +4,7 @@ heartbeats and no event persister (task runs are still recorded so tests can que
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from uuid import UUID
@@ -53,3 +54,14 @@ def finished_task_runs(client, flow_run_id, expected: int) -> list:
     return poll(lambda: client.read_task_runs(flow_run_filter=runs_filter),
                 lambda runs: len(runs) >= expected and all(r.state and r.state.is_final()
                                                            for r in runs))
+
+
+class Records(logging.Handler):
+    """Keeps every record it is handed (attach it to the loggers a test reads)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)

@@ -23,7 +23,7 @@ from prefect.settings import PREFECT_API_URL
 from caffe2ckpt import JobRunner, MultiNodeCheckpointManager
 from caffe2ckpt.example import InjectedFailure, build_job
 from caffe2ckpt.prefect import PrefectSession, quiet_task_runs
-from tests.prefect.conftest import finished_task_runs, poll
+from tests.prefect.conftest import Records, finished_task_runs, poll
 from tests.prefect.test_regression_flow import lineage, writer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -135,15 +135,6 @@ def test_the_graph_has_one_node_per_epoch_with_its_task_runs_nested(tmp_path, cl
     assert len(found) == node_runs + epochs + 1
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
 @pytest.mark.parametrize("grouped", [True, False])
 def test_a_failed_node_task_is_logged_once_not_again_by_its_epoch(tmp_path, grouped):
     """A node's failure is logged by its task run; the epoch's parent task run that it passes
@@ -154,7 +145,7 @@ def test_a_failed_node_task_is_logged_once_not_again_by_its_epoch(tmp_path, grou
         cm = MultiNodeCheckpointManager(str(tmp_path / "ckpt"))
         JobRunner(build_job(4, 1, fail_at_epoch=2), cm).train(PrefectSession(group_epochs=grouped))
 
-    handler = _Records()
+    handler = Records()
     logger = logging.getLogger("prefect.task_runs")
     logger.addHandler(handler)
     try:

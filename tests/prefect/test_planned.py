@@ -10,19 +10,11 @@ from prefect import flow, task
 from prefect.runtime import flow_run
 
 from caffe2ckpt.prefect import planned_failures
+from tests.prefect.conftest import Records
 
 
 class Drill(RuntimeError):
     pass
-
-
-class Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
 
 
 @pytest.fixture
