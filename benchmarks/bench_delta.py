@@ -1,7 +1,8 @@
 """Differential saves on the study's workload E1, against a whole save and against rewriting
-the touched chunks of a plain Zarr array in place, in one run (paired, epoch by epoch).
+the touched chunks of a plain Zarr array in place, in one run (paired, epoch by epoch): what each
+save writes and costs, what every epoch costs to restore, and what the writer holds in memory.
 
-    python benchmarks/bench_delta.py                       # 256 MiB table, 10 epochs, local
+    python benchmarks/bench_delta.py                       # 256 MiB table, 100 epochs, local
     python benchmarks/bench_delta.py --rows 4194304        # 1 GiB table
     python benchmarks/bench_delta.py --dist zipf           # Zipf (a = 1.1, clustered ids)
     python benchmarks/bench_delta.py --server moto         # on S3: requests per save counted
@@ -13,23 +14,30 @@ counter, and ``frozen_proj`` 256x256 (never changes). Each epoch 5% of the table
 values: chosen uniformly, or by Zipf ranks (a = 1.1, drawn until 5% are distinct; rank r is row
 r).
 
-Per epoch (1..``--epochs``; epoch 0 is written untimed by each method), in a rotating order:
+Per epoch (1..``--epochs``; epoch 0 is each method's first, whole save, also timed), in a
+rotating order:
 
 - **whole**: ``StepCheckpointManager.save`` without deltas;
 - **hints**: ``delta_saves=True, delta_detection="hints"`` with the changed rows given;
-- **compare**: ``delta_saves=True`` (rows compared with the last saved copy);
-- **zarr in place**: the touched chunks of a plain Zarr array (the table, ``--zarr-rows`` rows
-  per chunk, zarr-python's own write path) rewritten, plus the small blobs rewritten whole.
+- **compare**: ``delta_saves=True`` (changed rows found by row digests);
+- **zarr in place** (the first ``--zarr-epochs`` epochs, local only): the touched chunks of a
+  plain Zarr array (the table, ``--zarr-rows`` rows per chunk, zarr-python's own write path)
+  rewritten, plus the small blobs rewritten whole.
 
-On S3 every request of a ``save()`` call is counted (``StepCheckpointManager.save``: the first
-save after a run's start also reads the step listing once, two LIST requests; the median
-shows the steady state). Saves are durable (fsync'ed) for caffe2ckpt; plain Zarr is timed with the files flushed by an
-``os.sync()`` after its writes. Bytes are the data each save wrote (caffe2ckpt: the record's
-``bytes_written``, every chunk's padding included; Zarr: the files it rewrote). Then every
-epoch of the ``compare`` prefix is restored (a fresh manager, page cache dropped when permitted)
-and timed against a restore of the same epoch from the whole prefix: bit-exact equal, and the
-ratio by chain depth (how many overlays the table's chain applies). Medians; ratios are of
-paired timings (same epoch, back to back).
+Then the epoch is restored from the ``whole`` and the ``compare`` prefixes (a fresh manager each,
+page cache dropped when permitted, in a rotating order) and the two compared bit for bit: every
+epoch is a kept epoch once (``max_to_keep=3`` bounds the disk). Bytes are the data each save
+wrote (caffe2ckpt: the record's ``bytes_written``, every chunk's padding included; Zarr: the files
+it rewrote); "average per epoch" is the total of a run's saves over its epochs (with and without
+epoch 0's whole save). Saves are durable (fsync'ed) for caffe2ckpt; plain Zarr is timed with the
+files flushed by an ``os.sync()`` after its writes. On S3 every request of a ``save()`` call is
+counted. Medians of paired timings (same epoch, back to back), and the worst case beside them.
+
+Memory (``--memory-epochs`` saves on fresh local prefixes, traced with ``tracemalloc``, which
+numpy reports its arrays to): what a manager holds between differential saves beyond the
+workspace (``compare`` and ``hints``: the row digests), and what an ``async`` differential save
+holds while it writes in the background (the most, from ``save()`` until
+``wait_until_finished()``), against the bytes that save writes.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ import statistics
 import sys
 import tempfile
 import time
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -143,20 +152,32 @@ def _record(mgr: StepCheckpointManager, step: int):
     return mgr._step(step).records[NODE]  # what the save wrote, as its record says
 
 
+def _record(mgr: StepCheckpointManager, step: int):
+    return mgr._step(step).records[NODE]  # what the save wrote, as its record says
+
+
+KEEP = 3  # max_to_keep of every prefix: 100 whole epochs of 256 MiB would not fit a disk
+
+
+def delta_options(args, **extra) -> StepManagerOptions:
+    chain = {} if args.chain is None else {"max_delta_chain": args.chain}
+    return StepManagerOptions(delta_saves=True, max_to_keep=KEEP, **chain, **extra)
+
+
 class Run:
     """The three managers (and plain Zarr, locally) on their own prefixes."""
 
     def __init__(self, args, base: str, server) -> None:
         self.server, self.base = server, base
         self.options = {} if server is None else {"storage_options": server.options()}
-        delta = {"delta_saves": True, "max_delta_chain": args.chain}
         self.mgrs = {
-            "whole": self._mgr("whole", StepManagerOptions()),
-            "hints": self._mgr("hints", StepManagerOptions(**delta, delta_detection="hints")),
-            "compare": self._mgr("compare", StepManagerOptions(**delta)),
+            "whole": self._mgr("whole", StepManagerOptions(max_to_keep=KEEP)),
+            "hints": self._mgr("hints", delta_options(args, delta_detection="hints")),
+            "compare": self._mgr("compare", delta_options(args)),
         }
+        self.chain = self.mgrs["compare"].options.max_delta_chain
         self.zarr = None
-        self.zarr_rows = args.zarr_rows
+        self.zarr_rows, self.zarr_epochs = args.zarr_rows, args.zarr_epochs
 
     def url(self, name: str) -> str:
         return f"{self.base}/{name}"
@@ -164,6 +185,10 @@ class Run:
     def _mgr(self, name: str, options: StepManagerOptions) -> StepCheckpointManager:
         return StepCheckpointManager(self.url(name), options=options, handle_preemption=False,
                                      **self.options)
+
+    def methods(self, epoch: int) -> list[str]:
+        zarr = self.zarr is not None and epoch <= self.zarr_epochs
+        return [*self.mgrs, *(["zarr in place"] if zarr else [])]
 
     def close(self) -> None:
         for mgr in self.mgrs.values():
@@ -178,28 +203,34 @@ def _wire(server):
     return s3wire.WireCounter
 
 
-def measure_saves(run: Run, work: E1, epochs: int) -> dict[str, list[dict[str, float]]]:
-    """Each method's save of every epoch (epoch 0 untimed), in a rotating order."""
+def measure(run: Run, work: E1, epochs: int) -> tuple[dict[str, list[dict]], list[dict]]:
+    """Each method's save of every epoch (epoch 0 first, whole), in a rotating order, each
+    epoch then restored from the whole and the compare prefixes."""
     blobs = work.blobs
-    for mgr in run.mgrs.values():
-        mgr.save(0, {NODE: blobs})
-    if run.server is None:
-        run.zarr = ZarrInPlace(run.url("zarr"), blobs, run.zarr_rows)
-    methods = [*run.mgrs, *(["zarr in place"] if run.zarr is not None else [])]
-    out: dict[str, list[dict[str, float]]] = {m: [] for m in methods}
+    saves: dict[str, list[dict[str, float]]] = {m: [] for m in run.mgrs}
+    restores = []
     wire = _wire(run.server)
+    for method, mgr in run.mgrs.items():
+        seconds, _ = _timed(lambda m=mgr: m.save(0, {NODE: blobs}))
+        saves[method].append({"epoch": 0, "seconds": seconds,
+                              "bytes": float(_record(mgr, 0).bytes_written)})
+    if run.server is None and run.zarr_epochs:
+        run.zarr = ZarrInPlace(run.url("zarr"), blobs, run.zarr_rows)
+        saves["zarr in place"] = []
     for epoch in range(1, epochs + 1):
         rows = work.step()
+        methods = run.methods(epoch)
         shift = epoch % len(methods)
         for method in methods[shift:] + methods[:shift]:
             with wire() as counter:
                 seconds, written = _timed(lambda m=method: _save(run, m, epoch, blobs, rows))
-            row = {"seconds": seconds, "bytes": float(written)}
+            row = {"epoch": epoch, "seconds": seconds, "bytes": float(written)}
             if counter is not None:
                 row["requests"] = float(counter.counts.requests)
                 row["lists"] = float(counter.counts.ops["ListObjectsV2"])
-            out[method].append(row)
-    return out
+            saves[method].append(row)
+        restores.append(restore(run, epoch, order=epoch % 2))
+    return saves, restores
 
 
 def _save(run: Run, method: str, epoch: int, blobs: dict[str, np.ndarray],
@@ -207,86 +238,154 @@ def _save(run: Run, method: str, epoch: int, blobs: dict[str, np.ndarray],
     if method == "zarr in place":
         return run.zarr.save(blobs, rows)
     hints = {NODE: {"table": rows}} if method == "hints" else None
-    run.mgrs[method].save(epoch, {NODE: blobs}, changed_rows=hints)
-    return 0
+    mgr = run.mgrs[method]
+    mgr.save(epoch, {NODE: blobs}, changed_rows=hints)
+    return _record(mgr, epoch).bytes_written
 
 
-def measure_restores(run: Run, epochs: int) -> list[dict[str, float]]:
-    """Every epoch of the ``compare`` prefix restored (cold) against the same epoch from the
-    whole prefix: seconds each, and the table's chain depth."""
+def restore(run: Run, epoch: int, order: int) -> dict[str, float]:
+    """``epoch`` restored from the whole and the compare prefixes (cold), compared bit for bit;
+    how many groups the compare prefix's table is read from."""
+    record = _record(run.mgrs["compare"], epoch)
+    groups = 1 + (len(record.delta.chains.get("table", ())) if record.delta else 0)
+    timings, data = {}, {}
+    for name in ("whole", "compare")[::1 - 2 * order]:
+        reader = StepCheckpointManager(run.url(name), handle_preemption=False, **run.options)
+        _cold()
+        timings[name], data[name] = _timed(lambda r=reader: r.restore(epoch)[NODE])
+        reader.close()
+    if any(data["whole"][k].tobytes() != data["compare"][k].tobytes() for k in data["whole"]):
+        raise SystemExit(f"epoch {epoch}: the delta restore differs from the whole one")
+    return {"epoch": epoch, "groups": groups, "whole": timings["whole"],
+            "delta": timings["compare"]}
+
+
+def measure_memory(args, base: str, work_rows: int, epochs: int) -> list[dict[str, float]]:
+    """Per mode, on a fresh local prefix: what the manager holds between differential saves
+    beyond the workspace, and (async) the most a differential save holds while it writes."""
     out = []
-    for epoch in range(1, epochs + 1):
-        record = _record(run.mgrs["compare"], epoch)  # overlays applied to the table:
-        depth = 0 if record.delta is None else len(record.delta.chains.get("table", ()))
-        timings = {}
-        data = {}
-        for name in ("whole", "compare"):
-            reader = StepCheckpointManager(run.url(name), handle_preemption=False, **run.options)
-            _cold()
-            timings[name], data[name] = _timed(lambda r=reader: r.restore(epoch)[NODE])
-            reader.close()
-        same = all(data["whole"][k].tobytes() == data["compare"][k].tobytes()
-                   for k in data["whole"])
-        if not same:
-            raise SystemExit(f"epoch {epoch}: the delta restore differs from the whole one")
-        out.append({"epoch": epoch, "depth": depth, "whole": timings["whole"],
-                    "delta": timings["compare"]})
+    for mode in ("compare", "hints", "compare, async"):
+        work = E1(work_rows, args.dist, seed=1)
+        large = work.blobs["table"].nbytes
+        options = delta_options(args, delta_detection="hints" if mode == "hints" else "compare",
+                                enable_async_checkpointing="async" in mode)
+        url = f"{base}/memory-{mode.replace(', ', '-')}"
+        gc.collect()
+        tracemalloc.start()
+        try:
+            baseline, _ = tracemalloc.get_traced_memory()
+            mgr = StepCheckpointManager(url, options=options, handle_preemption=False)
+            held, peaks = [], []
+            for epoch in range(epochs):
+                rows = work.step() if epoch else None
+                hints = {NODE: {"table": rows}} if mode == "hints" and epoch else None
+                tracemalloc.reset_peak()
+                before, _ = tracemalloc.get_traced_memory()
+                mgr.save(epoch, {NODE: work.blobs}, changed_rows=hints)
+                mgr.wait_until_finished()
+                _, peak = tracemalloc.get_traced_memory()
+                gc.collect()
+                now, _ = tracemalloc.get_traced_memory()
+                if epoch:
+                    written = _record(mgr, epoch).bytes_written
+                    held.append(now - baseline)
+                    peaks.append({"extra": peak - before, "written": written})
+            mgr.close()
+        finally:
+            tracemalloc.stop()
+        out.append({"mode": mode, "large": large, "held": max(held),
+                    "peak": max(p["extra"] for p in peaks),
+                    "peak_over_written": max(p["extra"] / p["written"] for p in peaks),
+                    "written": statistics.median(p["written"] for p in peaks)})
     return out
 
 
-def report(args, saves, restores, run: Run, full_bytes: int) -> None:
+def report(args, saves, restores, run: Run, full_bytes: int, memory) -> None:
     where = "local disk" if run.server is None else f"S3 ({run.server.where})"
     print(f"\n## E1: table {args.rows:,} x 64 float32 ({full_bytes / (1 << 20):.1f} MiB in all), "
-          f"{args.dist}, {args.epochs} epochs, max_delta_chain={args.chain}, on {where}")
-    whole = saves["whole"]
-    print("\n| method | save s (median) | ratio to whole (median of paired) | bytes per epoch "
-          "(median) | of a whole save |"
-          + (" requests (median) | LIST (median) |" if run.server else ""))
-    print("|---|---|---|---|---|" + ("---|---|" if run.server else ""))
+          f"{args.dist}, {args.epochs} epochs, max_delta_chain={run.chain}, on {where}")
+    report_saves(saves, run, full_bytes)
+    report_restores(restores)
+    if memory:
+        report_memory(memory)
+
+
+def report_saves(saves, run: Run, full_bytes: int) -> None:
+    whole = {r["epoch"]: r for r in saves["whole"]}
+    s3 = run.server is not None
+    print("\n| method | save s (median) | ratio to whole (median of paired) | bytes per save "
+          "(median) | of a whole save | average per epoch, epochs 1..N | with epoch 0 | "
+          "largest save |" + (" requests (median) | most | LIST |" if s3 else ""))
+    print("|---|---|---|---|---|---|---|---|" + ("---|---|---|" if s3 else ""))
     for method, rows in saves.items():
-        ratio = statistics.median(r["seconds"] / w["seconds"] for r, w in zip(rows, whole))
-        nbytes = statistics.median(r["bytes"] for r in rows)
-        extra = (f" {statistics.median(r['requests'] for r in rows):.0f} | "
-                 f"{statistics.median(r['lists'] for r in rows):.0f} |" if run.server else "")
-        print(f"| {method} | {statistics.median(r['seconds'] for r in rows):.3f} | "
-              f"{ratio:.2f} | {nbytes / (1 << 20):.2f} MiB | {nbytes / full_bytes:.4f} |{extra}")
-    print("\n| table chain depth | epochs | whole restore s (median) | delta restore s | ratio "
-          "(median of paired) |")
-    print("|---|---|---|---|---|")
-    for depth in sorted({r["depth"] for r in restores}):
-        rows = [r for r in restores if r["depth"] == depth]
-        print(f"| {depth} | {len(rows)} | {statistics.median(r['whole'] for r in rows):.3f} | "
+        later = [r for r in rows if r["epoch"] > 0]
+        ratio = statistics.median(r["seconds"] / whole[r["epoch"]]["seconds"] for r in later)
+        nbytes = statistics.median(r["bytes"] for r in later)
+        full = method != "zarr in place"
+        average = sum(r["bytes"] for r in later) / len(later) / full_bytes
+        with0 = sum(r["bytes"] for r in rows) / len(rows) / full_bytes if full else None
+        largest = max(r["bytes"] for r in later) / full_bytes
+        extra = (f" {statistics.median(r['requests'] for r in later):.0f} | "
+                 f"{max(r['requests'] for r in later):.0f} | "
+                 f"{max(r['lists'] for r in later):.0f} |" if s3 and "requests" in later[0]
+                 else (" | | |" if s3 else ""))
+        print(f"| {method} | {statistics.median(r['seconds'] for r in later):.3f} | "
+              f"{ratio:.2f} | {nbytes / (1 << 20):.2f} MiB | {nbytes / full_bytes:.4f} | "
+              f"{average:.4f} ({len(later)} epochs) | "
+              f"{'' if with0 is None else f'{with0:.4f}'} | {largest:.4f} |{extra}")
+
+
+def report_restores(restores) -> None:
+    print("\n| groups the table is read from | epochs | whole restore s (median) | delta restore "
+          "s (median) | ratio (median of paired) | worst ratio |")
+    print("|---|---|---|---|---|---|")
+    for groups in sorted({r["groups"] for r in restores}):
+        rows = [r for r in restores if r["groups"] == groups]
+        ratios = [r["delta"] / r["whole"] for r in rows]
+        print(f"| {groups} | {len(rows)} | {statistics.median(r['whole'] for r in rows):.3f} | "
               f"{statistics.median(r['delta'] for r in rows):.3f} | "
-              f"{statistics.median(r['delta'] / r['whole'] for r in rows):.2f} |")
+              f"{statistics.median(ratios):.2f} | {max(ratios):.2f} |")
+    ratios = [r["delta"] / r["whole"] for r in restores]
+    print(f"\nevery epoch 1..{len(restores)} restored bit-exact; ratio to a whole restore: median "
+          f"{statistics.median(ratios):.2f}, worst {max(ratios):.2f}")
 
 
-def fill_bytes(run: Run, saves, epochs: int) -> None:
-    """The bytes each caffe2ckpt save wrote, from its record; ``frozen_proj`` must be 0."""
-    for method in run.mgrs:
-        for epoch in range(1, epochs + 1):
-            record = _record(run.mgrs[method], epoch)
-            saves[method][epoch - 1]["bytes"] = float(record.bytes_written)
-            if record.delta is not None:
-                manifest = run.mgrs[method]._store.manifest(record)
-                assert manifest.inherited["frozen_proj"].kind == "same", epoch
+def report_memory(memory) -> None:
+    print("\n| mode | held between saves | of the table | most held while an async save writes "
+          "| over its bytes written | limit 1.2x + 16 MiB |")
+    print("|---|---|---|---|---|---|")
+    for m in memory:
+        mib = 1 << 20
+        asynchronous = "async" in m["mode"]
+        limit = 1.2 * m["written"] + 16 * mib
+        tail = (f"{m['peak'] / mib:.1f} MiB | {m['peak_over_written']:.2f}x | "
+                f"{'within' if m['peak'] <= limit else 'OVER'} ({limit / mib:.1f} MiB) |"
+                if asynchronous else "| | |")
+        print(f"| {m['mode']} | {m['held'] / mib:.2f} MiB | {m['held'] / m['large']:.4f} | {tail}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=1 << 20, help="table rows (x 64 float32)")
-    parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--chain", type=int, default=4, help="max_delta_chain")
+    parser.add_argument("--epochs", type=int, default=100)
+    parser.add_argument("--chain", type=int, default=None,
+                        help="max_delta_chain (default: StepManagerOptions' default)")
     parser.add_argument("--dist", choices=["uniform", "zipf"], default="uniform")
     parser.add_argument("--zarr-rows", type=int, default=1024,
                         help="rows per chunk of the plain Zarr table (default 1024: 256 KiB)")
+    parser.add_argument("--zarr-epochs", type=int, default=10,
+                        help="epochs plain Zarr is timed for (it rewrites most chunks: slow)")
+    parser.add_argument("--memory-epochs", type=int, default=6,
+                        help="saves per memory measurement (0: none)")
     parser.add_argument("--dir", default=None, help="where to write (local; default: a temp dir)")
     parser.add_argument("--server", choices=["moto", "seaweedfs"], default=None)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, for CI")
     args = parser.parse_args(argv)
     if args.smoke:
-        args.rows, args.epochs = 1 << 14, 3
+        args.rows, args.epochs, args.zarr_epochs, args.memory_epochs = 1 << 14, 3, 2, 3
     server = None
+    local = tempfile.mkdtemp(prefix="bench-delta-", dir=args.dir)
     if args.server is not None:
         import s3wire
 
@@ -295,23 +394,22 @@ def main(argv: list[str] | None = None) -> int:
         server.filesystem().mkdir("delta-bench")
         base = "s3://delta-bench/e1"
     else:
-        base = tempfile.mkdtemp(prefix="bench-delta-", dir=args.dir)
+        base = local
     try:
         work = E1(args.rows, args.dist)
         full_bytes = sum(a.nbytes for a in work.blobs.values())
         run = Run(args, base, server)
         try:
-            saves = measure_saves(run, work, args.epochs)
-            fill_bytes(run, saves, args.epochs)
-            restores = measure_restores(run, args.epochs)
+            saves, restores = measure(run, work, args.epochs)
         finally:
             run.close()
-        report(args, saves, restores, run, full_bytes)
+        memory = measure_memory(args, local, args.rows, args.memory_epochs) \
+            if args.memory_epochs > 1 else []
+        report(args, saves, restores, run, full_bytes, memory)
     finally:
         if server is not None:
             server.stop()
-        else:
-            shutil.rmtree(base, ignore_errors=True)
+        shutil.rmtree(local, ignore_errors=True)
     print(f"\ncaffe2ckpt {getattr(caffe2ckpt, '__version__', '')}; load average "
           f"{os.getloadavg()[0]:.1f}")
     return 0

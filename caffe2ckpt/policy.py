@@ -9,14 +9,17 @@ Save policy (a union: an epoch is saved when any rule says so):
     epoch and an epoch interrupted by preemption are always saved. No rule: every epoch.
 
 Differential saves (``delta_saves``): a save writes, per blob, only what changed since the
-save it builds on (the previous committed save of the same run): the changed rows of a large
-blob (``delta_min_bytes`` or more) as a row overlay, nothing for a blob that did not change, the
-whole blob otherwise. Changes are found by comparing rows bit for bit with a copy of the last
-committed state (``delta_detection="compare"``, which doubles the memory of those blobs) or
-taken from the caller's hints (``"hints"``: ``changed_rows=`` of a step save, or
-``Workspace.mark_changed`` in a job's tasks). After ``max_delta_chain`` saves that build on
-one another, or once a blob's overlays reach ``max_delta_fraction`` of its bytes, a save writes
-it whole again: that bounds what a restore reads.
+save it builds on (the previous committed save of the same run). A large blob
+(``delta_min_bytes`` or more) is cut into ``max_delta_chain + 1`` parts of rows: each save
+writes one part whole, in turn (a *span*), and the rows of the other parts that changed (a
+*row overlay*); so every row is rewritten at least every ``max_delta_chain + 1`` saves and a
+save needs at most ``max_delta_chain`` older ones. A small blob is written whole when it
+changed, else not at all. Changed rows are found by comparing 8-byte keyed digests of the
+rows with those of the last save (no copy of the data is kept); with
+``delta_detection="hints"`` the rows named by ``changed_rows=`` of a step save or
+``Workspace.mark_changed`` in a job's tasks are written as well, and changed rows the hints
+missed are still found, written and reported. A blob whose overlays would reach
+``max_delta_fraction`` of its bytes is written whole: that bounds what a restore reads.
 
 Retention (a union: an epoch is kept when any rule keeps it):
     ``max_to_keep`` (the newest N), ``keep_period`` (every K-th epoch), ``keep_best`` (the
@@ -67,8 +70,8 @@ class StepManagerOptions:
     keep_checkpoints_without_metrics: bool = True
     enable_async_checkpointing: bool = False
     delta_saves: bool = False
-    max_delta_chain: int = 4
-    max_delta_fraction: float = 0.25
+    max_delta_chain: int = 9
+    max_delta_fraction: float = 0.5
     delta_min_bytes: int = 4 << 20
     delta_detection: Literal["compare", "hints"] = "compare"
 

@@ -63,6 +63,14 @@ def check_rows(where: str, name: str, rows: Any, arr: np.ndarray) -> np.ndarray:
     return ids.astype(np.int64)
 
 
+def merge_rows(held: dict[str, np.ndarray], name: str, rows: np.ndarray) -> None:
+    """Add row ids ``rows`` to ``held[name]``, the union of those noted so far (sorted, each
+    once): hints noted many times take the memory of the distinct rows, never one array per
+    call."""
+    kept = held.get(name)
+    held[name] = np.unique(rows) if kept is None else np.union1d(kept, rows)
+
+
 def as_blob(name: str, value: Any) -> np.ndarray:
     """Convert ``value`` to the numpy array stored under blob ``name``.
 
@@ -123,7 +131,7 @@ class Workspace(MutableMapping[str, np.ndarray]):
         self, blobs: dict[str, Any] | None = None, *, parent: Workspace | None = None
     ) -> None:
         self._blobs: dict[str, np.ndarray] = {}
-        self._changed: dict[str, list[np.ndarray]] = {}  # mark_changed hints not yet saved
+        self._changed: dict[str, np.ndarray] = {}  # mark_changed hints not yet saved: a union
         self.parent = parent
         for name, value in (blobs or {}).items():
             self[name] = value
@@ -187,7 +195,8 @@ class Workspace(MutableMapping[str, np.ndarray]):
         """Note that rows ``rows`` (indices along axis 0) of blob ``name`` changed since the
         last save: the hints a differential save with ``delta_detection="hints"`` writes
         (accumulated until the next save, so a save every N epochs sees the union). A hint that
-        misses changed rows is found when the epoch is restored, never returned as data.
+        misses changed rows is still found (by row digest), saved and reported. Only the union of
+        the rows is kept: at most 8 bytes per row of the blob, however often rows are marked.
 
         Raises:
             InvalidBlobError: no such blob, or ``rows`` are not row indices of it.
@@ -197,13 +206,12 @@ class Workspace(MutableMapping[str, np.ndarray]):
             return
         if name not in self._blobs:
             raise InvalidBlobError(f"mark_changed: the workspace has no blob {name!r}")
-        ids = check_rows("mark_changed", name, rows, self._blobs[name])
-        self._changed.setdefault(name, []).append(ids)
+        merge_rows(self._changed, name, check_rows("mark_changed", name, rows, self._blobs[name]))
 
     def take_changed(self) -> dict[str, np.ndarray]:
         """The rows :meth:`mark_changed` noted since the last call, by blob (then forgotten)."""
         changed, self._changed = self._changed, {}
-        return {name: np.concatenate(parts) for name, parts in changed.items()}
+        return changed
 
     def local_names(self) -> list[str]:
         """Names stored in this workspace itself (not those seen through a parent)."""

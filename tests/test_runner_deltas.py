@@ -1,6 +1,7 @@
 """Differential saves through JobRunner: tasks hint the rows they change (or rows are
-compared), a resume restores bit-exact and starts a run whose first save is whole, and a
-damaged group makes the automatic resume fall back past every epoch built on it."""
+compared), a resume restores bit-exact and starts a run whose first save is whole, a job whose
+workspace holds empty blobs saves differentially from its second epoch on, and a damaged group
+makes the automatic resume fall back past every epoch built on it."""
 
 from __future__ import annotations
 
@@ -78,7 +79,7 @@ def test_a_job_saves_deltas_and_resumes_bit_exact(prefix, detection):
     runner = JobRunner(make_job(5, detection == "hints"), MultiNodeCheckpointManager(prefix),
                        options=options(detection, max_delta_chain=2))
     assert runner.train(LocalSession()) == 5
-    assert kinds(prefix) == {0: 0, 1: 1, 2: 2, 3: 0, 4: 1, 5: 2}
+    assert kinds(prefix) == {0: 0, 1: 1, 2: 2, 3: 3, 4: 4, 5: 5}
     seen = {}
     session = LocalSession()
     again = JobRunner(make_job(8, detection == "hints"), MultiNodeCheckpointManager(prefix),
@@ -88,7 +89,7 @@ def test_a_job_saves_deltas_and_resumes_bit_exact(prefix, detection):
         seen[node] = session.workspace(node)["table"]
         assert np.array_equal(seen[node], table_after(node, 8))
     # the resumed run's first save is whole (a delta builds only on its own run's saves)
-    assert kinds(prefix) == {0: 0, 1: 1, 2: 2, 3: 0, 4: 1, 5: 2, 6: 0, 7: 1, 8: 2}
+    assert kinds(prefix) == {0: 0, 1: 1, 2: 2, 3: 3, 4: 4, 5: 5, 6: 0, 7: 1, 8: 2}
     with StepCheckpointManager(prefix, handle_preemption=False) as reader:
         for epoch in reader.all_steps():
             got = reader.restore(epoch)
@@ -110,12 +111,37 @@ def test_resume_falls_back_past_every_epoch_built_on_a_damaged_group(prefix):
                        options=options("compare", max_delta_chain=2))
     runner.train(LocalSession())
     store = open_store(prefix)
-    chunk = store.location.path(f"{NODES[1]}.3", "_packed", "c.0")  # the table is packed
+    chunk = store.location.path(f"{NODES[1]}.3", "_span.table", "c.0.0")
     data = bytearray(store.location.read_bytes(chunk, limit=1 << 30))
     data[7] ^= 0x40
-    store.location.replace_file(chunk, bytes(data))  # the whole save that 4 and 5 build on
+    store.location.replace_file(chunk, bytes(data))  # the span that 4 and 5 still read
     session = LocalSession()
     again = JobRunner(make_job(6, False), MultiNodeCheckpointManager(prefix),
                       options=options("compare", max_delta_chain=2))
     assert again.train(session) == 6 and again.resumed_from == 2
     assert np.array_equal(session.workspace(NODES[1])["table"], table_after(NODES[1], 6))
+
+
+def test_a_job_with_empty_blobs_saves_differentially_without_a_warning(prefix, caplog):
+    """Review D1: a save whose small blobs are all empty has no packed array; its commit
+    crashed the differential state update (a bare KeyError after the record was written, a
+    WARNING and a whole rewrite every epoch)."""
+    with Job(name="empty") as job:
+        def init(ws):
+            ws["table"] = table_after(NODES[0], 0)
+            ws["ids"] = np.zeros((0, 4), np.int64)
+
+        def epoch(ws):
+            ws["table"][rows_of(NODES[0], 1)] += 1
+
+        with Node(NODES[0]):
+            with job.init_group:
+                Task(init, name="init")
+            Task(epoch, name="epoch")
+            epoch_limiter(job, 3)
+    with caplog.at_level("WARNING", logger="caffe2ckpt"):
+        runner = JobRunner(job, MultiNodeCheckpointManager(prefix), options=options("compare"))
+        assert runner.train(LocalSession()) == 3
+    assert runner.saved_epochs == [0, 1, 2, 3] and not runner.failed_saves
+    assert [r.message for r in caplog.records if r.levelname == "WARNING"] == []
+    assert kinds(prefix) == {0: 0, 1: 1, 2: 2, 3: 3}

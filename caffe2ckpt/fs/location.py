@@ -125,6 +125,8 @@ class Location:
     """
 
     is_local = False  # os-level I/O: real durability and no-follow reads
+    # every object written or read is a request of its own (object stores): write few, large
+    per_object_requests = False
 
     def __new__(cls, url: str | None = None, storage_options: dict[str, Any] | None = None,
                 filesystem: fsspec.AbstractFileSystem | None = None) -> Location:

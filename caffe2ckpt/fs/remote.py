@@ -221,6 +221,7 @@ class ObjectStoreLocation(FsspecLocation):
     """``s3://``, ``gs://``: the bucket is checked (and created if missing) once; a directory
     left empty is deleted as its key ``<path>/``."""
 
+    per_object_requests = True
     _bucket_checked = False
 
     def _rmdir(self, path: str) -> None:

@@ -202,7 +202,7 @@ def _commit(store: CheckpointStore, node: str, epoch: int, blobs: dict[str, Any]
             tracker.failed(plan)
         raise
     if tracker is not None and plan is not None:
-        tracker.committed(record, plan, blobs)
+        tracker.committed(plan)
     return record
 
 

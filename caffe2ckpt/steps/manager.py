@@ -32,6 +32,8 @@ import numpy as np
 from caffe2ckpt.background import BackgroundSaves, ClosedOnExit
 from caffe2ckpt.errors import (
     CheckpointCorruptedError,
+    CheckpointError,
+    CheckpointFencedError,
     CheckpointNotFoundError,
     CheckpointWriteError,
     InvalidLocationError,
@@ -340,7 +342,7 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
                     tracker.failed(plan)
                 raise
         if tracker is not None:
-            tracker.committed(record, plan, blobs)
+            tracker.committed(plan)
         return record
 
     def _check_items(self, step: int, items: Items) -> dict[str, dict[str, np.ndarray]]:
@@ -360,8 +362,18 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
         return blobs
 
     def _committed(self, current: CurrentRun, save: Save) -> None:
+        """``save`` is committed: the run learns of it and retention runs. A retention that
+        fails leaves only files ``gc`` removes, so it is logged, not raised: the step is saved
+        (a fenced run stops, as a JobRunner does: its next save would be refused anyway)."""
         current.committed(save)
-        current.retain(self.options, protect=self._protected)
+        try:
+            current.retain(self.options, protect=self._protected)
+        except CheckpointFencedError:
+            raise
+        except (OSError, CheckpointError) as exc:
+            logger.warning("step %d is committed under %s, but retention could not delete older "
+                           "steps: %s (caffe2ckpt gc removes them later)", save.epoch,
+                           self._store.location.display(), exc)
 
     # -- reading ---------------------------------------------------------------------------------
 

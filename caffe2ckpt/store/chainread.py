@@ -1,81 +1,164 @@
 """Differential saves, reader side: rebuild the blobs a save does not store whole.
 
 For each such blob the save's commit record gives its chain (:mod:`caffe2ckpt.store.chains`):
-the group holding it whole, then the groups whose row overlays apply, oldest first; the save's
-own overlay, if any, applies last. Every group's ``zarr.json`` must have the digest the record
-gives and say it is the save the record names; every array read is checked as any restore checks
-it (metadata digests, chunk sizes and CRC32Cs). Once its overlays are applied, each blob's digest
-must be the one recorded at save time: a changed-rows hint that missed rows, or any other wrong
-reconstruction, is :class:`~caffe2ckpt.errors.CheckpointCorruptedError` naming node, epoch, blob
-and the group, never wrong data.
+the older groups that hold rows of it, oldest first; the save's own group comes last. Each
+group holds the blob whole, or a *span* (consecutive rows) and/or a *row overlay* (row ids and
+values) of it. A row's value is the one of the newest group holding it. So the blob is built
+newest group first, each row written once: an overlay's rows not yet written are applied, a
+span's or whole copy's rows not yet written are read straight from their chunks into their
+place (a chunk holding rows already written is read into a buffer of its own and only the rows
+still missing copied). Every row must be written by some group, else the chain is damaged.
+
+Every group's ``zarr.json`` must have the digest the record gives and say it is the save the
+record names; every array read is checked as any restore checks it (metadata digests, chunk
+sizes and CRC32Cs). Once built, each blob's digest must be the one recorded at save time: any
+wrong reconstruction is :class:`~caffe2ckpt.errors.CheckpointCorruptedError` naming node,
+epoch, blob and the group, never wrong data.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import math
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from caffe2ckpt.errors import CheckpointCorruptedError
 from caffe2ckpt.store.chains import ChainGroup
 from caffe2ckpt.store.delta import digest
-from caffe2ckpt.store.groupread import read_arrays, read_node
-from caffe2ckpt.store.manifest import PACKED_ARRAY, Manifest
+from caffe2ckpt.store.groupread import (
+    RowRead,
+    check_chunk_sizes,
+    destination,
+    read_arrays,
+    read_node,
+    restored,
+    row_reads,
+    run_reads,
+)
+from caffe2ckpt.store.manifest import PACKED_ARRAY, BlobInfo, Manifest, stored_spec
 from caffe2ckpt.store.records import CommitRecord
-from caffe2ckpt.store.zarrgroup import GROUP_FILE
+from caffe2ckpt.store.zarrgroup import GROUP_FILE, stored_form
 
 if TYPE_CHECKING:
     from caffe2ckpt.store.protocol import CheckpointStore
 
 __all__ = ["read_chained"]
 
+_LARGE = 4 << 20  # a blob this large: its chunk files are checked before it is allocated
+
+
+@dataclass
+class _Source:
+    """One group a chain reads, with what vouches for it."""
+
+    group: str
+    manifest: Manifest
+    crcs: dict[str, tuple[int, ...]]
+    metadata: dict[str, str]  # relative metadata file -> SHA-256 (those the record names)
+    reads: list[RowRead] = field(default_factory=list)  # rows to read straight into place
+    whole: set[str] = field(default_factory=set)  # blobs it holds whole, to read as they are
+    overlays: set[str] = field(default_factory=set)  # blobs whose overlay to read
+
+
+class _Part:
+    """What one group holds of a blob: whole, a span, an overlay (any of the last two)."""
+
+    def __init__(self, source: _Source, name: str) -> None:
+        manifest = source.manifest
+        self.source = source
+        self.whole: BlobInfo | None = manifest.stored_blobs.get(name)
+        self.span = manifest.spans.get(name)
+        self.overlay = manifest.overlays.get(name)
+        self.needs_overlay = False  # some of the overlay's rows may be no newer group's
+
+    @property
+    def empty(self) -> bool:
+        return self.whole is None and self.span is None and self.overlay is None
+
+    def dense(self, rows: int) -> list[tuple[int, int]]:
+        """The rows it holds as consecutive rows: all (whole), its span's, or none."""
+        if self.whole is not None:
+            return [(0, rows)]
+        return [(self.span[0], self.span[0] + self.span[1].shape[0])] if self.span else []
+
 
 def read_chained(store: CheckpointStore, record: CommitRecord, manifest: Manifest,
                  names: list[str]) -> dict[str, np.ndarray]:
     """Rebuild the blobs ``names`` of ``record``'s differential save (whose verified manifest
-    is ``manifest``). Every group of the chains is read at once (the sources whole, the
-    overlays beside them: one round of reads, not one per save of the chain); the overlays are
-    then applied oldest first, and each blob's digest checked."""
-    delta = record.delta
-    assert delta is not None
-    chains = {name: delta.chains[name] for name in names}
-    reader = _Reader(store, record)
-    sources = sorted({c[0] for c in chains.values()})
-    overlaid = sorted({i for c in chains.values() for i in c[1:]},
-                      key=lambda i: delta.groups[i].epoch)  # oldest first
-    own = [n for n in names if n in manifest.overlays]
-    with ThreadPoolExecutor(max_workers=len(sources) + len(overlaid) + 1) as threads:
-        wholes = [threads.submit(reader.whole, delta.groups[i],
-                                 [n for n, c in chains.items() if c[0] == i], manifest)
-                  for i in sources]
-        overlays = [threads.submit(reader.overlays, delta.groups[i],
-                                   [n for n, c in chains.items() if i in c[1:]])
-                    for i in overlaid]
-        if own:
-            overlays.append(threads.submit(reader.own_overlays, manifest, own))
-        wait([*wholes, *overlays])
-    out: dict[str, np.ndarray] = {}
-    for future in wholes:  # the first failure in chain order is raised
-        out.update(future.result())
-    for future in overlays:
-        for name, (group, rows, values) in future.result().items():
-            reader.apply(name, group, rows, values, out[name])
-    for name in names:
-        if digest(out[name]) != delta.digests[name]:
+    is ``manifest``): every group's manifest, then every overlay and packed copy needed, then
+    every span and whole array (straight into place), each group once however many blobs it
+    holds; then the overlays are applied and each blob's digest checked."""
+    reader = _Reader(store, record, manifest)
+    parts = {name: reader.parts(name) for name in names}
+    direct = {n: p[0] for n, p in parts.items() if len(p) == 1 and p[0].whole is not None}
+    built = {n: p for n, p in parts.items() if n not in direct}
+    for name, part in direct.items():  # a blob one older group holds whole: read as it is
+        part.source.whole.add(name)
+    for name, chain in built.items():
+        _plan_reads(name, chain, reader.manifest.inherited[name].info)
+    builds = {name: _Build(reader, name, chain) for name, chain in built.items()}
+    with ThreadPoolExecutor(max_workers=1) as beside:  # overlays and copies beside the spans
+        fetching = beside.submit(reader.fetch)
+        try:
+            reader.read_in_place()
+        finally:
+            wait([fetching])
+    fetched = fetching.result()
+    out = {name: fetched[(id(part.source), name)] for name, part in direct.items()}
+    for build in builds.values():
+        build.copy_packed(fetched)
+        build.plan_overlays(fetched)
+    reader.read_in_place()  # the overlays' live rows
+    for name, build in builds.items():
+        out[name] = build.finish()
+    for name in built:
+        if digest(out[name]) != record.delta.digests[name]:  # type: ignore[union-attr]
             raise reader.damage(name, record.group, "rebuilt from the saves it builds on, it "
-                                "differs from what was saved (a changed-rows hint that missed "
-                                "rows, or a damaged or wrong source)")
+                                "differs from what was saved (a damaged or wrong source)")
     return out
 
 
-class _Reader:
-    """Reads the parts of one record's chains, naming the record's node and epoch in errors."""
+def _plan_reads(name: str, chain: list[_Part], info: BlobInfo) -> None:
+    """Which packed copies and overlays of ``chain`` (newest first) a rebuild of ``name``
+    reads: every packed copy, and every overlay but those whose rows all lie in spans (or a
+    whole copy) of newer groups or in their own group's span (a save's overlay holds only rows
+    outside its span): the oldest group of a full chain's, whose rows every newer span took."""
+    rows = info.shape[0] if info.shape else 1
+    covered: list[tuple[int, int]] = []
+    for part in chain:
+        if part.overlay is not None and not _covers(covered + part.dense(rows), rows):
+            part.needs_overlay = True
+            part.source.overlays.add(name)
+        if part.whole is not None and part.whole.path is None:
+            part.source.whole.add(name)
+        covered += part.dense(rows)
 
-    def __init__(self, store: CheckpointStore, record: CommitRecord) -> None:
-        self.store, self.record = store, record
+
+def _covers(intervals: list[tuple[int, int]], rows: int) -> bool:
+    """Whether ``intervals`` (``[start, stop)``, in any order) cover rows ``0 .. rows - 1``."""
+    reached = 0
+    for start, stop in sorted(intervals):
+        if start > reached:
+            return False
+        reached = max(reached, stop)
+    return reached >= rows
+
+
+class _Reader:
+    """Reads the groups of one record's chains, naming the record's node and epoch in errors."""
+
+    def __init__(self, store: CheckpointStore, record: CommitRecord, manifest: Manifest) -> None:
+        self.store, self.record, self.manifest = store, record, manifest
+        delta = record.delta
+        assert delta is not None
+        self.own = _Source(record.group, manifest, record.crcs, record.metadata)
+        self._groups = delta.groups
+        self._sources: dict[int, _Source] = {}
 
     def damage(self, blob: str, group: str, why: str) -> CheckpointCorruptedError:
         record = self.record
@@ -85,38 +168,120 @@ class _Reader:
             f"{self.store.location.display(group)!r}: {why}", node=record.node,
             epoch=record.epoch, blob=blob)
 
-    def source(self, group: ChainGroup) -> Manifest:
+    def parts(self, name: str) -> list[_Part]:
+        """What each group of ``name``'s chain holds of it, newest first (the own group's
+        part first, when it holds one)."""
+        chain = self.record.delta.chains[name]  # type: ignore[union-attr]
+        self._load_sources(chain)
+        logical = self.manifest.inherited[name].info
+        parts = [] if (own := _Part(self.own, name)).empty else [own]
+        for index in reversed(chain):
+            part = _Part(self._sources[index], name)
+            self._check_part(part, name, logical)
+            parts.append(part)
+        return parts
+
+    def _check_part(self, part: _Part, name: str, logical: BlobInfo) -> None:
+        """A group of the chain holds the blob as this save describes it."""
+        source = part.source
+        held = part.whole
+        if held is None and not part.empty:  # a span or an overlay: of the blob it describes
+            held = source.manifest.inherited[name].info
+        if held is None or (held.dtype, held.shape, held.order) != (
+                logical.dtype, logical.shape, logical.order):
+            raise self.damage(name, source.group, "that group does not hold the blob as this "
+                              "save describes it")
+
+    def _load_sources(self, chain: tuple[int, ...]) -> None:
+        """The manifests of the groups ``chain`` names that are not read yet, read at once."""
+        missing = [i for i in chain if i not in self._sources]
+        if not missing:
+            return
+        with ThreadPoolExecutor(max_workers=min(len(missing), 16)) as threads:
+            manifests = list(threads.map(lambda i: self._source(self._groups[i]), missing))
+        for index, manifest in zip(missing, manifests):
+            group = self._groups[index]
+            self._sources[index] = _Source(group.group, manifest, group.crcs, group.metadata)
+
+    def _source(self, group: ChainGroup) -> Manifest:
         return self.store.group_manifest(group.group, group.metadata.get(GROUP_FILE),
                                          group.save_id, node=self.record.node,
                                          epoch=self.record.epoch)
 
-    def _crcs(self, group: str, manifest: Manifest, crcs: dict[str, tuple[int, ...]],
-              paths: set[str], blob: str) -> dict[str, tuple[int, ...]]:
-        try:
-            return manifest.chunk_crcs(crcs, only=paths)
-        except ValueError as exc:
-            raise self.damage(blob, group, str(exc)) from exc
+    def _all_sources(self) -> list[_Source]:
+        return [self.own, *self._sources.values()]
 
-    def whole(self, group: ChainGroup, blobs: list[str], target: Manifest
-              ) -> dict[str, np.ndarray]:
-        """Read ``blobs`` from ``group``, which stores them whole, as ``target`` describes
-        them."""
-        manifest = self.source(group)
-        paths = set()
-        for name in blobs:
-            info = manifest.stored_blobs.get(name)
-            logical = target.inherited[name].info
-            if info is None or (info.dtype, info.shape, info.order) != (
-                    logical.dtype, logical.shape, logical.order):
-                raise self.damage(name, group.group, "that group does not hold the blob as "
-                                  "this save describes it")
-            paths.add(info.path or PACKED_ARRAY)
-        files = {f"{p}/{GROUP_FILE}" for p in paths}
-        crcs = self._crcs(group.group, manifest, group.crcs, paths, blobs[0])
+    def fetch(self) -> dict[tuple[int, str], Any]:
+        """Every source's packed blobs and overlays' row ids asked for, read at once (one read
+        per group): ``(id(source), blob)`` -> the blob, or its overlay's row ids."""
+        calls = [(s, self._fetch_one) for s in self._all_sources() if s.whole or s.overlays]
+        out: dict[tuple[int, str], Any] = {}
+        if not calls:
+            return out
+        with ThreadPoolExecutor(max_workers=len(calls)) as threads:
+            futures = [threads.submit(fn, source) for source, fn in calls]
+        for future in futures:  # the first failure, in chain order, is raised
+            out.update(future.result())
+        return out
+
+    def _fetch_one(self, source: _Source) -> dict[tuple[int, str], Any]:
+        out: dict[tuple[int, str], Any] = {}
+        manifest, location = source.manifest, self.store.location
+        path = location.path(source.group)
         with self.naming_this_save():
-            return read_node(self.store.location, self.store.location.path(group.group),
-                             manifest, crcs, blobs,
-                             metadata={f: d for f, d in group.metadata.items() if f in files})
+            if source.whole:
+                names = sorted(source.whole)
+                paths = {manifest.stored_blobs[n].path or PACKED_ARRAY for n in names}
+                blobs = read_node(location, path, manifest,
+                                  self._crcs(source, paths, names[0]), names,
+                                  metadata=_files(source, paths))
+                out.update({(id(source), n): blobs[n] for n in names})
+            if source.overlays:
+                names = sorted(source.overlays)
+                infos = [manifest.overlays[n][0] for n in names]
+                paths = {info.path for info in infos}
+                arrays = read_arrays(location, path, manifest,
+                                     self._crcs(source, paths, names[0]),  # type: ignore[arg-type]
+                                     infos, metadata=_files(source, paths))  # type: ignore[arg-type]
+                out.update({(id(source), n): arrays[manifest.overlays[n][0].path]
+                            for n in names})
+        return out
+
+    def read_in_place(self) -> None:
+        """Every row read asked for (spans and whole arrays straight into place, or the live
+        rows of overlays), all groups at once; then none is pending."""
+        location = self.store.location
+        calls: list[Callable[[], Any]] = []
+        for source in self._all_sources():
+            if not source.reads:
+                continue
+            paths = {read.info.path for read in source.reads}
+            crcs = self._crcs(source, paths, source.reads[0].info.name)  # type: ignore[arg-type]
+            calls.extend(row_reads(location, location.path(source.group), source.manifest,
+                                   crcs, source.reads, _files(source, paths)))  # type: ignore[arg-type]
+            source.reads = []
+        with self.naming_this_save():
+            run_reads(calls)
+
+    def precheck(self, name: str, parts: list[_Part],
+                 arrays: list[tuple[_Source, BlobInfo]] = ()) -> None:
+        """Before a large array is allocated: the chunk files of the arrays it is read from
+        (the spans and whole copies of ``parts``, and ``arrays``) are there and of their sizes
+        (a crafted manifest's claim costs no memory)."""
+        wanted = [(p.source, i) for p in parts for i in (p.whole, p.span and p.span[1])
+                  if i and i.path] + list(arrays)
+        location = self.store.location
+        with self.naming_this_save():
+            for source, info in wanted:
+                check_chunk_sizes(location, location.path(source.group), source.manifest,
+                                  self._crcs(source, {info.path}, name),  # type: ignore[arg-type]
+                                  [info])
+
+    def _crcs(self, source: _Source, paths: set[str], blob: str) -> dict[str, tuple[int, ...]]:
+        try:
+            return source.manifest.chunk_crcs(source.crcs, only=paths)
+        except ValueError as exc:
+            raise self.damage(blob, source.group, str(exc)) from exc
 
     @contextmanager
     def naming_this_save(self) -> Iterator[None]:
@@ -132,41 +297,144 @@ class _Reader:
                 f"{self.record.save_id!r}) builds on epoch {exc.epoch}, which is damaged: {exc}",
                 node=self.record.node, epoch=self.record.epoch, blob=exc.blob) from exc
 
-    def overlays(self, group: ChainGroup, blobs: list[str]
-                 ) -> dict[str, tuple[str, np.ndarray, np.ndarray]]:
-        """The row overlays of ``blobs`` in ``group``: by blob, (group, row ids, values)."""
-        return self._read_overlays(group.group, self.source(group), group.crcs, group.metadata,
-                                   blobs)
 
-    def own_overlays(self, manifest: Manifest, blobs: list[str]
-                     ) -> dict[str, tuple[str, np.ndarray, np.ndarray]]:
-        record = self.record
-        return self._read_overlays(record.group, manifest, record.crcs, record.metadata, blobs)
+def _files(source: _Source, paths: set[str]) -> dict[str, str]:
+    """The metadata digests the record gives for the arrays ``paths`` of ``source``."""
+    files = {f"{p}/{GROUP_FILE}" for p in paths}
+    return {f: d for f, d in source.metadata.items() if f in files}
 
-    def _read_overlays(self, group: str, manifest: Manifest, crcs: dict[str, tuple[int, ...]],
-                       metadata: dict[str, str], blobs: list[str]
-                       ) -> dict[str, tuple[str, np.ndarray, np.ndarray]]:
-        infos = []
-        for name in blobs:
-            if name not in manifest.overlays:
-                raise self.damage(name, group, "that group holds no row overlay of the blob")
-            infos.extend(manifest.overlays[name])
-        paths = {i.path for i in infos}
-        files = {f"{p}/{GROUP_FILE}" for p in paths}
-        checksums = self._crcs(group, manifest, crcs, paths, blobs[0])  # type: ignore[arg-type]
-        with self.naming_this_save():
-            arrays = read_arrays(self.store.location, self.store.location.path(group), manifest,
-                                 checksums, infos,
-                                 metadata={f: d for f, d in metadata.items() if f in files})
-        return {name: (group, arrays[manifest.overlays[name][0].path],  # type: ignore[index]
-                       arrays[manifest.overlays[name][1].path])  # type: ignore[index]
-                for name in blobs}
 
-    def apply(self, name: str, group: str, rows: np.ndarray, values: np.ndarray,
-              target: np.ndarray) -> None:
-        """Write ``values`` at ``rows`` of ``target`` (checked to fit first)."""
-        if (target.ndim == 0 or rows.size and (rows[0] < 0 or rows[-1] >= target.shape[0]
-                                               or np.any(rows[1:] <= rows[:-1]))
-                or values.shape[1:] != target.shape[1:] or values.dtype != target.dtype):
-            raise self.damage(name, group, "its row overlay does not fit the blob")
-        target[rows] = values
+class _Build:
+    """One blob built from its chain (newest part first, see the module docstring): each row
+    is read once, straight into place, from the newest span or whole copy holding it; then
+    the overlays are applied, newest first, each row at most once and only where no newer span
+    holds it. Every row must be in some span or whole copy, checked before anything is
+    allocated."""
+
+    def __init__(self, reader: _Reader, name: str, parts: list[_Part]) -> None:
+        self.reader, self.name, self.parts = reader, name, parts
+        self.info = reader.manifest.inherited[name].info
+        dtype, shape = stored_spec(self.info)
+        rows, self.cols = (shape[0], math.prod(shape[1:])) if shape else (1, 1)
+        self.rows = rows
+        self.dense = self._assign()  # (start, stop, age of its part), ascending
+        if rows * self.cols * dtype.itemsize >= _LARGE:
+            reader.precheck(name, parts)
+        self.data = destination(reader.store.location, shape, dtype)
+        self.flat = self.data.reshape(rows, self.cols).view(np.uint8)
+        for age, part in enumerate(parts):
+            if part.whole is not None and part.whole.path is None:
+                continue  # a packed copy: read already, copied in finish()
+            info, offset = (part.whole, 0) if part.whole is not None else (
+                part.span[1] if part.span else None, part.span[0] if part.span else 0)
+            wanted = [(a - offset, b - offset) for a, b, held in self.dense if held == age]
+            if wanted:  # one read per array, however many intervals of it are wanted
+                part.source.reads.append(RowRead(info, self.flat, offset,  # type: ignore[arg-type]
+                                                 wanted))
+
+    def _assign(self) -> list[tuple[int, int, int]]:
+        """Which part's span or whole copy each row is read from (the newest holding it), as
+        intervals; damage unless they cover every row."""
+        covered: list[tuple[int, int]] = []
+        out = []
+        for age, part in enumerate(self.parts):
+            for start, stop in part.dense(self.rows):
+                out += [(a, b, age) for a, b in _minus((start, stop), covered)]
+                covered = _union(covered, (start, stop))
+        if not _covers(covered, self.rows):
+            held = sum(b - a for a, b in covered)
+            raise self.reader.damage(self.name, self.reader.record.group,
+                                     f"its chain holds {held} of its {self.rows} rows in spans "
+                                     "or whole copies")
+        return sorted(out)
+
+    def copy_packed(self, fetched: dict[tuple[int, str], Any]) -> None:
+        """Copy the rows a packed copy gives (read whole beside the spans)."""
+        for start, stop, age in self.dense:
+            part = self.parts[age]
+            if part.whole is not None and part.whole.path is None:
+                stored = stored_form(np.ascontiguousarray(fetched[(id(part.source), self.name)]))
+                self.flat[start:stop] = stored.reshape(self.rows, self.cols).view(
+                    np.uint8)[start:stop]
+
+    def plan_overlays(self, fetched: dict[tuple[int, str], Any]) -> None:
+        """Given each overlay's row ids: which of its rows are live (no newer span or whole
+        copy holds them), and the reads of those rows' values (whole chunks around them)."""
+        starts = np.array([start for start, _, _ in self.dense])
+        ages = np.array([age for _, _, age in self.dense])
+        self.overlays = []
+        for age, part in enumerate(self.parts):
+            if not part.needs_overlay:
+                continue
+            ids = fetched[(id(part.source), self.name)]
+            self._check(part.source.group, ids)
+            live = ages[np.searchsorted(starts, ids, side="right") - 1] > age
+            runs = _runs(live)
+            if not runs:
+                continue
+            info = part.overlay[1]  # type: ignore[index]
+            if info.nbytes >= _LARGE:
+                self.reader.precheck(self.name, [], [(part.source, info)])
+            dtype, shape = stored_spec(info)
+            values = destination(self.reader.store.location, shape, dtype)
+            flat = values.reshape(shape[0], -1).view(np.uint8)
+            part.source.reads.append(RowRead(info, flat, 0, runs))
+            self.overlays.append((ids, live, flat))
+
+    def finish(self) -> np.ndarray:
+        """Once every read is done: apply the overlays' live rows, newest first, each row
+        once."""
+        applied = np.zeros(self.rows, bool) if self.overlays else None
+        rows = _as_rows(self.flat)
+        for ids, live, values in self.overlays:
+            take = live & ~applied[ids]  # type: ignore[index]
+            rows[ids[take]] = _as_rows(values)[take]
+            applied[ids[take]] = True  # type: ignore[index]
+        return restored(self.data, self.info)
+
+    def _check(self, group: str, ids: np.ndarray) -> None:
+        """An overlay's row ids fit the blob: ascending, within its rows."""
+        if ids.ndim != 1 or ids.size and (ids[0] < 0 or ids[-1] >= self.rows
+                                          or np.any(ids[1:] <= ids[:-1])):
+            raise self.reader.damage(self.name, group, "its row overlay does not fit the blob")
+
+
+def _minus(interval: tuple[int, int], covered: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of ``interval`` outside ``covered`` (sorted, disjoint intervals)."""
+    start, stop = interval
+    out = []
+    for a, b in covered:
+        if b <= start or a >= stop:
+            continue
+        if a > start:
+            out.append((start, a))
+        start = max(start, b)
+    if start < stop:
+        out.append((start, stop))
+    return out
+
+
+def _union(covered: list[tuple[int, int]], interval: tuple[int, int]) -> list[tuple[int, int]]:
+    """``covered`` with ``interval`` added, merged (sorted, disjoint)."""
+    out: list[tuple[int, int]] = []
+    for a, b in sorted([*covered, interval]):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        elif b > a:
+            out.append((a, b))
+    return out
+
+
+def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
+    """The runs of True in ``mask``, as ``[start, stop)`` (sorted)."""
+    if not mask.size:
+        return []
+    edges = np.flatnonzero(np.diff(np.concatenate(([False], mask, [False])).astype(np.int8)))
+    return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2])]
+
+
+def _as_rows(flat: np.ndarray) -> np.ndarray:
+    """A (rows, bytes) uint8 array as one item per row (copied a row at a time, not a byte)."""
+    if not flat.shape[1]:
+        return flat
+    return flat.view(np.dtype((np.void, flat.shape[1]))).reshape(flat.shape[0])

@@ -35,7 +35,8 @@ from typing import Any
 
 from caffe2ckpt.store.layout import parse_group_name, save_generation
 
-__all__ = ["DIGEST_ALGORITHM", "MAX_GROUPS", "ChainGroup", "DeltaRecord", "overlay_paths"]
+__all__ = ["DIGEST_ALGORITHM", "MAX_GROUPS", "ChainGroup", "DeltaRecord", "overlay_paths",
+           "span_path"]
 
 DIGEST_ALGORITHM = "xxh3_128"
 MAX_GROUPS = 65  # a chain of caffe2ckpt.policy.MAX_DELTA_CHAIN overlays and its whole source
@@ -44,12 +45,18 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 _MAX_COUNT = 2**63 - 1
 OVERLAY_ROWS = "_rows."
 OVERLAY_VALUES = "_values."
+SPAN = "_span."
 
 
 def overlay_paths(blob_path: str) -> tuple[str, str]:
     """The array paths of the row overlay of the blob stored at ``blob_path``: its row ids and
     its values. They start with ``_``, which no blob's path does."""
     return OVERLAY_ROWS + blob_path, OVERLAY_VALUES + blob_path
+
+
+def span_path(blob_path: str) -> str:
+    """The array path of the span (consecutive rows) of the blob stored at ``blob_path``."""
+    return SPAN + blob_path
 
 
 @dataclass(frozen=True)

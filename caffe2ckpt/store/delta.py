@@ -3,99 +3,115 @@ save (the one it builds on) holds.
 
 A :class:`DeltaTracker` lives beside the node's workspace (in the process that holds the node:
 a thread of the flow, or a Dask worker) and remembers what the last save it wrote holds: each
-blob's logical dtype and shape, its digest, the chain of groups that rebuild it, and (with
-``delta_detection="compare"``) a copy of each large blob as saved. :meth:`DeltaTracker.plan`
-chooses per blob (:mod:`caffe2ckpt.store.chains` describes what is stored):
+blob's logical dtype and shape, its digest, the groups that hold its rows (its *chain*), and,
+for large blobs, a keyed 8-byte digest per block of rows (:mod:`caffe2ckpt.store.rowhash`: 5% of
+the blob at most, never a copy). :meth:`DeltaTracker.plan` chooses per blob
+(:mod:`caffe2ckpt.store.chains` describes what is stored):
 
 - **whole**: the first save, a save whose base is not the last save this tracker wrote (the
-  previous save failed on another node, or a new run started), a save after
-  ``max_delta_chain`` differential saves in a row (everything is written whole again, so a
-  restore never reads more than that many overlays and a kept save never needs more than that
-  many older groups), a blob whose dtype, shape or order changed, or whose overlays would pass
+  previous save failed on another node, or a new run started), a new blob, one whose dtype,
+  shape or order changed, a small blob (under ``delta_min_bytes``) that changed or whose copy
+  lies more than ``max_delta_chain`` saves back, or a large blob whose overlays would pass
   ``max_delta_fraction`` of its bytes;
-- **same** (nothing written): a blob bit-identical to the base's: for a large blob, no changed
-  row; for a small one (under ``delta_min_bytes``), an equal digest;
-- **rows**: a large blob's changed rows, found by comparing rows bit for bit with the copy
-  (``"compare"``: NaN payloads and -0.0 count as changes) or taken from the caller's hints
-  (``"hints"``: rows not listed are promised unchanged; a blob without a hint is compared by
-  digest).
+- **same** (nothing written): a small blob bit-identical to the base's (equal digest);
+- **rows**: a large blob's *span* and *overlay*. Its rows are cut into ``max_delta_chain + 1``
+  parts, and the save at depth ``d`` (``d`` saves since the last whole one) writes part
+  ``d mod (max_delta_chain + 1)`` whole (the span) and, of the other parts, the rows whose
+  digest changed (the overlay: their ids and values). So every row is rewritten at least once
+  every ``max_delta_chain + 1`` saves: a save needs at most ``max_delta_chain`` older groups,
+  every save writes about the same (no periodic whole save), and a restore reads each row's
+  span once plus the overlays newer than it.
 
-The tracker moves on only once the save's record is written (:meth:`DeltaTracker.committed`):
-a failed save leaves it at the last save it wrote, and hints taken for it are given back.
+Row changes are found by digest: a block whose digest differs from the last save's changed
+(2**-64 per block that changed, see :mod:`~caffe2ckpt.store.rowhash`). With
+``delta_detection="hints"`` the hinted rows are written too; changed rows that no hint named
+are found the same way, written, and reported (a WARNING naming node, blob and count), so a
+hint that misses rows can no longer commit an epoch that does not restore.
+
+The tracker moves on only once the save's record is written (:meth:`DeltaTracker.committed`,
+which only assigns what :meth:`DeltaWrite.seal` computed before the record was written, so it
+cannot fail): a failed save leaves it at the last save it wrote, and hints taken for it are
+given back.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import threading
 from collections.abc import Callable
+from concurrent.futures import wait
 from dataclasses import dataclass, field
 
 import numpy as np
 import xxhash
 
+from caffe2ckpt.fs.iopool import pool
+from caffe2ckpt.fs.localio import DIRECT_ALIGN
 from caffe2ckpt.policy import StepManagerOptions
 from caffe2ckpt.store.chains import ChainGroup, DeltaRecord
 from caffe2ckpt.store.layout import parse_group_name
 from caffe2ckpt.store.manifest import PACKED_ARRAY, BlobInfo, Inherited, Manifest
 from caffe2ckpt.store.records import CommitRecord, RecordRef
+from caffe2ckpt.store.rowhash import RowHasher, block_rows
 from caffe2ckpt.store.zarrgroup import GROUP_FILE, DeltaLayout, stored_form
+from caffe2ckpt.workspace import merge_rows
 
-__all__ = ["DeltaTracker", "DeltaWrite", "changed_rows", "digest"]
+__all__ = ["DeltaTracker", "DeltaWrite", "digest", "span_rows"]
 
-_BLOCK_ROWS = 16384  # rows compared at a time: the temporaries stay small
-_ID_BYTES = 8
+logger = logging.getLogger(__name__)
+
+Info = tuple[str, tuple[int, ...], str]  # a blob's dtype, shape and memory order
 
 
 def digest(arr: np.ndarray) -> str:
     """The xxh3-128 of ``arr``'s bytes in stored form (C order, little-endian, code units)."""
-    return xxhash.xxh3_128_hexdigest(memoryview(stored_form(arr).reshape(-1).view(np.uint8)))
+    return _digest(stored_form(arr))
 
 
-def _row_words(stored: np.ndarray) -> np.ndarray:
-    """``stored`` (C-contiguous) as one row of the widest whole words per row of axis 0."""
-    flat = stored.reshape(stored.shape[0], -1).view(np.uint8)
-    width = flat.shape[1]
-    for dtype in (np.uint64, np.uint32):
-        if width % np.dtype(dtype).itemsize == 0:
-            return flat.view(dtype)
-    return flat
+def _digest(stored: np.ndarray) -> str:
+    return xxhash.xxh3_128_hexdigest(memoryview(stored.reshape(-1).view(np.uint8)))
 
 
-def changed_rows(new: np.ndarray, old: np.ndarray) -> np.ndarray:
-    """The indices (int64, ascending) of the rows along axis 0 in which two stored arrays of
-    one shape and dtype differ in any bit."""
-    a, b = _row_words(new), _row_words(old)
-    found = []
-    for start in range(0, a.shape[0], _BLOCK_ROWS):
-        stop = start + _BLOCK_ROWS
-        rows = np.flatnonzero(np.not_equal(a[start:stop], b[start:stop]).any(axis=1))
-        if rows.size:
-            found.append(rows + start)
-    return np.concatenate(found) if found else np.empty(0, np.int64)
+def span_rows(rows: int, row_bytes: int, parts: int, depth: int) -> tuple[int, int]:
+    """The rows ``[start, stop)`` a save at ``depth`` writes whole of a blob of ``rows`` rows of
+    ``row_bytes`` bytes cut into ``parts`` parts (part ``depth mod parts``). Parts start on
+    :data:`~caffe2ckpt.fs.localio.DIRECT_ALIGN` boundaries where the row size allows, so a
+    restore reads each span's chunks straight from the disk into their place."""
+    step = DIRECT_ALIGN // math.gcd(max(row_bytes, 1), DIRECT_ALIGN)
+    step = step if step * parts <= rows else 1
+
+    def edge(part: int) -> int:
+        return rows if part == parts else part * rows // parts // step * step
+
+    part = depth % parts
+    return edge(part), edge(part + 1)
 
 
 @dataclass(frozen=True)
 class _Link:
     """One group's part in rebuilding a blob: the arrays used from it and what vouches for
-    them."""
+    them; the depth of the save that wrote it, and the bytes of the blob's overlay there."""
 
     group: str
     save_id: str
     files: dict[str, str]  # relative metadata file -> SHA-256 (the group's zarr.json first)
     crcs: dict[str, tuple[int, ...]]
+    depth: int = 0
+    overlay_bytes: int = 0
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Saved:
     """What the last save this tracker wrote holds (its base for the next save)."""
 
     save_id: str
     group: str
     depth: int
-    infos: dict[str, tuple[str, tuple[int, ...], str]]  # blob -> dtype, shape, order
+    infos: dict[str, Info]
     digests: dict[str, str]
-    links: dict[str, list[_Link]]  # blob -> the groups that rebuild it, whole source first
-    overlay_bytes: dict[str, int]  # blob -> bytes of the overlays in its chain
+    links: dict[str, list[_Link]]  # blob -> the groups holding its rows, oldest first
+    rows: dict[str, np.ndarray]  # large blob -> its block digests
 
     def ref(self, node: str) -> RecordRef:
         """The record of this save for ``node``."""
@@ -108,15 +124,17 @@ class DeltaWrite:
     """One planned save: the blobs written whole, and (differential) the rest."""
 
     whole: dict[str, np.ndarray]
-    infos: dict[str, tuple[str, tuple[int, ...], str]]  # every blob's dtype, shape, order
+    infos: dict[str, Info]  # every blob's dtype, shape, order
     digests: dict[str, str]  # every blob's
     layout: DeltaLayout | None = None
     base: RecordRef | None = None  # the record of the save it builds on (this node's)
     manifest: Manifest | None = None  # the group's, once planned (set by the store)
-    links: dict[str, list[_Link]] = field(default_factory=dict)  # chained blobs
+    links: dict[str, list[_Link]] = field(default_factory=dict)  # chained blobs: older groups
     depth: int = 0
     hints: dict[str, np.ndarray] = field(default_factory=dict)  # taken for this save
-    shadow_rows: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    rows: dict[str, np.ndarray] = field(default_factory=dict)  # large blobs' block digests
+    overlay_bytes: dict[str, int] = field(default_factory=dict)  # this save's, by blob
+    sealed: _Saved | None = None  # what the tracker holds once the record is written
 
     def record(self, written: int) -> DeltaRecord | None:
         """The record's description of this save (None: everything is whole)."""
@@ -137,6 +155,15 @@ class DeltaWrite:
                     for b, chain in self.links.items()},
             digests={b: self.digests[b] for b in self.links})
 
+    def seal(self, record: CommitRecord) -> None:
+        """Compute, before ``record`` (this node's, for this plan) is written, what the tracker
+        holds once it is: so nothing that runs after the commit can fail."""
+        own = _own_links(record, self)
+        links = {name: [*([] if name in self.whole else self.links.get(name, [])),
+                        *own.get(name, [])] for name in self.infos}
+        self.sealed = _Saved(record.save_id, record.group, self.depth, self.infos, self.digests,
+                             links, self.rows)
+
 
 class DeltaTracker:
     """One node's differential state (see the module docstring)."""
@@ -146,14 +173,16 @@ class DeltaTracker:
         self.options = options
         self._lock = threading.Lock()
         self._saved: _Saved | None = None
-        self._shadow: dict[str, np.ndarray] = {}  # compare: large blobs as last saved (stored)
-        self._hints: dict[str, list[np.ndarray]] = {}  # hints: rows changed since that save
+        self._hints: dict[str, np.ndarray] = {}  # rows changed since that save: their union
+        self._hasher = RowHasher()
 
     def mark_changed(self, blob: str, rows: np.ndarray) -> None:
         """Note that rows ``rows`` (int64 ids, checked by the caller against the blob:
-        :func:`caffe2ckpt.workspace.check_rows`) of ``blob`` changed since the last save."""
+        :func:`caffe2ckpt.workspace.check_rows`) of ``blob`` changed since the last save. Only
+        their union is kept: at most 8 bytes per row of the blob, however often rows are
+        marked."""
         with self._lock:
-            self._hints.setdefault(blob, []).append(np.array(rows, np.int64))
+            merge_rows(self._hints, blob, np.asarray(rows, np.int64))
 
     def plan(self, base: str | None, blobs: dict[str, np.ndarray],
              stands: Callable[[RecordRef], bool]) -> DeltaWrite:
@@ -162,25 +191,34 @@ class DeltaTracker:
         ``ref`` of the base is still there (someone may have deleted or damaged it): if not,
         everything is written whole."""
         with self._lock:
-            hints = {b: np.unique(np.concatenate(r)) for b, r in self._hints.items()}
-            self._hints = {}
-        digests = {name: digest(arr) for name, arr in blobs.items()}
-        infos = {name: _info(arr) for name, arr in blobs.items()}
-        saved = self._saved
-        if (saved is None or base is None or saved.save_id != base
-                or saved.depth >= self.options.max_delta_chain
-                or not stands(saved.ref(self.node))):
-            return DeltaWrite(dict(blobs), infos, digests, hints=hints)
+            hints, self._hints = self._hints, {}
         try:
-            return _Planner(self, saved, blobs, DeltaWrite({}, infos, digests,
-                                                           hints=hints)).plan()
+            out = self._measure(blobs, hints)
+            saved = self._saved
+            if (saved is None or base is None or saved.save_id != base
+                    or not stands(saved.ref(self.node))):
+                out.whole = dict(blobs)
+                return out
+            return _Planner(self, saved, blobs, out).plan()
         except BaseException:
             self._give_back(hints)
             raise
 
+    def _measure(self, blobs: dict[str, np.ndarray], hints: dict[str, np.ndarray]
+                 ) -> DeltaWrite:
+        """Every blob's digest and logical info, and the large blobs' block digests."""
+        digests, infos, rows = {}, {}, {}
+        for name, arr in blobs.items():
+            stored = stored_form(arr)
+            digests[name], infos[name] = _digest(stored), _info(arr)
+            if self.eligible(arr):
+                rows[name] = self._hasher.digests(stored, _on_threads)
+        return DeltaWrite({}, infos, digests, hints=hints, rows=rows)
+
     def failed(self, plan: DeltaWrite) -> None:
-        """The save of ``plan`` was not committed: its hints count for the next save, and
-        after a failed differential save (its base may be gone) the next one is whole."""
+        """The save of ``plan`` was not committed (or its outcome is not known): its hints count
+        for the next save, and after a failed differential save (its base may be gone) the next
+        one is whole."""
         self._give_back(plan.hints)
         if plan.layout is not None:
             self._saved = None
@@ -188,47 +226,15 @@ class DeltaTracker:
     def _give_back(self, hints: dict[str, np.ndarray]) -> None:
         with self._lock:
             for blob, rows in hints.items():
-                self._hints.setdefault(blob, []).insert(0, rows)
+                merge_rows(self._hints, blob, rows)
 
-    def committed(self, record: CommitRecord, plan: DeltaWrite,
-                  snapshot: dict[str, np.ndarray]) -> None:
-        """``record`` (this node's) was written for ``plan``: it is the base of the next
-        save. ``snapshot`` holds the blobs written whole, as written."""
-        own = _own_links(record, plan)
-        before = self._saved.overlay_bytes if self._saved is not None else {}
-        links, overlay_bytes = {}, {}
-        for name in plan.infos:
-            if name in plan.whole:
-                links[name], overlay_bytes[name] = own[name], 0
-                continue
-            links[name] = [*plan.links[name], *own.get(name, [])]
-            overlay = plan.layout.overlays.get(name) if plan.layout else None
-            overlay_bytes[name] = before.get(name, 0) + (0 if overlay is None
-                                                         else _overlay_nbytes(*overlay))
-        self._update_shadow(plan, snapshot)
-        self._saved = _Saved(record.save_id, record.group, plan.depth, plan.infos,
-                             plan.digests, links, overlay_bytes)
+    def committed(self, plan: DeltaWrite) -> None:
+        """``plan``'s record (sealed, :meth:`DeltaWrite.seal`) was written: it is the base of
+        the next save. Only an assignment: it cannot fail."""
+        self._saved = plan.sealed
 
-    def _update_shadow(self, plan: DeltaWrite, snapshot: dict[str, np.ndarray]) -> None:
-        """Keep the compared copies at what was just saved: whole blobs copied, overlays'
-        rows written into the copy, unchanged blobs kept."""
-        if self.options.delta_detection != "compare":
-            return
-        shadow = {}
-        for name in plan.infos:
-            kept = self._shadow.get(name)
-            if name in plan.whole:
-                if self._eligible(snapshot[name]):
-                    shadow[name] = _copy_into(kept, stored_form(snapshot[name]))
-            elif kept is not None:
-                if name in plan.shadow_rows:
-                    rows, values = plan.shadow_rows[name]
-                    kept[rows] = values
-                shadow[name] = kept
-        self._shadow = shadow
-
-    def _eligible(self, arr: np.ndarray) -> bool:
-        """Whether ``arr`` may be saved as a row overlay."""
+    def eligible(self, arr: np.ndarray) -> bool:
+        """Whether ``arr`` may be saved as spans and row overlays."""
         return arr.ndim >= 1 and arr.shape[0] > 0 and arr.nbytes >= self.options.delta_min_bytes
 
 
@@ -239,91 +245,126 @@ class _Planner:
                  out: DeltaWrite) -> None:
         self.tracker, self.saved, self.blobs, self.out = tracker, saved, blobs, out
         self.options = tracker.options
+        self.depth = saved.depth + 1
+        self.oldest = self.depth - self.options.max_delta_chain  # of the groups a chain keeps
         self.inherited: dict[str, Inherited] = {}
         self.overlays: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self.spans: dict[str, tuple[int, np.ndarray]] = {}
 
     def plan(self) -> DeltaWrite:
         for name, arr in self.blobs.items():
-            kind = self._kind(name, arr)
+            older = self._older(name)
+            kind = self._kind(name, arr, older)
             if kind == "whole":
                 self.out.whole[name] = arr
                 continue
-            links = self.saved.links[name]
             self.inherited[name] = Inherited(kind, BlobInfo(name, *self.out.infos[name]),
-                                             tuple(link.group for link in links))
-            self.out.links[name] = links
+                                             tuple(link.group for link in older))
+            self.out.links[name] = older
         if self.inherited:
-            group = self.saved.group
-            self.out.layout = DeltaLayout(self.inherited, self.overlays, group)
-            self.out.depth = self.saved.depth + 1
+            self.out.layout = DeltaLayout(self.inherited, self.overlays, self.saved.group,
+                                          self.spans)
+            self.out.depth = self.depth
             self.out.base = self.saved.ref(self.tracker.node)
         return self.out
 
-    def _kind(self, name: str, arr: np.ndarray) -> str:
-        saved = self.saved
-        if name not in saved.links or saved.infos.get(name) != self.out.infos[name]:
+    def _older(self, name: str) -> list[_Link] | None:
+        """The base's groups of blob ``name`` this save may still build on (None: the base
+        does not hold it as it is now)."""
+        links = self.saved.links.get(name)
+        if links is None or self.saved.infos.get(name) != self.out.infos[name]:
+            return None
+        return [link for link in links if link.depth >= self.oldest]
+
+    def _kind(self, name: str, arr: np.ndarray, older: list[_Link] | None) -> str:
+        if not older:  # new, changed in dtype/shape/order, or every group too old
             return "whole"
-        if not self.tracker._eligible(arr):
-            return "same" if self.out.digests[name] == saved.digests.get(name) else "whole"
-        rows = self._changed(name, arr)
-        if rows is None:
-            return "same" if self.out.digests[name] == saved.digests.get(name) else "whole"
-        if not rows.size:  # no changed row: the digests agree (a hint of none is checked here)
-            return "same" if self.out.digests[name] == saved.digests.get(name) else "whole"
-        values = arr[rows]
-        cost = _overlay_nbytes(rows, values)
-        # (the chain's length is bounded by the save's depth: plan() writes a save whole then)
-        if (cost >= arr.nbytes or saved.overlay_bytes.get(name, 0) + cost
+        if name not in self.out.rows:  # a small blob: its one copy, if unchanged and recent
+            same = (self.out.digests[name] == self.saved.digests.get(name)
+                    and len(older) == len(self.saved.links[name]))
+            return "same" if same else "whole"
+        base_rows = self.saved.rows.get(name)
+        if base_rows is None or base_rows.shape != self.out.rows[name].shape:
+            return "whole"
+        return self._rows(name, arr, older, self._changed(name, arr, base_rows))
+
+    def _rows(self, name: str, arr: np.ndarray, older: list[_Link], changed: np.ndarray) -> str:
+        """A large blob's span and overlay, unless writing it whole costs less, or its chain's
+        overlays would pass ``max_delta_fraction`` of it."""
+        row_bytes = arr.nbytes // arr.shape[0]
+        start, stop = span_rows(arr.shape[0], row_bytes, self.options.max_delta_chain + 1,
+                                self.depth)
+        ids = changed[(changed < start) | (changed >= stop)]
+        ids = ids.astype(np.int32 if arr.shape[0] < 2**31 else np.int64)
+        overlay = ids.size * (ids.itemsize + row_bytes)
+        if (overlay + (stop - start) * row_bytes >= arr.nbytes
+                or sum(link.overlay_bytes for link in older) + overlay
                 > self.options.max_delta_fraction * arr.nbytes):
             return "whole"
-        ids = rows.astype(np.int32 if arr.shape[0] < 2**31 else np.int64)
-        self.overlays[name] = (ids, values)
-        if self.options.delta_detection == "compare":
-            self.out.shadow_rows[name] = (rows, stored_form(values))
-        return "rows"
+        if ids.size:
+            self.overlays[name] = (ids, arr[ids])
+            self.out.overlay_bytes[name] = overlay
+        if stop > start:  # a copy: an async save writes it while the workspace moves on
+            self.spans[name] = (start, arr[start:stop].copy(order="C"))
+        return "rows" if ids.size or stop > start else "same"
 
-    def _changed(self, name: str, arr: np.ndarray) -> np.ndarray | None:
-        """The changed rows of a large blob (None: not known; compare by digest)."""
-        if self.options.delta_detection == "compare":
-            shadow = self.tracker._shadow.get(name)
-            if shadow is None:
-                return None
-            return changed_rows(stored_form(arr), shadow)
-        rows = self.out.hints.get(name)
-        if rows is None or (rows.size and not (0 <= rows[0] and rows[-1] < arr.shape[0])):
-            return None  # no hint, or one for another shape of the blob: compare digests
-        return rows
+    def _changed(self, name: str, arr: np.ndarray, base_rows: np.ndarray) -> np.ndarray:
+        """The rows of a large blob to write (int64, ascending): those of every block whose
+        digest changed, and (hints) every hinted row."""
+        blocks = np.flatnonzero(self.out.rows[name] != base_rows)
+        count = arr.shape[0]
+        per = block_rows(arr.nbytes // count)
+        found = (blocks if per == 1 else
+                 (blocks[:, None] * per + np.arange(per)).reshape(-1))
+        found = found[found < count]
+        hint = self.out.hints.get(name)
+        if self.options.delta_detection != "hints" or hint is None or not hint.size:
+            return found
+        if hint[-1] >= count:  # a hint for another shape of the blob: no hint
+            return found
+        missed = np.setdiff1d(blocks, hint // per, assume_unique=True)
+        if missed.size:
+            logger.warning("node %r, blob %r: %d changed row(s) were not in the changed-rows "
+                           "hints (found by row digest and saved; check the hints)",
+                           self.tracker.node, name, min(missed.size * per, count))
+        return np.union1d(found, hint)
 
 
-def _info(arr: np.ndarray) -> tuple[str, tuple[int, ...], str]:
+def _on_threads(calls: list[Callable[[], None]]) -> None:
+    """Run ``calls`` on the I/O threads (numpy releases the GIL in them), raising the first
+    failure once all have ended."""
+    futures = [pool().submit(call) for call in calls]
+    wait(futures)
+    for future in futures:
+        future.result()
+
+
+def _info(arr: np.ndarray) -> Info:
     """A blob's dtype, shape and memory order (as the manifest gives them)."""
     flags = arr.flags
     return arr.dtype.str, arr.shape, "C" if flags.c_contiguous or not flags.f_contiguous else "F"
 
 
-def _overlay_nbytes(rows: np.ndarray, values: np.ndarray) -> int:
-    return rows.size * _ID_BYTES + values.nbytes
-
-
-def _copy_into(buffer: np.ndarray | None, stored: np.ndarray) -> np.ndarray:
-    """A copy of ``stored``, reusing ``buffer`` when it fits."""
-    if buffer is not None and buffer.shape == stored.shape and buffer.dtype == stored.dtype:
-        np.copyto(buffer, stored)
-        return buffer
-    return stored.copy()
-
-
 def _own_links(record: CommitRecord, plan: DeltaWrite) -> dict[str, list[_Link]]:
-    """The links into ``record``'s own group: blobs written whole there, and overlays."""
-    group, meta, manifest = record.group, record.metadata, plan.manifest
-    assert manifest is not None  # set when the group was planned
+    """The links into ``record``'s own group, by blob: blobs written whole there (an empty
+    packed blob needs only the group's ``zarr.json``), and spans and overlays."""
+    manifest = plan.manifest
+    if manifest is None:
+        raise ValueError(f"the group of {record.group!r} was not planned")
 
-    def link(*paths: str) -> list[_Link]:
-        files = {GROUP_FILE: meta[GROUP_FILE],
-                 **{f"{p}/{GROUP_FILE}": meta[f"{p}/{GROUP_FILE}"] for p in paths}}
-        return [_Link(group, record.save_id, files, {p: record.crcs[p] for p in paths})]
+    def link(name: str, *paths: str) -> list[_Link]:
+        paths = tuple(p for p in paths if p in record.crcs)  # no array: nothing to read
+        files = {GROUP_FILE: record.metadata[GROUP_FILE],
+                 **{f"{p}/{GROUP_FILE}": record.metadata[f"{p}/{GROUP_FILE}"] for p in paths}}
+        return [_Link(record.group, record.save_id, files, {p: record.crcs[p] for p in paths},
+                      plan.depth, plan.overlay_bytes.get(name, 0))]
 
-    links = {name: link(info.path or PACKED_ARRAY) for name, info in manifest.stored_blobs.items()}
-    links.update({name: link(rows.path, values.path)  # type: ignore[arg-type]
-                  for name, (rows, values) in manifest.overlays.items()})
+    links = {name: link(name, info.path or PACKED_ARRAY)
+             for name, info in manifest.stored_blobs.items()}
+    parts: dict[str, list[str]] = {}
+    for name, pair in manifest.overlays.items():
+        parts.setdefault(name, []).extend(info.path for info in pair)  # type: ignore[misc]
+    for name, (_, info) in manifest.spans.items():
+        parts.setdefault(name, []).append(info.path)  # type: ignore[arg-type]
+    links.update({name: link(name, *paths) for name, paths in parts.items()})
     return links

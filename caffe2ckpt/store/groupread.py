@@ -12,6 +12,7 @@ allocated (or, on object stores, populated), and reads are submitted a bounded w
 
 from __future__ import annotations
 
+import bisect
 import functools
 import hashlib
 import itertools
@@ -45,7 +46,8 @@ from caffe2ckpt.store.manifest import (
 )
 from caffe2ckpt.store.zarrgroup import CRC_BYTES
 
-__all__ = ["read_arrays", "read_node"]
+__all__ = ["RowRead", "check_chunk_sizes", "destination", "read_arrays", "read_node",
+           "restored", "row_reads", "run_reads"]
 
 # A read claiming more than this (a quarter of the machine's memory) checks every chunk file's
 # size before allocating its destination, so a crafted manifest claiming petabytes is corruption,
@@ -64,6 +66,11 @@ _POPULATE_BYTES = 4 << 20  # _copy_target maps destinations this large with MAP_
 # the 5 ms switch interval), so a window of 32 starved the threads on warm restores of many
 # small files (W2 took 1.5-2x as long); 256 is as fast as submitting everything at once was.
 _WINDOW = 256
+
+
+def restored(data: np.ndarray, info: BlobInfo) -> np.ndarray:
+    """``data`` (a blob's array in stored form) as the blob: its dtype, shape and order."""
+    return _restored(data, info)
 
 
 def _restored(data: np.ndarray, info: BlobInfo) -> np.ndarray:
@@ -400,3 +407,92 @@ def _read_chunk(location: Location, manifest: Manifest, where: str, blob: str, c
         raise corrupted("the chunk is not the one this checkpoint wrote (its checksum differs "
                         "from the one recorded: written by another save?)")
 
+
+
+class RowRead(NamedTuple):
+    """Rows of one array of a group (its own array, not the packed one) to read straight into
+    a destination: array row ``r`` goes to row ``offset + r`` of ``dest``; only the rows of
+    ``wanted`` (array rows ``[start, stop)``, sorted and disjoint) are written there."""
+
+    info: BlobInfo
+    dest: np.ndarray  # (rows, row bytes) uint8
+    offset: int
+    wanted: list[tuple[int, int]]
+
+
+def destination(location: Location, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An uninitialised array for chunks of ``location`` to be read into (as a restore's)."""
+    return (aligned_empty if location.is_local else _copy_target)(shape, dtype)
+
+
+def check_chunk_sizes(location: Location, path: str, manifest: Manifest,
+                      crcs: dict[str, tuple[int, ...]], infos: list[BlobInfo]) -> None:
+    """Before a large destination is allocated: every chunk file of the arrays ``infos`` of the
+    group at ``path`` is there and as large as the manifest says.
+
+    Raises:
+        CheckpointCorruptedError: one is missing or of another size.
+    """
+    where = (f"checkpoint {location.display(path)!r} (node {manifest.node!r}, epoch "
+             f"{manifest.epoch})")
+    files = _Files(path, manifest, infos, False, crcs)
+    sizes = None if location.is_local else location.sizes_under(path)
+    _run_bounded(functools.partial(_check_size, location, manifest, where, span, sizes)
+                 for span in files.spans())
+
+
+def run_reads(calls: Iterable[Callable[[], Any]]) -> None:
+    """Run the reads of :func:`row_reads` (of any number of groups) on the I/O threads, a
+    bounded number at a time, stopping at the first failure (which is raised)."""
+    _run_bounded(calls)
+
+
+def row_reads(location: Location, path: str, manifest: Manifest, crcs: dict[str, tuple[int, ...]],
+              reads: list[RowRead], metadata: dict[str, str]) -> Iterator[Callable[[], Any]]:
+    """The reads of the group at ``path`` that :class:`RowRead` ``reads`` ask for: each chunk
+    holding a wanted row (a chunk wanted whole is read straight into its place; one wanted in
+    part is read into a buffer of its own, checked, and its wanted rows copied), and the
+    metadata files ``metadata`` (relative path -> SHA-256) checked. Run them with
+    :func:`run_reads`."""
+    where = (f"checkpoint {location.display(path)!r} (node {manifest.node!r}, epoch "
+             f"{manifest.epoch})")
+    files = _Files(path, manifest, [read.info for read in reads], False, crcs)
+    targets = {read.info.path: read for read in reads}
+    owners = manifest.metadata_files()
+    for rel, digest in metadata.items():
+        yield functools.partial(_check_metadata, location, manifest, where, f"{path}/{rel}",
+                                owners.get(rel) or rel, digest)
+    for span in files.spans():
+        read = targets[span.array]
+        pieces = _overlaps(read.wanted, span.rows.start, span.rows.stop)
+        if not pieces:
+            continue
+        if pieces == [(span.rows.start, span.rows.stop)]:
+            rows = slice(read.offset + span.rows.start, read.offset + span.rows.stop)
+            yield functools.partial(_read_chunk, location, manifest, where, span.blob,
+                                    span.chunk, read.dest[rows], span.padding, span.crc)
+        else:
+            yield functools.partial(_read_pieces, location, manifest, where, span, read, pieces)
+
+
+def _overlaps(wanted: list[tuple[int, int]], start: int, stop: int) -> list[tuple[int, int]]:
+    """The parts of the intervals ``wanted`` (sorted, disjoint) within ``[start, stop)``."""
+    first = max(0, bisect.bisect_right(wanted, (start, math.inf)) - 1)
+    out = []
+    for a, b in wanted[first:]:
+        if a >= stop:
+            break
+        if b > start:
+            out.append((max(a, start), min(b, stop)))
+    return out
+
+
+def _read_pieces(location: Location, manifest: Manifest, where: str, span: _Span, read: RowRead,
+                 pieces: list[tuple[int, int]]) -> None:
+    """Read one chunk into a buffer of its own, checked, and copy rows ``pieces`` (array rows)
+    into ``read``'s destination."""
+    count = span.rows.stop - span.rows.start
+    buffer = np.empty((count, span.row_bytes), np.uint8)
+    _read_chunk(location, manifest, where, span.blob, span.chunk, buffer, span.padding, span.crc)
+    for a, b in pieces:
+        read.dest[read.offset + a:read.offset + b] = buffer[a - span.rows.start:b - span.rows.start]

@@ -41,14 +41,18 @@ import numpy as np
 
 from caffe2ckpt.fs.localio import DIRECT_ALIGN
 
-__all__ = ["CHUNK_BYTES", "FORMAT_VERSION", "MAX_BLOB_BYTES", "PACKED_ARRAY", "BlobInfo",
+__all__ = ["CHUNK_BYTES", "FINE_CHUNK_BYTES", "FORMAT_VERSION", "MAX_BLOB_BYTES", "PACKED_ARRAY", "BlobInfo",
            "BlobManifestError", "Inherited", "Manifest", "chunk_key", "chunk_keys", "chunk_rows", "itemsize",
            "stored_spec"]
 
 FORMAT_VERSION = 3
 DELTA_FORMAT = 4  # a differential save's group: format 3 plus a "delta" section
-_READABLE_FORMATS = frozenset({1, 2, 3, 4})
+SPAN_FORMAT = 5  # format 4 plus row spans; a chain need not start with the blob stored whole
+_READABLE_FORMATS = frozenset({1, 2, 3, 4, 5})
 CHUNK_BYTES = 16 * 1024 * 1024
+# the values of a row overlay on a filesystem where files are cheap (not an object store): small
+# chunks, so a restore reads only those holding rows no newer span replaced
+FINE_CHUNK_BYTES = 1024 * 1024
 PACKED_ARRAY = "_packed"
 _KINDS = frozenset("biufcSU")
 # an array path is one segment made by naming.blob_path: never "/", never "." or ".."
@@ -96,10 +100,12 @@ class BlobInfo(NamedTuple):
 
 class Inherited(NamedTuple):
     """A blob a differential save does not store whole: ``kind`` "same" (nothing of it here)
-    or "rows" (a row overlay here), its logical ``info`` (dtype, shape, order) and the
-    ``chain`` of groups that rebuild it as of the save it builds on (the group holding it whole,
-    then those with overlays, oldest first): what a plain-zarr reader follows. The commit
-    record holds the same chain with the digests that vouch for it."""
+    or "rows" (rows of it here: a row overlay, a span, or both), its logical ``info`` (dtype,
+    shape, order) and the ``chain`` of older groups that hold the rest of its rows, oldest
+    first: each holds the blob whole, or a span and/or an overlay of it (format 4: the first
+    holds it whole, the others overlays). Its rows are, each, those of the newest group holding
+    them (this save's own last): what a plain-zarr reader follows. The commit record holds the
+    same chain with the digests that vouch for it."""
 
     kind: str
     info: BlobInfo
@@ -126,11 +132,13 @@ class Manifest:
     # overlays' arrays (row ids, values); and the group of the save this one builds on
     inherited: dict[str, Inherited] = field(default_factory=dict)
     overlays: dict[str, tuple[BlobInfo, BlobInfo]] = field(default_factory=dict)
+    # format 5: rows [start, start + len) of a blob stored here as one array, by blob
+    spans: dict[str, tuple[int, BlobInfo]] = field(default_factory=dict)
     base: str = ""
 
     def __post_init__(self) -> None:
         if self.inherited and self.format < DELTA_FORMAT:
-            object.__setattr__(self, "format", DELTA_FORMAT)
+            object.__setattr__(self, "format", SPAN_FORMAT if self.spans else DELTA_FORMAT)
 
     @property
     def padded_edges(self) -> bool:
@@ -163,13 +171,14 @@ class Manifest:
 
     @property
     def stored_nbytes(self) -> int:
-        """The bytes of data this group holds: its whole blobs and its overlays."""
+        """The bytes of data this group holds: its whole blobs, overlays and spans."""
         return (self.nbytes - sum(i.info.nbytes for i in self.inherited.values())
-                + sum(info.nbytes for info in self.overlay_arrays()))
+                + sum(info.nbytes for info in self.delta_arrays()))
 
-    def overlay_arrays(self) -> list[BlobInfo]:
-        """The arrays of this group's row overlays (ids, then values, per blob)."""
-        return [info for pair in self.overlays.values() for info in pair]
+    def delta_arrays(self) -> list[BlobInfo]:
+        """The arrays of this group's row overlays (ids, then values, per blob) and spans."""
+        return [*(info for pair in self.overlays.values() for info in pair),
+                *(info for _, info in self.spans.values())]
 
     def to_dict(self) -> dict[str, Any]:
         packed = self.packed
@@ -200,12 +209,15 @@ class Manifest:
         def entry(info: BlobInfo) -> dict[str, Any]:
             return {"path": info.path, "dtype": info.dtype, "shape": list(info.shape),
                     "order": info.order, "chunk_rows": info.chunk_rows}
+        spans = ({"spans": {n: {"start": start, **entry(info)}
+                            for n, (start, info) in self.spans.items()}}
+                 if self.format >= SPAN_FORMAT else {})
         return {"base": self.base,
                 "blobs": {n: {"kind": b.kind, "dtype": b.info.dtype, "shape": list(b.info.shape),
                               "order": b.info.order, "chain": list(b.chain)}
                           for n, b in self.inherited.items()},
                 "overlays": {n: {"rows": entry(r), "values": entry(v)}
-                             for n, (r, v) in self.overlays.items()}}
+                             for n, (r, v) in self.overlays.items()}, **spans}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Manifest:
@@ -242,14 +254,14 @@ class Manifest:
         _check_chunks(PACKED_ARRAY, "the packed array", (nbytes,), 1, chunk, version)
         packed_crcs = (_crcs(columns["crc32c"], _ceil_div(nbytes, chunk) if nbytes else 0)
                        if version < 3 else ())
-        inherited, overlays, base = (_delta_section(data["delta"], set(arrays) | set(names),
-                                                    set(paths))
-                                     if version >= DELTA_FORMAT else ({}, {}, ""))
+        inherited, overlays, spans, base = (
+            _delta_section(data["delta"], set(arrays) | set(names), set(paths), version)
+            if version >= DELTA_FORMAT else ({}, {}, {}, ""))
         return cls(node=str(data["node"]), epoch=int(data["epoch"]),
                    save_id=str(data["save_id"]), arrays=arrays, packed=packed,
                    packed_nbytes=nbytes, packed_chunk=chunk, packed_crcs=packed_crcs,
                    format=version, packed_blob_bytes=packed_bytes, inherited=inherited,
-                   overlays=overlays, base=base)
+                   overlays=overlays, spans=spans, base=base)
 
     def chunk_crcs(self, recorded: dict[str, tuple[int, ...]],
                    only: Collection[str] | None = None) -> dict[str, tuple[int, ...]]:
@@ -263,7 +275,7 @@ class Manifest:
             arrays.append((PACKED_ARRAY, (self.packed_nbytes,), self.packed_chunk,
                            self.packed_crcs))
         arrays += [(info.path, stored_spec(info)[1], info.chunk_rows, ())
-                   for info in self.overlay_arrays()]
+                   for info in self.delta_arrays()]
         for path, shape, rows, own in arrays:
             if only is not None and path not in only:
                 continue
@@ -278,7 +290,7 @@ class Manifest:
         """Every file of the group, relative to it: chunks first, then the arrays' metadata,
         the group's ``zarr.json`` last (exactly what the writer creates)."""
         chunks = [f"{info.path}/{key}"
-                  for info in [*self.arrays.values(), *self.overlay_arrays()]
+                  for info in [*self.arrays.values(), *self.delta_arrays()]
                   for key in chunk_keys(len(stored_spec(info)[1]),
                                         _ceil_div(info.shape[0], info.chunk_rows))]
         if self.packed_nbytes:
@@ -291,29 +303,36 @@ class Manifest:
         files: dict[str, str | None] = {"zarr.json": None}
         if self.packed_nbytes:
             files[f"{PACKED_ARRAY}/zarr.json"] = None
-        for info in [*self.arrays.values(), *self.overlay_arrays()]:
+        for info in [*self.arrays.values(), *self.delta_arrays()]:
             files[f"{info.path}/zarr.json"] = info.name
         return files
 
 
 _MAX_CHAIN = 65  # groups in a chain (caffe2ckpt.store.chains.MAX_GROUPS)
-_OVERLAY = re.compile(r"_(rows|values)\.[A-Za-z0-9_.%~-]{1,200}")
+_OVERLAY = re.compile(r"_(rows|values|span)\.[A-Za-z0-9_.%~-]{1,200}")
 
 
-def _delta_section(data: dict[str, Any], stored: set[str], paths: set[str]
-                   ) -> tuple[dict[str, Inherited], dict[str, tuple[BlobInfo, BlobInfo]], str]:
-    """A format-4 manifest's ``delta`` section: inherited blobs (logical info and kind), their
-    overlays' arrays (row ids: 1-d int32 or int64; values: the blob's dtype, its row shape),
-    and the base group's name (for people and plain-zarr readers; records decide)."""
+def _delta_section(data: dict[str, Any], stored: set[str], paths: set[str], version: int
+                   ) -> tuple[dict[str, Inherited], dict[str, tuple[BlobInfo, BlobInfo]],
+                              dict[str, tuple[int, BlobInfo]], str]:
+    """A format-4 or -5 manifest's ``delta`` section: inherited blobs (logical info and kind),
+    their overlays' arrays (row ids: 1-d int32 or int64; values: the blob's dtype, its row
+    shape), their spans (format 5: a start row and an array of the blob's dtype and row shape
+    within the blob's rows), and the base group's name (for people and plain-zarr readers;
+    records decide). Every blob of kind "rows" has an overlay here (format 4), or an overlay, a
+    span or both (format 5), and only those blobs do."""
     inherited = {name: _inherited(name, entry, stored) for name, entry in data["blobs"].items()}
     overlays = {name: _overlay(name, entry, inherited.get(name), paths)
                 for name, entry in data["overlays"].items()}
-    if len(overlays) != sum(i.kind == "rows" for i in inherited.values()):
-        raise ValueError("a blob of kind 'rows' has no overlay")
+    spans = ({name: _span(name, entry, inherited.get(name), paths)
+              for name, entry in data["spans"].items()} if version >= SPAN_FORMAT else {})
+    rows = {name for name, i in inherited.items() if i.kind == "rows"}
+    if (set(overlays) | set(spans)) != rows or (version < SPAN_FORMAT and set(overlays) != rows):
+        raise ValueError("the blobs of kind 'rows' and those with overlays or spans differ")
     base = data["base"]
     if not isinstance(base, str) or len(base) > 400:
         raise ValueError("bad base group")
-    return inherited, overlays, base
+    return inherited, overlays, spans, base
 
 
 def _inherited(name: str, entry: dict[str, Any], stored: set[str]) -> Inherited:
@@ -342,8 +361,22 @@ def _overlay(name: str, entry: dict[str, Any], blob: Inherited | None,
     return rows, values
 
 
+def _span(name: str, entry: dict[str, Any], blob: Inherited | None,
+          paths: set[str]) -> tuple[int, BlobInfo]:
+    """The span of ``blob`` (of kind "rows"): where it starts, and its array, which holds
+    consecutive rows of the blob in its dtype."""
+    if blob is None or blob.kind != "rows" or not blob.info.shape:
+        raise ValueError(f"blob {name!r:.80}: a span of a blob that has no rows")
+    start = _size(entry["start"], f"blob {name!r:.80}: span start")
+    info = _overlay_info(name, entry, "span", paths)
+    if (info.dtype != blob.info.dtype or info.shape[1:] != blob.info.shape[1:]
+            or start + info.shape[0] > blob.info.shape[0]):
+        raise ValueError(f"blob {name!r:.80}: its span does not fit the blob")
+    return start, info
+
+
 def _overlay_info(name: str, entry: dict[str, Any], part: str, paths: set[str]) -> BlobInfo:
-    info = _array_info(name, entry, FORMAT_VERSION, pattern=_OVERLAY)
+    info = _array_info(name, entry, FORMAT_VERSION, pattern=_OVERLAY, fine=part == "values")
     if not info.path.startswith(f"_{part}.") or info.path in paths:  # type: ignore[union-attr]
         raise ValueError(f"blob {name!r:.80}: bad overlay path")
     paths.add(info.path)  # type: ignore[arg-type]
@@ -405,7 +438,7 @@ def _shape(shape: Any, dtype: str, name: str) -> tuple[int, ...]:
 
 
 def _array_info(name: str, entry: dict[str, Any], version: int,
-                pattern: re.Pattern[str] = _SEGMENT) -> BlobInfo:
+                pattern: re.Pattern[str] = _SEGMENT, fine: bool = False) -> BlobInfo:
     shape = _shape(entry["shape"], entry["dtype"], name)
     rows = _size(entry["chunk_rows"], f"blob {name!r:.80}: chunk_rows")
     info = BlobInfo(name, entry["dtype"], shape, entry["order"], path=entry["path"],
@@ -417,21 +450,24 @@ def _array_info(name: str, entry: dict[str, Any], version: int,
             or not 0 < info.chunk_rows <= info.shape[0]):
         raise ValueError(f"bad array entry for blob {name!r}")
     dtype, stored = stored_spec(info)
-    _check_chunks(name, f"blob {name!r:.80}", stored, dtype.itemsize, rows, version)
+    _check_chunks(name, f"blob {name!r:.80}", stored, dtype.itemsize, rows, version, fine)
     if version < 3:
         info = info._replace(crcs=_crcs(entry["crc32c"], _ceil_div(shape[0], rows)))
     return info
 
 
 def _check_chunks(blob: str, what: str, shape: tuple[int, ...], itemsize: int, rows: int,
-                  version: int) -> None:
-    """Chunks are what the writer makes: exactly :func:`chunk_rows` rows in format 3; in
-    formats 1-2, no more chunks than their writers made (:func:`_legacy_chunks`).
+                  version: int, fine: bool = False) -> None:
+    """Chunks are what the writer makes: exactly :func:`chunk_rows` rows in format 3 (with
+    ``fine``, an overlay's values, chunks of :data:`FINE_CHUNK_BYTES` too); in formats 1-2, no
+    more chunks than their writers made (:func:`_legacy_chunks`).
 
     Raises:
         BlobManifestError: they are not.
     """
     if not shape[0]:
+        return
+    if fine and rows == chunk_rows(shape, itemsize, FINE_CHUNK_BYTES):
         return
     if version >= 3:
         if rows != chunk_rows(shape, itemsize):
@@ -469,14 +505,14 @@ def stored_spec(info: BlobInfo) -> tuple[np.dtype, tuple[int, ...]]:
     return (dtype.newbyteorder("<") if dtype.byteorder == ">" else dtype), info.shape
 
 
-def chunk_rows(shape: tuple[int, ...], itemsize: int) -> int:
-    """Rows per chunk (chunks split axis 0 only): at most about :data:`CHUNK_BYTES` each; a
+def chunk_rows(shape: tuple[int, ...], itemsize: int, target: int = CHUNK_BYTES) -> int:
+    """Rows per chunk (chunks split axis 0 only): at most about ``target`` bytes each; a
     whole number of ``DIRECT_ALIGN`` blocks where the row size allows (every chunk can then be
     read straight from the disk into its place); and chunks as even as that allows, because the
     last one is padded to full size."""
     n = shape[0]
     row_bytes = max(1, itemsize * math.prod(shape[1:]))
-    most = max(1, CHUNK_BYTES // row_bytes)
+    most = max(1, target // row_bytes)
     if n <= most:
         return n
     step = DIRECT_ALIGN // math.gcd(row_bytes, DIRECT_ALIGN)

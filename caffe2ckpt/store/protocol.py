@@ -135,7 +135,8 @@ class CheckpointStore:
             batch = self.location.sync_batch()
             plan = plan_group(node=node, epoch=epoch, save_id=info.save_id, blobs=blobs,
                               pack_threshold=self.pack_threshold,
-                              delta=None if delta is None else delta.layout)
+                              delta=None if delta is None else delta.layout,
+                              fine_overlays=not self.location.per_object_requests)
             if delta is not None:
                 delta.manifest = plan.manifest
             path = self._take_path(node, epoch, info.save_id, plan, batch)
@@ -161,6 +162,8 @@ class CheckpointStore:
             metadata=plan.digests(), writer=dict(info.writer or {}), parent=info.parent,
             path=path, crcs=crcs, started=started,
             delta=None if delta is None else delta.record(plan.manifest.stored_nbytes))
+        if delta is not None:  # before the record: nothing after the commit may fail the save
+            delta.seal(record)
         write_record(self.location, record)
         if record.delta is not None:
             self._check_base(record, delta.base)  # type: ignore[union-attr]
@@ -362,7 +365,7 @@ class CheckpointStore:
         wanted = list(manifest.blobs) if names is None else names
         chained = [n for n in wanted if n in manifest.inherited]
         if chained:  # the own group's overlays are read with their chains
-            overlays = {f"{i.path}/{GROUP_FILE}" for i in manifest.overlay_arrays()}
+            overlays = {f"{i.path}/{GROUP_FILE}" for i in manifest.delta_arrays()}
             metadata = {k: v for k, v in metadata.items() if k not in overlays}
         out = read_node(self.location, self.group_path(record), manifest,
                         self.chunk_crcs(record, manifest), wanted, metadata=metadata)

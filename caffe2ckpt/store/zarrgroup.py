@@ -53,8 +53,10 @@ from caffe2ckpt.fs import localio, strictjson
 from caffe2ckpt.fs.iopool import pool as _pool
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.naming import blob_path
-from caffe2ckpt.store.chains import overlay_paths
+from caffe2ckpt.store.chains import overlay_paths, span_path
 from caffe2ckpt.store.manifest import (
+    CHUNK_BYTES,
+    FINE_CHUNK_BYTES,
     PACKED_ARRAY,
     BlobInfo,
     BlobManifestError,
@@ -182,35 +184,48 @@ def _array_plan(path: str, data: np.ndarray, rows: int) -> _ArrayPlan:
 class DeltaLayout:
     """What a differential save's group holds besides its whole blobs: the blobs it does not
     store whole (kind and logical info), the row overlays it stores (row ids, then values, by
-    blob; values in the blob's own dtype), and the group of the save it builds on."""
+    blob; values in the blob's own dtype), the spans it stores (a first row and that many
+    consecutive rows, by blob), and the group of the save it builds on."""
 
     inherited: dict[str, Inherited]
     overlays: dict[str, tuple[np.ndarray, np.ndarray]]
     base: str
+    spans: dict[str, tuple[int, np.ndarray]] = field(default_factory=dict)
 
 
-def _overlay_plans(overlays: dict[str, tuple[np.ndarray, np.ndarray]]
-                   ) -> tuple[dict[str, tuple[BlobInfo, BlobInfo]], list[_ArrayPlan]]:
-    infos, plans = {}, []
-    for name, (rows, values) in overlays.items():
+def _row_array(name: str, path: str, arr: np.ndarray, plans: list[_ArrayPlan],
+               target: int = CHUNK_BYTES) -> BlobInfo:
+    """Plan ``arr`` (C-contiguous rows of a blob, or row ids) as the array at ``path``, in
+    chunks of about ``target`` bytes."""
+    data = stored_form(arr)
+    count = chunk_rows(data.shape, data.dtype.itemsize, target)
+    plans.append(_array_plan(path, data, count))
+    return BlobInfo(name, arr.dtype.str, arr.shape, "C", path=path, chunk_rows=count)
+
+
+def _delta_plans(delta: DeltaLayout, fine: bool) -> tuple[dict[str, Any], list[_ArrayPlan]]:
+    """The manifest's delta fields and the arrays of ``delta``'s overlays and spans (with
+    ``fine``, overlay values in chunks of :data:`~.manifest.FINE_CHUNK_BYTES`)."""
+    overlays, spans, plans = {}, {}, []
+    target = FINE_CHUNK_BYTES if fine else CHUNK_BYTES
+    for name, (rows, values) in delta.overlays.items():
         rows_path, values_path = overlay_paths(blob_path(name))
-        pair = []
-        for path, arr in ((rows_path, rows), (values_path, values)):
-            data = stored_form(arr)
-            count = chunk_rows(data.shape, data.dtype.itemsize)
-            pair.append(BlobInfo(name, arr.dtype.str, arr.shape, "C", path=path,
-                                 chunk_rows=count))
-            plans.append(_array_plan(path, data, count))
-        infos[name] = (pair[0], pair[1])
-    return infos, plans
+        overlays[name] = (_row_array(name, rows_path, rows, plans),
+                          _row_array(name, values_path, values, plans, target))
+    for name, (start, values) in delta.spans.items():
+        spans[name] = (start, _row_array(name, span_path(blob_path(name)), values, plans))
+    return {"inherited": delta.inherited, "overlays": overlays, "spans": spans,
+            "base": delta.base}, plans
 
 
 def plan_group(*, node: str, epoch: int, save_id: str,
                blobs: dict[str, np.ndarray | BlobInfo],
                pack_threshold: int = DEFAULT_PACK_THRESHOLD,
-               delta: DeltaLayout | None = None) -> GroupPlan:
+               delta: DeltaLayout | None = None, fine_overlays: bool = False) -> GroupPlan:
     """How ``blobs`` are written as a group: nothing is copied but the packed small blobs.
-    With ``delta``, the group of a differential save (manifest format 4). A blob given as a
+    With ``delta``, the group of a differential save (manifest format 4 or 5; with
+    ``fine_overlays``, its overlays' values in small chunks, for filesystems where a file
+    costs no request of its own). A blob given as a
     :class:`BlobInfo` (dtype, shape, order; at least ``pack_threshold`` bytes) is planned as an
     array of its own without its data (``data`` None: :func:`epoch_store` fills it later).
 
@@ -250,9 +265,8 @@ def plan_group(*, node: str, epoch: int, save_id: str,
         plans.append(_ArrayPlan(PACKED_ARRAY, (offset,), pieces, packed_chunk, metadata))
     extra: dict[str, Any] = {}
     if delta is not None:
-        overlays, overlay_plans = _overlay_plans(delta.overlays)
-        plans.extend(overlay_plans)
-        extra = {"inherited": delta.inherited, "overlays": overlays, "base": delta.base}
+        extra, delta_plans = _delta_plans(delta, fine_overlays)
+        plans.extend(delta_plans)
     manifest = Manifest(node=node, epoch=epoch, save_id=save_id, arrays=arrays, packed=packed,
                         packed_nbytes=offset, packed_chunk=packed_chunk,
                         packed_blob_bytes=packed_bytes, **extra)

@@ -6,6 +6,7 @@ never followed by a remover), and nothing else changes."""
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 
 import numpy as np
@@ -187,3 +188,63 @@ def write_notes(store, notes: dict) -> None:
 
 def _refuse(*args, **kwargs):
     raise OSError("record refused")
+
+
+def forge(prefix: str, epoch: int, node: str, change) -> None:
+    """A forger with write access to everything: ``change(manifest, record)`` edits the group's
+    manifest and the record (as JSON) in place, and the record is made to vouch for the new
+    ``zarr.json`` (its digest), so only the reader's own checks stand in the way."""
+    store = open_store(prefix)
+    ref = next(r for r in list_records(store.location) if (r.epoch, r.node) == (epoch, node))
+    record_file = record_path(store.location, ref)
+    record = json.loads(store.location.read_bytes(record_file, limit=1 << 30))
+    group = store.location.path(record["path"], "zarr.json")
+    meta = json.loads(store.location.read_bytes(group, limit=1 << 20))
+    change(meta["attributes"]["caffe2ckpt"], record)
+    raw = json.dumps(meta).encode()
+    record["metadata"]["zarr.json"] = hashlib.sha256(raw).hexdigest()
+    store.location.replace_file(group, raw)
+    store.location.replace_file(record_file, json.dumps(record).encode())
+
+
+def _span_field(key, value):
+    def change(manifest, record):
+        manifest["delta"]["spans"]["t"][key] = value
+    return change
+
+
+def _drop_oldest(manifest, record):
+    """The chain without its oldest group, in manifest and record alike: rows nobody holds."""
+    manifest["delta"]["blobs"]["t"]["chain"].pop(0)
+    delta = record["delta"]
+    gone = delta["chains"]["t"].pop(0)
+    delta["groups"].pop(gone)
+    delta["chains"]["t"] = [i - (i > gone) for i in delta["chains"]["t"]]
+
+
+def _huge(manifest, record):
+    """A blob claiming 2**40 rows whose chain holds a few thousand."""
+    manifest["delta"]["blobs"]["t"]["shape"] = [2**40, 8]
+    record["nbytes"] = record["nbytes"] - 2048 * 8 * 4 + 2**40 * 8 * 4
+
+
+FORGED = {
+    "a span past the blob's rows": _span_field("start", 2047),
+    "a span of a billion rows": _span_field("shape", [10**9, 8]),
+    "a chain short of rows": _drop_oldest,
+    "a blob of 2**40 rows": _huge,
+}
+
+
+@pytest.mark.parametrize("name", sorted(FORGED))
+def test_a_forged_span_or_chain_is_damage_never_data(prefix, saved, name):
+    """Spans and chains that do not rebuild the blob, behind a record that vouches for them:
+    damage naming node, epoch and blob, found before anything that large is allocated."""
+    forge(prefix, 2, "n0", FORGED[name])
+    with StepCheckpointManager(prefix, handle_preemption=False) as reader:
+        with pytest.raises(CheckpointCorruptedError) as caught:
+            reader.restore(2, nodes=["n0"])
+        got = reader.restore(1)
+    assert (caught.value.node, caught.value.epoch) == ("n0", 2)
+    assert caught.value.blob in ("t", "zarr.json")
+    assert all(np.array_equal(got[n]["t"], saved[1][n]) for n in ("n0", "n1"))

@@ -196,7 +196,8 @@ DELTA_SEEDS = int(os.environ.get("CAFFE2CKPT_MODEL_CHECK_DELTA_SEEDS", "16"))
 
 FAMILIES: dict[str, tuple[str, ...]] = {"A": ("trainer_0", "trainer_1"), "B": ("solo_0",)}
 COUNT = "epoch_limiter.0/epochs_done"  # epoch_limiter's checkpointed count (on the first node)
-BIG = 17_000  # float32s on a family's first node: > 64 KiB, so stored as a chunked array
+BIG = 425  # rows of 40 float32s (160 bytes: one row digest each) on a family's first node:
+# 68 KB, more than 64 KiB, so stored as an array of its own
 MAX_EPOCH = 40  # keeps sequences cheap
 
 
@@ -213,7 +214,7 @@ class Boom(RuntimeError):
 # blob derives from the trace, so "bit-exact" is a comparison with blobs_for(family, trace).
 
 
-CHANGED = BIG // 100  # rows of the big blob each epoch changes (differential saves see them)
+CHANGED = 4  # rows of the big blob each epoch changes, about 1% (differential saves see them)
 
 
 def _w(index: int, trace: np.ndarray) -> np.ndarray:
@@ -225,12 +226,12 @@ def _w_of(index: int, trace: tuple[int, ...]) -> np.ndarray:
     """The blob ``w`` after ``trace``: drawn whole at its first epoch; each later epoch of the
     trace redraws :data:`CHANGED` of its rows (a few of the small node's)."""
     rng = np.random.default_rng(zlib.crc32(np.asarray(trace, np.int64).tobytes()) * 4 + index)
-    size = BIG if index == 0 else 5
+    shape = (BIG, 40) if index == 0 else (5,)
     if len(trace) == 1:
-        return rng.standard_normal(size).astype(np.float32)
+        return rng.standard_normal(shape).astype(np.float32)
     out = _w_of(index, trace[:-1]).copy()
     rows = changed_rows(index, trace)
-    out[rows] = rng.standard_normal(rows.size).astype(np.float32)
+    out[rows] = rng.standard_normal((rows.size, *shape[1:])).astype(np.float32)
     return out
 
 
@@ -575,25 +576,31 @@ def gen_of(save_id: str) -> int:
 
 
 def read_plain_zarr(path: str) -> dict[str, np.ndarray]:
-    """A node group read with plain zarr, as docs/storage.md's "Layout" section shows: the
-    blobs stored whole in it, and (a differential save) each other blob rebuilt from the chain
-    its manifest names: read whole from the chain's first group, then each group's row
-    overlay (``values`` at ``rows``), the group's own last."""
+    """A node group read with plain zarr, as docs/deltas.md's "Reading without caffe2ckpt"
+    shows: the blobs stored whole in it, and (a differential save) each other blob rebuilt
+    from the chain its manifest names, oldest group first, the group's own last: each group's
+    copy of the blob whole, its span (``table[start:start + len] = span``) and its row overlay
+    (``table[rows] = values``)."""
     group = zarr.open_group(path, mode="r")
     manifest = group.attrs["caffe2ckpt"]
     out = _plain_whole(group, manifest, None)
     root = path.rstrip("/").rpartition("/")[0]
     for name, entry in (manifest.get("delta") or {}).get("blobs", {}).items():
-        chain = entry["chain"]
-        first = zarr.open_group(f"{root}/{chain[0]}", mode="r")
-        arr = np.array(_plain_whole(first, first.attrs["caffe2ckpt"], name)[name])
-        for source in [*chain[1:], path.rstrip("/").rpartition("/")[2]]:
+        arr = np.zeros(entry["shape"], entry["dtype"])
+        for source in [*entry["chain"], path.rstrip("/").rpartition("/")[2]]:
             at = zarr.open_group(f"{root}/{source}", mode="r")
-            overlay = at.attrs["caffe2ckpt"]["delta"]["overlays"].get(name)
-            if overlay is None:  # the save's own group, for a blob of kind "same"
-                continue
-            arr[np.asarray(at[overlay["rows"]["path"]][...])] = np.asarray(
-                at[overlay["values"]["path"]][...])
+            attrs = at.attrs["caffe2ckpt"]
+            whole = _plain_whole(at, attrs, name)
+            if name in whole:
+                arr[...] = whole[name]
+            delta = attrs.get("delta") or {}
+            span = delta.get("spans", {}).get(name)
+            if span is not None:
+                arr[span["start"]:span["start"] + span["shape"][0]] = at[span["path"]][...]
+            overlay = delta.get("overlays", {}).get(name)
+            if overlay is not None:
+                arr[np.asarray(at[overlay["rows"]["path"]][...])] = np.asarray(
+                    at[overlay["values"]["path"]][...])
         out[name] = arr
     return out
 
@@ -1216,22 +1223,57 @@ class Harness:
             save.chunk = own or (min(save.damage) if save.damage else None)
 
     def _damage_in(self, groups: dict[str, dict[str, Any]], name: str) -> set[str]:
-        """The blobs (``_packed`` for a packed one) a restore of the group ``name`` may name
-        as damaged."""
+        """The blobs (``_packed`` for a packed one) a restore of the group ``name`` names as
+        damaged: those with a flipped chunk in its own group, and those a restore reads from a
+        flipped chunk of an older group (:meth:`_reads`; every array here is one chunk)."""
         manifest, bad = groups[name], self.damaged.get(name, set())
-        hit = {a if not a.startswith(("_rows.", "_values.")) else a.partition(".")[2]
+        hit = {a if not a.startswith(("_rows.", "_values.", "_span.")) else a.partition(".")[2]
                for a in bad}
         for blob, entry in (manifest.get("delta") or {}).get("blobs", {}).items():
-            first, *overlays = entry["chain"]
-            source = groups.get(first, {})
-            packed = blob in ((source.get("packed") or {}).get("names") or [])
-            array = "_packed" if packed else source.get("arrays", {}).get(blob, {}).get("path")
-            if array in self.damaged.get(first, set()):
-                hit.add(array if packed else blob)
-            if any({f"_rows.{blob}", f"_values.{blob}"} & self.damaged.get(g, set())
-                   for g in overlays):
-                hit.add(blob)
+            for group, array in self._reads(groups, name, blob, entry):
+                if group != name and array in self.damaged.get(group, set()):
+                    hit.add("_packed" if array == "_packed" else blob)
         return hit
+
+    def _reads(self, groups: dict[str, dict[str, Any]], name: str, blob: str,
+               entry: dict[str, Any]) -> set[tuple[str, str]]:
+        """The (group, array) pairs a restore of ``blob`` of the group ``name`` reads, as
+        docs/deltas.md says it reads them: newest group first, every packed copy, every overlay
+        but one whose rows all lie in newer groups' spans or its own group's span, and a span's
+        or whole array's chunk only if it holds a row no newer group gave."""
+        done = np.zeros(entry["shape"][0], bool)
+        spanned = np.zeros_like(done)  # rows of newer spans and whole copies
+        out: set[tuple[str, str]] = set()
+        for group in [name, *reversed(entry["chain"])]:
+            manifest = groups.get(group, {})
+            delta = manifest.get("delta") or {}
+            span = delta.get("spans", {}).get(blob)
+            rows = slice(span["start"], span["start"] + span["shape"][0]) if span else slice(0, 0)
+            overlay = delta.get("overlays", {}).get(blob)
+            own = spanned.copy()
+            own[rows] = True
+            if overlay is not None and not own.all():
+                out |= {(group, overlay["rows"]["path"]), (group, overlay["values"]["path"])}
+                done[self._ids(group, overlay["rows"]["path"])] = True
+            if span is not None:
+                if not done[rows].all():
+                    out.add((group, span["path"]))
+                done[rows] = spanned[rows] = True
+            if blob in ((manifest.get("packed") or {}).get("names") or []):
+                out.add((group, "_packed"))
+                done[:] = spanned[:] = True
+            arrays = manifest.get("arrays", {})
+            if blob in arrays and not done.all():
+                out.add((group, arrays[blob]["path"]))
+                done[:] = spanned[:] = True
+        return out
+
+    def _ids(self, group: str, path: str) -> np.ndarray:
+        """The row ids of an overlay (none if its chunk is damaged: the restore fails there)."""
+        try:
+            return np.asarray(zarr.open_group(f"{self.url}/{group}", mode="r")[path][...])
+        except Exception:  # noqa: BLE001 - a flipped byte: the checksum refuses it
+            return np.zeros(0, np.int64)
 
     # -- generating operations -------------------------------------------------------------------
 
@@ -1560,10 +1602,11 @@ class Harness:
     def pinnable(self, kept: Any) -> set[tuple[int, int]]:
         """With differential saves: the saves whose groups a kept save may still need (so they
         may outlive their records): the up to ``max_delta_chain`` saves its run committed
-        before it (a run's first save is whole, and after that many in a row the next is)."""
+        before it (a run's first save is whole, and every row of a save is in one of the
+        ``max_delta_chain`` saves before it or in its own group)."""
         if not self.deltas:
             return set()
-        chain = self.deltas.get("max_delta_chain", 4)
+        chain = self.deltas.get("max_delta_chain", 9)
         out: set[tuple[int, int]] = set()
         for save in kept:
             before = sorted(s.epoch for s in self.model.saves.values()
@@ -1647,8 +1690,10 @@ class Harness:
             if key in kept:
                 found.append((*key, parts[0]))
             arrays = {info["path"] for info in manifest.get("arrays", {}).values()}
-            arrays |= {entry[part]["path"] for entry in (manifest.get("delta") or {}).get(
-                "overlays", {}).values() for part in ("rows", "values")}
+            delta = manifest.get("delta") or {}
+            arrays |= {entry[part]["path"] for entry in delta.get("overlays", {}).values()
+                       for part in ("rows", "values")}
+            arrays |= {entry["path"] for entry in delta.get("spans", {}).values()}
             if (manifest.get("packed") or {}).get("names"):
                 arrays.add("_packed")
             for x in inside:

@@ -1,0 +1,109 @@
+"""Keyed digests of an array's rows, 8 bytes per block of rows: how a differential save finds the
+rows that changed since the save it builds on without keeping a copy of them.
+
+A blob's rows (along axis 0, in stored form: C order, little-endian) are cut into *blocks* of
+:func:`block_rows` rows: one row when a row has at least :data:`BLOCK_BYTES` bytes, else as many
+rows as make that many bytes, so the digests take at most 8 / :data:`BLOCK_BYTES` (5%) of the
+blob's memory. A block whose digest differs from the one of the last save changed; every row of
+it is written.
+
+The digest of a block is two 32-bit halves, each the top half of a *multilinear* hash
+``(k0 + k1*w1 + ... + kn*wn) mod 2**64`` of the block's words ``w`` (32-bit where the block's
+size allows, else 16- or 8-bit) with its own random 64-bit keys. Each half is a strongly
+universal family (Lemire and Kaser, "Strongly universal string hashing is fast", The Computer
+Journal 57(11), 2014): for any two different blocks of one length, the chance over the keys that
+their halves agree is at most 2**-32, so that both agree is at most **2**-64**. The keys are
+drawn from the operating system's randomness when a :class:`RowHasher` is made (one per node and
+process), live only in memory and are never stored, so no data can be chosen to collide.
+Blocks wider than :data:`MAX_WORDS` words (about 16 KiB) are hashed with seeded XXH3-64 instead
+(fast for few wide blocks; a well-tested hash with no proven bound).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import numpy as np
+import xxhash
+
+__all__ = ["BLOCK_BYTES", "MAX_WORDS", "RowHasher", "block_rows"]
+
+BLOCK_BYTES = 160  # 8 bytes of digest per 160 bytes of blob: 5%
+MAX_WORDS = 4096  # widest block hashed with the multilinear family (keys: 64 KiB per width)
+_BATCH_BYTES = 4 << 20  # blocks hashed at a time: the 64-bit words stay in the CPU's caches
+_HIGH = np.uint64(32)
+
+
+def block_rows(row_bytes: int) -> int:
+    """How many rows of ``row_bytes`` bytes each digest covers."""
+    return max(1, -(-BLOCK_BYTES // max(row_bytes, 1)))
+
+
+class RowHasher:
+    """Per-block digests of arrays (see the module docstring), with keys of its own."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = np.random.default_rng(secrets.randbits(128) if seed is None else seed)
+        self._keys: dict[int, np.ndarray] = {}  # words per block -> (words, 2) uint64 keys
+        self._seed = int(self._rng.integers(0, 2**63))
+        self._offsets = self._rng.integers(0, 2**64, 2, np.uint64, endpoint=False)  # k0 each
+
+    def digests(self, stored: np.ndarray,
+                run: Callable[[Iterable[Callable[[], Any]]], Any] = lambda calls: [
+                    call() for call in calls]) -> np.ndarray:
+        """The digest (uint64) of every block of rows of ``stored`` (C-contiguous, at least
+        one axis), in order: ``ceil(rows / block_rows)`` of them. ``run(calls)`` runs the
+        calls of one batch of blocks each (numpy releases the GIL in them: give it threads)."""
+        flat = stored.reshape(stored.shape[0], -1).view(np.uint8)
+        rows, row_bytes = flat.shape
+        per = block_rows(row_bytes)
+        whole = rows - rows % per
+        out = np.empty(-(-rows // per), np.uint64)
+        calls = list(self._batches(flat[:whole].reshape(whole // per, per * row_bytes),
+                                   out[:whole // per]))
+        if whole < rows:  # the last, shorter block
+            calls += self._batches(flat[whole:].reshape(1, -1), out[-1:])
+        run(calls)
+        return out
+
+    def _batches(self, blocks: np.ndarray, out: np.ndarray) -> Iterator[Callable[[], None]]:
+        """Calls that each write the digests of a batch of ``blocks`` (a 2-d uint8 array, one
+        block per row) into their places in ``out``."""
+        count = blocks.shape[0]
+        words = _words(blocks)
+        if words.shape[1] > MAX_WORDS:
+            yield lambda: out.__setitem__(slice(None), self._wide(blocks))
+            return
+        keys = self._keys_for(words.shape[1])
+        batch = max(1, _BATCH_BYTES // (8 * words.shape[1]))
+        for start in range(0, count, batch):
+            yield lambda s=start: self._multilinear(words[s:s + batch], keys, out[s:s + batch])
+
+    def _multilinear(self, words: np.ndarray, keys: np.ndarray, out: np.ndarray) -> None:
+        wide = words.astype(np.uint64)
+        sums = wide @ keys  # wraps modulo 2**64, as the family needs
+        sums += self._offsets
+        out[:] = ((sums[:, 0] >> _HIGH) << _HIGH) | (sums[:, 1] >> _HIGH)
+
+    def _wide(self, blocks: np.ndarray) -> np.ndarray:
+        return np.fromiter((xxhash.xxh3_64_intdigest(memoryview(np.ascontiguousarray(b)),
+                                                     seed=self._seed) for b in blocks),
+                           np.uint64, blocks.shape[0])
+
+    def _keys_for(self, words: int) -> np.ndarray:
+        keys = self._keys.get(words)
+        if keys is None:
+            keys = self._keys[words] = self._rng.integers(0, 2**64, (words, 2), np.uint64,
+                                                          endpoint=False)
+        return keys
+
+
+def _words(blocks: np.ndarray) -> np.ndarray:
+    """``blocks`` (2-d uint8) as the widest unsigned words its rows divide into (<= 32-bit)."""
+    width = blocks.shape[1]
+    for dtype in (np.uint32, np.uint16):
+        if width % np.dtype(dtype).itemsize == 0:
+            return blocks.view(dtype)
+    return blocks
