@@ -5,16 +5,26 @@ file operations the commit protocol needs. One class per backend implements it:
   paths of :mod:`caffe2ckpt.fs.localio`: real durability (each file flushed on the descriptor it
   was written through, every new directory entry fsync'ed), exclusive creates by ``O_EXCL`` /
   ``mkdir`` / ``link``, reads that never follow a symbolic link below the prefix;
-* :class:`~caffe2ckpt.fs.remote.FsspecLocation`: any other fsspec filesystem (wrappers, gcs,
-  ...), through its own API; an exclusive create is ``open(path, "xb")``;
+* :class:`~caffe2ckpt.fs.remote.FsspecLocation`: any other fsspec filesystem (wrappers other
+  than ``DirFileSystem``, sftp, ...), through its own API; an exclusive create is
+  ``open(path, "xb")``;
 * :class:`~caffe2ckpt.fs.remote.ObjectStoreLocation` (``s3://``, ``gs://``): the same, and its
   bucket is checked once (object stores have no directories);
 * :class:`~caffe2ckpt.fs.remote.MemoryLocation` (``memory://``): fsspec's exclusive create there
   is not atomic, so it is a check and a whole-file write under one process lock.
 
-``Location(url, storage_options, filesystem)`` picks the class from the filesystem. Capability:
-``is_local`` (os-level I/O and durability; everything else has nothing to flush). Nothing in the
-contract relies on a rename.
+``Location(url, storage_options, filesystem)`` picks the class from the filesystem, and from the
+filesystem *underneath* fsspec's ``DirFileSystem`` (given as ``filesystem=`` or as a
+``dir::<url>`` URL): that wrapper only joins its root to every path, so the location works on
+the inner filesystem at the joined path, with the inner filesystem's class. A wrapped s3fs is
+then an object store (exclusive creates by ``If-None-Match`` PUT, exact-key deletes, and the
+``<path>/`` key of an emptied directory deleted where the store keeps one, as SeaweedFS does),
+and a wrapped local disk a local disk (creates by hard link, durability). Other wrappers (a
+cache, a logging or fault-injecting layer) may change what each call does, so they are used as
+they are, through :class:`~caffe2ckpt.fs.remote.FsspecLocation`.
+
+Capability: ``is_local`` (os-level I/O and durability; everything else has nothing to flush).
+Nothing in the contract relies on a rename.
 
 Prefixes: a local path may contain ``.`` and ``..`` segments; they are resolved the way the
 operating system resolves them (``os.path.realpath``) before anything is written, so nothing
@@ -46,6 +56,7 @@ from concurrent.futures import Executor
 from typing import Any
 
 import fsspec
+from fsspec.implementations.dirfs import DirFileSystem
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 
@@ -67,9 +78,9 @@ def _resolve(url: str, storage_options: dict[str, Any] | None,
         raise InvalidLocationError(f"checkpoint prefix {url!r} contains a NUL character")
     _check_scheme(url)
     if filesystem is not None:
-        return filesystem, filesystem._strip_protocol(url)
+        return _see_through(url, filesystem, filesystem._strip_protocol(url))
     try:
-        return fsspec.core.url_to_fs(url, **(storage_options or {}))
+        fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
     except CheckpointError:
         raise
     except Exception as exc:  # unknown protocol, missing package, bad options
@@ -77,6 +88,20 @@ def _resolve(url: str, storage_options: dict[str, Any] | None,
             raise translate(url, exc) from exc
         raise InvalidLocationError(
             f"cannot open checkpoint prefix {url!r}: {type(exc).__name__}: {exc}") from exc
+    return _see_through(url, fs, path)
+
+
+def _see_through(url: str, fs: Any, path: str) -> tuple[Any, str]:
+    """The filesystem under any ``DirFileSystem`` layers of ``fs``, and the path on it that
+    ``path`` on ``fs`` names (joined exactly as the wrapper joins it), so the backend class is
+    the inner filesystem's (see the module docstring). Any other filesystem is returned as it
+    is."""
+    while isinstance(fs, DirFileSystem):
+        try:
+            path, fs = fs._join(path), fs.fs
+        except ValueError as exc:  # a path climbing out of the wrapper's root (local disks)
+            raise InvalidLocationError(f"checkpoint prefix {url!r}: {exc}") from exc
+    return fs, path
 
 
 # a scheme and one slash ("s3:/bucket"): a local path no one means; "<scheme>://" with HTTP(S)

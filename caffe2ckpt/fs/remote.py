@@ -7,10 +7,13 @@ relies on a rename being atomic; there is nothing to flush (a PUT is durable whe
   "exists" (s3fs says ``FileExistsError`` only when the answer names the condition, as AWS's
   does). "Exists" is then settled by reading the file back: its own bytes mean this call's
   create, applied and answered "exists" on a retry (see :meth:`Location.create_exclusive`).
-* :class:`ObjectStoreLocation` (``s3://``, ``gs://``): object stores have no directories, and
-  s3fs/gcsfs's ``makedirs`` of a key prefix only checks (and creates) the bucket, one request:
-  a location does it once. Some keep a directory once its keys are deleted (SeaweedFS lists it
-  as a common prefix): removals delete that too.
+  Behind a wrapper the location cannot see through, an object store's emptied directory
+  (SeaweedFS keeps it, s3fs's ``rmdir`` refuses it) is removed by its ``<path>/`` key, as
+  :class:`ObjectStoreLocation` removes it.
+* :class:`ObjectStoreLocation` (``s3://``, ``gs://``, also behind fsspec's ``DirFileSystem``):
+  object stores have no directories, and s3fs/gcsfs's ``makedirs`` of a key prefix only checks
+  (and creates) the bucket, one request: a location does it once. Some keep a directory once
+  its keys are deleted (SeaweedFS lists it as a common prefix): removals delete that too.
 * :class:`MemoryLocation` (``memory://``): one store per process, whose own ``"xb"`` open
   checks for the file, publishes it empty, then fills it, so two threads could both create one
   record. Exclusive creates here hold one process-wide lock and publish the file whole.
@@ -201,8 +204,31 @@ class FsspecLocation(Location):
                 self._rmdir(path)
 
     def _rmdir(self, path: str) -> None:
-        """Remove empty directory ``path``."""
-        self._guard(self.fs.rmdir, path)
+        """Remove empty directory ``path``. If the filesystem refuses one that exists, it may be
+        an object store behind a wrapper this class cannot see through (s3fs's ``rmdir`` refuses
+        every directory that exists, and SeaweedFS's filer keeps an emptied one): a directory
+        that lists empty is then removed by its ``<path>/`` key; the refusal stands if that
+        does not remove it (a local disk has no such key)."""
+        try:
+            self._guard(self.fs.rmdir, path)
+        except FileExistsError:
+            if not self._remove_directory_key(path):
+                raise
+
+    def _remove_directory_key(self, path: str) -> bool:
+        """Delete the key ``<path>/`` of directory ``path`` if it lists nothing; whether the
+        directory is gone."""
+        directory = path.rstrip("/")
+        try:
+            if [e for e in self._guard(self.fs.ls, directory, detail=False)
+                    if e.rstrip("/") != directory]:
+                return False  # not empty: nothing of it is deleted
+            self._guard(self.fs.rm_file, f"{directory}/")
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+        return not self.exists(directory)
 
     def remove_files(self, directory: str, names: list[str]) -> None:
         for name in names:
