@@ -52,6 +52,7 @@ class LocalLocation(Location):
     """A checkpoint prefix on a local disk (see the module docstring)."""
 
     is_local = True
+    atomic_creates = True  # a complete, flushed temp file hard-linked to its name
 
     def _checked_root(self, root: str) -> str:
         """``..`` and ``.`` resolved as the OS resolves them; repeated slashes (which the OS

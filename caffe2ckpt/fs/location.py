@@ -23,8 +23,10 @@ and a wrapped local disk a local disk (creates by hard link, durability). Other 
 cache, a logging or fault-injecting layer) may change what each call does, so they are used as
 they are, through :class:`~caffe2ckpt.fs.remote.FsspecLocation`.
 
-Capability: ``is_local`` (os-level I/O and durability; everything else has nothing to flush).
-Nothing in the contract relies on a rename.
+Capabilities: ``is_local`` (os-level I/O and durability; everything else has nothing to flush);
+``atomic_creates`` (:meth:`Location.create_exclusive` publishes a file whole; where it does not,
+:meth:`Location.read_created_json` gives a file being created time to be complete). Nothing in
+the contract relies on a rename.
 
 Prefixes: a local path may contain ``.`` and ``..`` segments; they are resolved the way the
 operating system resolves them (``os.path.realpath``) before anything is written, so nothing
@@ -50,8 +52,10 @@ code that turns URLs into filesystems; it does not import zarr or prefect.
 
 from __future__ import annotations
 
+import json
 import posixpath
 import re
+import time
 from concurrent.futures import Executor
 from typing import Any
 
@@ -61,12 +65,20 @@ from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 
 from caffe2ckpt.errors import CheckpointError, InvalidLocationError
-from caffe2ckpt.fs import localio
+from caffe2ckpt.fs import localio, strictjson
 from caffe2ckpt.fs.clienterrors import credentials_rejected, is_credentials_error, translate
 
-__all__ = ["Location"]
+__all__ = ["CREATE_GRACE", "Location"]
 
 _OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs"})
+
+# Seconds after it was written during which a file made by ``create_exclusive`` that does not
+# parse is taken for one still being created, where creates are not atomic (see
+# Location.read_created_json). A create is one small write and a close: milliseconds, seconds
+# on a slow link; the grace also covers a writer stalled that long (paused, swapping).
+CREATE_GRACE = 10.0
+# what a file cut short (empty, or a prefix of one JSON object) fails to parse with
+_INCOMPLETE = (json.JSONDecodeError, UnicodeDecodeError)
 
 
 def _resolve(url: str, storage_options: dict[str, Any] | None,
@@ -150,6 +162,7 @@ class Location:
     """
 
     is_local = False  # os-level I/O: real durability and no-follow reads
+    atomic_creates = False  # create_exclusive publishes a file whole (never seen incomplete)
 
     def __new__(cls, url: str | None = None, storage_options: dict[str, Any] | None = None,
                 filesystem: fsspec.AbstractFileSystem | None = None) -> Location:
@@ -285,6 +298,51 @@ class Location:
         """
         raise NotImplementedError
 
+    def read_created_json(self, path: str) -> Any:
+        """The strict JSON content of file ``path``, made by :meth:`create_exclusive` (a commit
+        record, a run log entry, the root metadata).
+
+        Where creates are atomic (``atomic_creates``) a reader sees such a file whole or not at
+        all. Elsewhere (fsspec's local filesystem behind a wrapper, sftp, smb, hdfs: ``"xb"``
+        makes the file empty at open and fills it at close), a file being created is visible
+        empty or cut short for as long as its writer takes, and must not be taken for damage: a
+        fence check would call it a newer run. Every writer writes one JSON object, of which no
+        proper prefix parses; so a file that does not parse as JSON and is younger than
+        :data:`CREATE_GRACE` seconds (by its modification time) may be one being created: it is
+        read again, with growing pauses, until it parses, disappears, or is that old. Waiting
+        is bounded by :data:`CREATE_GRACE` seconds whatever the clocks say, and a file that is
+        older (a writer that died between open and close, a stray or damaged file) is refused
+        at once, as before. A file that parses but is not valid is damage at once everywhere.
+
+        Raises:
+            CheckpointNotFoundError: there is no such file (also: it went while waiting).
+            ValueError: it is not strict JSON (also after the grace), or is larger than
+                :data:`~caffe2ckpt.fs.strictjson.MAX_BYTES`.
+        """
+        deadline, pause = None, 0.005
+        while True:
+            raw = self.read_bytes(path, limit=strictjson.MAX_BYTES)
+            try:
+                return strictjson.loads(raw)
+            except _INCOMPLETE as exc:
+                if deadline is None:
+                    deadline = self._creation_deadline(path)
+                if time.monotonic() >= deadline:
+                    raise _incomplete(exc, waited=pause > 0.005) from exc
+            time.sleep(pause)
+            pause = min(2 * pause, 0.2)
+
+    def _creation_deadline(self, path: str) -> float:
+        """Until when (``time.monotonic()``) file ``path``, which does not parse, may still be
+        being created (see :meth:`read_created_json`): never where creates are atomic; else
+        until it is :data:`CREATE_GRACE` seconds old (the whole grace if the filesystem gives
+        no time, never more)."""
+        if self.atomic_creates:
+            return -float("inf")
+        stamp = self.modified(path)
+        age = 0.0 if stamp is None else time.time() - stamp
+        return time.monotonic() + min(max(CREATE_GRACE - age, 0.0), CREATE_GRACE)
+
     # -- the contract: writes --------------------------------------------------------------------
 
     def makedirs(self, path: str, *, batch: localio.SyncBatch | None = None) -> list[str]:
@@ -375,6 +433,14 @@ class Location:
         subdirectories they leave empty and ``directory`` itself if it is empty. No listing and
         no pattern is ever involved, so only what was named goes, and a missing file is fine."""
         raise NotImplementedError
+
+
+def _incomplete(exc: ValueError, *, waited: bool) -> ValueError:
+    """The error of a file that does not parse; after a wait, saying it was not being created."""
+    if not waited:
+        return exc
+    return ValueError(f"{exc} (still so {CREATE_GRACE:g} s after it was written: not a file "
+                      "being created)")
 
 
 def subdirectories(names: list[str]) -> list[str]:

@@ -7,13 +7,17 @@ relies on a rename being atomic; there is nothing to flush (a PUT is durable whe
   "exists" (s3fs says ``FileExistsError`` only when the answer names the condition, as AWS's
   does). "Exists" is then settled by reading the file back: its own bytes mean this call's
   create, applied and answered "exists" on a retry (see :meth:`Location.create_exclusive`).
-  Behind a wrapper the location cannot see through, an object store's emptied directory
-  (SeaweedFS keeps it, s3fs's ``rmdir`` refuses it) is removed by its ``<path>/`` key, as
-  :class:`ObjectStoreLocation` removes it.
+  Such a create is not assumed atomic (fsspec's local filesystem behind a wrapper makes the file
+  empty at open and fills it at close; so do sftp, smb, hdfs): readers give a file being created
+  time (:meth:`~caffe2ckpt.fs.location.Location.read_created_json`). Behind a wrapper the
+  location cannot see through, an object store's emptied directory (SeaweedFS keeps it, s3fs's
+  ``rmdir`` refuses it) is removed by its ``<path>/`` key, as :class:`ObjectStoreLocation`
+  removes it.
 * :class:`ObjectStoreLocation` (``s3://``, ``gs://``, also behind fsspec's ``DirFileSystem``):
   object stores have no directories, and s3fs/gcsfs's ``makedirs`` of a key prefix only checks
   (and creates) the bucket, one request: a location does it once. Some keep a directory once
-  its keys are deleted (SeaweedFS lists it as a common prefix): removals delete that too.
+  its keys are deleted (SeaweedFS lists it as a common prefix): removals delete that too. A PUT
+  publishes an object whole: creates are atomic.
 * :class:`MemoryLocation` (``memory://``): one store per process, whose own ``"xb"`` open
   checks for the file, publishes it empty, then fills it, so two threads could both create one
   record. Exclusive creates here hold one process-wide lock and publish the file whole.
@@ -248,6 +252,7 @@ class ObjectStoreLocation(FsspecLocation):
     left empty is deleted as its key ``<path>/``."""
 
     _bucket_checked = False
+    atomic_creates = True  # a PUT publishes an object whole
 
     def _rmdir(self, path: str) -> None:
         """Object stores built on a filesystem (SeaweedFS's filer) keep a directory whose keys
@@ -331,6 +336,8 @@ _MEMORY_CREATES = threading.Lock()
 
 class MemoryLocation(FsspecLocation):
     """``memory://``: exclusive creates under a process-wide lock, the file published whole."""
+
+    atomic_creates = True
 
     def _create_new(self, path: str, data: bytes) -> None:
         with _MEMORY_CREATES:

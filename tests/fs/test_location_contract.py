@@ -16,6 +16,7 @@ from fsspec.implementations.dirfs import DirFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 from caffe2ckpt.errors import CheckpointNotFoundError, InvalidLocationError
+from caffe2ckpt.fs import location as location_module
 from caffe2ckpt.fs.local import LocalLocation
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.fs.remote import FsspecLocation, MemoryLocation, ObjectStoreLocation
@@ -27,9 +28,11 @@ class LocationContract:
     which class it expects."""
 
     expected_class: type[Location]
+    atomic_creates = True  # whether the backend publishes an exclusive create whole
 
     def test_the_url_picks_the_backend_and_pickling_keeps_it(self, location):
         assert type(location) is self.expected_class
+        assert location.atomic_creates is self.atomic_creates
         copy = pickle.loads(pickle.dumps(location))
         assert type(copy) is self.expected_class
         assert (copy.url, copy.root) == (location.url, location.root)
@@ -40,6 +43,22 @@ class LocationContract:
         with pytest.raises(FileExistsError):
             location.create_exclusive(path, b"second")
         assert location.read_bytes(path) == b"first"
+
+    def test_a_created_file_that_does_not_parse_waits_only_where_creates_are_not_atomic(
+            self, location, monkeypatch):
+        """``read_created_json`` of a file made by ``create_exclusive`` that is not JSON (empty:
+        what a create that is not atomic shows until its close) refuses it at once where
+        creates are atomic, and only once the grace is over where they are not."""
+        monkeypatch.setattr(location_module, "CREATE_GRACE", 0.3)
+        good, empty = location.path("_runs", "1.json"), location.path("_runs", "2.json")
+        location.create_exclusive(good, b'{"a": 1}')
+        location.create_exclusive(empty, b"")
+        assert location.read_created_json(good) == {"a": 1}
+        started = time.monotonic()
+        with pytest.raises(ValueError, match="Expecting value"):
+            location.read_created_json(empty)
+        waited = time.monotonic() - started
+        assert waited < 0.25 if self.atomic_creates else 0.25 <= waited < 5, waited
 
     def test_a_group_path_is_taken_once(self, location):
         group = location.path("n.1")
@@ -198,6 +217,7 @@ class TestWrappedLocalDisk(LocationContract):
     """A local disk behind an fsspec wrapper: the generic class (no os-level paths)."""
 
     expected_class = FsspecLocation
+    atomic_creates = False  # fsspec's local "xb" open makes the file empty, fills it at close
 
     @pytest.fixture
     def location(self, tmp_path):
@@ -284,9 +304,10 @@ class TestOpaquelyWrappedS3:
                         filesystem=FaultyFileSystem(s3_server.filesystem()))
 
     def test_the_class_is_the_generic_one(self, location):
-        assert type(location) is FsspecLocation
+        assert type(location) is FsspecLocation and location.atomic_creates is False
 
-    test_a_removed_tree_is_gone_from_listings = LocationContract.test_a_removed_tree_is_gone_from_listings
+    test_a_removed_tree_is_gone_from_listings = (
+        LocationContract.test_a_removed_tree_is_gone_from_listings)
     test_remove_files_removes_exactly_the_named_files = (
         LocationContract.test_remove_files_removes_exactly_the_named_files)
 
