@@ -31,6 +31,7 @@ import errno
 import logging
 import os
 import posixpath
+import re
 import shutil
 import stat
 import uuid
@@ -51,12 +52,15 @@ class LocalLocation(Location):
     """A checkpoint prefix on a local disk (see the module docstring)."""
 
     is_local = True
+    atomic_creates = True  # a complete, flushed temp file hard-linked to its name
 
     def _checked_root(self, root: str) -> str:
+        """``..`` and ``.`` resolved as the OS resolves them; repeated slashes (which the OS
+        reads as one, e.g. from joining ``DirFileSystem`` paths) written as one."""
         segments = root.strip("/").split("/")
         if "." in segments or ".." in segments:
             root = os.path.realpath(root)  # as the OS would resolve it, without creating
-        return root.rstrip("/") or "/"
+        return re.sub("/{2,}", "/", root).rstrip("/") or "/"
 
     # -- reads -----------------------------------------------------------------------------------
 

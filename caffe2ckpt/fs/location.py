@@ -5,16 +5,28 @@ file operations the commit protocol needs. One class per backend implements it:
   paths of :mod:`caffe2ckpt.fs.localio`: real durability (each file flushed on the descriptor it
   was written through, every new directory entry fsync'ed), exclusive creates by ``O_EXCL`` /
   ``mkdir`` / ``link``, reads that never follow a symbolic link below the prefix;
-* :class:`~caffe2ckpt.fs.remote.FsspecLocation`: any other fsspec filesystem (wrappers, gcs,
-  ...), through its own API; an exclusive create is ``open(path, "xb")``;
+* :class:`~caffe2ckpt.fs.remote.FsspecLocation`: any other fsspec filesystem (wrappers other
+  than ``DirFileSystem``, sftp, ...), through its own API; an exclusive create is
+  ``open(path, "xb")``;
 * :class:`~caffe2ckpt.fs.remote.ObjectStoreLocation` (``s3://``, ``gs://``): the same, and its
   bucket is checked once (object stores have no directories);
 * :class:`~caffe2ckpt.fs.remote.MemoryLocation` (``memory://``): fsspec's exclusive create there
   is not atomic, so it is a check and a whole-file write under one process lock.
 
-``Location(url, storage_options, filesystem)`` picks the class from the filesystem. Capability:
-``is_local`` (os-level I/O and durability; everything else has nothing to flush). Nothing in the
-contract relies on a rename.
+``Location(url, storage_options, filesystem)`` picks the class from the filesystem, and from the
+filesystem *underneath* fsspec's ``DirFileSystem`` (given as ``filesystem=`` or as a
+``dir::<url>`` URL): that wrapper only joins its root to every path, so the location works on
+the inner filesystem at the joined path, with the inner filesystem's class. A wrapped s3fs is
+then an object store (exclusive creates by ``If-None-Match`` PUT, exact-key deletes, and the
+``<path>/`` key of an emptied directory deleted where the store keeps one, as SeaweedFS does),
+and a wrapped local disk a local disk (creates by hard link, durability). Other wrappers (a
+cache, a logging or fault-injecting layer) may change what each call does, so they are used as
+they are, through :class:`~caffe2ckpt.fs.remote.FsspecLocation`.
+
+Capabilities: ``is_local`` (os-level I/O and durability; everything else has nothing to flush);
+``atomic_creates`` (:meth:`Location.create_exclusive` publishes a file whole; where it does not,
+:meth:`Location.read_created_json` gives a file being created time to be complete). Nothing in
+the contract relies on a rename.
 
 Prefixes: a local path may contain ``.`` and ``..`` segments; they are resolved the way the
 operating system resolves them (``os.path.realpath``) before anything is written, so nothing
@@ -40,22 +52,33 @@ code that turns URLs into filesystems; it does not import zarr or prefect.
 
 from __future__ import annotations
 
+import json
 import posixpath
 import re
+import time
 from concurrent.futures import Executor
 from typing import Any
 
 import fsspec
+from fsspec.implementations.dirfs import DirFileSystem
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 
 from caffe2ckpt.errors import CheckpointError, InvalidLocationError
-from caffe2ckpt.fs import localio
+from caffe2ckpt.fs import localio, strictjson
 from caffe2ckpt.fs.clienterrors import credentials_rejected, is_credentials_error, translate
 
-__all__ = ["Location"]
+__all__ = ["CREATE_GRACE", "Location"]
 
 _OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs"})
+
+# Seconds after it was written during which a file made by ``create_exclusive`` that does not
+# parse is taken for one still being created, where creates are not atomic (see
+# Location.read_created_json). A create is one small write and a close: milliseconds, seconds
+# on a slow link; the grace also covers a writer stalled that long (paused, swapping).
+CREATE_GRACE = 10.0
+# what a file cut short (empty, or a prefix of one JSON object) fails to parse with
+_INCOMPLETE = (json.JSONDecodeError, UnicodeDecodeError)
 
 
 def _resolve(url: str, storage_options: dict[str, Any] | None,
@@ -67,9 +90,9 @@ def _resolve(url: str, storage_options: dict[str, Any] | None,
         raise InvalidLocationError(f"checkpoint prefix {url!r} contains a NUL character")
     _check_scheme(url)
     if filesystem is not None:
-        return filesystem, filesystem._strip_protocol(url)
+        return _see_through(url, filesystem, filesystem._strip_protocol(url))
     try:
-        return fsspec.core.url_to_fs(url, **(storage_options or {}))
+        fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
     except CheckpointError:
         raise
     except Exception as exc:  # unknown protocol, missing package, bad options
@@ -77,6 +100,20 @@ def _resolve(url: str, storage_options: dict[str, Any] | None,
             raise translate(url, exc) from exc
         raise InvalidLocationError(
             f"cannot open checkpoint prefix {url!r}: {type(exc).__name__}: {exc}") from exc
+    return _see_through(url, fs, path)
+
+
+def _see_through(url: str, fs: Any, path: str) -> tuple[Any, str]:
+    """The filesystem under any ``DirFileSystem`` layers of ``fs``, and the path on it that
+    ``path`` on ``fs`` names (joined exactly as the wrapper joins it), so the backend class is
+    the inner filesystem's (see the module docstring). Any other filesystem is returned as it
+    is."""
+    while isinstance(fs, DirFileSystem):
+        try:
+            path, fs = fs._join(path), fs.fs
+        except ValueError as exc:  # a path climbing out of the wrapper's root (local disks)
+            raise InvalidLocationError(f"checkpoint prefix {url!r}: {exc}") from exc
+    return fs, path
 
 
 # a scheme and one slash ("s3:/bucket"): a local path no one means; "<scheme>://" with HTTP(S)
@@ -125,6 +162,7 @@ class Location:
     """
 
     is_local = False  # os-level I/O: real durability and no-follow reads
+    atomic_creates = False  # create_exclusive publishes a file whole (never seen incomplete)
     # every object written or read is a request of its own (object stores): write few, large
     per_object_requests = False
 
@@ -262,6 +300,51 @@ class Location:
         """
         raise NotImplementedError
 
+    def read_created_json(self, path: str) -> Any:
+        """The strict JSON content of file ``path``, made by :meth:`create_exclusive` (a commit
+        record, a run log entry, the root metadata).
+
+        Where creates are atomic (``atomic_creates``) a reader sees such a file whole or not at
+        all. Elsewhere (fsspec's local filesystem behind a wrapper, sftp, smb, hdfs: ``"xb"``
+        makes the file empty at open and fills it at close), a file being created is visible
+        empty or cut short for as long as its writer takes, and must not be taken for damage: a
+        fence check would call it a newer run. Every writer writes one JSON object, of which no
+        proper prefix parses; so a file that does not parse as JSON and is younger than
+        :data:`CREATE_GRACE` seconds (by its modification time) may be one being created: it is
+        read again, with growing pauses, until it parses, disappears, or is that old. Waiting
+        is bounded by :data:`CREATE_GRACE` seconds whatever the clocks say, and a file that is
+        older (a writer that died between open and close, a stray or damaged file) is refused
+        at once, as before. A file that parses but is not valid is damage at once everywhere.
+
+        Raises:
+            CheckpointNotFoundError: there is no such file (also: it went while waiting).
+            ValueError: it is not strict JSON (also after the grace), or is larger than
+                :data:`~caffe2ckpt.fs.strictjson.MAX_BYTES`.
+        """
+        deadline, pause = None, 0.005
+        while True:
+            raw = self.read_bytes(path, limit=strictjson.MAX_BYTES)
+            try:
+                return strictjson.loads(raw)
+            except _INCOMPLETE as exc:
+                if deadline is None:
+                    deadline = self._creation_deadline(path)
+                if time.monotonic() >= deadline:
+                    raise _incomplete(exc, waited=pause > 0.005) from exc
+            time.sleep(pause)
+            pause = min(2 * pause, 0.2)
+
+    def _creation_deadline(self, path: str) -> float:
+        """Until when (``time.monotonic()``) file ``path``, which does not parse, may still be
+        being created (see :meth:`read_created_json`): never where creates are atomic; else
+        until it is :data:`CREATE_GRACE` seconds old (the whole grace if the filesystem gives
+        no time, never more)."""
+        if self.atomic_creates:
+            return -float("inf")
+        stamp = self.modified(path)
+        age = 0.0 if stamp is None else time.time() - stamp
+        return time.monotonic() + min(max(CREATE_GRACE - age, 0.0), CREATE_GRACE)
+
     # -- the contract: writes --------------------------------------------------------------------
 
     def makedirs(self, path: str, *, batch: localio.SyncBatch | None = None) -> list[str]:
@@ -352,6 +435,14 @@ class Location:
         subdirectories they leave empty and ``directory`` itself if it is empty. No listing and
         no pattern is ever involved, so only what was named goes, and a missing file is fine."""
         raise NotImplementedError
+
+
+def _incomplete(exc: ValueError, *, waited: bool) -> ValueError:
+    """The error of a file that does not parse; after a wait, saying it was not being created."""
+    if not waited:
+        return exc
+    return ValueError(f"{exc} (still so {CREATE_GRACE:g} s after it was written: not a file "
+                      "being created)")
 
 
 def subdirectories(names: list[str]) -> list[str]:

@@ -7,10 +7,17 @@ relies on a rename being atomic; there is nothing to flush (a PUT is durable whe
   "exists" (s3fs says ``FileExistsError`` only when the answer names the condition, as AWS's
   does). "Exists" is then settled by reading the file back: its own bytes mean this call's
   create, applied and answered "exists" on a retry (see :meth:`Location.create_exclusive`).
-* :class:`ObjectStoreLocation` (``s3://``, ``gs://``): object stores have no directories, and
-  s3fs/gcsfs's ``makedirs`` of a key prefix only checks (and creates) the bucket, one request:
-  a location does it once. Some keep a directory once its keys are deleted (SeaweedFS lists it
-  as a common prefix): removals delete that too.
+  Such a create is not assumed atomic (fsspec's local filesystem behind a wrapper makes the file
+  empty at open and fills it at close; so do sftp, smb, hdfs): readers give a file being created
+  time (:meth:`~caffe2ckpt.fs.location.Location.read_created_json`). Behind a wrapper the
+  location cannot see through, an object store's emptied directory (SeaweedFS keeps it, s3fs's
+  ``rmdir`` refuses it) is removed by its ``<path>/`` key, as :class:`ObjectStoreLocation`
+  removes it.
+* :class:`ObjectStoreLocation` (``s3://``, ``gs://``, also behind fsspec's ``DirFileSystem``):
+  object stores have no directories, and s3fs/gcsfs's ``makedirs`` of a key prefix only checks
+  (and creates) the bucket, one request: a location does it once. Some keep a directory once
+  its keys are deleted (SeaweedFS lists it as a common prefix): removals delete that too. A PUT
+  publishes an object whole: creates are atomic.
 * :class:`MemoryLocation` (``memory://``): one store per process, whose own ``"xb"`` open
   checks for the file, publishes it empty, then fills it, so two threads could both create one
   record. Exclusive creates here hold one process-wide lock and publish the file whole.
@@ -201,8 +208,31 @@ class FsspecLocation(Location):
                 self._rmdir(path)
 
     def _rmdir(self, path: str) -> None:
-        """Remove empty directory ``path``."""
-        self._guard(self.fs.rmdir, path)
+        """Remove empty directory ``path``. If the filesystem refuses one that exists, it may be
+        an object store behind a wrapper this class cannot see through (s3fs's ``rmdir`` refuses
+        every directory that exists, and SeaweedFS's filer keeps an emptied one): a directory
+        that lists empty is then removed by its ``<path>/`` key; the refusal stands if that
+        does not remove it (a local disk has no such key)."""
+        try:
+            self._guard(self.fs.rmdir, path)
+        except FileExistsError:
+            if not self._remove_directory_key(path):
+                raise
+
+    def _remove_directory_key(self, path: str) -> bool:
+        """Delete the key ``<path>/`` of directory ``path`` if it lists nothing; whether the
+        directory is gone."""
+        directory = path.rstrip("/")
+        try:
+            if [e for e in self._guard(self.fs.ls, directory, detail=False)
+                    if e.rstrip("/") != directory]:
+                return False  # not empty: nothing of it is deleted
+            self._guard(self.fs.rm_file, f"{directory}/")
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+        return not self.exists(directory)
 
     def remove_files(self, directory: str, names: list[str]) -> None:
         for name in names:
@@ -223,6 +253,7 @@ class ObjectStoreLocation(FsspecLocation):
 
     per_object_requests = True
     _bucket_checked = False
+    atomic_creates = True  # a PUT publishes an object whole
 
     def _rmdir(self, path: str) -> None:
         """Object stores built on a filesystem (SeaweedFS's filer) keep a directory whose keys
@@ -306,6 +337,8 @@ _MEMORY_CREATES = threading.Lock()
 
 class MemoryLocation(FsspecLocation):
     """``memory://``: exclusive creates under a process-wide lock, the file published whole."""
+
+    atomic_creates = True
 
     def _create_new(self, path: str, data: bytes) -> None:
         with _MEMORY_CREATES:

@@ -466,8 +466,7 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
     def _read_root_metadata(self) -> dict[str, Any]:
         location = self._store.location
         try:
-            return strictjson.loads(location.read_bytes(location.path(ROOT_METADATA),
-                                                        limit=strictjson.MAX_BYTES))
+            return location.read_created_json(location.path(ROOT_METADATA))
         except CheckpointNotFoundError:
             return {}
         except StorageCredentialsError:  # a ValueError, but the store refused: not damage

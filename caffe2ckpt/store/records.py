@@ -282,7 +282,10 @@ def list_records(location: Location) -> list[RecordRef]:
 
 
 def read_record(location: Location, ref: RecordRef) -> CommitRecord:
-    """Read and validate the record ``ref`` points to.
+    """Read and validate the record ``ref`` points to. A record being created where creates
+    are not atomic (visible empty or cut short) is read once it is complete
+    (:meth:`~caffe2ckpt.fs.location.Location.read_created_json`): until then its save is not
+    committed, and it is not damage.
 
     Raises:
         CheckpointNotFoundError: the record file is gone.
@@ -291,8 +294,7 @@ def read_record(location: Location, ref: RecordRef) -> CommitRecord:
     """
     where = location.display(COMMITS_DIR, ref.filename)
     try:
-        raw = location.read_bytes(record_path(location, ref), limit=strictjson.MAX_BYTES)
-        record = CommitRecord.from_dict(strictjson.loads(raw))
+        record = CommitRecord.from_dict(location.read_created_json(record_path(location, ref)))
     except StorageCredentialsError:  # a ValueError, but the store refused: not damage
         raise
     except (ValueError, KeyError, TypeError, AttributeError) as exc:

@@ -26,9 +26,11 @@ The log is checked, not trusted:
   hide a newer run from an older one.
 * **Fencing** is per family: a run is overtaken once a newer run *of its own family* has claimed
   the prefix (:func:`fenced_by` walks the entries after it: other families' runs and gap marks
-  are passed over, a damaged entry counts as a newer run: it may be one). Runs of different jobs
-  on one prefix never fence each other. In the common case the walk is one request (the next
-  number does not exist); valid entries are never edited, so each is read once per process.
+  are passed over, a damaged entry counts as a newer run: it may be one; an entry still being
+  created, where creates are not atomic, is waited for: see :func:`read_entry`). Runs of
+  different jobs on one prefix never fence each other. In the common case the walk is one
+  request (the next number does not exist); valid entries are never edited, so each is read
+  once per process.
 * On a prefix of storage model 2 (no ``_runs/`` entry yet) the first claim takes one more than
   its highest ``_claims/`` number and record generation, so generations keep growing across the
   upgrade.
@@ -52,7 +54,6 @@ from caffe2ckpt.errors import (
     CheckpointWriteError,
     StorageCredentialsError,
 )
-from caffe2ckpt.fs import strictjson
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.naming import MAX_EPOCH, check_node_name
 from caffe2ckpt.store.layout import (
@@ -173,18 +174,21 @@ def list_runs(location: Location) -> list[int]:
 def read_entry(location: Location, generation: int) -> Run | Gap:
     """Entry ``generation`` of the run log: a run or a gap mark.
 
+    An entry being created where creates are not atomic (visible empty or cut short) is read
+    once it is complete (:meth:`~caffe2ckpt.fs.location.Location.read_created_json`): it is a
+    claim in progress, not damage.
+
     Raises:
         CheckpointNotFoundError: there is none.
         CheckpointCorruptedError: it is not a valid entry (garbage, not a regular file, too
-            large, ...).
+            large, empty or cut short and not being created, ...).
     """
     cache = _entries.setdefault(location, {})
     if generation in cache:
         return cache[generation]
     where = location.display(RUNS_DIR, run_name(generation))
     try:
-        raw = location.read_bytes(_path(location, generation), limit=strictjson.MAX_BYTES)
-        entry = _parse(strictjson.loads(raw), generation)
+        entry = _parse(location.read_created_json(_path(location, generation)), generation)
     except CheckpointNotFoundError as exc:
         raise CheckpointNotFoundError(f"run log entry {where!r} does not exist") from exc
     except StorageCredentialsError:  # the store refused: not damage

@@ -1,6 +1,8 @@
 """The contract every backend of :class:`caffe2ckpt.fs.location.Location` keeps, as one suite
 that each backend's test class mixes in with its own fixture (fsspec's habit): a local disk, a
-local disk behind an fsspec wrapper (the generic class), ``memory://`` and the S3 test server."""
+local disk behind an fsspec wrapper (the generic class), ``memory://`` and the S3 test servers,
+and each of a local disk and the S3 servers behind fsspec's ``DirFileSystem`` (a wrapper the
+locations see through: they get the class of the filesystem underneath)."""
 
 from __future__ import annotations
 
@@ -10,9 +12,11 @@ import pickle
 import time
 
 import pytest
+from fsspec.implementations.dirfs import DirFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 from caffe2ckpt.errors import CheckpointNotFoundError, InvalidLocationError
+from caffe2ckpt.fs import location as location_module
 from caffe2ckpt.fs.local import LocalLocation
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.fs.remote import FsspecLocation, MemoryLocation, ObjectStoreLocation
@@ -24,9 +28,11 @@ class LocationContract:
     which class it expects."""
 
     expected_class: type[Location]
+    atomic_creates = True  # whether the backend publishes an exclusive create whole
 
     def test_the_url_picks_the_backend_and_pickling_keeps_it(self, location):
         assert type(location) is self.expected_class
+        assert location.atomic_creates is self.atomic_creates
         copy = pickle.loads(pickle.dumps(location))
         assert type(copy) is self.expected_class
         assert (copy.url, copy.root) == (location.url, location.root)
@@ -37,6 +43,22 @@ class LocationContract:
         with pytest.raises(FileExistsError):
             location.create_exclusive(path, b"second")
         assert location.read_bytes(path) == b"first"
+
+    def test_a_created_file_that_does_not_parse_waits_only_where_creates_are_not_atomic(
+            self, location, monkeypatch):
+        """``read_created_json`` of a file made by ``create_exclusive`` that is not JSON (empty:
+        what a create that is not atomic shows until its close) refuses it at once where
+        creates are atomic, and only once the grace is over where they are not."""
+        monkeypatch.setattr(location_module, "CREATE_GRACE", 0.3)
+        good, empty = location.path("_runs", "1.json"), location.path("_runs", "2.json")
+        location.create_exclusive(good, b'{"a": 1}')
+        location.create_exclusive(empty, b"")
+        assert location.read_created_json(good) == {"a": 1}
+        started = time.monotonic()
+        with pytest.raises(ValueError, match="Expecting value"):
+            location.read_created_json(empty)
+        waited = time.monotonic() - started
+        assert waited < 0.25 if self.atomic_creates else 0.25 <= waited < 5, waited
 
     def test_a_group_path_is_taken_once(self, location):
         group = location.path("n.1")
@@ -102,7 +124,20 @@ class LocationContract:
         location.remove_files(group, ["a/c.0", "a/c.1", "a/zarr.json", "zarr.json", "gone"])
         assert location.list_names(group) == ["unnamed"]  # what was not named stays
         location.remove_files(group, ["unnamed"])
-        assert not location.exists(group) or location.list_names(group) == []
+        assert not location.exists(group)  # emptied: gone (also a directory an object store kept)
+        assert "n.2" not in location.list_names(location.root)
+
+    def test_a_removed_tree_is_gone_from_listings(self, location):
+        """No directory of a removed group is left behind, also on an object store whose filer
+        keeps emptied directories (SeaweedFS): a later listing would call it unidentified data."""
+        group = location.path("n.1.g2-0123")
+        location.create_group(group, "zarr.json", b"{}")
+        location.makedirs(f"{group}/w")
+        location.write_file(f"{group}/w/c.0", [b"c"])
+        location.write_file(location.path("keep"), [b"k"])
+        location.remove(group)
+        assert not location.exists(group)
+        assert location.list_names(location.root) == ["keep"]
 
     def test_remove_never_globs(self, location):
         for group in ("w[12]", "w1", "w2", "a*", "ab"):
@@ -182,10 +217,39 @@ class TestWrappedLocalDisk(LocationContract):
     """A local disk behind an fsspec wrapper: the generic class (no os-level paths)."""
 
     expected_class = FsspecLocation
+    atomic_creates = False  # fsspec's local "xb" open makes the file empty, fills it at close
 
     @pytest.fixture
     def location(self, tmp_path):
         return Location(str(tmp_path / "prefix"), filesystem=FaultyFileSystem(LocalFileSystem()))
+
+
+class TestDirWrappedLocalDisk(LocationContract):
+    """A local disk behind fsspec's DirFileSystem (``filesystem=``): the wrapper only joins
+    paths, so the location is the local disk's, at the joined path (os-level I/O, exclusive
+    creates by link, durability)."""
+
+    expected_class = LocalLocation
+
+    @pytest.fixture
+    def location(self, tmp_path):
+        (tmp_path / "root").mkdir()
+        wrapper = DirFileSystem(path=str(tmp_path / "root"), fs=LocalFileSystem())
+        return Location("prefix", filesystem=wrapper)
+
+    def test_its_root_is_the_joined_local_path(self, location, tmp_path):
+        location.create_exclusive(location.path("_runs", "000000000001.json"), b"{}")
+        assert location.root == str(tmp_path / "root" / "prefix")
+        assert (tmp_path / "root" / "prefix" / "_runs" / "000000000001.json").read_bytes() == b"{}"
+
+    def test_a_dir_url_is_the_same_local_disk(self, tmp_path):
+        """``dir::file://...`` (fsspec's URL chaining) names the same joined path as at e4d82ae,
+        now as a local disk."""
+        wrapped = Location(f"dir::file://{tmp_path}/d")
+        assert type(wrapped) is LocalLocation
+        assert wrapped.root == f"{tmp_path}/d{tmp_path}/d"  # fsspec repeats the path: its rule
+        wrapped.create_exclusive(wrapped.path("_runs", "000000000001.json"), b"{}")
+        assert os.listdir(f"{tmp_path}/d{tmp_path}/d/_runs") == ["000000000001.json"]
 
 
 class TestMemory(LocationContract):
@@ -207,6 +271,45 @@ class TestS3(LocationContract):
     @pytest.fixture
     def location(self, s3_bucket):
         return Location(f"s3://{s3_bucket}/contract")
+
+
+@pytest.mark.slow
+class TestDirWrappedS3(LocationContract):
+    """The S3 servers (moto, SeaweedFS) behind fsspec's DirFileSystem (``filesystem=``): the
+    object-store class on the inner s3fs at the joined path, so a removal also deletes the
+    ``<path>/`` keys SeaweedFS keeps for emptied directories."""
+
+    expected_class = ObjectStoreLocation
+
+    @pytest.fixture
+    def location(self, s3_server, s3_bucket):
+        wrapper = DirFileSystem(path=s3_bucket, fs=s3_server.filesystem())
+        return Location("contract", filesystem=wrapper)
+
+    def test_a_dir_url_is_the_object_store(self, s3_bucket):
+        location = Location(f"dir::s3://{s3_bucket}/d")
+        assert type(location) is ObjectStoreLocation
+        assert location.root == f"{s3_bucket}/d/{s3_bucket}/d"  # fsspec repeats the path
+
+
+@pytest.mark.slow
+class TestOpaquelyWrappedS3:
+    """The S3 servers behind a wrapper the locations cannot see through (a logging or
+    fault-injecting one): the generic class, which still removes an emptied directory that
+    SeaweedFS's filer keeps (its ``rmdir`` refuses it; its ``<path>/`` key is deleted)."""
+
+    @pytest.fixture
+    def location(self, s3_server, s3_bucket):
+        return Location(f"{s3_bucket}/contract",
+                        filesystem=FaultyFileSystem(s3_server.filesystem()))
+
+    def test_the_class_is_the_generic_one(self, location):
+        assert type(location) is FsspecLocation and location.atomic_creates is False
+
+    test_a_removed_tree_is_gone_from_listings = (
+        LocationContract.test_a_removed_tree_is_gone_from_listings)
+    test_remove_files_removes_exactly_the_named_files = (
+        LocationContract.test_remove_files_removes_exactly_the_named_files)
 
 
 @pytest.mark.parametrize(("url", "message"), [

@@ -13,8 +13,10 @@ fault matrix of tests/safety/test_faults.py against S3 on one fault per class of
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 
+import fsspec
 import pytest
 from faultfs import FaultyFileSystem
 
@@ -322,3 +324,44 @@ def test_a_delta_save_on_s3_sends_few_requests_and_no_listing(s3, monkeypatch):
     changed = rows.size * (64 * 4 + 4)  # values and int32 ids
     packed = blobs["dense"].nbytes + 8  # the dense blob and the chunk's CRC (and alignment)
     assert changed + packed <= up <= changed + packed + 16 << 10, (up, calls)
+
+
+# -- a prefix behind fsspec's DirFileSystem (review of e4d82ae, D7) --------------------------------
+
+
+def test_a_removed_resave_behind_a_dir_wrapper_leaves_nothing_for_gc(s3_bucket, capsys):
+    """A prefix named by a ``dir::s3://`` URL (fsspec's DirFileSystem around s3fs): a re-saved
+    step is stored at its own path (``n.1.<save id>``); deleting it leaves no directory behind,
+    and once a newer run has started, ``caffe2ckpt gc`` through the same URL finds nothing left
+    and exits 0. On SeaweedFS,
+    whose filer keeps a directory once its keys are deleted, the wrapper used to get the generic
+    class, whose ``rmdir`` s3fs refuses: the directory stayed, and every gc listed it as
+    unidentified data, failed to remove it (FileExistsError) and exited 4."""
+    import numpy as np
+
+    from caffe2ckpt import StepCheckpointManager
+    from caffe2ckpt.cli import main as cli_main
+
+    url = f"dir::s3://{s3_bucket}/ckpt"  # s3:// reaches this case's server (s3_bucket)
+    wrapper, root = fsspec.core.url_to_fs(url)  # plain file operations, through the wrapper
+
+    def groups() -> list[str]:
+        return sorted(p.rsplit("/", 1)[1] for p in wrapper.ls(root, detail=False, refresh=True)
+                      if p.rsplit("/", 1)[1].startswith("n."))
+
+    with StepCheckpointManager(url, handle_preemption=False) as mgr:
+        for step in range(3):
+            mgr.save(step, {"n": {"w": np.full(8, float(step))}})
+        mgr.save(1, {"n": {"w": np.full(8, 10.0)}}, force=True)  # a new run: its own path
+        resaved = [g for g in groups() if g.startswith("n.1.")]
+        assert len(resaved) == 1, groups()
+        mgr.delete(1)
+        assert mgr.all_steps(read=True) == [0]
+    with StepCheckpointManager(url, handle_preemption=False) as mgr:  # a newer run: the
+        mgr.save(3, {"n": {"w": np.full(8, 3.0)}})  # re-save's run can no longer be writing
+    capsys.readouterr()
+    for _ in range(2):  # the second gc finds what the first left
+        code = cli_main(["gc", url, "--min-age", "0", "--yes", "--json"])
+        doc = json.loads(capsys.readouterr().out)
+        assert (code, doc["leftovers"], doc["skipped"]) == (0, [], []), doc["leftovers"]
+    assert groups() == ["n.0", "n.1", "n.2", "n.3"]  # the re-save's directory went with it
