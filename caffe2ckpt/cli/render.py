@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from caffe2ckpt.units import human_bytes
+from caffe2ckpt.units import epochs_text, human_bytes  # noqa: F401 (re-exported)
 
 __all__ = ["Progress", "render"]
 
@@ -57,17 +57,6 @@ def metrics_text(metrics: dict[str, Any]) -> str:
 
 def shape_text(shape: Sequence[int]) -> str:
     return "(" + ", ".join(map(str, shape)) + ("," if len(shape) == 1 else "") + ")"
-
-
-def epochs_text(epochs: Sequence[int]) -> str:
-    """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2, 5, 7-8"``."""
-    runs: list[list[int]] = []
-    for epoch in sorted(epochs):
-        if runs and epoch == runs[-1][1] + 1:
-            runs[-1][1] = epoch
-        else:
-            runs.append([epoch, epoch])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs) or "none"
 
 
 def writer_text(writer: dict[str, Any],
