@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from caffe2ckpt.cli.render import Progress, epochs_text
+from caffe2ckpt.cli.render import Progress
 from caffe2ckpt.errors import (
     CheckpointCorruptedError,
     CheckpointError,
@@ -19,6 +19,7 @@ from caffe2ckpt.fs.location import Location
 from caffe2ckpt.history.cleanup import Leftover, is_checkpoint_prefix
 from caffe2ckpt.history.lineage import Save
 from caffe2ckpt.history.scan import PrefixScan, scan
+from caffe2ckpt.history.scan import require_save as scan_require_save
 from caffe2ckpt.store.groupread import read_node
 from caffe2ckpt.store.layout import COMMITS_DIR, RUNS_DIR, parse_group_name
 from caffe2ckpt.store.manifest import Manifest
@@ -99,37 +100,18 @@ def committed_epochs(found: PrefixScan) -> list[int]:
     return sorted({s.epoch for s in found.saves()})
 
 
-def require_save(store: CheckpointStore, found: PrefixScan, epoch: int) -> Save:
-    """The committed save of ``epoch``: the current lineage's, else a superseded one."""
-    current = found.current()
-    if epoch in current:
-        return current[epoch]
-    saves = [s for s in found.saves() if s.epoch == epoch]
-    if saves:
-        return saves[0]
-    where = store.location.display()
-    bad = [ref for ref, _ in found.unreadable if ref.epoch == epoch]
-    partial = [p for p in found.partial if p.epoch == epoch]
-    if bad:
-        why = ("its commit record(s) " + ", ".join(repr(r.filename) for r in bad)
-               + f" are unreadable (see `caffe2ckpt verify {store.location.url} --epoch {epoch}`)")
-    elif partial:
-        missing = sorted({n for p in partial for n in p.missing})
-        why = f"its save is partial: node(s) {', '.join(missing)} have no commit record"
-    else:
-        why = f"committed epochs: {epochs_text(committed_epochs(found))}"
-    raise CLIError(f"epoch {epoch} is not committed under {where!r}; {why}", EXIT_NOT_FOUND)
+def require_save(store: CheckpointStore, found: PrefixScan, epoch: int,
+                 nodes: Sequence[str] | None = None) -> Save:
+    """The committed save of ``epoch`` holding every one of ``nodes`` (jobs with other nodes
+    may share the prefix): the current lineage's, else a superseded one
+    (:class:`CheckpointNotFoundError` saying why there is none: exit 3)."""
+    return scan_require_save(found, store, epoch, list(dict.fromkeys(nodes or ())))
 
 
-def require_nodes(store: CheckpointStore, save: Save, nodes: list[str] | None) -> list[str]:
-    if not nodes:
-        return sorted(save.records)
-    unknown = [n for n in nodes if n not in save.records]
-    if unknown:
-        raise CLIError(f"epoch {save.epoch} under {store.location.display()!r} has no node "
-                       f"{', '.join(map(repr, unknown))}; its nodes: "
-                       f"{', '.join(sorted(save.records))}", EXIT_NOT_FOUND)
-    return list(dict.fromkeys(nodes))
+def save_nodes(save: Save, nodes: Sequence[str] | None) -> list[str]:
+    """The nodes of ``save`` a command acts on: ``nodes`` (as :func:`require_save` checked
+    them), else all of them."""
+    return list(dict.fromkeys(nodes)) if nodes else sorted(save.records)
 
 
 def checked_manifest(store: CheckpointStore, record: CommitRecord) -> Manifest:

@@ -25,6 +25,8 @@ from caffe2ckpt.cli._context import (
     require_save,
 )
 from caffe2ckpt.cli.render import Progress
+from caffe2ckpt.history.lineage import Save
+from caffe2ckpt.history.scan import PrefixScan
 from caffe2ckpt.store.groupread import read_node
 from caffe2ckpt.store.manifest import BlobInfo
 from caffe2ckpt.store.protocol import CheckpointStore
@@ -129,10 +131,17 @@ def diff_node(store: CheckpointStore, node: str, records: Sequence[CommitRecord 
     return out
 
 
+def _save(store: CheckpointStore, found: PrefixScan, epoch: int,
+          nodes: list[str] | None) -> Save:
+    """The save of ``epoch`` holding ``nodes`` (jobs with other nodes may share the prefix),
+    else the one ``epoch`` means without nodes (in which those nodes are added or removed)."""
+    return found.save_at(epoch, nodes or ()) or require_save(store, found, epoch)
+
+
 def cmd_diff(ctx: Context, args: argparse.Namespace) -> tuple[Document, int]:
     store, found = open_prefix(ctx, args.prefix)
     a, b = args.epoch_a, args.epoch_b
-    step_a, step_b = require_save(store, found, a), require_save(store, found, b)
+    step_a, step_b = (_save(store, found, epoch, args.node) for epoch in (a, b))
     nodes = sorted(set(step_a.records) | set(step_b.records))
     if args.node:
         unknown = [n for n in args.node if n not in nodes]

@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from caffe2ckpt.units import epochs_text, human_bytes  # noqa: F401 (re-exported)
+from caffe2ckpt.units import human_bytes
 
 __all__ = ["Progress", "render"]
 
@@ -317,7 +317,11 @@ def diff_detail(blob: dict[str, Any]) -> str:
 
 
 def render_materialize(doc: dict[str, Any]) -> str:
-    return "\n".join(f"wrote {group}" for group in doc["groups"])
+    out = [f"wrote {group}" for group in doc["groups"]]
+    if doc.get("superseded"):
+        out.append(f"(epoch {doc['epoch']}'s superseded save {doc['save_id']}: a later run of "
+                   "its job went back to an earlier epoch)")
+    return "\n".join(out)
 
 
 RENDERERS = {"ls": render_ls, "show": render_show, "verify": render_verify, "gc": render_gc,

@@ -591,7 +591,10 @@ def test_unknown_epoch_is_named(tree, capsys, argv):
 
 def test_unknown_node_is_named(tree, capsys):
     code, _, err = run(capsys, "show", tree, "--node", "nobody")
-    assert code == 3 and "no node 'nobody'" in err and "trainer_0, trainer_1" in err
+    assert code == 3 and "holding node(s) ['nobody']" in err and "trainer_0, trainer_1" in err
+    code, _, err = run(capsys, "show", tree, "--epoch", 3, "--node", "nobody")
+    assert code == 3 and f"epoch 3 under {tree!r} has no node(s) ['nobody']" in err
+    assert "its saves: trainer_0, trainer_1" in err
     code, _, err = run(capsys, "diff", tree, 0, 1, "--node", "nobody")
     assert code == 3 and "'nobody'" in err
     code, _, err = run(capsys, "gc", tree, "--node", "nobody", "--keep-last", 1)

@@ -1,0 +1,144 @@
+"""The command line (and the plain readers) on differential epochs, on prefixes two jobs share,
+and ``gc``'s figures and retire notes: the review of e4d82ae (D2, D4, D5, D6) and the CLI
+frictions of issue 34 (chains shown compactly, missing epochs named with the committed ones,
+stored bytes where sizes are expected)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import fsspec
+import numpy as np
+import pytest
+import zarr
+
+import caffe2ckpt
+from caffe2ckpt import StepCheckpointManager, StepManagerOptions
+from caffe2ckpt.cli import main
+from caffe2ckpt.fs.location import Location
+from caffe2ckpt.history.scan import scan
+from caffe2ckpt.store.layout import RETIRED_DIR, parse_group_name
+from caffe2ckpt.store.protocol import CheckpointStore
+from caffe2ckpt.units import human_bytes
+from tests.faultfs import FaultyFileSystem
+
+SMALL = 16 << 10  # delta_min_bytes here: the 64 KiB tables below get row overlays
+TINY = 200  # unchanged tiny blobs of a differential epoch (all inherited, packed in the source)
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def run_json(capsys, *argv, code: int = 0) -> dict:
+    got, out, err = run(capsys, *argv, "--json")
+    assert got == code, (got, out, err)
+    return json.loads(out)
+
+
+def delta_options(**kw) -> StepManagerOptions:
+    return StepManagerOptions(delta_saves=True, delta_min_bytes=SMALL, **kw)
+
+
+# -- D5: two jobs on one prefix: the node picks the save -------------------------------------
+
+
+def two_jobs(prefix: str) -> dict[int, np.ndarray]:
+    """Job B (solo_0, differential) saves epochs 0-3, then 2 again (forced: a run from 1; its
+    first 2 and 3 are superseded); then job A (trainer_0, trainer_1) saves epochs 0-3: the
+    newer run, so the prefix's current epochs 0-3 are A's. Returns B's tables by epoch (its
+    current 0, 1, 2 and its superseded 3)."""
+    table, tables = np.zeros((4096, 64), np.float32), {}  # 1 MiB: a plain Zarr array
+    with StepCheckpointManager(prefix, options=delta_options(), nodes=["solo_0"],
+                               handle_preemption=False) as mgr:
+        for step in range(4):
+            table[step] = step + 1
+            mgr.save(step, {"solo_0": {"table": table}})
+            tables[step] = table.copy()
+        table[2] = 99
+        assert mgr.save(2, {"solo_0": {"table": table}}, force=True)  # goes back: a new run
+        tables[2] = table.copy()
+    with StepCheckpointManager(prefix, nodes=["trainer_0", "trainer_1"],
+                               handle_preemption=False) as mgr:
+        for step in range(4):
+            mgr.save(step, {n: {"w": np.full(4, float(step))} for n in ("trainer_0", "trainer_1")})
+    return tables
+
+
+def test_plain_readers_find_the_epoch_of_the_job_holding_the_node(prefix, tmp_path):
+    """Review D5: materialize and zarr_store took the newest job's save of an epoch and refused
+    the other job's node ("has no node(s) ['solo_0']"), and called a superseded epoch "not
+    committed"."""
+    tables = two_jobs(prefix)
+    for epoch in (2, 3):  # B's current 2 (A's 2 is newer), B's superseded 3
+        dest = str(tmp_path / f"plain{epoch}")
+        (written,) = caffe2ckpt.materialize(prefix, epoch, dest, nodes=["solo_0"])
+        assert written.endswith(f"solo_0.{epoch}")
+        group = zarr.open_group(f"{dest}/solo_0.{epoch}", mode="r")
+        assert np.array_equal(group["table"][:], tables[epoch]), epoch
+        store = caffe2ckpt.zarr_store(prefix, epoch, "solo_0")
+        assert np.array_equal(zarr.open_group(store=store, mode="r")["table"][:], tables[epoch])
+    written = caffe2ckpt.materialize(prefix, 3, str(tmp_path / "a3"))  # no node: A's (current)
+    assert [w.rpartition("/")[2] for w in written] == ["trainer_0.3", "trainer_1.3"]
+    with pytest.raises(caffe2ckpt.CheckpointNotFoundError,
+                       match=r"epoch 3 under .* has no node\(s\) \['nobody'\]; its saves: "):
+        caffe2ckpt.materialize(prefix, 3, str(tmp_path / "x"), nodes=["nobody"])
+
+
+def test_superseded_epochs_are_materialized_as_ls_lists_them(prefix, tmp_path, capsys):
+    """Review D5: an epoch only a superseded save holds was "not committed" for materialize
+    while ls lists it; the CLI says which save it wrote."""
+    tables = two_jobs(prefix)
+    assert 3 in run_json(capsys, "ls", prefix)["superseded_epochs"]
+    doc = run_json(capsys, "materialize", prefix, "--epoch", 3, "--node", "solo_0",
+                   str(tmp_path / "m"))
+    assert doc["superseded"] is True and doc["nodes"] == ["solo_0"] and doc["save_id"]
+    group = zarr.open_group(str(tmp_path / "m" / "solo_0.3"), mode="r")
+    assert np.array_equal(group["table"][:], tables[3])
+    code, out, _ = run(capsys, "materialize", prefix, "--epoch", 2, "--node", "solo_0",
+                       tmp_path / "n")
+    assert code == 0 and out.splitlines() == [f"wrote {tmp_path / 'n' / 'solo_0.2'}"]
+    code, out, _ = run(capsys, "materialize", prefix, "--epoch", 3, "--node", "solo_0",
+                       tmp_path / "o")
+    assert code == 0 and "superseded save" in out
+
+
+def test_show_diff_and_verify_select_the_save_by_node(prefix, capsys):
+    """Review D5: show --node and diff --node refused a committed epoch of the job that ran
+    first; show without --epoch takes the newest epoch of the job holding the node."""
+    two_jobs(prefix)
+    doc = run_json(capsys, "show", prefix, "--epoch", 2, "--node", "solo_0")
+    assert doc["nodes"] == ["solo_0"] and doc["superseded"] is False
+    assert doc["kind"] == "full"  # B's second run starts whole
+    doc = run_json(capsys, "show", prefix, "--epoch", 3, "--node", "solo_0", "--verify")
+    assert doc["nodes"] == ["solo_0"] and doc["superseded"] is True and doc["kind"] == "delta"
+    assert run_json(capsys, "show", prefix, "--node", "solo_0")["epoch"] == 2
+    assert run_json(capsys, "show", prefix, "--epoch", 2)["nodes"] == ["trainer_0", "trainer_1"]
+    doc = run_json(capsys, "diff", prefix, 1, 2, "--node", "solo_0")
+    assert doc["nodes"] == ["solo_0"] and doc["summary"]["changed"] == 1
+    doc = run_json(capsys, "diff", prefix, 1, 3, "--node", "solo_0")  # to a superseded save
+    assert doc["summary"]["changed"] == 1
+    doc = run_json(capsys, "verify", prefix, "--epoch", 3, "--node", "solo_0")
+    assert [(r["epoch"], r["node"]) for r in doc["results"]] == [(3, "solo_0")]
+    code, _, err = run(capsys, "show", prefix, "--epoch", 2, "--node", "solo_0", "--node",
+                       "trainer_0")
+    assert code == 3 and "epoch 2 under" in err
+    assert ("has no node(s) ['solo_0', 'trainer_0'] in one save; its saves: trainer_0, "
+            "trainer_1; solo_0") in err
+
+
+@pytest.mark.parametrize("argv", [["show", "--epoch", 99], ["verify", "--epoch", 99],
+                                  ["diff", 0, 99], ["materialize", "--epoch", 99, "DEST"]])
+def test_a_missing_epoch_lists_the_committed_ones(prefix, tmp_path, capsys, argv):
+    with StepCheckpointManager(prefix, handle_preemption=False) as mgr:
+        for step in (*range(0, 60, 2), 61):  # 31 epochs
+            mgr.save(step, {"n0": {"w": np.zeros(2)}})
+    argv = [str(tmp_path / "d") if a == "DEST" else a for a in argv]
+    code, out, err = run(capsys, argv[0], prefix, *argv[1:])
+    assert code == 3 and out == ""
+    assert f"epoch 99 is not committed under {prefix!r}" in err
+    assert "31 committed epochs" in err and "52, 54, 56, 58, 61" in err and "0, 2" not in err
+    assert err.count("\n") == 1 and len(err) < 300
