@@ -20,6 +20,7 @@ from caffe2ckpt.cli._context import (
     CLIError,
     Context,
     Document,
+    chained_together,
     checked_manifest,
     open_prefix,
     require_save,
@@ -36,7 +37,9 @@ __all__ = ["cmd_diff", "compare", "diff_node"]
 
 
 class _Reader:
-    """Reads the blobs of one committed node checkpoint on demand."""
+    """Reads the blobs of one committed node checkpoint on demand: each array alone, the
+    packed blobs together, and (a differential save) the small blobs other groups hold
+    together, so each source group's packed array is read once."""
 
     def __init__(self, store: CheckpointStore, record: CommitRecord) -> None:
         self.store, self.record = store, record
@@ -44,10 +47,16 @@ class _Reader:
         self.path = store.group_path(record)
         self.crcs = store.chunk_crcs(record, self.manifest)
         self._packed: dict[str, np.ndarray] | None = None
+        self._together = chained_together(self.manifest)
+        self._chained: dict[str, np.ndarray] | None = None
 
     def read(self, name: str) -> np.ndarray:
         if name in self.manifest.inherited:  # a differential save's: through its chain
-            return self.store.load_node(self.record, [name])[name]
+            if name not in self._together:
+                return self.store.load_node(self.record, [name])[name]
+            if self._chained is None:
+                self._chained = self.store.load_node(self.record, self._together)
+            return self._chained[name]
         if self.manifest.blobs[name].path is not None:
             return read_node(self.store.location, self.path, self.manifest, self.crcs,
                              [name])[name]

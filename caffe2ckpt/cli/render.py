@@ -204,13 +204,16 @@ def render_verify(doc: dict[str, Any]) -> str:
 
 
 def packed_note(error: dict[str, Any]) -> str:
-    names = error.get("packed_blobs")
+    """The blobs one error hits, when they were read together: a node's packed blobs, or blobs
+    a differential save reads from the same place in an older group."""
+    names = error.get("packed_blobs") or error.get("blobs")
     if not names:
         return ""
     shown = ", ".join(map(repr, names[:5]))
     if len(names) > 5:
         shown += f" and {len(names) - 5} more"
-    return f" (the packed array holds blobs {shown})"
+    what = "the packed array holds" if error.get("packed_blobs") else "it hits"
+    return f" ({what} blobs {shown})"
 
 
 def render_gc(doc: dict[str, Any]) -> str:

@@ -43,6 +43,101 @@ def delta_options(**kw) -> StepManagerOptions:
     return StepManagerOptions(delta_saves=True, delta_min_bytes=SMALL, **kw)
 
 
+# -- D2: a differential epoch's inherited blobs are read once, not one chain at a time ----------
+
+
+class CountingMemory(FaultyFileSystem):
+    """memory:// behind tests/faultfs.py's counter, under a protocol of its own so that the
+    command line opens it by URL (one cached instance: the test reads its counts)."""
+
+    protocol = "countmem"
+    cachable = True
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(fsspec.filesystem("memory"), **kwargs)
+
+
+@pytest.fixture
+def counting(memory_fs):
+    fsspec.register_implementation("countmem", CountingMemory, clobber=True)
+    fs = fsspec.filesystem("countmem")
+    fs.reset()
+    return fs
+
+
+def tiny_blobs_then_one_row(url: str, hint: int | None = None) -> None:
+    """Epoch 0 whole; epoch 1 changes row 5 of a table: TINY unchanged tiny blobs, the table
+    (a row overlay on epoch 0) and an unchanged 1.5 MiB blob (its own array in epoch 0's
+    group) are read through epoch 0. With ``hint``, the rows are hinted: that row."""
+    blobs = {f"tiny/{i}": np.full(4, i, np.float32) for i in range(TINY)}
+    blobs["table"] = np.zeros((256, 64), np.float32)
+    blobs["frozen"] = np.arange(3 << 17, dtype=np.float32)
+    opts = delta_options(delta_detection="compare" if hint is None else "hints")
+    with StepCheckpointManager(url, options=opts, handle_preemption=False) as mgr:
+        mgr.save(0, {"n0": blobs})
+        blobs["table"][5] = 1.0
+        hints = None if hint is None else {"n0": {"table": [hint]}}
+        mgr.save(1, {"n0": blobs}, changed_rows=hints)
+
+
+def packed_reads(fs: CountingMemory, group: str) -> int:
+    """How many times the chunk of ``group``'s packed array was read."""
+    return sum(1 for _, path in fs.ops("read") if f"/{group}/_packed/c" in path)
+
+
+def test_verify_show_and_diff_read_each_source_of_a_delta_epoch_once(counting, capsys):
+    """Review D2: 200 unchanged tiny blobs of a differential epoch cost 200 reads of the source's
+    packed array (and 200 parses of each manifest) when each blob's chain was resolved alone."""
+    url = "countmem://d2/ckpt"
+    tiny_blobs_then_one_row(url)
+    counting.reset()
+    doc = run_json(capsys, "verify", url, "--epoch", 1)
+    assert doc["summary"]["ok"] == 1 and doc["summary"]["checked"] == 1
+    assert packed_reads(counting, "n0.0") == 1, packed_reads(counting, "n0.0")
+
+    counting.reset()
+    doc = run_json(capsys, "show", url, "--epoch", 1, "--verify")
+    assert {b["checksum"] for b in doc["blobs"]} == {"ok"} and len(doc["blobs"]) == TINY + 2
+    assert packed_reads(counting, "n0.0") == 1
+
+    counting.reset()
+    doc = run_json(capsys, "diff", url, 0, 1)
+    assert doc["summary"] == {"changed": 1, "added": 0, "removed": 0, "same": TINY + 1}
+    assert packed_reads(counting, "n0.0") == 2  # epoch 0's own packed blobs, epoch 1's chains
+
+
+def flip(fs, path: str) -> None:
+    data = bytearray(fs.cat_file(path))
+    data[len(data) // 2] ^= 0x10
+    fs.pipe_file(path, bytes(data))
+
+
+@pytest.mark.parametrize("damaged", ["_packed", "frozen", "a hint that missed a row"])
+def test_damage_under_a_delta_epoch_is_named_per_blob(counting, capsys, damaged):
+    """Reading the inherited blobs together keeps each blob's verdict: damage in the source's
+    packed array hits exactly the blobs packed there, damage in one blob's array that blob, a
+    changed-rows hint that missed a row the table alone."""
+    url = "countmem://d2/damage"
+    tiny_blobs_then_one_row(url, hint=6 if damaged.startswith("a hint") else None)
+    fs = fsspec.filesystem("memory")
+    if not damaged.startswith("a hint"):
+        flip(fs, min(p for p in fs.find("/d2/damage/n0.0") if f"/{damaged}/c" in p))
+    doc = run_json(capsys, "show", url, "--epoch", 1, "--verify", code=1)
+    states = {b["name"]: b["checksum"] for b in doc["blobs"]}
+    hit = {n for n, s in states.items() if s == "bad"}
+    packed = {n for n in states if n != "frozen"}  # epoch 0 packs every blob below 1 MiB
+    assert hit == {"_packed": packed, "frozen": {"frozen"}}.get(damaged, {"table"})
+    assert set(states.values()) == {"ok", "bad"}
+    named = {p["blob"] for p in doc["problems"]}  # the blob, or where blobs read together
+    assert named == {"_packed": {"table", "_packed"}}.get(damaged, hit), doc["problems"]
+    if damaged == "_packed":
+        (together,) = [p for p in doc["problems"] if p["blob"] == "_packed"]
+        assert sorted(together["blobs"]) == sorted(packed - {"table"})
+    assert all("epoch 1" in p["error"] and "n0." in p["error"] for p in doc["problems"])
+    code, out, _ = run(capsys, "verify", url, "--epoch", 1)
+    assert code == 1 and "DAMAGED" in out
+
+
 # -- D5: two jobs on one prefix: the node picks the save -------------------------------------
 
 
@@ -128,6 +223,9 @@ def test_show_diff_and_verify_select_the_save_by_node(prefix, capsys):
     assert code == 3 and "epoch 2 under" in err
     assert ("has no node(s) ['solo_0', 'trainer_0'] in one save; its saves: trainer_0, "
             "trainer_1; solo_0") in err
+
+
+# -- issue 34: chains shown compactly, missing epochs named, sizes as stored --------------------
 
 
 @pytest.mark.parametrize("argv", [["show", "--epoch", 99], ["verify", "--epoch", 99],
