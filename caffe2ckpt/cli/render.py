@@ -240,18 +240,24 @@ def render_gc(doc: dict[str, Any]) -> str:
 def _gc_epochs(doc: dict[str, Any], remove_word: str) -> list[str]:
     out = []
     if doc["delete"]:
-        out += [f"Epochs outside the retention policy ({remove_word}):",
-                table(["EPOCH", "NODES", "BYTES", "METRICS", "RESULT"],
-                      [[d["epoch"], ",".join(d["nodes"]), human_bytes(d["bytes"]),
-                        metrics_text(d["metrics"]), _gc_result(d, remove_word)]
-                       for d in doc["delete"]], right=["EPOCH", "BYTES"]), ""]
+        out += [(f"Epochs outside the retention policy ({remove_word}; FREES: the stored bytes "
+                 "removing it frees, with older groups only it still needed):"),
+                table(["EPOCH", "NODES", "FREES", "STORED", "SIZE", "METRICS", "RESULT"],
+                      [[d["epoch"], ",".join(d["nodes"]), human_bytes(d.get("frees")),
+                        *_sizes(d), metrics_text(d["metrics"]), _gc_result(d, remove_word)]
+                       for d in doc["delete"]], right=["EPOCH", "FREES", "STORED", "SIZE"]), ""]
     if doc["keep"]:
         out += ["Epochs kept:",
-                table(["EPOCH", "NODES", "BYTES", "WHY"],
-                      [[k["epoch"], ",".join(k["nodes"]), human_bytes(k["bytes"]),
-                        ", ".join(k["reasons"])] for k in doc["keep"]],
-                      right=["EPOCH", "BYTES"]), ""]
+                table(["EPOCH", "NODES", "STORED", "SIZE", "WHY"],
+                      [[k["epoch"], ",".join(k["nodes"]), *_sizes(k), ", ".join(k["reasons"])]
+                       for k in doc["keep"]], right=["EPOCH", "STORED", "SIZE"]), ""]
     return out
+
+
+def _sizes(row: dict[str, Any]) -> list[str]:
+    """A save's STORED (the bytes it wrote; "delta" if it builds on older groups) and SIZE
+    (its blobs' bytes) columns."""
+    return [_written(row), human_bytes(row["bytes"])]
 
 
 def _gc_outcome(doc: dict[str, Any]) -> str:

@@ -138,6 +138,68 @@ def test_damage_under_a_delta_epoch_is_named_per_blob(counting, capsys, damaged)
     assert code == 1 and "DAMAGED" in out
 
 
+# -- D4: gc counts every group a deletion frees ---------------------------------------------
+
+
+def group_file_bytes(prefix: str) -> int:
+    """The bytes of every file in the prefix's node groups."""
+    loc = Location(prefix)
+    root = loc.root.rstrip("/")
+    return sum(loc.fs.size(p) for p in loc.fs.find(root)
+               if parse_group_name(p[len(root) + 1:].split("/", 1)[0]) is not None)
+
+
+def test_gc_bytes_freed_counts_the_pinned_groups_a_deletion_frees(prefix, capsys):
+    """Review D4: epoch 2 (a delta) alone pins epochs 0 and 1's groups (their records went with
+    retention); deleting it frees all three groups, not only its own 72 bytes."""
+    table = np.zeros((4096, 64), np.float32)  # 1 MiB
+    opts = delta_options(max_delta_chain=2, max_to_keep=2)
+    with StepCheckpointManager(prefix, options=opts, handle_preemption=False) as mgr:
+        for step in range(4):
+            table[step] = step
+            mgr.save(step, {"n0": {"table": table}})
+    before = run_json(capsys, "gc", prefix, "--min-age", 0)
+    assert [(p["path"], p["pinned_by"]) for p in before["pinned"]] == [("n0.0", [2]),
+                                                                        ("n0.1", [2])]
+    dry = run_json(capsys, "gc", prefix, "--keep-last", 1, "--min-age", 0)
+    (gone,) = dry["delete"]
+    assert gone["epoch"] == 2 and dry["pinned"] == []
+    assert gone["frees"] == dry["bytes_freed"] == gone["bytes_written"] + before["bytes_pinned"]
+    assert sorted(gone["groups_freed"]) == ["n0.0", "n0.1", "n0.2"]
+    files_before = group_file_bytes(prefix)
+    real = run_json(capsys, "gc", prefix, "--keep-last", 1, "--min-age", 0, "--yes")
+    shrunk = files_before - group_file_bytes(prefix)
+    assert real["delete"][0]["done"] is True
+    assert real["bytes_freed"] == dry["bytes_freed"]
+    assert 0 <= shrunk - real["bytes_freed"] < 8 << 10, (shrunk, real["bytes_freed"])  # metadata
+
+
+def test_gc_rows_add_up_to_its_totals_in_stored_bytes(prefix, capsys):
+    """Issue 34: each deletion's row shows what removing it frees (stored bytes, pinned
+    groups included), the same figures the last line adds up; kept rows show stored bytes
+    beside the blobs' size."""
+    table = np.zeros((4096, 64), np.float32)
+    with StepCheckpointManager(prefix, options=delta_options(max_delta_chain=2),
+                               handle_preemption=False) as mgr:
+        for step in range(6):
+            table[step] = step
+            mgr.save(step, {"n0": {"table": table}})
+    doc = run_json(capsys, "gc", prefix, "--keep-last", 2, "--min-age", 0)
+    assert [d["epoch"] for d in doc["delete"]] == [0, 1, 2, 3]
+    assert sum(d["frees"] for d in doc["delete"]) == doc["bytes_freed"]
+    assert all("bytes_written" in k for k in doc["keep"])
+    code, out, _ = run(capsys, "gc", prefix, "--keep-last", 2, "--min-age", 0)
+    assert code == 0
+    lines = out.splitlines()
+    header = next(x for x in lines if x.startswith("EPOCH") and "RESULT" in x)
+    assert header.split()[:4] == ["EPOCH", "NODES", "FREES", "STORED"]
+    rows = lines[lines.index(header) + 1:lines.index(header) + 5]
+    frees = [d["frees"] for d in doc["delete"]]
+    assert [r.split()[0] for r in rows] == ["0", "1", "2", "3"]
+    assert all(human_bytes(f) in r for f, r in zip(frees, rows))
+    assert f"({human_bytes(doc['bytes_freed'])}) would be removed" in lines[-1]
+
+
 # -- D5: two jobs on one prefix: the node picks the save -------------------------------------
 
 
