@@ -287,6 +287,66 @@ def test_show_diff_and_verify_select_the_save_by_node(prefix, capsys):
             "trainer_1; solo_0") in err
 
 
+# -- D6: a failed record delete leaves no retire note; gc reports and removes stale ones ----------
+
+
+def faulty_manager(prefix: str) -> tuple[FaultyFileSystem, StepCheckpointManager]:
+    fs, root = fsspec.core.url_to_fs(prefix, auto_mkdir=True)
+    faulty = FaultyFileSystem(fs)
+    mgr = StepCheckpointManager(root, filesystem=faulty, handle_preemption=False)
+    for step in range(3):
+        mgr.save(step, {"n0": {"w": np.full(4, float(step))}})
+    return faulty, mgr
+
+
+def notes(prefix: str) -> list[str]:
+    loc = Location(prefix)
+    return loc.list_names(loc.path(RETIRED_DIR))
+
+
+def is_record_delete(method: str, path: str) -> bool:
+    return "/_commits/" in path
+
+
+def test_a_failed_record_delete_takes_its_retire_note_back(prefix):
+    """Review D6: the note was written, the record's DELETE failed, and the note stayed for
+    good (gc skips every note whose record exists)."""
+    faulty, mgr = faulty_manager(prefix)
+    faulty.arm("delete", 1, match=is_record_delete)
+    with mgr, pytest.raises(OSError, match="injected"):
+        mgr.delete(1)
+    assert faulty.failed and mgr.all_steps(read=True) == [0, 1, 2]
+    assert notes(prefix) == []
+    with StepCheckpointManager(prefix, handle_preemption=False) as again:
+        assert float(again.restore(1)["n0"]["w"][0]) == 1.0
+        again.delete(1)  # and the removal can be done later
+        assert again.all_steps(read=True) == [0, 2]
+    assert notes(prefix) == []
+
+
+def test_gc_reports_and_removes_a_retire_note_whose_record_stands(prefix, capsys):
+    """A note that could not be taken back either (every delete failing) is reported by gc as
+    a stale retire note, removed with --yes, and the save it names stays committed."""
+    faulty, mgr = faulty_manager(prefix)
+    faulty.arm("delete", 1, sticky=True)
+    with mgr, pytest.raises(OSError, match="injected"):
+        mgr.delete(1)
+    faulty.reset()
+    (note,) = notes(prefix)
+    assert run_json(capsys, "gc", prefix)["leftovers"] == []  # younger than --min-age
+    doc = run_json(capsys, "gc", prefix, "--min-age", 0)
+    (item,) = doc["leftovers"]
+    assert item["kind"] == "stale retire note" and item["path"] == f"{RETIRED_DIR}/{note}"
+    code, out, _ = run(capsys, "gc", prefix, "--min-age", 0)
+    assert code == 0 and "stale retire note" in out
+    doc = run_json(capsys, "gc", prefix, "--min-age", 0, "--yes")
+    assert doc["leftovers"][0]["done"] is True
+    assert notes(prefix) == []
+    store = CheckpointStore(Location(prefix))
+    assert sorted(s.epoch for s in scan(store).saves()) == [0, 1, 2]
+    assert run_json(capsys, "verify", prefix)["summary"]["ok"] == 3
+
+
 # -- issue 34: chains shown compactly, missing epochs named, sizes as stored --------------------
 
 
