@@ -174,6 +174,12 @@ def save_kind(records: Sequence[CommitRecord], location: Location) -> Document:
     return out
 
 
+def group_epoch(group: str) -> int | None:
+    """The epoch of the group at ``group`` (None: not a group's name)."""
+    parsed = parse_group_name(group)
+    return None if parsed is None else parsed.epoch
+
+
 def group_manifest(store: CheckpointStore, group: str) -> Manifest | None:
     """The manifest the ``zarr.json`` of the group at ``group`` holds, not checked against
     any record (None: it cannot be read)."""

@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from caffe2ckpt.units import human_bytes
+from caffe2ckpt.units import epochs_text, human_bytes
 
 __all__ = ["Progress", "render"]
 
@@ -166,7 +166,7 @@ def render_show(doc: dict[str, Any]) -> str:
         elif b["storage"] == "packed":
             storage = f"packed @{b['offset']}"
         else:  # a differential save's: unchanged, or a row overlay on older groups
-            storage = f"{b['storage']} on {', '.join(b['from'])}"
+            storage = chain_text(b)
         state = {"recorded": "crc32c recorded", "ok": "ok", "bad": "BAD",
                  "error": "READ ERROR"}[b["checksum"]]
         rows.append([b["node"], b["name"], b["dtype"], shape_text(b["shape"]),
@@ -177,6 +177,15 @@ def render_show(doc: dict[str, Any]) -> str:
     for problem in doc["problems"]:
         out.append(f"{problem['node']}: {problem['error']}")
     return "\n".join(out)
+
+
+def chain_text(blob: dict[str, Any]) -> str:
+    """Where a differential save's blob comes from, by epoch (``--json`` has the groups'
+    URLs): ``"same, from epoch 5"``, ``"rows on epochs 5-7 (3 groups)"``."""
+    epochs = [e for e in blob.get("from_epochs", []) if e is not None]
+    where = (f"epoch {epochs[0]}" if len(epochs) == 1
+             else f"epochs {epochs_text(epochs)} ({plural(len(blob['from']), 'group')})")
+    return f"same, from {where}" if blob["storage"] == "same" else f"{blob['storage']} on {where}"
 
 
 def render_verify(doc: dict[str, Any]) -> str:

@@ -13,6 +13,7 @@ from caffe2ckpt.cli._context import (
     Document,
     check_node,
     checked_manifest,
+    group_epoch,
     json_metrics,
     open_prefix,
     require_save,
@@ -73,7 +74,8 @@ def cmd_show(ctx: Context, args: argparse.Namespace) -> tuple[Document, int]:
             inherited = manifest.inherited.get(info.name)
             if inherited is not None:  # a differential save's: read through older groups
                 entry.update(storage=inherited.kind,
-                             **{"from": [store.location.display(g) for g in inherited.chain]})
+                             **{"from": [store.location.display(g) for g in inherited.chain]},
+                             from_epochs=[group_epoch(g) for g in inherited.chain])
             elif info.path is not None:
                 entry.update(storage="array", path=info.path, chunks=len(crcs[info.path]),
                              chunk_rows=info.chunk_rows)

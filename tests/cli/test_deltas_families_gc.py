@@ -350,6 +350,28 @@ def test_gc_reports_and_removes_a_retire_note_whose_record_stands(prefix, capsys
 # -- issue 34: chains shown compactly, missing epochs named, sizes as stored --------------------
 
 
+def chained(prefix: str, steps: int = 4) -> None:
+    table = np.zeros((1024, 64), np.float32)
+    with StepCheckpointManager(prefix, options=delta_options(), handle_preemption=False) as mgr:
+        for step in range(steps):
+            table[step] = step + 1
+            mgr.save(step, {"n0": {"table": table, "frozen": np.ones((128, 64), np.float32)}})
+
+
+def test_show_tells_chains_by_epoch_and_keeps_paths_for_json(prefix, capsys):
+    chained(prefix)
+    code, out, _ = run(capsys, "show", prefix, "--epoch", 3)
+    assert code == 0
+    table = next(x for x in out.splitlines() if x.split()[:2] == ["n0", "table"])
+    frozen = next(x for x in out.splitlines() if x.split()[:2] == ["n0", "frozen"])
+    assert "rows on epochs 0-2 (3 groups)" in table
+    assert "same, from epoch 0" in frozen
+    assert "n0.0" not in out and len(table) < 120 and len(frozen) < 120
+    blobs = {b["name"]: b for b in run_json(capsys, "show", prefix, "--epoch", 3)["blobs"]}
+    assert [g.rpartition("/")[2] for g in blobs["table"]["from"]] == ["n0.0", "n0.1", "n0.2"]
+    assert blobs["table"]["from_epochs"] == [0, 1, 2]
+
+
 @pytest.mark.parametrize("argv", [["show", "--epoch", 99], ["verify", "--epoch", 99],
                                   ["diff", 0, 99], ["materialize", "--epoch", 99, "DEST"]])
 def test_a_missing_epoch_lists_the_committed_ones(prefix, tmp_path, capsys, argv):
