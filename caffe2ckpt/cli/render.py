@@ -109,13 +109,7 @@ def plural(n: int, word: str, many: str | None = None) -> str:
 
 def render_ls(doc: dict[str, Any]) -> str:
     epochs = doc["epochs"]
-    committed = [e for e in epochs if e["state"] in ("committed", "superseded")]
-    current = [e for e in committed if e["state"] == "committed"]
-    superseded = len(committed) - len(current)
-    out = [f"{doc['prefix']}: {plural(len(current), 'committed epoch')}"
-           + (f" (+ {plural(superseded, 'superseded save')})" if superseded else "")
-           + (f", newest {current[-1]['epoch']}" if current else "")
-           + f", {human_bytes(sum(e['bytes'] for e in committed))} committed"]
+    out = [_ls_summary(doc)]
     rows = []
     for e in epochs:
         state = e["state"]
@@ -123,13 +117,12 @@ def render_ls(doc: dict[str, Any]) -> str:
             state += f" (missing {', '.join(e['missing_nodes'])})"
         if e.get("error"):
             state += f": {e['error']}"
-        rows.append([e["epoch"], ",".join(e["nodes"]), human_bytes(e["bytes"]),
-                     _written(e), metrics_text(e["metrics"]), human_time(e["created"]),
-                     writer_text(e["writer"], e.get("node_workers")),
+        rows.append([e["epoch"], ",".join(e["nodes"]), *_sizes(e), metrics_text(e["metrics"]),
+                     human_time(e["created"]), writer_text(e["writer"], e.get("node_workers")),
                      state])
     if rows:
-        out += ["", table(["EPOCH", "NODES", "BYTES", "WRITTEN", "METRICS", "CREATED", "WRITER",
-                           "STATE"], rows, right=["EPOCH", "BYTES", "WRITTEN"])]
+        out += ["", table(["EPOCH", "NODES", "STORED", "SIZE", "METRICS", "CREATED", "WRITER",
+                           "STATE"], rows, right=["EPOCH", "STORED", "SIZE"])]
     else:
         out.append("no committed epochs")
     if doc["leftovers"]:
@@ -140,6 +133,26 @@ def render_ls(doc: dict[str, Any]) -> str:
                         human_age(x["age_seconds"]), human_bytes(x["bytes"]), x["path"]]
                        for x in doc["leftovers"]], right=["AGE", "BYTES"])]
     return "\n".join(out)
+
+
+def _ls_summary(doc: dict[str, Any]) -> str:
+    """``ls``'s first line: the committed epochs and what they hold on disk (stored bytes),
+    with the superseded saves and the older groups differential epochs build on apart."""
+    current = [e for e in doc["epochs"] if e["state"] == "committed"]
+    epochs = sorted({e["epoch"] for e in current})
+    saves = f" in {len(current)} saves" if len(current) > len(epochs) else ""
+    superseded = sum(1 for e in doc["epochs"] if e["state"] == "superseded")
+    text = f"{doc['prefix']}: {plural(len(epochs), 'committed epoch')}{saves}"
+    if superseded:
+        text += (f" (+ {plural(superseded, 'superseded save')}, "
+                 f"{human_bytes(doc['superseded_bytes_stored'])})")
+    if epochs:
+        text += f", newest {epochs[-1]}"
+    text += f", {human_bytes(doc['bytes_stored'])} stored (blobs {human_bytes(doc['bytes'])})"
+    if doc["pinned_bytes_stored"]:
+        text += (f" + {human_bytes(doc['pinned_bytes_stored'])} of older groups differential "
+                 "epochs build on")
+    return text
 
 
 def _written(row: dict[str, Any]) -> str:

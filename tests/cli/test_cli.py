@@ -142,7 +142,7 @@ def test_ls_lists_every_epoch_with_bytes_metrics_and_writer(tree, capsys):
     assert code == 0 and err == ""
     assert "6 committed epochs, newest 5" in out
     header = next(line for line in out.splitlines() if line.startswith("EPOCH"))
-    assert header.split() == ["EPOCH", "NODES", "BYTES", "WRITTEN", "METRICS", "CREATED",
+    assert header.split() == ["EPOCH", "NODES", "STORED", "SIZE", "METRICS", "CREATED",
                               "WRITER", "STATE"]
     rows = [line for line in out.splitlines() if line.strip()[:1].isdigit()]
     assert len(rows) == 6

@@ -161,6 +161,7 @@ def test_gc_bytes_freed_counts_the_pinned_groups_a_deletion_frees(prefix, capsys
     before = run_json(capsys, "gc", prefix, "--min-age", 0)
     assert [(p["path"], p["pinned_by"]) for p in before["pinned"]] == [("n0.0", [2]),
                                                                         ("n0.1", [2])]
+    assert run_json(capsys, "ls", prefix)["pinned_bytes_stored"] == before["bytes_pinned"]
     dry = run_json(capsys, "gc", prefix, "--keep-last", 1, "--min-age", 0)
     (gone,) = dry["delete"]
     assert gone["epoch"] == 2 and dry["pinned"] == []
@@ -384,3 +385,23 @@ def test_a_missing_epoch_lists_the_committed_ones(prefix, tmp_path, capsys, argv
     assert f"epoch 99 is not committed under {prefix!r}" in err
     assert "31 committed epochs" in err and "52, 54, 56, 58, 61" in err and "0, 2" not in err
     assert err.count("\n") == 1 and len(err) < 300
+
+
+def test_ls_totals_are_stored_bytes_with_superseded_saves_apart(prefix, capsys):
+    """Issue 34: "1.1 GiB committed" while 391 MB were on disk (logical sizes of differential
+    epochs) and the total counted superseded saves."""
+    two_jobs(prefix)
+    doc = run_json(capsys, "ls", prefix)
+    rows = doc["epochs"]
+    current = [r for r in rows if r["state"] == "committed"]
+    superseded = [r for r in rows if r["state"] == "superseded"]
+    assert doc["bytes_stored"] == sum(r["bytes_written"] for r in current)
+    assert doc["superseded_bytes_stored"] == sum(r["bytes_written"] for r in superseded) > 0
+    assert doc["bytes"] == sum(r["bytes"] for r in current) > doc["bytes_stored"]
+    _, out, _ = run(capsys, "ls", prefix)
+    first = out.splitlines()[0]
+    assert re.search(rf"{re.escape(human_bytes(doc['bytes_stored']))} stored \(blobs "
+                     rf"{re.escape(human_bytes(doc['bytes']))}\)", first), first
+    assert f"2 superseded saves, {human_bytes(doc['superseded_bytes_stored'])}" in first
+    header = next(line for line in out.splitlines() if line.startswith("EPOCH"))
+    assert header.split()[:4] == ["EPOCH", "NODES", "STORED", "SIZE"]
