@@ -4,12 +4,13 @@ of a call, opening a prefix, and reading and checking node checkpoints for ``sho
 from __future__ import annotations
 
 import datetime
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from caffe2ckpt.cli.render import Progress, epochs_text
+from caffe2ckpt.cli.render import Progress
 from caffe2ckpt.errors import (
     CheckpointCorruptedError,
     CheckpointError,
@@ -19,6 +20,8 @@ from caffe2ckpt.fs.location import Location
 from caffe2ckpt.history.cleanup import Leftover, is_checkpoint_prefix
 from caffe2ckpt.history.lineage import Save
 from caffe2ckpt.history.scan import PrefixScan, scan
+from caffe2ckpt.history.scan import require_save as scan_require_save
+from caffe2ckpt.steps.plainzarr import small_blobs
 from caffe2ckpt.store.groupread import read_node
 from caffe2ckpt.store.layout import COMMITS_DIR, RUNS_DIR, parse_group_name
 from caffe2ckpt.store.manifest import Manifest
@@ -99,37 +102,18 @@ def committed_epochs(found: PrefixScan) -> list[int]:
     return sorted({s.epoch for s in found.saves()})
 
 
-def require_save(store: CheckpointStore, found: PrefixScan, epoch: int) -> Save:
-    """The committed save of ``epoch``: the current lineage's, else a superseded one."""
-    current = found.current()
-    if epoch in current:
-        return current[epoch]
-    saves = [s for s in found.saves() if s.epoch == epoch]
-    if saves:
-        return saves[0]
-    where = store.location.display()
-    bad = [ref for ref, _ in found.unreadable if ref.epoch == epoch]
-    partial = [p for p in found.partial if p.epoch == epoch]
-    if bad:
-        why = ("its commit record(s) " + ", ".join(repr(r.filename) for r in bad)
-               + f" are unreadable (see `caffe2ckpt verify {store.location.url} --epoch {epoch}`)")
-    elif partial:
-        missing = sorted({n for p in partial for n in p.missing})
-        why = f"its save is partial: node(s) {', '.join(missing)} have no commit record"
-    else:
-        why = f"committed epochs: {epochs_text(committed_epochs(found))}"
-    raise CLIError(f"epoch {epoch} is not committed under {where!r}; {why}", EXIT_NOT_FOUND)
+def require_save(store: CheckpointStore, found: PrefixScan, epoch: int,
+                 nodes: Sequence[str] | None = None) -> Save:
+    """The committed save of ``epoch`` holding every one of ``nodes`` (jobs with other nodes
+    may share the prefix): the current lineage's, else a superseded one
+    (:class:`CheckpointNotFoundError` saying why there is none: exit 3)."""
+    return scan_require_save(found, store, epoch, list(dict.fromkeys(nodes or ())))
 
 
-def require_nodes(store: CheckpointStore, save: Save, nodes: list[str] | None) -> list[str]:
-    if not nodes:
-        return sorted(save.records)
-    unknown = [n for n in nodes if n not in save.records]
-    if unknown:
-        raise CLIError(f"epoch {save.epoch} under {store.location.display()!r} has no node "
-                       f"{', '.join(map(repr, unknown))}; its nodes: "
-                       f"{', '.join(sorted(save.records))}", EXIT_NOT_FOUND)
-    return list(dict.fromkeys(nodes))
+def save_nodes(save: Save, nodes: Sequence[str] | None) -> list[str]:
+    """The nodes of ``save`` a command acts on: ``nodes`` (as :func:`require_save` checked
+    them), else all of them."""
+    return list(dict.fromkeys(nodes)) if nodes else sorted(save.records)
 
 
 def checked_manifest(store: CheckpointStore, record: CommitRecord) -> Manifest:
@@ -139,13 +123,25 @@ def checked_manifest(store: CheckpointStore, record: CommitRecord) -> Manifest:
     return store.manifest(record)
 
 
+def chained_together(manifest: Manifest) -> list[str]:
+    """The blobs of a differential save that older groups hold and that are read together:
+    the small ones (a whole group packs them), whose chains share their sources' packed
+    arrays. Each larger one is read alone, so that one array at a time is in memory."""
+    return small_blobs({name: i.info for name, i in manifest.inherited.items()})
+
+
 def read_units(manifest: Manifest) -> list[list[str]]:
-    """How blobs are read: each own array alone, every packed blob in one read, each blob of a
-    differential save that other groups hold alone (its chain resolved)."""
+    """How blobs are read: each own array alone, every packed blob in one read; the blobs a
+    differential save reads through older groups: the small ones in one read (every source
+    group's packed array read once, not once per blob), each larger one alone."""
     units = [[name] for name in manifest.arrays]
     if manifest.packed:
         units.append([b.name for b in manifest.packed])
-    return units + [[name] for name in manifest.inherited]
+    together = chained_together(manifest)
+    if together:
+        units.append(together)
+    alone = set(together)
+    return units + [[name] for name in manifest.inherited if name not in alone]
 
 
 def leftover_bytes(location: Location, item: Leftover) -> int | None:
@@ -178,17 +174,31 @@ def save_kind(records: Sequence[CommitRecord], location: Location) -> Document:
     return out
 
 
-def group_bytes(store: CheckpointStore, group: str) -> int | None:
-    """The bytes of data the group at ``group`` holds, as its manifest says (None: it cannot
-    be read)."""
+def group_epoch(group: str) -> int | None:
+    """The epoch of the group at ``group`` (None: not a group's name)."""
     parsed = parse_group_name(group)
+    return None if parsed is None else parsed.epoch
+
+
+def group_manifest(store: CheckpointStore, group: str) -> Manifest | None:
+    """The manifest the ``zarr.json`` of the group at ``group`` holds, not checked against
+    any record (None: it cannot be read)."""
+    parsed = parse_group_name(group)
+    if parsed is None:
+        return None
     try:
         raw = store.location.read_bytes(f"{store.location.path(group)}/zarr.json",
                                         limit=64 << 20)
-        return parse_manifest(raw, group, node=parsed.node,  # type: ignore[union-attr]
-                              epoch=parsed.epoch).stored_nbytes  # type: ignore[union-attr]
-    except (CheckpointError, ValueError, AttributeError):
+        return parse_manifest(raw, group, node=parsed.node, epoch=parsed.epoch)
+    except (CheckpointError, ValueError):
         return None
+
+
+def group_bytes(store: CheckpointStore, group: str) -> int | None:
+    """The bytes of data the group at ``group`` holds, as its manifest says (None: it cannot
+    be read)."""
+    manifest = group_manifest(store, group)
+    return None if manifest is None else manifest.stored_nbytes
 
 
 def known_nodes(location: Location) -> set[str]:
@@ -208,12 +218,89 @@ class NodeCheck:
     errors: list[Document] = field(default_factory=list)
     manifest: Manifest | None = None
 
+    def note(self, names: list[str], exc: Exception | None, *, packed: bool = False) -> None:
+        """The outcome of reading ``names`` together: ``exc`` (None: they are fine) hits each
+        of them."""
+        state = "ok" if exc is None else "bad" if _is_damage(exc) else "error"
+        self.blobs.update(dict.fromkeys(names, state))
+        if exc is not None:
+            self.errors.append(_error_doc(names, exc, packed))
+        if exc is not None and (self.status == "ok" or state == "bad"):
+            self.status = "damaged" if state == "bad" else "error"
+
+
+def _is_damage(exc: Exception) -> bool:
+    return isinstance(exc, CheckpointCorruptedError)
+
+
+def _error_doc(names: list[str], exc: Exception, packed: bool) -> Document:
+    """One damage or I/O error of blobs ``names`` read together: the blob it hits (where
+    several were read together: what it names, and the blobs)."""
+    error: Document = {"blob": names[0] if len(names) == 1 else getattr(exc, "blob", None),
+                       "error": str(exc) or type(exc).__name__}
+    if len(names) > 1:
+        error["packed_blobs" if packed else "blobs"] = names
+    return error
+
+
+def _attempt(read: Callable[[], object]) -> Exception | None:
+    """The damage or I/O error ``read()`` raises (None: it read fine)."""
+    try:
+        read()
+    except (CheckpointCorruptedError, OSError) as exc:
+        return exc
+    return None
+
+
+def check_chained(store: CheckpointStore, record: CommitRecord, manifest: Manifest,
+                  names: list[str]) -> list[tuple[list[str], Exception | None]]:
+    """Read blobs ``names`` of the differential save ``record`` commits, which older groups
+    hold, in one ``load_node`` (each source group and overlay read once); outcomes as (blobs,
+    error or None). If it fails, the blobs are read again by what they share where they are
+    stored (:func:`_by_source`), so that damage is put on the blobs it hits; an error naming
+    one of them hits that one."""
+    out: list[tuple[list[str], Exception | None]] = []
+    todo = [(names, True)]  # blobs read together, and whether they may still be split
+    while todo:
+        unit, split = todo.pop()
+        exc = _attempt(functools.partial(store.load_node, record, unit))
+        named = getattr(exc, "blob", None)
+        if exc is None or len(unit) == 1:
+            out.append((unit, exc))
+        elif named in unit:
+            out.append(([named], exc))
+            todo.append(([n for n in unit if n != named], split))
+        elif split:
+            todo += [(part, False) for part in _by_source(store, manifest, unit)]
+        else:
+            out.append((unit, exc))
+    return out
+
+
+def _by_source(store: CheckpointStore, manifest: Manifest, names: list[str]) -> list[list[str]]:
+    """``names`` (inherited blobs of ``manifest``'s save) by what they share where they are
+    stored whole: each row-overlaid blob alone (its overlays are its own), the others by
+    source group and array (that group's packed blobs together; all of a group whose
+    manifest cannot be read together)."""
+    sources: dict[str, Manifest | None] = {}
+    parts: dict[tuple[str, str, str | None], list[str]] = {}
+    for name in names:
+        inherited = manifest.inherited[name]
+        group = inherited.chain[0]
+        if group not in sources:
+            sources[group] = group_manifest(store, group)
+        source = sources[group]
+        info = source.stored_blobs.get(name) if source is not None else None
+        key = (name if inherited.kind == "rows" else "", group, info and info.path)
+        parts.setdefault(key, []).append(name)
+    return list(parts.values())
+
 
 def check_node(store: CheckpointStore, record: CommitRecord, progress: Progress) -> NodeCheck:
     """Read every blob of the node checkpoint ``record`` commits and check every checksum.
 
     Unlike one ``load_node`` call this finds every damaged blob (not just the first), and holds
-    only one array (or the packed blobs) in memory at a time.
+    only one array (or the small blobs read together) in memory at a time.
     """
     label, expected_bytes = record.group, record.nbytes
     try:
@@ -227,24 +314,11 @@ def check_node(store: CheckpointStore, record: CommitRecord, progress: Progress)
     check = NodeCheck("ok", manifest=manifest)
     path, crcs = store.group_path(record), store.chunk_crcs(record, manifest)
     for names in read_units(manifest):
-        state, error = "ok", None
-        try:
-            if names[0] in manifest.inherited:
-                store.load_node(record, names)  # through its chain, digest checked
-            else:
-                read_node(store.location, path, manifest, crcs, names)
-        except CheckpointCorruptedError as exc:
-            state, error = "bad", {"blob": exc.blob, "error": str(exc)}
-        except OSError as exc:
-            state, error = "error", {"blob": names[0] if len(names) == 1 else None,
-                                     "error": str(exc)}
-        if error is not None:
-            if len(names) > 1:
-                error["packed_blobs"] = names
-            check.errors.append(error)
-            if check.status == "ok" or state == "bad":
-                check.status = "damaged" if state == "bad" else "error"
-        for name in names:
-            check.blobs[name] = state
+        if names[0] in manifest.inherited:  # through their chains, digests checked
+            for blobs, exc in check_chained(store, record, manifest, names):
+                check.note(blobs, exc)
+        else:
+            check.note(names, _attempt(functools.partial(
+                read_node, store.location, path, manifest, crcs, names)), packed=len(names) > 1)
         progress.advance(sum(manifest.blobs[n].nbytes for n in names), label)
     return check

@@ -20,11 +20,14 @@ from caffe2ckpt.cli._context import (
     CLIError,
     Context,
     Document,
+    chained_together,
     checked_manifest,
     open_prefix,
     require_save,
 )
 from caffe2ckpt.cli.render import Progress
+from caffe2ckpt.history.lineage import Save
+from caffe2ckpt.history.scan import PrefixScan
 from caffe2ckpt.store.groupread import read_node
 from caffe2ckpt.store.manifest import BlobInfo
 from caffe2ckpt.store.protocol import CheckpointStore
@@ -34,7 +37,9 @@ __all__ = ["cmd_diff", "compare", "diff_node"]
 
 
 class _Reader:
-    """Reads the blobs of one committed node checkpoint on demand."""
+    """Reads the blobs of one committed node checkpoint on demand: each array alone, the
+    packed blobs together, and (a differential save) the small blobs other groups hold
+    together, so each source group's packed array is read once."""
 
     def __init__(self, store: CheckpointStore, record: CommitRecord) -> None:
         self.store, self.record = store, record
@@ -42,10 +47,16 @@ class _Reader:
         self.path = store.group_path(record)
         self.crcs = store.chunk_crcs(record, self.manifest)
         self._packed: dict[str, np.ndarray] | None = None
+        self._together = chained_together(self.manifest)
+        self._chained: dict[str, np.ndarray] | None = None
 
     def read(self, name: str) -> np.ndarray:
         if name in self.manifest.inherited:  # a differential save's: through its chain
-            return self.store.load_node(self.record, [name])[name]
+            if name not in self._together:
+                return self.store.load_node(self.record, [name])[name]
+            if self._chained is None:
+                self._chained = self.store.load_node(self.record, self._together)
+            return self._chained[name]
         if self.manifest.blobs[name].path is not None:
             return read_node(self.store.location, self.path, self.manifest, self.crcs,
                              [name])[name]
@@ -129,10 +140,17 @@ def diff_node(store: CheckpointStore, node: str, records: Sequence[CommitRecord 
     return out
 
 
+def _save(store: CheckpointStore, found: PrefixScan, epoch: int,
+          nodes: list[str] | None) -> Save:
+    """The save of ``epoch`` holding ``nodes`` (jobs with other nodes may share the prefix),
+    else the one ``epoch`` means without nodes (in which those nodes are added or removed)."""
+    return found.save_at(epoch, nodes or ()) or require_save(store, found, epoch)
+
+
 def cmd_diff(ctx: Context, args: argparse.Namespace) -> tuple[Document, int]:
     store, found = open_prefix(ctx, args.prefix)
     a, b = args.epoch_a, args.epoch_b
-    step_a, step_b = require_save(store, found, a), require_save(store, found, b)
+    step_a, step_b = (_save(store, found, epoch, args.node) for epoch in (a, b))
     nodes = sorted(set(step_a.records) | set(step_b.records))
     if args.node:
         unknown = [n for n in args.node if n not in nodes]

@@ -16,7 +16,8 @@ fails verification.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
 
 from caffe2ckpt.cli._context import (
     EXIT_DAMAGED,
@@ -28,6 +29,7 @@ from caffe2ckpt.cli._context import (
     Context,
     Document,
     group_bytes,
+    group_manifest,
     json_metrics,
     known_nodes,
     leftover_doc,
@@ -35,6 +37,7 @@ from caffe2ckpt.cli._context import (
 )
 from caffe2ckpt.errors import CheckpointError, CheckpointFencedError, JobDefinitionError
 from caffe2ckpt.history.cleanup import (
+    Leftover,
     References,
     find_leftovers,
     remove_leftovers,
@@ -44,7 +47,9 @@ from caffe2ckpt.history.lineage import Save
 from caffe2ckpt.history.retention import RetentionPlan, plan_retention
 from caffe2ckpt.history.scan import Family, PrefixScan
 from caffe2ckpt.policy import StepManagerOptions
+from caffe2ckpt.store.layout import parse_group_name
 from caffe2ckpt.store.protocol import CheckpointStore
+from caffe2ckpt.store.records import CommitRecord
 
 __all__ = ["cmd_gc"]
 
@@ -60,6 +65,8 @@ def retention_options(args: argparse.Namespace) -> StepManagerOptions:
 
 def _entry(save: Save, found: PrefixScan) -> Document:
     return {"epoch": save.epoch, "nodes": sorted(save.records), "bytes": save.nbytes,
+            "bytes_written": sum(r.bytes_written for r in save.records.values()),
+            "kind": "delta" if any(r.delta for r in save.records.values()) else "full",
             "metrics": json_metrics(save.metrics), "save_id": save.save_id,
             "superseded": found.is_superseded(save)}
 
@@ -132,27 +139,80 @@ def _plans(store: CheckpointStore, found: PrefixScan, families: list[Family],
     return keep, delete, refusals
 
 
-def _pinned(store: CheckpointStore, found: PrefixScan,
-            delete: list[tuple[Save, Document]]) -> list[Document]:
-    """Groups of saves that are gone (or go now) that differential saves which stay still
-    build on: their bytes stay. Each delete document learns what removing it ``frees``: its
-    own groups' data, unless a save that stays needs them."""
+def _staying(found: PrefixScan, delete: list[tuple[Save, Document]]) -> list[CommitRecord]:
+    """The readable records gc leaves: of the saves it does not delete, and of partial saves
+    (a partial save's removal is a leftover's)."""
     going = {(s.epoch, s.save_id) for s, _ in delete}
-    staying = [r for s in found.saves() if (s.epoch, s.save_id) not in going
-               for r in s.records.values()]
-    staying += [r for p in found.partial for r in p.records.values()]
+    return [*(r for s in found.saves() if (s.epoch, s.save_id) not in going
+              for r in s.records.values()),
+            *(r for p in found.partial for r in p.records.values())]
+
+
+def _pinned(store: CheckpointStore, staying: list[CommitRecord]) -> list[Document]:
+    """Groups of saves that are gone (or go now) that differential saves which stay still
+    build on: their bytes stay."""
     needed: dict[str, set[int]] = {}
     for record in staying:
         for group in record.closure:
             needed.setdefault(group, set()).add(record.epoch)
-    for save, doc in delete:
-        doc["bytes_written"] = sum(r.bytes_written for r in save.records.values())
-        doc["frees"] = sum(r.bytes_written for r in save.records.values()
-                           if r.group not in needed)
     own = {r.group for r in staying}
     return [{"path": group, "url": store.location.display(group),
              "bytes": group_bytes(store, group), "pinned_by": sorted(epochs)}
             for group, epochs in sorted(needed.items()) if group not in own]
+
+
+def _frees(store: CheckpointStore, found: PrefixScan, delete: list[tuple[Save, Document]],
+           staying: list[CommitRecord]) -> dict[str, int]:
+    """Each delete document learns what removing its save frees, in the order gc removes
+    them (as :func:`~caffe2ckpt.history.cleanup.remove_saves` decides): ``groups_freed``, the
+    groups whose last need goes with it (its own groups no save that stays needs, and older
+    groups, pinned until then, that only saves going needed; not one whose own record is
+    there but unreadable), and ``frees``, their stored bytes. Returns the bytes by group."""
+    kept = {group for record in staying for group in record.closure}
+    unreadable = {(ref.node, ref.epoch, ref.save_id) for ref, _ in found.unreadable}
+    sizes = {r.group: r.bytes_written for s, _ in delete for r in s.records.values()}
+    waiting = Counter(group for save, _ in delete for group in save.closure())
+    for save, doc in delete:
+        freed = sorted(_last_needed(save, waiting, kept, unreadable))
+        for group in freed:
+            if group not in sizes:
+                sizes[group] = group_bytes(store, group) or 0
+        doc["groups_freed"] = freed
+        doc["frees"] = sum(sizes[g] for g in freed)
+    return sizes
+
+
+def _last_needed(save: Save, waiting: Counter[str], kept: set[str],
+                 unreadable: set[tuple[str, int, str]]) -> Iterator[str]:
+    """The groups of ``save``'s closure whose last need goes with it: no save still to be
+    removed (``waiting`` counts them down) nor one that stays (``kept``) needs them, and no
+    unreadable record of theirs may."""
+    for group, save_id in save.closure().items():
+        waiting[group] -= 1
+        parsed = parse_group_name(group)
+        if (not waiting[group] and group not in kept and parsed is not None
+                and (parsed.node, parsed.epoch, save_id) not in unreadable):
+            yield group
+
+
+def _check_freed(store: CheckpointStore, delete: list[tuple[Save, Document]],
+                 sizes: dict[str, int]) -> None:
+    """After the removals: ``frees`` counts only the groups that are gone (still the save's
+    own: ``groups_kept``, e.g. a group gc could not identify as the save's)."""
+    for save, doc in delete:
+        if not doc.get("done"):
+            continue
+        closure = save.closure()
+        stayed = [g for g in doc["groups_freed"] if _still_there(store, g, closure[g])]
+        if stayed:
+            doc["groups_kept"] = stayed
+            doc["groups_freed"] = [g for g in doc["groups_freed"] if g not in stayed]
+            doc["frees"] = sum(sizes[g] for g in doc["groups_freed"])
+
+
+def _still_there(store: CheckpointStore, group: str, save_id: str) -> bool:
+    manifest = group_manifest(store, group)
+    return manifest is not None and manifest.save_id == save_id
 
 
 def _skipped(found: PrefixScan, wanted: set[str] | None) -> list[Document]:
@@ -189,6 +249,21 @@ def _carry_out(ctx: Context, work: list[tuple[Document, Callable[[], bool]]]) ->
     return code
 
 
+def _remove(ctx: Context, store: CheckpointStore, found: PrefixScan,
+            leftovers: list[tuple[Leftover, Document]],
+            delete: list[tuple[Save, Document]]) -> int:
+    """Remove the leftovers, then the saves (each marked in its document); the exit code."""
+    fence = found.newest_generation
+    references = References(found.records())  # what the records need, as gc removes
+    work = [(doc, lambda i=item: bool(remove_leftovers(store, [i], fence=fence,
+                                                       references=references)))
+            for item, doc in leftovers]
+    work += [(doc, lambda s=save: bool(remove_saves(store, [s], fence=fence, doing="gc",
+                                                    references=references)))
+             for save, doc in delete]
+    return _carry_out(ctx, work)
+
+
 def cmd_gc(ctx: Context, args: argparse.Namespace) -> tuple[Document, int]:
     store, found = open_prefix(ctx, args.prefix)
     location = store.location
@@ -196,7 +271,9 @@ def cmd_gc(ctx: Context, args: argparse.Namespace) -> tuple[Document, int]:
     wanted = set(args.node) if args.node else None
     families = _check_arguments(location, args, found, wanted)
     keep, delete, refusals = _plans(store, found, families, options, wanted)
-    pinned = _pinned(store, found, delete)
+    staying = _staying(found, delete)
+    pinned = _pinned(store, staying)
+    sizes = _frees(store, found, delete, staying)
     items = find_leftovers(store, found, min_age=args.min_age, nodes=wanted, live=True)
     leftovers = [(item, leftover_doc(location, item)) for item in items if not item.live]
     in_use = [{"kind": item.kind, "path": item.path,
@@ -204,15 +281,8 @@ def cmd_gc(ctx: Context, args: argparse.Namespace) -> tuple[Document, int]:
                          "still be writing it"} for item in items if item.live]
     code = EXIT_OK
     if args.yes:
-        fence = found.newest_generation
-        references = References(found.records())  # what the records need, as gc removes
-        work = [(doc, lambda i=item: bool(remove_leftovers(store, [i], fence=fence,
-                                                           references=references)))
-                for item, doc in leftovers]
-        work += [(doc, lambda s=save: bool(remove_saves(store, [s], fence=fence, doing="gc",
-                                                        references=references)))
-                 for save, doc in delete]
-        code = _carry_out(ctx, work)
+        code = _remove(ctx, store, found, leftovers, delete)
+        _check_freed(store, delete, sizes)
     delete_docs = [doc for _, doc in delete]
     left_docs = [doc for _, doc in leftovers]
     freed = sum(d.get("frees", d["bytes"]) or 0 for d in (*delete_docs, *left_docs)

@@ -12,6 +12,7 @@ from caffe2ckpt.cli._context import (
     Context,
     Document,
     committed_epochs,
+    group_bytes,
     json_metrics,
     leftover_doc,
     open_prefix,
@@ -20,6 +21,8 @@ from caffe2ckpt.cli._context import (
 )
 from caffe2ckpt.history.cleanup import find_leftovers
 from caffe2ckpt.history.lineage import Save
+from caffe2ckpt.history.scan import PrefixScan
+from caffe2ckpt.store.protocol import CheckpointStore
 from caffe2ckpt.store.records import CommitRecord
 
 __all__ = ["cmd_ls"]
@@ -84,5 +87,21 @@ def cmd_ls(ctx: Context, args: argparse.Namespace) -> tuple[Document, int]:
                  if x.kind != "partial save"]  # partial saves are rows above
     doc = {"prefix": location.display(), "epochs": rows, "leftovers": leftovers,
            "committed_epochs": committed_epochs(found),
-           "superseded_epochs": sorted(set(superseded))}
+           "superseded_epochs": sorted(set(superseded)), **_totals(store, found, rows)}
     return doc, EXIT_OK
+
+
+def _totals(store: CheckpointStore, found: PrefixScan, rows: list[Document]) -> Document:
+    """What the committed saves hold: ``bytes_stored``, the bytes the current lineages' saves
+    wrote (what is on disk for them), beside ``bytes``, their blobs' size;
+    ``superseded_bytes_stored``; and ``pinned_bytes_stored``, the older groups differential
+    saves build on whose own records are gone (retention removed their saves)."""
+    def total(state: str, key: str) -> int:
+        return sum(r[key] for r in rows if r["state"] == state)
+
+    own = {r.group for r in found.records()}
+    pinned = [group_bytes(store, g) for g in sorted(found.referenced - own)]
+    return {"bytes": total("committed", "bytes"),
+            "bytes_stored": total("committed", "bytes_written"),
+            "superseded_bytes_stored": total("superseded", "bytes_written"),
+            "pinned_bytes_stored": sum(b or 0 for b in pinned)}

@@ -5,15 +5,25 @@ from __future__ import annotations
 
 import argparse
 
-from caffe2ckpt.cli._context import EXIT_OK, Context, Document
-from caffe2ckpt.steps.plainzarr import materialize
+from caffe2ckpt.cli._context import (
+    EXIT_OK,
+    Context,
+    Document,
+    open_prefix,
+    require_save,
+    save_nodes,
+)
+from caffe2ckpt.steps.plainzarr import write_plain
 
 __all__ = ["cmd_materialize"]
 
 
 def cmd_materialize(ctx: Context, args: argparse.Namespace) -> tuple[Document, int]:
-    written = materialize(args.prefix, args.epoch, args.dest, nodes=args.node,
-                          storage_options=args.storage_options,
+    store, found = open_prefix(ctx, args.prefix)
+    save = require_save(store, found, args.epoch, args.node)
+    nodes = save_nodes(save, args.node)
+    written = write_plain(store, save, args.dest, nodes=nodes,
                           dest_storage_options=args.dest_storage_options)
-    return {"prefix": args.prefix, "epoch": args.epoch, "dest": args.dest,
-            "groups": written}, EXIT_OK
+    return {"prefix": args.prefix, "epoch": args.epoch, "dest": args.dest, "groups": written,
+            "nodes": nodes, "save_id": save.save_id,
+            "superseded": found.is_superseded(save)}, EXIT_OK

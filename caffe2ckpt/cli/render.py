@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from caffe2ckpt.units import human_bytes
+from caffe2ckpt.units import epochs_text, human_bytes
 
 __all__ = ["Progress", "render"]
 
@@ -57,17 +57,6 @@ def metrics_text(metrics: dict[str, Any]) -> str:
 
 def shape_text(shape: Sequence[int]) -> str:
     return "(" + ", ".join(map(str, shape)) + ("," if len(shape) == 1 else "") + ")"
-
-
-def epochs_text(epochs: Sequence[int]) -> str:
-    """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2, 5, 7-8"``."""
-    runs: list[list[int]] = []
-    for epoch in sorted(epochs):
-        if runs and epoch == runs[-1][1] + 1:
-            runs[-1][1] = epoch
-        else:
-            runs.append([epoch, epoch])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs) or "none"
 
 
 def writer_text(writer: dict[str, Any],
@@ -120,13 +109,7 @@ def plural(n: int, word: str, many: str | None = None) -> str:
 
 def render_ls(doc: dict[str, Any]) -> str:
     epochs = doc["epochs"]
-    committed = [e for e in epochs if e["state"] in ("committed", "superseded")]
-    current = [e for e in committed if e["state"] == "committed"]
-    superseded = len(committed) - len(current)
-    out = [f"{doc['prefix']}: {plural(len(current), 'committed epoch')}"
-           + (f" (+ {plural(superseded, 'superseded save')})" if superseded else "")
-           + (f", newest {current[-1]['epoch']}" if current else "")
-           + f", {human_bytes(sum(e['bytes'] for e in committed))} committed"]
+    out = [_ls_summary(doc)]
     rows = []
     for e in epochs:
         state = e["state"]
@@ -134,13 +117,12 @@ def render_ls(doc: dict[str, Any]) -> str:
             state += f" (missing {', '.join(e['missing_nodes'])})"
         if e.get("error"):
             state += f": {e['error']}"
-        rows.append([e["epoch"], ",".join(e["nodes"]), human_bytes(e["bytes"]),
-                     _written(e), metrics_text(e["metrics"]), human_time(e["created"]),
-                     writer_text(e["writer"], e.get("node_workers")),
+        rows.append([e["epoch"], ",".join(e["nodes"]), *_sizes(e), metrics_text(e["metrics"]),
+                     human_time(e["created"]), writer_text(e["writer"], e.get("node_workers")),
                      state])
     if rows:
-        out += ["", table(["EPOCH", "NODES", "BYTES", "WRITTEN", "METRICS", "CREATED", "WRITER",
-                           "STATE"], rows, right=["EPOCH", "BYTES", "WRITTEN"])]
+        out += ["", table(["EPOCH", "NODES", "STORED", "SIZE", "METRICS", "CREATED", "WRITER",
+                           "STATE"], rows, right=["EPOCH", "STORED", "SIZE"])]
     else:
         out.append("no committed epochs")
     if doc["leftovers"]:
@@ -151,6 +133,26 @@ def render_ls(doc: dict[str, Any]) -> str:
                         human_age(x["age_seconds"]), human_bytes(x["bytes"]), x["path"]]
                        for x in doc["leftovers"]], right=["AGE", "BYTES"])]
     return "\n".join(out)
+
+
+def _ls_summary(doc: dict[str, Any]) -> str:
+    """``ls``'s first line: the committed epochs and what they hold on disk (stored bytes),
+    with the superseded saves and the older groups differential epochs build on apart."""
+    current = [e for e in doc["epochs"] if e["state"] == "committed"]
+    epochs = sorted({e["epoch"] for e in current})
+    saves = f" in {len(current)} saves" if len(current) > len(epochs) else ""
+    superseded = sum(1 for e in doc["epochs"] if e["state"] == "superseded")
+    text = f"{doc['prefix']}: {plural(len(epochs), 'committed epoch')}{saves}"
+    if superseded:
+        text += (f" (+ {plural(superseded, 'superseded save')}, "
+                 f"{human_bytes(doc['superseded_bytes_stored'])})")
+    if epochs:
+        text += f", newest {epochs[-1]}"
+    text += f", {human_bytes(doc['bytes_stored'])} stored (blobs {human_bytes(doc['bytes'])})"
+    if doc["pinned_bytes_stored"]:
+        text += (f" + {human_bytes(doc['pinned_bytes_stored'])} of older groups differential "
+                 "epochs build on")
+    return text
 
 
 def _written(row: dict[str, Any]) -> str:
@@ -177,7 +179,7 @@ def render_show(doc: dict[str, Any]) -> str:
         elif b["storage"] == "packed":
             storage = f"packed @{b['offset']}"
         else:  # a differential save's: unchanged, or a row overlay on older groups
-            storage = f"{b['storage']} on {', '.join(b['from'])}"
+            storage = chain_text(b)
         state = {"recorded": "crc32c recorded", "ok": "ok", "bad": "BAD",
                  "error": "READ ERROR"}[b["checksum"]]
         rows.append([b["node"], b["name"], b["dtype"], shape_text(b["shape"]),
@@ -188,6 +190,15 @@ def render_show(doc: dict[str, Any]) -> str:
     for problem in doc["problems"]:
         out.append(f"{problem['node']}: {problem['error']}")
     return "\n".join(out)
+
+
+def chain_text(blob: dict[str, Any]) -> str:
+    """Where a differential save's blob comes from, by epoch (``--json`` has the groups'
+    URLs): ``"same, from epoch 5"``, ``"rows on epochs 5-7 (3 groups)"``."""
+    epochs = [e for e in blob.get("from_epochs", []) if e is not None]
+    where = (f"epoch {epochs[0]}" if len(epochs) == 1
+             else f"epochs {epochs_text(epochs)} ({plural(len(blob['from']), 'group')})")
+    return f"same, from {where}" if blob["storage"] == "same" else f"{blob['storage']} on {where}"
 
 
 def render_verify(doc: dict[str, Any]) -> str:
@@ -215,13 +226,16 @@ def render_verify(doc: dict[str, Any]) -> str:
 
 
 def packed_note(error: dict[str, Any]) -> str:
-    names = error.get("packed_blobs")
+    """The blobs one error hits, when they were read together: a node's packed blobs, or blobs
+    a differential save reads from the same place in an older group."""
+    names = error.get("packed_blobs") or error.get("blobs")
     if not names:
         return ""
     shown = ", ".join(map(repr, names[:5]))
     if len(names) > 5:
         shown += f" and {len(names) - 5} more"
-    return f" (the packed array holds blobs {shown})"
+    what = "the packed array holds" if error.get("packed_blobs") else "it hits"
+    return f" ({what} blobs {shown})"
 
 
 def render_gc(doc: dict[str, Any]) -> str:
@@ -248,18 +262,24 @@ def render_gc(doc: dict[str, Any]) -> str:
 def _gc_epochs(doc: dict[str, Any], remove_word: str) -> list[str]:
     out = []
     if doc["delete"]:
-        out += [f"Epochs outside the retention policy ({remove_word}):",
-                table(["EPOCH", "NODES", "BYTES", "METRICS", "RESULT"],
-                      [[d["epoch"], ",".join(d["nodes"]), human_bytes(d["bytes"]),
-                        metrics_text(d["metrics"]), _gc_result(d, remove_word)]
-                       for d in doc["delete"]], right=["EPOCH", "BYTES"]), ""]
+        out += [(f"Epochs outside the retention policy ({remove_word}; FREES: the stored bytes "
+                 "removing it frees, with older groups only it still needed):"),
+                table(["EPOCH", "NODES", "FREES", "STORED", "SIZE", "METRICS", "RESULT"],
+                      [[d["epoch"], ",".join(d["nodes"]), human_bytes(d.get("frees")),
+                        *_sizes(d), metrics_text(d["metrics"]), _gc_result(d, remove_word)]
+                       for d in doc["delete"]], right=["EPOCH", "FREES", "STORED", "SIZE"]), ""]
     if doc["keep"]:
         out += ["Epochs kept:",
-                table(["EPOCH", "NODES", "BYTES", "WHY"],
-                      [[k["epoch"], ",".join(k["nodes"]), human_bytes(k["bytes"]),
-                        ", ".join(k["reasons"])] for k in doc["keep"]],
-                      right=["EPOCH", "BYTES"]), ""]
+                table(["EPOCH", "NODES", "STORED", "SIZE", "WHY"],
+                      [[k["epoch"], ",".join(k["nodes"]), *_sizes(k), ", ".join(k["reasons"])]
+                       for k in doc["keep"]], right=["EPOCH", "STORED", "SIZE"]), ""]
     return out
+
+
+def _sizes(row: dict[str, Any]) -> list[str]:
+    """A save's STORED (the bytes it wrote; "delta" if it builds on older groups) and SIZE
+    (its blobs' bytes) columns."""
+    return [_written(row), human_bytes(row["bytes"])]
 
 
 def _gc_outcome(doc: dict[str, Any]) -> str:
@@ -328,7 +348,11 @@ def diff_detail(blob: dict[str, Any]) -> str:
 
 
 def render_materialize(doc: dict[str, Any]) -> str:
-    return "\n".join(f"wrote {group}" for group in doc["groups"])
+    out = [f"wrote {group}" for group in doc["groups"]]
+    if doc.get("superseded"):
+        out.append(f"(epoch {doc['epoch']}'s superseded save {doc['save_id']}: a later run of "
+                   "its job went back to an earlier epoch)")
+    return "\n".join(out)
 
 
 RENDERERS = {"ls": render_ls, "show": render_show, "verify": render_verify, "gc": render_gc,

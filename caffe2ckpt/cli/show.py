@@ -13,11 +13,12 @@ from caffe2ckpt.cli._context import (
     Document,
     check_node,
     checked_manifest,
+    group_epoch,
     json_metrics,
     open_prefix,
-    require_nodes,
     require_save,
     save_kind,
+    save_nodes,
 )
 from caffe2ckpt.errors import (
     CheckpointCorruptedError,
@@ -28,18 +29,23 @@ from caffe2ckpt.store.protocol import CheckpointStore
 __all__ = ["cmd_show"]
 
 
-def newest_epoch(store: CheckpointStore, found: PrefixScan) -> int:
-    """The newest epoch of the current lineage (never a superseded one)."""
-    if not found.current():
-        raise CLIError(f"no committed epoch under {store.location.display()!r}", EXIT_NOT_FOUND)
-    return max(found.current())
+def newest_epoch(store: CheckpointStore, found: PrefixScan, nodes: list[str] | None) -> int:
+    """The newest epoch of the current lineage of the job holding ``nodes`` (never a
+    superseded one)."""
+    epoch = found.newest_epoch(nodes or ())
+    if epoch is None:
+        held = f" holding node(s) {list(nodes)}" if nodes else ""
+        jobs = "; ".join(", ".join(sorted(f)) for f in sorted(found.families, key=sorted))
+        raise CLIError(f"no committed epoch under {store.location.display()!r}{held}"
+                       + (f"; its jobs' nodes: {jobs}" if jobs else ""), EXIT_NOT_FOUND)
+    return epoch
 
 
 def cmd_show(ctx: Context, args: argparse.Namespace) -> tuple[Document, int]:
     store, found = open_prefix(ctx, args.prefix)
-    epoch = newest_epoch(store, found) if args.epoch is None else args.epoch
-    save = require_save(store, found, epoch)
-    nodes = require_nodes(store, save, args.node)
+    epoch = newest_epoch(store, found, args.node) if args.epoch is None else args.epoch
+    save = require_save(store, found, epoch, args.node)
+    nodes = save_nodes(save, args.node)
     if args.verify:
         ctx.progress.start(f"verify epoch {epoch}",
                            sum(save.records[n].nbytes for n in nodes))
@@ -68,7 +74,8 @@ def cmd_show(ctx: Context, args: argparse.Namespace) -> tuple[Document, int]:
             inherited = manifest.inherited.get(info.name)
             if inherited is not None:  # a differential save's: read through older groups
                 entry.update(storage=inherited.kind,
-                             **{"from": [store.location.display(g) for g in inherited.chain]})
+                             **{"from": [store.location.display(g) for g in inherited.chain]},
+                             from_epochs=[group_epoch(g) for g in inherited.chain])
             elif info.path is not None:
                 entry.update(storage="array", path=info.path, chunks=len(crcs[info.path]),
                              chunk_rows=info.chunk_rows)

@@ -13,7 +13,6 @@ from caffe2ckpt.cli._context import (
     Document,
     check_node,
     open_prefix,
-    require_nodes,
     require_save,
 )
 from caffe2ckpt.history.scan import PrefixScan
@@ -36,10 +35,9 @@ def _selected(store: CheckpointStore, found: PrefixScan, args: argparse.Namespac
                    if _matches(args, wanted, ref.epoch, [ref.node])]
     saves = [s for s in sorted(found.saves(), key=lambda s: (s.epoch, s.save_id))
              if args.epoch is None or s.epoch == args.epoch]
-    if args.epoch is not None and not saves and not bad_records:
-        require_save(store, found, args.epoch)
-    if args.epoch is not None and saves and wanted:
-        require_nodes(store, saves[0], sorted(wanted))
+    if args.epoch is not None and not bad_records:  # each node in some save of the epoch
+        for node in sorted(wanted) or [None]:
+            require_save(store, found, args.epoch, [node] if node else None)
     todo = [s.records[n] for s in saves for n in sorted(s.records) if not wanted or n in wanted]
     if not todo and not bad_records:
         raise CLIError(f"no committed checkpoint of node(s) {', '.join(sorted(wanted))} under "

@@ -31,6 +31,7 @@ from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from caffe2ckpt.errors import CheckpointError, CheckpointNotFoundError
+from caffe2ckpt.fs.location import Location
 from caffe2ckpt.history.lineage import Save
 from caffe2ckpt.history.scan import PrefixScan, scan
 from caffe2ckpt.store import retired, runs
@@ -67,6 +68,7 @@ def is_checkpoint_prefix(store: CheckpointStore) -> bool:
 
 
 TOMBSTONE = "tombstone"
+STALE_NOTE = "stale retire note"  # a Leftover kind: see _stale_notes
 
 
 def _identity(store: CheckpointStore, group: str) -> Manifest | str | None:
@@ -160,10 +162,7 @@ def remove_saves(store: CheckpointStore, saves: Iterable[Save], *, fence: int,
     for save in saves:
         runs.check_fence(store.location, fence, f"{doing} (epoch {save.epoch}, save "
                          f"{save.save_id})", nodes)
-        for record in save.records.values():  # a kill from here on leaves a removal to finish
-            retired.retire(store.location, record)
-        for record in save.records.values():
-            delete_record(store.location, record.ref)
+        _delete_records(store, list(save.records.values()))
         _remove_unneeded(store, save.closure(), list(save.records.values()), references, nodes)
         for record in save.records.values():
             retired.forget(store.location, record.ref)
@@ -171,6 +170,57 @@ def remove_saves(store: CheckpointStore, saves: Iterable[Save], *, fence: int,
         logger.info("deleted epoch %d (save %s, nodes %s) under %s", save.epoch, save.save_id,
                     sorted(save.records), store.location.display())
     return removed
+
+
+def _delete_records(store: CheckpointStore, records: list[CommitRecord]) -> None:
+    """Note each record's groups (its retire note: a kill from here on leaves a removal to
+    finish), then delete the records. If a step fails, the notes of the records still there
+    are taken back before the error is raised: a record that stands is a save that stays, and
+    no removal would ever finish (or remove) its note. A note that cannot be taken back either
+    is a stale note, which ``gc`` reports and removes (:func:`find_leftovers`)."""
+    location = store.location
+    try:
+        for record in records:
+            retired.retire(location, record)
+        for record in records:
+            delete_record(location, record.ref)
+    except BaseException:
+        for record in records:
+            _take_back(location, record)
+        raise
+
+
+def _take_back(location: Location, record: CommitRecord) -> None:
+    """Delete ``record``'s retire note if the record is still there (best effort)."""
+    try:
+        if location.exists(record_path(location, record.ref)):
+            retired.forget(location, record.ref)
+    except (OSError, CheckpointError) as exc:
+        logger.warning("could not take back the retire note of %s under %s (gc reports it "
+                       "as a stale retire note): %s", record.ref.filename, location.display(),
+                       exc)
+
+
+def _stale_notes(store: CheckpointStore, now: float,
+                 wanted: set[str] | None) -> Iterator[Leftover]:
+    """Retire notes whose record still stands (:func:`retired.standing`): left by a removal
+    whose record delete failed and whose note could not be taken back. Whatever the run, as
+    leftovers once older than the grace period (a removal in progress holds its note for an
+    instant); removing one removes only the note."""
+    for ref in retired.standing(store.location):
+        if wanted is None or ref.node in wanted:
+            path = retired.note_path(ref)
+            yield Leftover(STALE_NOTE, path, _age(store, store.location.path(path), now),
+                           ref.save_id, retired=ref)
+
+
+def _forget_stale(location: Location, ref: RecordRef) -> bool:
+    """Remove the stale retire note of the record ``ref`` while that record stands (if it is
+    gone, the note is a removal to finish now: kept)."""
+    if not location.exists(record_path(location, ref)):
+        return False
+    retired.forget(location, ref)
+    return True
 
 
 def _unfinished_removals(store: CheckpointStore, found: PrefixScan,
@@ -220,13 +270,13 @@ class Leftover:
     """Something under a prefix that no commit record references."""
 
     kind: str  # "uncommitted save", "partial save", "unidentified data", "temporary file",
-    #            "staged copy"
+    #            "staged copy", "unfinished removal", "stale retire note"
     path: str  # relative to the prefix (a partial save: its groups, comma-separated)
     age: float  # seconds since the save started (inf if the filesystem does not say)
     save_id: str | None = None
     records: tuple[CommitRecord, ...] = ()  # the records of a partial save
     live: bool = False  # a save of a run no newer run has overtaken: never removed
-    retired: RecordRef | None = None  # an unfinished removal: its retire note
+    retired: RecordRef | None = None  # an unfinished removal (or a stale note): its note
     groups: tuple[tuple[str, str], ...] = ()  # ... and the groups (path, save id) it removes
 
     @property
@@ -365,7 +415,8 @@ def find_leftovers(store: CheckpointStore, found: PrefixScan, *, min_age: float 
     unfinished = [item for item in _unfinished_removals(store, found, now)
                   if wanted is None or item.retired.node in wanted]  # type: ignore[union-attr]
     retiring = {group for item in unfinished for group, _ in item.groups}
-    unfinished = [item for item in unfinished if item.age >= min_age]
+    unfinished = [item for item in (*unfinished, *_stale_notes(store, now, wanted))
+                  if item.age >= min_age]
     items = [*_group_leftovers(store, found, now, damaged, wanted, retiring),
              *_partial_leftovers(found, now, damaged, wanted),
              *(_temporary_leftovers(store, now) if wanted is None else ()),
@@ -373,7 +424,7 @@ def find_leftovers(store: CheckpointStore, found: PrefixScan, *, min_age: float 
     runs_now = _Runs(store)
     items = [replace(item, live=True) if runs_now.live(item.save_id) else item
              for item in items if item.age >= min_age]
-    items += unfinished  # a removed save's run never writes its groups again: never live
+    items += unfinished  # a removal's notes and groups are never written again: never live
     return [item for item in items if live or not item.live]
 
 
@@ -393,6 +444,8 @@ def _recorded(store: CheckpointStore, group: str, save_id: str) -> bool:
 def _remove_leftover(store: CheckpointStore, item: Leftover,
                      references: References | None) -> bool:
     location = store.location
+    if item.kind == STALE_NOTE:
+        return _forget_stale(location, item.retired)  # type: ignore[arg-type]
     if item.retired is not None:  # finish the removal: its groups, then its note
         for group, save_id in item.groups:
             _remove_group(store, group, save_id)

@@ -19,8 +19,10 @@ from caffe2ckpt.store import runs
 from caffe2ckpt.store.layout import COMMITS_DIR, save_generation
 from caffe2ckpt.store.protocol import CheckpointStore
 from caffe2ckpt.store.records import CommitRecord, RecordRef, list_records
+from caffe2ckpt.units import epochs_summary
 
-__all__ = ["Family", "PartialSave", "PrefixScan", "family_history", "newest_save", "scan"]
+__all__ = ["Family", "PartialSave", "PrefixScan", "family_history", "newest_save",
+           "require_save", "scan"]
 
 logger = logging.getLogger(__name__)
 
@@ -101,14 +103,81 @@ class PrefixScan:
         family = self.families.get(save.nodes)
         return family is not None and save in family.superseded
 
+    def _newer_first(self) -> list[Family]:
+        """The families, the one whose newest save is of the newest run first."""
+        return sorted(self.families.values(),
+                      key=lambda f: -(f.newest.generation if f.newest else 0))
+
     def current(self) -> dict[int, Save]:
         """The lineage saves of every family by epoch (with several families on one prefix,
         the family with the newer run wins an epoch they share)."""
         out: dict[int, Save] = {}
-        for family in sorted(self.families.values(),
-                             key=lambda f: f.newest.generation if f.newest else 0):
+        for family in reversed(self._newer_first()):
             out.update(family.current())
         return out
+
+    def saves_at(self, epoch: int) -> list[Save]:
+        """The committed saves of ``epoch``: lineage saves first (the family of the newer run
+        first, as :meth:`current` picks), then superseded ones (the newer run first)."""
+        current = (f.lineage_save(epoch) for f in self._newer_first())
+        superseded = sorted((s for f in self.families.values() for s in f.superseded
+                             if s.epoch == epoch), key=lambda s: -s.generation)
+        return [*(s for s in current if s is not None), *superseded]
+
+    def save_at(self, epoch: int, nodes: Iterable[str] = ()) -> Save | None:
+        """The save ``epoch`` means for ``nodes``: the first of :meth:`saves_at` that holds
+        every one of them (without ``nodes``: the one :meth:`current` gives, else the newest
+        superseded one); None if there is none."""
+        wanted = set(nodes)
+        return next((s for s in self.saves_at(epoch) if wanted <= set(s.records)), None)
+
+    def newest_epoch(self, nodes: Iterable[str] = ()) -> int | None:
+        """The newest lineage epoch of the families holding every one of ``nodes`` (never a
+        superseded one); None if there is none."""
+        wanted = set(nodes)
+        return max((f.newest.epoch for f in self.families.values()
+                    if f.newest is not None and wanted <= f.nodes), default=None)
+
+    def describe_saves(self, saves: Iterable[Save]) -> str:
+        """``"trainer_0, trainer_1; solo_0 (superseded)"``: each save's nodes, for messages."""
+        return "; ".join(", ".join(sorted(s.records))
+                         + (" (superseded)" if self.is_superseded(s) else "") for s in saves)
+
+
+def require_save(found: PrefixScan, store: CheckpointStore, epoch: int,
+                 nodes: Sequence[str] = ()) -> Save:
+    """The save ``epoch`` means for ``nodes`` under ``store`` (:meth:`PrefixScan.save_at`),
+    as ``materialize``, ``zarr_store`` and the command line take it.
+
+    Raises:
+        CheckpointNotFoundError: there is none. The message says why: the nodes each save of
+            the epoch holds or, when it has no committed save, its unreadable records, its
+            partial save or the committed epochs.
+    """
+    save = found.save_at(epoch, nodes)
+    if save is not None:
+        return save
+    where, saves = store.location.display(), found.saves_at(epoch)
+    if saves:
+        together = " in one save" if len(nodes) > 1 else ""
+        raise CheckpointNotFoundError(
+            f"epoch {epoch} under {where!r} has no node(s) {list(nodes)}{together}; its "
+            f"saves: {found.describe_saves(saves)}")
+    raise CheckpointNotFoundError(f"epoch {epoch} is not committed under {where!r}; "
+                                  f"{_not_committed(found, store, epoch)}")
+
+
+def _not_committed(found: PrefixScan, store: CheckpointStore, epoch: int) -> str:
+    """Why ``epoch`` has no committed save, for :func:`require_save`."""
+    bad = [ref for ref, _ in found.unreadable if ref.epoch == epoch]
+    if bad:
+        return ("its commit record(s) " + ", ".join(repr(r.filename) for r in bad)
+                + f" are unreadable (see `caffe2ckpt verify {store.location.url} --epoch "
+                f"{epoch}`)")
+    missing = sorted({n for p in found.partial if p.epoch == epoch for n in p.missing})
+    if missing:
+        return f"its save is partial: node(s) {', '.join(missing)} have no commit record"
+    return epochs_summary(s.epoch for s in found.saves())
 
 
 def _run_reader(store: CheckpointStore):

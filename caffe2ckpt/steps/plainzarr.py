@@ -29,12 +29,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from caffe2ckpt.errors import CheckpointNotFoundError, InvalidLocationError
+from caffe2ckpt.errors import InvalidLocationError
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.history.lineage import Save
-from caffe2ckpt.history.scan import scan
+from caffe2ckpt.history.scan import require_save, scan
 from caffe2ckpt.naming import check_epoch, check_node_name
 from caffe2ckpt.store.layout import group_name
+from caffe2ckpt.store.manifest import BlobInfo
 from caffe2ckpt.store.protocol import CheckpointStore
 from caffe2ckpt.store.zarrgroup import (
     DEFAULT_PACK_THRESHOLD,
@@ -46,20 +47,13 @@ from caffe2ckpt.store.zarrgroup import (
 __all__ = ["materialize", "zarr_store"]
 
 
-def _save(store: CheckpointStore, epoch: int, nodes: Sequence[str] | None) -> Save:
-    """The committed save ``epoch`` means under ``store`` (the current lineage's, as ``ls``
-    and ``show`` give it), holding every one of ``nodes``."""
-    epoch = check_epoch(epoch)
-    save = scan(store).current().get(epoch)
-    if save is None:
-        raise CheckpointNotFoundError(
-            f"epoch {epoch} is not committed under {store.location.display()!r}")
-    missing = sorted(set(nodes or ()) - set(save.records))
-    if missing:
-        raise CheckpointNotFoundError(
-            f"epoch {epoch} under {store.location.display()!r} has no node(s) {missing}; it "
-            f"has {sorted(save.records)}")
-    return save
+def _save(store: CheckpointStore, epoch: int, nodes: Sequence[str]) -> Save:
+    """The committed save ``epoch`` means under ``store`` for ``nodes`` (as the command line
+    takes it): the save of the job holding every one of ``nodes``, its lineage's before a
+    superseded one; without nodes, the current lineage's (the newer job's), else a superseded
+    one."""
+    return require_save(scan(store), store, check_epoch(epoch),
+                        [check_node_name(n) for n in nodes])
 
 
 def materialize(url: str, epoch: int, dest: str, *, nodes: Sequence[str] | None = None,
@@ -67,7 +61,9 @@ def materialize(url: str, epoch: int, dest: str, *, nodes: Sequence[str] | None 
                 dest_storage_options: dict[str, Any] | None = None) -> list[str]:
     """Write every node (or ``nodes``) of committed ``epoch`` under ``url`` as an ordinary
     whole group ``<dest>/<node>.<epoch>``; return their URLs. Each is read and verified first
-    (a differential epoch's chain resolved and its digests checked).
+    (a differential epoch's chain resolved and its digests checked). With ``nodes``, the epoch
+    is the save of the job holding them (jobs with other nodes may share the prefix), a
+    superseded one if their lineage has none of that epoch.
 
     Raises:
         CheckpointNotFoundError: the epoch, or a node, is not committed there.
@@ -75,10 +71,18 @@ def materialize(url: str, epoch: int, dest: str, *, nodes: Sequence[str] | None 
         FileExistsError: ``<dest>/<node>.<epoch>`` exists already (never overwritten).
     """
     store = CheckpointStore(Location(url, storage_options))
-    save = _save(store, epoch, [check_node_name(n) for n in nodes or ()])
+    save = _save(store, epoch, nodes or ())
+    return write_plain(store, save, dest, nodes=nodes,
+                       dest_storage_options=dest_storage_options)
+
+
+def write_plain(store: CheckpointStore, save: Save, dest: str, *,
+                nodes: Sequence[str] | None = None,
+                dest_storage_options: dict[str, Any] | None = None) -> list[str]:
+    """:func:`materialize` of ``save`` (every node, or ``nodes``), read from ``store``."""
     out = Location(dest, dest_storage_options)
     written = []
-    for node in sorted(nodes or save.records):
+    for node in sorted(set(nodes or save.records)):
         record = save.records[node]
         blobs = store.load_node(record)
         plan = plan_group(node=node, epoch=save.epoch, save_id=save.save_id, blobs=blobs)
@@ -92,6 +96,13 @@ def materialize(url: str, epoch: int, dest: str, *, nodes: Sequence[str] | None 
                 "destination") from None
         written.append(out.display(path))
     return written
+
+
+def small_blobs(infos: dict[str, BlobInfo]) -> list[str]:
+    """The blobs a whole group packs together (smaller than the default pack threshold, 0-d
+    or empty): those read together at once."""
+    return [n for n, i in infos.items()
+            if i.nbytes < DEFAULT_PACK_THRESHOLD or not i.shape or 0 in i.shape]
 
 
 def zarr_store(url: str, epoch: int, node: str, *,
@@ -108,10 +119,9 @@ def zarr_store(url: str, epoch: int, node: str, *,
     store = CheckpointStore(Location(url, storage_options))
     if not isinstance(node, str):
         raise InvalidLocationError(f"zarr_store: node must be a node name, got {node!r}")
-    record = _save(store, epoch, [check_node_name(node)]).records[node]
+    record = _save(store, epoch, [node]).records[node]
     infos = store.manifest(record).blobs
-    small = [n for n, i in infos.items()
-             if i.nbytes < DEFAULT_PACK_THRESHOLD or not i.shape or 0 in i.shape]
+    small = small_blobs(infos)
     blobs: dict[str, Any] = store.load_node(record, small) if small else {}
     blobs.update({n: i for n, i in infos.items() if n not in blobs})
     plan = plan_group(node=node, epoch=record.epoch, save_id=record.save_id, blobs=blobs)

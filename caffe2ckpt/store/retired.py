@@ -12,6 +12,7 @@ kept.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
 from caffe2ckpt.errors import CheckpointError
 from caffe2ckpt.fs import strictjson
@@ -19,7 +20,7 @@ from caffe2ckpt.fs.location import Location
 from caffe2ckpt.store.layout import RETIRED_DIR, parse_group_name, save_generation
 from caffe2ckpt.store.records import CommitRecord, RecordRef, record_path
 
-__all__ = ["forget", "retire", "unfinished"]
+__all__ = ["forget", "note_path", "retire", "standing", "unfinished"]
 
 
 def _path(location: Location, ref: RecordRef) -> str:
@@ -38,15 +39,35 @@ def forget(location: Location, ref: RecordRef) -> None:
     location.remove(_path(location, ref))
 
 
+def note_path(ref: RecordRef) -> str:
+    """The note of the record ``ref``, relative to the prefix."""
+    return f"{RETIRED_DIR}/{ref.filename}"
+
+
+def _notes(location: Location) -> Iterator[tuple[RecordRef, bool]]:
+    """Every retire note, by its record, and whether that record still exists."""
+    for name in sorted(location.list_names(location.path(RETIRED_DIR))):
+        ref = RecordRef.parse(name)
+        if ref is not None:
+            yield ref, location.exists(record_path(location, ref))
+
+
+def standing(location: Location) -> list[RecordRef]:
+    """The notes whose record is still there: a removal in progress (between its note and
+    its record delete: an instant), or one whose record delete failed and whose note could
+    not be taken back either. Such a note names only groups the save still needs (harmless),
+    but no removal finishes it."""
+    return [ref for ref, stands in _notes(location) if stands]
+
+
 def unfinished(location: Location) -> list[tuple[RecordRef, dict[str, str]]]:
     """Removals cut short: each note whose record is gone, with the groups it names (path ->
     save id; none if the note is unreadable: then only the note is left to delete). A note whose
     record is still there belongs to a removal in progress, or one that stopped before deleting
-    anything: it is not listed."""
+    anything: it is not listed (:func:`standing` lists those)."""
     out = []
-    for name in sorted(location.list_names(location.path(RETIRED_DIR))):
-        ref = RecordRef.parse(name)
-        if ref is None or location.exists(record_path(location, ref)):
+    for ref, stands in _notes(location):
+        if stands:
             continue
         try:
             note = strictjson.loads(location.read_bytes(_path(location, ref),

@@ -142,7 +142,7 @@ def test_ls_lists_every_epoch_with_bytes_metrics_and_writer(tree, capsys):
     assert code == 0 and err == ""
     assert "6 committed epochs, newest 5" in out
     header = next(line for line in out.splitlines() if line.startswith("EPOCH"))
-    assert header.split() == ["EPOCH", "NODES", "BYTES", "WRITTEN", "METRICS", "CREATED",
+    assert header.split() == ["EPOCH", "NODES", "STORED", "SIZE", "METRICS", "CREATED",
                               "WRITER", "STATE"]
     rows = [line for line in out.splitlines() if line.strip()[:1].isdigit()]
     assert len(rows) == 6
@@ -591,7 +591,10 @@ def test_unknown_epoch_is_named(tree, capsys, argv):
 
 def test_unknown_node_is_named(tree, capsys):
     code, _, err = run(capsys, "show", tree, "--node", "nobody")
-    assert code == 3 and "no node 'nobody'" in err and "trainer_0, trainer_1" in err
+    assert code == 3 and "holding node(s) ['nobody']" in err and "trainer_0, trainer_1" in err
+    code, _, err = run(capsys, "show", tree, "--epoch", 3, "--node", "nobody")
+    assert code == 3 and f"epoch 3 under {tree!r} has no node(s) ['nobody']" in err
+    assert "its saves: trainer_0, trainer_1" in err
     code, _, err = run(capsys, "diff", tree, 0, 1, "--node", "nobody")
     assert code == 3 and "'nobody'" in err
     code, _, err = run(capsys, "gc", tree, "--node", "nobody", "--keep-last", 1)
