@@ -40,6 +40,7 @@ from caffe2ckpt.naming import check_node_name
 from caffe2ckpt.policy import StepManagerOptions, should_save
 from caffe2ckpt.preemption import PreemptionWatch
 from caffe2ckpt.session import RunEvent, Session, notify, run_epoch
+from caffe2ckpt.units import writer_phrase
 
 __all__ = ["JobRunner"]
 
@@ -324,7 +325,7 @@ class JobRunner:
             cm.report_checkpoint_stats("checkpoint_load")
             self.resumed_from = candidate
             logger.info("Resuming from epoch %d (written by %s)", candidate,
-                        _describe(save.first.writer))
+                        writer_phrase(save.first.writer))
             self._notify(session, "resumed", candidate, records=save.records)
             return (candidate, self._still_finished(save.records, session),
                     (candidate, save.generation))
@@ -483,8 +484,3 @@ def _writer(session: Session) -> dict[str, Any] | None:
     writer_info = getattr(session, "writer_info", None)
     return writer_info() if writer_info is not None else None
 
-
-def _describe(writer: dict[str, Any]) -> str:
-    if not writer:
-        return "an unknown writer"
-    return ", ".join(f"{k}={v}" for k, v in sorted(writer.items()))

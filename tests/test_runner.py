@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import socket
 
 import numpy as np
 import pytest
@@ -218,3 +220,32 @@ def test_save_warning_names_epoch(prefix, caplog):
         assert runner.train(LocalSession()) == 1
     assert runner.failed_saves == [1]
     assert any("epoch 1" in r.message and "'x'" in r.message for r in caplog.records)
+
+
+def test_the_resume_line_says_in_words_who_wrote_the_epoch(prefix, caplog):
+    """Issue 34: the resume line printed the writer as ``host=..., pid=..., session=local``."""
+    run(prefix, 2)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="caffe2ckpt.runner"):
+        run(prefix, 3)
+    host, pid = socket.gethostname(), os.getpid()
+    assert (f"Resuming from epoch 2 (written by a local session on host {host}, pid {pid})"
+            in [r.getMessage() for r in caplog.records])
+
+
+@pytest.mark.parametrize(("writer", "phrase"), [
+    ({"session": "prefect", "flow_run_id": "1a2b3c4d-0000-4000-8000-000000000000",
+      "flow_run_name": "crimson-otter", "flow_name": "regression", "run_count": 2,
+      "deployment_id": None, "host": "h", "pid": 7},
+     "flow run crimson-otter (1a2b3c4d-0000-4000-8000-000000000000) attempt 2 on host h, pid 7"),
+    ({"manager": "StepCheckpointManager", "host": "h", "pid": 7},
+     "StepCheckpointManager on host h, pid 7"),
+    ({"session": "dask", "host": "w1", "pid": 8, "scheduler": "tcp://s:8786"},
+     "a dask session on host w1, pid 8"),
+    ({}, "an unknown writer"),
+    ({"who": "me"}, "who=me"),
+])
+def test_writers_are_described_in_words(writer, phrase):
+    from caffe2ckpt.units import writer_phrase
+
+    assert writer_phrase(writer) == phrase

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from caffe2ckpt.cli.render import Progress, epochs_text
+from caffe2ckpt.cli.render import Progress
 from caffe2ckpt.errors import (
     CheckpointCorruptedError,
     CheckpointError,
@@ -25,6 +25,7 @@ from caffe2ckpt.store.manifest import Manifest
 from caffe2ckpt.store.protocol import CheckpointStore
 from caffe2ckpt.store.records import CommitRecord, list_records
 from caffe2ckpt.store.zarrgroup import parse_manifest
+from caffe2ckpt.units import epochs_text
 
 EXIT_OK = 0
 EXIT_DAMAGED = 1  # verification found damage (verify, show --verify, diff of damaged data)

@@ -59,17 +59,6 @@ def shape_text(shape: Sequence[int]) -> str:
     return "(" + ", ".join(map(str, shape)) + ("," if len(shape) == 1 else "") + ")"
 
 
-def epochs_text(epochs: Sequence[int]) -> str:
-    """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2, 5, 7-8"``."""
-    runs: list[list[int]] = []
-    for epoch in sorted(epochs):
-        if runs and epoch == runs[-1][1] + 1:
-            runs[-1][1] = epoch
-        else:
-            runs.append([epoch, epoch])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs) or "none"
-
-
 def writer_text(writer: dict[str, Any],
                 node_workers: dict[str, dict[str, Any]] | None = None) -> str:
     """Who wrote a checkpoint, short: ``"my-flow-run attempt 2 host:pid"``, followed by the
