@@ -16,6 +16,7 @@ Every command takes ``--json`` (one JSON document on stdout) and ``--storage-opt
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import sys
@@ -198,6 +199,21 @@ def _storage_options(text: str) -> dict[str, Any]:
     return value
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose "invalid choice" (a mistyped command, a ``--mode``) says which
+    choice was probably meant."""
+
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        choices = action.choices
+        if choices is None or value in choices or not isinstance(value, str):
+            super()._check_value(action, value)
+            return
+        close = difflib.get_close_matches(value, [str(c) for c in choices], n=1)
+        meant = f"; did you mean {close[0]!r}?" if close else ""
+        raise argparse.ArgumentError(action, f"invalid choice: {value!r}{meant} (choose from "
+                                             f"{', '.join(map(repr, choices))})")
+
+
 def _common(parser: argparse.ArgumentParser, suppress: bool) -> None:
     """--json, --storage-options, --no-progress: before or after the command name."""
     default: Any = argparse.SUPPRESS if suppress else None
@@ -216,8 +232,8 @@ def _common(parser: argparse.ArgumentParser, suppress: bool) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     formatter = argparse.RawDescriptionHelpFormatter
-    parser = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION,
-                                     epilog=EPILOGS[None], formatter_class=formatter)
+    parser = _Parser(prog=PROG, description=DESCRIPTION,
+                     epilog=EPILOGS[None], formatter_class=formatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     _common(parser, suppress=False)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
