@@ -7,7 +7,7 @@ Commands (``caffe2ckpt COMMAND --help`` for each)::
     caffe2ckpt verify PREFIX [--epoch N]       re-read every committed checkpoint, check checksums
     caffe2ckpt gc PREFIX [--keep-last N] ...   remove leftovers and old epochs (dry run: no --yes)
     caffe2ckpt diff PREFIX A B                 which blobs changed between epochs A and B
-    caffe2ckpt materialize PREFIX --epoch E DEST   an epoch as ordinary whole Zarr groups
+    caffe2ckpt materialize PREFIX --epoch E DEST   an epoch as plain Zarr, an array per blob
 
 Every command takes ``--json`` (one JSON document on stdout) and ``--storage-options JSON``.
 ``main(argv)`` returns the exit code instead of exiting, so it can be called in-process.
@@ -142,9 +142,10 @@ examples:
 """,
     "materialize": """\
 Reads every node of the epoch (or only --node), verified as a restore is (a differential
-epoch's chain resolved, its digests checked), and writes each as DEST/<node>.<epoch>: an
-ordinary Zarr v3 group that zarr-python and TensorStore read, whatever kind the epoch is.
-Existing groups at DEST are never overwritten.
+epoch's chain resolved, its digests checked), one blob at a time, and writes each as
+DEST/<node>.<epoch>: an ordinary Zarr v3 group in which every blob, small ones included, is
+an array of its own at its blob path, whatever kind the epoch is. An existing group at DEST
+is never overwritten.
 
 examples:
   caffe2ckpt materialize checkpoints/regression --epoch 7 /tmp/epoch7
@@ -289,7 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--all", action="store_true",
                    help="also list unchanged blobs (always listed with --json)")
 
-    p = command("materialize", "write an epoch as ordinary whole Zarr groups (deltas resolved)")
+    p = command("materialize", "write an epoch as plain Zarr groups, an array per blob "
+                               "(deltas resolved)")
     p.add_argument("--epoch", metavar="E", type=_epoch, required=True, help="the epoch")
     p.add_argument("dest", metavar="DEST", help="where to write <node>.<epoch> groups")
     nodes(p, "only this node")

@@ -19,7 +19,7 @@ from caffe2ckpt.fs.location import Location
 from caffe2ckpt.history.cleanup import Leftover, is_checkpoint_prefix
 from caffe2ckpt.history.lineage import Save
 from caffe2ckpt.history.scan import PrefixScan, scan
-from caffe2ckpt.store.groupread import read_node
+from caffe2ckpt.store.groupread import read_node, read_units
 from caffe2ckpt.store.layout import COMMITS_DIR, RUNS_DIR, parse_group_name
 from caffe2ckpt.store.manifest import Manifest
 from caffe2ckpt.store.protocol import CheckpointStore
@@ -138,15 +138,6 @@ def checked_manifest(store: CheckpointStore, record: CommitRecord) -> Manifest:
     metadata digests and every array's metadata (``load_node`` with no blobs)."""
     store.load_node(record, names=[])
     return store.manifest(record)
-
-
-def read_units(manifest: Manifest) -> list[list[str]]:
-    """How blobs are read: each own array alone, every packed blob in one read, each blob of a
-    differential save that other groups hold alone (its chain resolved)."""
-    units = [[name] for name in manifest.arrays]
-    if manifest.packed:
-        units.append([b.name for b in manifest.packed])
-    return units + [[name] for name in manifest.inherited]
 
 
 def leftover_bytes(location: Location, item: Leftover) -> int | None:

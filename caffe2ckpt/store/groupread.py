@@ -45,7 +45,7 @@ from caffe2ckpt.store.manifest import (
 )
 from caffe2ckpt.store.zarrgroup import CRC_BYTES
 
-__all__ = ["read_arrays", "read_node"]
+__all__ = ["read_arrays", "read_node", "read_units"]
 
 # A read claiming more than this (a quarter of the machine's memory) checks every chunk file's
 # size before allocating its destination, so a crafted manifest claiming petabytes is corruption,
@@ -77,6 +77,15 @@ def _restored(data: np.ndarray, info: BlobInfo) -> np.ndarray:
     else:
         out = data
     return np.asfortranarray(out) if info.order == "F" else out
+
+
+def read_units(manifest: Manifest) -> list[list[str]]:
+    """How blobs are read: each own array alone, every packed blob in one read, each blob of a
+    differential save that other groups hold alone (its chain resolved)."""
+    units = [[name] for name in manifest.arrays]
+    if manifest.packed:
+        units.append([b.name for b in manifest.packed])
+    return units + [[name] for name in manifest.inherited]
 
 
 def read_node(
