@@ -71,7 +71,7 @@ exit codes:
   0  success (also: gc dry run, diff with differences)
   1  damage found: verify, show --verify or diff read a checksum or record that fails
   2  wrong arguments (usage error, bad --storage-options JSON, unknown metric, a URL
-     whose filesystem package is not installed)
+     whose filesystem package is not installed, a materialize DEST that exists)
   3  not found: nothing at PREFIX, or the epoch / node asked for is not committed there
   4  the storage failed: no credentials found, permission denied (also credentials
      the store rejects), network error, or a gc deletion failed
@@ -145,7 +145,7 @@ Reads every node of the epoch (or only --node), verified as a restore is (a diff
 epoch's chain resolved, its digests checked), one blob at a time, and writes each as
 DEST/<node>.<epoch>: an ordinary Zarr v3 group in which every blob, small ones included, is
 an array of its own at its blob path, whatever kind the epoch is. An existing group at DEST
-is never overwritten.
+is never overwritten (exit 2, before anything is read).
 
 examples:
   caffe2ckpt materialize checkpoints/regression --epoch 7 /tmp/epoch7

@@ -12,6 +12,7 @@ import zarr
 
 import caffe2ckpt
 from caffe2ckpt import CheckpointCorruptedError, StepCheckpointManager, StepManagerOptions
+from caffe2ckpt.cli import main as cli_main
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.naming import blob_path
 
@@ -134,3 +135,20 @@ def test_a_damaged_epoch_leaves_nothing_at_the_destination(tmp_path):
         caffe2ckpt.materialize(prefix, 0, str(dest))
     assert caught.value.blob == "z"
     assert not (dest / "n0.0").exists()  # blob "a" was written first: it went again
+
+
+def test_an_existing_destination_is_a_usage_error_before_anything_is_read(tmp_path, capsys):
+    """Issue 34, item 2: it exited 4 ("storage failed"). Now exit 2 naming the destination,
+    and nothing is read: a damaged epoch is not even noticed."""
+    prefix, dest = str(tmp_path / "ckpt"), str(tmp_path / "plain")
+    save(prefix, {"a": np.ones(1 << 18)})
+    assert cli_main(["materialize", prefix, "--epoch", "0", dest]) == 0
+    chunk = tmp_path / "ckpt" / "n0.0" / "a" / "c.0"
+    chunk.write_bytes(b"damaged")
+    capsys.readouterr()
+    assert cli_main(["materialize", prefix, "--epoch", "0", dest]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (f"caffe2ckpt materialize: error: {dest}/n0.0 exists already: "
+                            "materialize never overwrites; choose another DEST (or delete "
+                            "that group)\n")
