@@ -249,3 +249,29 @@ def test_writers_are_described_in_words(writer, phrase):
     from caffe2ckpt.units import writer_phrase
 
     assert writer_phrase(writer) == phrase
+
+
+def supersede_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "supersedes" in r.getMessage()]
+
+
+@pytest.mark.parametrize("prefix", ["memory", "local"], indirect=True)
+def test_going_back_says_what_it_supersedes_when_it_commits(prefix, caplog):
+    """Issue 34: resume_from_epoch=8 superseded epochs 9-25 of three earlier runs without a
+    word. The new run's first commit says so in one INFO line (the lineage's own answer)."""
+    for epochs in (12, 20, 25):  # runs 1, 2, 3: epochs 0-12, 13-20, 21-25
+        run(prefix, epochs)
+    with caplog.at_level("INFO", logger="caffe2ckpt"):
+        cm = MultiNodeCheckpointManager(prefix)
+        assert JobRunner(build_job(10), cm, resume_from_epoch=8).train(LocalSession()) == 10
+    assert supersede_lines(caplog) == [
+        f"epoch 9 committed under {prefix!r}; it supersedes epochs 9-25 of runs 1, 2, 3 (they "
+        "stay on disk until retention or gc removes them)"]
+    caplog.clear()
+    with caplog.at_level("INFO", logger="caffe2ckpt"):
+        run(prefix, 12)  # continues the newest save (epoch 10): supersedes nothing
+        cm = MultiNodeCheckpointManager(prefix, auto_resume=False)  # a fresh start
+        JobRunner(build_job(1), cm).train(LocalSession())
+    assert supersede_lines(caplog) == [
+        f"epoch 0 committed under {prefix!r}; it supersedes epochs 0-12 of runs 1, 4, 5 (they "
+        "stay on disk until retention or gc removes them)"]

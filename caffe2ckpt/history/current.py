@@ -44,6 +44,7 @@ from caffe2ckpt.policy import StepManagerOptions
 from caffe2ckpt.store import runs
 from caffe2ckpt.store.protocol import CheckpointStore
 from caffe2ckpt.store.records import CommitRecord
+from caffe2ckpt.units import epochs_text
 
 __all__ = ["CurrentRun"]
 
@@ -68,6 +69,7 @@ class CurrentRun:
         self._newest_read: Any = _UNSET  # the newest save as a resume found it
         self._resolved: Save | None = None  # the last save a decision gave (for _vouch only)
         self._resuming = False  # inside resuming()
+        self._goes_back = False  # the held run may supersede saves when it first commits
         self._steady = steady  # the view is kept until forget(), run or not
 
     # -- runs ------------------------------------------------------------------------------------
@@ -92,6 +94,9 @@ class CurrentRun:
             run = self._claim(parent, writer)
             self._vouch(newest, run.generation)  # failing twice: the claim fails
         self.run, self._next_parent, self._last_epoch, self._last_save = run, _UNSET, None, None
+        # nothing to supersede when it continues the family's newest save or is the prefix's
+        # first run; otherwise its first commit asks (_tell_superseded)
+        self._goes_back = newest is None and run.generation > 1
         return run
 
     def _claim(self, parent: tuple[int, int] | None, writer: dict[str, Any] | None
@@ -191,6 +196,7 @@ class CurrentRun:
         self._last_epoch = save.epoch if first else max(self._last_epoch, save.epoch)
         if first:
             self._mark(save)
+            self._tell_superseded(save)
             self._branch(self.run.parent)
         if self._family is not None:
             self._family = self._family.with_newest(save)
@@ -201,6 +207,25 @@ class CurrentRun:
         except OSError as exc:  # its committed save says the same while it stands
             logger.warning("cannot mark run %d of %s as committed: %s", save.generation,
                            self.store.location.display(), exc)
+
+    def _tell_superseded(self, save: Save) -> None:
+        """Say in one INFO line what the run's first commit ``save`` superseded
+        (:meth:`History.superseded_by`, read now; nothing to read when the run continues the
+        newest save)."""
+        if not self._goes_back:
+            return
+        try:
+            gone = family_history(self.store, self.nodes).superseded_by(save.generation)
+        except Exception as exc:  # noqa: BLE001 - a log line never fails a commit
+            logger.debug("cannot tell what the commit of epoch %d superseded: %s", save.epoch,
+                         exc)
+            return
+        generations = sorted({s.generation for s in gone})
+        if generations:
+            logger.info("epoch %d committed under %r; it supersedes epochs %s of run%s %s (they "
+                        "stay on disk until retention or gc removes them)", save.epoch,
+                        self.store.location.display(), epochs_text(s.epoch for s in gone),
+                        "s" if len(generations) > 1 else "", ", ".join(map(str, generations)))
 
     def _branch(self, parent: tuple[int, int] | None) -> None:
         """The view once a run from ``parent`` has committed: the lineage above it is
