@@ -62,6 +62,10 @@ class JobRunner:
         options: save policy (which epochs to checkpoint; epoch 0, the final epoch and a
             preempted epoch always are) and retention (which committed epochs to keep; the
             newest and the one resumed from always are). Default: save and keep every epoch.
+            Its ``enable_async_checkpointing=True`` (Orbax's name) is the manager's
+            ``async_save=True``: it turns background saves on for a manager made without
+            ``async_save``, and is refused (:class:`JobDefinitionError`) for one made with
+            ``async_save=False``.
         handle_preemption: while training (in the main thread), SIGTERM only sets a flag: the
             current epoch finishes, is saved and committed, and :meth:`train` raises
             :class:`JobPreemptedError` instead of running another epoch.
@@ -117,6 +121,8 @@ class JobRunner:
             raise JobDefinitionError(
                 f"resume_from_epoch={self.resume_from_epoch} needs a checkpoint manager"
             )
+        if cm is not None and self.options is not None:  # Orbax's name for async_save
+            cm.use_async_option(self.options.enable_async_checkpointing)
         self.failed_saves = []
         self.saved_epochs = []
         self.resumed_from = None
