@@ -260,9 +260,9 @@ def test_background_saves_close_raises_instead_of_dropping():
 
 def test_enable_async_checkpointing_given_to_a_job_runner_is_its_managers_async_save(prefix,
                                                                                        caplog):
-    """Issue 34: Orbax's name in JobRunner's options was ignored (every save synchronous).
-    It is an alias of the manager's async_save; a manager made with async_save=False is a
-    contradiction, refused before anything runs."""
+    """Issue 34 item 5.6: Orbax's name in JobRunner's options was ignored (every save
+    synchronous). It is an alias of the manager's async_save; a manager made with
+    async_save=False is a contradiction, refused before anything runs."""
     options = StepManagerOptions(enable_async_checkpointing=True)
     with caplog.at_level("INFO", logger="caffe2ckpt.runner"):
         cm = MultiNodeCheckpointManager(prefix)

@@ -223,7 +223,8 @@ def test_save_warning_names_epoch(prefix, caplog):
 
 
 def test_the_resume_line_says_in_words_who_wrote_the_epoch(prefix, caplog):
-    """Issue 34: the resume line printed the writer as ``host=..., pid=..., session=local``."""
+    """Issue 34 item 5.5: the resume line printed the writer as ``host=..., pid=...,
+    session=local``."""
     run(prefix, 2)
     caplog.clear()
     with caplog.at_level("INFO", logger="caffe2ckpt.runner"):
@@ -257,8 +258,9 @@ def supersede_lines(caplog) -> list[str]:
 
 @pytest.mark.parametrize("prefix", ["memory", "local"], indirect=True)
 def test_going_back_says_what_it_supersedes_when_it_commits(prefix, caplog):
-    """Issue 34: resume_from_epoch=8 superseded epochs 9-25 of three earlier runs without a
-    word. The new run's first commit says so in one INFO line (the lineage's own answer)."""
+    """Issue 34 item 5.4: resume_from_epoch=8 superseded epochs 9-25 of three earlier runs
+    without a word. The new run's first commit says so in one INFO line (the lineage's own
+    answer)."""
     for epochs in (12, 20, 25):  # runs 1, 2, 3: epochs 0-12, 13-20, 21-25
         run(prefix, epochs)
     with caplog.at_level("INFO", logger="caffe2ckpt"):

@@ -573,7 +573,8 @@ def test_wrong_arguments_exit_2_with_a_message(memory_fs, capsys, argv, message)
     (["--json", "verfy", "P"], "verify"), (["gc", "P", "--mode", "mni"], "min"),
 ])
 def test_a_mistyped_choice_gets_a_did_you_mean(capsys, argv, meant):
-    """Issue 34: `caffe2ckpt lss` listed the commands without saying which one was meant."""
+    """Issue 34 item 5.3: `caffe2ckpt lss` listed the commands without saying which one was
+    meant."""
     code, out, err = run(capsys, *argv)
     assert (code, out) == (2, "")
     bad = next(a for a in argv if a not in ("P", "D", "0", "--json", "--epoch", "gc", "--mode"))

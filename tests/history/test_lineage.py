@@ -173,7 +173,7 @@ def test_the_walk_follows_parents_across_generations():
 
 
 def test_what_a_run_superseded_is_the_lineage_it_left_not_only_the_epochs_above_it():
-    """History.superseded_by, which the first commit's INFO line reports (issue 34): the
+    """History.superseded_by, which the first commit's INFO line reports (issue 34 item 5.4): the
     lineage as it stood before the run minus the lineage from it, read only until they meet."""
     records = _records(*[(e, 1, None) for e in (0, 1, 2, 5)], (3, 2, (2, 1)), (4, 2, (2, 1)),
                        (6, 3, (5, 1)))

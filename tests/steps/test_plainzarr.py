@@ -1,5 +1,5 @@
 """``materialize``: any committed epoch written for readers that know nothing of caffe2ckpt,
-every blob an ordinary Zarr v3 array of its own at its blob path (issue 34, item 1), read here
+every blob an ordinary Zarr v3 array of its own at its blob path (issue 34 item 5.1), read here
 with plain ``zarr`` alone."""
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def test_a_damaged_epoch_leaves_nothing_at_the_destination(tmp_path):
 
 
 def test_an_existing_destination_is_a_usage_error_before_anything_is_read(tmp_path, capsys):
-    """Issue 34, item 2: it exited 4 ("storage failed"). Now exit 2 naming the destination,
+    """Issue 34 item 5.2: it exited 4 ("storage failed"). Now exit 2 naming the destination,
     and nothing is read: a damaged epoch is not even noticed."""
     prefix, dest = str(tmp_path / "ckpt"), str(tmp_path / "plain")
     save(prefix, {"a": np.ones(1 << 18)})

@@ -420,7 +420,8 @@ def test_a_new_runs_async_save_listed_before_its_commit_survives_its_retention(p
 
 
 def test_a_forced_save_below_the_newest_says_what_it_supersedes(prefix, caplog):
-    """Issue 34: the first commit of a run that goes back names what it supersedes (INFO)."""
+    """Issue 34 item 5.4: the first commit of a run that goes back names what it supersedes
+    (INFO)."""
     items = {"n0": {"w": np.arange(4.0)}}
     with StepCheckpointManager(prefix, handle_preemption=False) as mgr:
         for step in range(6):
