@@ -5,7 +5,9 @@ with plain ``zarr`` alone."""
 from __future__ import annotations
 
 import tracemalloc
+import uuid
 
+import fsspec
 import numpy as np
 import pytest
 import zarr
@@ -60,10 +62,21 @@ def save(prefix: str, items: dict[str, np.ndarray], step: int = 0) -> None:
         mgr.save(step, {"n0": items})
 
 
-def test_every_blob_is_a_plain_array_with_its_dtype_shape_and_order(prefix, tmp_path):
+@pytest.fixture(params=["local", "memory"])
+def dest(request, tmp_path):
+    """Where materialize writes: a local folder (durable writes) or memory:// (fsspec's)."""
+    if request.param == "local":
+        yield str(tmp_path / "plain")
+        return
+    url = f"memory://plain-{uuid.uuid4().hex[:8]}"
+    yield url
+    fsspec.filesystem("memory").rm(url, recursive=True)
+
+
+def test_every_blob_is_a_plain_array_with_its_dtype_shape_and_order(prefix, dest):
     want = blobs()
     save(prefix, want)
-    [url] = caffe2ckpt.materialize(prefix, 0, str(tmp_path / "plain"))
+    [url] = caffe2ckpt.materialize(prefix, 0, dest)
     group = zarr.open_group(url, mode="r")
     assert "_packed" not in group and "caffe2ckpt" not in group.attrs  # not a checkpoint group
     assert sorted(group.array_keys()) == sorted(blob_path(n) for n in want)
