@@ -69,7 +69,7 @@ class CurrentRun:
         self._newest_read: Any = _UNSET  # the newest save as a resume found it
         self._resolved: Save | None = None  # the last save a decision gave (for _vouch only)
         self._resuming = False  # inside resuming()
-        self._goes_back = False  # the held run may supersede saves when it first commits
+        self._leaves: list[Save] = []  # what the held run supersedes when it first commits
         self._steady = steady  # the view is kept until forget(), run or not
 
     # -- runs ------------------------------------------------------------------------------------
@@ -94,10 +94,19 @@ class CurrentRun:
             run = self._claim(parent, writer)
             self._vouch(newest, run.generation)  # failing twice: the claim fails
         self.run, self._next_parent, self._last_epoch, self._last_save = run, _UNSET, None, None
-        # nothing to supersede when it continues the family's newest save or is the prefix's
-        # first run; otherwise its first commit asks (_tell_superseded)
-        self._goes_back = newest is None and run.generation > 1
+        self._leaves = self._left_behind(parent) if newest is None and run.generation > 1 else []
         return run
+
+    def _left_behind(self, parent: tuple[int, int] | None) -> list[Save]:
+        """What a run from ``parent`` will supersede (:meth:`History.left_behind`), for the
+        line its first commit logs: asked when the run starts, where a resume has read it
+        already (a save lists and reads nothing), and only when the run does not continue the
+        family's newest save and is not the prefix's first run."""
+        try:
+            return self._history().left_behind(parent)
+        except Exception as exc:  # noqa: BLE001 - only a log line needs it
+            logger.debug("cannot tell what a run from %s supersedes: %s", parent, exc)
+            return []
 
     def _claim(self, parent: tuple[int, int] | None, writer: dict[str, Any] | None
                ) -> runs.Run:
@@ -129,6 +138,7 @@ class CurrentRun:
         lineage view, which other writers may change from now on; the next save claims
         again."""
         self.run, self._next_parent, self._last_epoch, self._last_save = None, _UNSET, None, None
+        self._leaves = []
         if not self._resuming:
             self.forget()
 
@@ -209,17 +219,9 @@ class CurrentRun:
                            self.store.location.display(), exc)
 
     def _tell_superseded(self, save: Save) -> None:
-        """Say in one INFO line what the run's first commit ``save`` superseded
-        (:meth:`History.superseded_by`, read now; nothing to read when the run continues the
-        newest save)."""
-        if not self._goes_back:
-            return
-        try:
-            gone = family_history(self.store, self.nodes).superseded_by(save.generation)
-        except Exception as exc:  # noqa: BLE001 - a log line never fails a commit
-            logger.debug("cannot tell what the commit of epoch %d superseded: %s", save.epoch,
-                         exc)
-            return
+        """Say in one INFO line what the run's first commit ``save`` superseded (found when
+        the run started: :meth:`_left_behind`)."""
+        gone, self._leaves = self._leaves, []
         generations = sorted({s.generation for s in gone})
         if generations:
             logger.info("epoch %d committed under %r; it supersedes epochs %s of run%s %s (they "

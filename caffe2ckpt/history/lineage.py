@@ -241,11 +241,11 @@ class History:
         """The committed saves of the current lineage, newest first (read lazily)."""
         return self._walk(self.head())
 
-    def _walk(self, generation: int | None) -> Iterator[Save]:
-        """The lineage from run ``generation``: its committed saves, then those of the run it
-        started from up to where it started, and so on (newest first, read lazily)."""
+    def _walk(self, generation: int | None, limit: int | None = None) -> Iterator[Save]:
+        """The lineage from run ``generation`` (its committed saves up to epoch ``limit``),
+        then those of the run it started from up to where it started, and so on (newest first,
+        read lazily)."""
         gens = self._by_generation()
-        limit: int | None = None
         while generation is not None:
             keys = gens.get(generation, [])
             epochs: set[int] = set()
@@ -268,29 +268,20 @@ class History:
         """The newest committed save of the lineage (the one a job resumes from)."""
         return next(self.lineage(), None)
 
-    def before(self, generation: int) -> History:
-        """The history as it stood before run ``generation`` (or any newer run) claimed or
-        saved: their records and run log entries left out. It reads through this history, so
-        records are still read once."""
-        refs = [ref for key, refs in self._saves.items() if save_generation(key[1]) < generation
-                for ref in refs.values()]
-        return History(refs, self.nodes, self.record, self.run,
-                       [g for g in self.runs if g < generation],
-                       [g for g in self.marked if g < generation])
-
-    def superseded_by(self, generation: int) -> list[Save]:
-        """The committed saves run ``generation`` superseded when it took over the history
-        (its first commit), newest first: those of the lineage as it stood before the run
-        (:meth:`before`) that the lineage from the run does not hold. Both lineages are read
-        newest first, in step, only until they meet (below a save they share they are the same:
-        that save's run and the runs it started from), so a run that went back a few epochs reads
-        the records of those epochs, not the whole history."""
-        ours = self._walk(generation)
-        shared = next(ours, None)
+    def left_behind(self, parent: tuple[int, int] | None) -> list[Save]:
+        """The committed saves a run starting from ``parent`` (the save it resumed from, as
+        (epoch, generation); None: a fresh start) supersedes once it commits, newest first: those
+        of the lineage that the chain from ``parent`` (that save, the earlier ones of its run, and
+        so on back) does not hold. Both are read newest first, in step, only until they meet
+        (below a save they share they are the same), so a run that goes back a few epochs reads
+        the records of those epochs, not the whole history. Also exact for a run resuming from
+        a superseded save: what it leaves behind may lie below where it starts."""
+        chain = iter(()) if parent is None else self._walk(parent[1], limit=parent[0])
+        shared = next(chain, None)
         out = []
-        for save in self.before(generation).lineage():
+        for save in self.lineage():
             while shared is not None and shared.epoch > save.epoch:
-                shared = next(ours, None)
+                shared = next(chain, None)
             if shared is not None and (shared.epoch, shared.save_id) == (save.epoch,
                                                                          save.save_id):
                 break
