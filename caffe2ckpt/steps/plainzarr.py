@@ -7,8 +7,9 @@ restore is (every checksum, every chain's digests):
 
 - :func:`materialize` writes ``<dest>/<node>.<epoch>``, an ordinary group in which every blob is
   an array of its own at its blob path (:func:`caffe2ckpt.naming.blob_path`), in its own dtype
-  and shape: ``zarr.open_group(url)[blob_path(name)][...]`` and TensorStore read it like any
-  other; it reads and writes one blob at a time (the packed small blobs together);
+  and shape: ``zarr.open_group(url)[blob_path(name)][...]`` reads it like any other group (and
+  TensorStore, but for string blobs: they use zarr-python's fixed-length string data types);
+  it reads and writes one blob at a time (the packed small blobs together);
 - :func:`zarr_store` gives a read-only Zarr store that serves the node's checkpoint group (its
   manifest and packed small blobs included) without writing anything: each large blob is
   rebuilt when one of its chunks is first read.
@@ -116,7 +117,9 @@ def _materialize_node(store: CheckpointStore, record: CommitRecord, out: Locatio
     """Write the node checkpoint ``record`` commits as the plain group ``path`` under ``out``."""
     manifest = store.manifest(record)
     source = {"prefix": store.location.display(), "node": record.node, "epoch": record.epoch,
-              "save_id": record.save_id, "created": time.time(),  # (unique: created exclusively)
+              "save_id": record.save_id,
+              "created": time.time(),  # makes the group's zarr.json this call's own (see
+              # Location.create_exclusive: an object store's "exists" is settled by reading back)
               "blobs": {name: blob_path(name) for name in manifest.blobs}}
 
     def units() -> Iterator[dict[str, Any]]:
