@@ -57,6 +57,12 @@ class StepManagerOptions:
     keeps the best N by ``best_fn`` instead of the newest N; set ``keep_best`` as well to keep
     the newest ``max_to_keep`` and the best ``keep_best``. Unlike Orbax, the newest step is
     always kept too (a job resumes from it).
+
+    ``enable_async_checkpointing`` (Orbax's name) makes a :class:`~caffe2ckpt.StepCheckpointManager`
+    save in the background. It is the same switch as the Caffe2 managers' ``async_save``
+    (``MultiNodeCheckpointManager(url, async_save=True)``): given to a
+    :class:`~caffe2ckpt.JobRunner`, True turns its manager's background saves on (refused if
+    the manager was made with ``async_save=False``).
     """
 
     save_interval_steps: int | None = None

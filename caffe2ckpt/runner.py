@@ -40,6 +40,7 @@ from caffe2ckpt.naming import check_node_name
 from caffe2ckpt.policy import StepManagerOptions, should_save
 from caffe2ckpt.preemption import PreemptionWatch
 from caffe2ckpt.session import RunEvent, Session, notify, run_epoch
+from caffe2ckpt.units import writer_phrase
 
 __all__ = ["JobRunner"]
 
@@ -61,6 +62,10 @@ class JobRunner:
         options: save policy (which epochs to checkpoint; epoch 0, the final epoch and a
             preempted epoch always are) and retention (which committed epochs to keep; the
             newest and the one resumed from always are). Default: save and keep every epoch.
+            Its ``enable_async_checkpointing=True`` (Orbax's name) is the manager's
+            ``async_save=True``: it turns background saves on for a manager made without
+            ``async_save``, and is refused (:class:`JobDefinitionError`) for one made with
+            ``async_save=False``.
         handle_preemption: while training (in the main thread), SIGTERM only sets a flag: the
             current epoch finishes, is saved and committed, and :meth:`train` raises
             :class:`JobPreemptedError` instead of running another epoch.
@@ -116,6 +121,8 @@ class JobRunner:
             raise JobDefinitionError(
                 f"resume_from_epoch={self.resume_from_epoch} needs a checkpoint manager"
             )
+        if cm is not None and self.options is not None:  # Orbax's name for async_save
+            cm.use_async_option(self.options.enable_async_checkpointing)
         self.failed_saves = []
         self.saved_epochs = []
         self.resumed_from = None
@@ -324,7 +331,7 @@ class JobRunner:
             cm.report_checkpoint_stats("checkpoint_load")
             self.resumed_from = candidate
             logger.info("Resuming from epoch %d (written by %s)", candidate,
-                        _describe(save.first.writer))
+                        writer_phrase(save.first.writer))
             self._notify(session, "resumed", candidate, records=save.records)
             return (candidate, self._still_finished(save.records, session),
                     (candidate, save.generation))
@@ -483,8 +490,3 @@ def _writer(session: Session) -> dict[str, Any] | None:
     writer_info = getattr(session, "writer_info", None)
     return writer_info() if writer_info is not None else None
 
-
-def _describe(writer: dict[str, Any]) -> str:
-    if not writer:
-        return "an unknown writer"
-    return ", ".join(f"{k}={v}" for k, v in sorted(writer.items()))

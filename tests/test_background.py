@@ -13,6 +13,7 @@ from caffe2ckpt import (
     CheckpointManager,
     CheckpointWriteError,
     Job,
+    JobDefinitionError,
     JobRunner,
     LocalSession,
     MultiNodeCheckpointManager,
@@ -255,3 +256,22 @@ def test_background_saves_close_raises_instead_of_dropping():
     with pytest.raises(CheckpointWriteError, match="epoch 5 failed on node 'n'.*No space"):
         saves.close()
     assert saves.pending_epoch is None
+
+
+def test_enable_async_checkpointing_given_to_a_job_runner_is_its_managers_async_save(prefix,
+                                                                                       caplog):
+    """Issue 34 item 5.6: Orbax's name in JobRunner's options was ignored (every save
+    synchronous). It is an alias of the manager's async_save; a manager made with
+    async_save=False is a contradiction, refused before anything runs."""
+    options = StepManagerOptions(enable_async_checkpointing=True)
+    with caplog.at_level("INFO", logger="caffe2ckpt.runner"):
+        cm = MultiNodeCheckpointManager(prefix)
+        assert JobRunner(build_job(3), cm, options=options).train(LocalSession()) == 3
+    background = [r.getMessage() for r in caplog.records if "in the background" in r.getMessage()]
+    assert len(background) == 4, background  # epochs 0-3, each written in the background
+    assert newest_epoch(cm.store, ["trainer_0", "trainer_1"]) == 3
+    with pytest.raises(JobDefinitionError, match="async_save=False") as caught:
+        JobRunner(build_job(4), MultiNodeCheckpointManager(prefix, async_save=False),
+                  options=options).train(LocalSession())
+    assert "enable_async_checkpointing=True" in str(caught.value)
+    assert newest_epoch(cm.store, ["trainer_0", "trainer_1"]) == 3  # nothing ran

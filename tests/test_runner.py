@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import socket
 
 import numpy as np
 import pytest
@@ -218,3 +220,60 @@ def test_save_warning_names_epoch(prefix, caplog):
         assert runner.train(LocalSession()) == 1
     assert runner.failed_saves == [1]
     assert any("epoch 1" in r.message and "'x'" in r.message for r in caplog.records)
+
+
+def test_the_resume_line_says_in_words_who_wrote_the_epoch(prefix, caplog):
+    """Issue 34 item 5.5: the resume line printed the writer as ``host=..., pid=...,
+    session=local``."""
+    run(prefix, 2)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="caffe2ckpt.runner"):
+        run(prefix, 3)
+    host, pid = socket.gethostname(), os.getpid()
+    assert (f"Resuming from epoch 2 (written by a local session on host {host}, pid {pid})"
+            in [r.getMessage() for r in caplog.records])
+
+
+@pytest.mark.parametrize(("writer", "phrase"), [
+    ({"session": "prefect", "flow_run_id": "1a2b3c4d-0000-4000-8000-000000000000",
+      "flow_run_name": "crimson-otter", "flow_name": "regression", "run_count": 2,
+      "deployment_id": None, "host": "h", "pid": 7},
+     "flow run crimson-otter (1a2b3c4d-0000-4000-8000-000000000000) attempt 2 on host h, pid 7"),
+    ({"manager": "StepCheckpointManager", "host": "h", "pid": 7},
+     "StepCheckpointManager on host h, pid 7"),
+    ({"session": "dask", "host": "w1", "pid": 8, "scheduler": "tcp://s:8786"},
+     "a dask session on host w1, pid 8"),
+    ({}, "an unknown writer"),
+    ({"who": "me"}, "who=me"),
+])
+def test_writers_are_described_in_words(writer, phrase):
+    from caffe2ckpt.units import writer_phrase
+
+    assert writer_phrase(writer) == phrase
+
+
+def supersede_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "supersedes" in r.getMessage()]
+
+
+@pytest.mark.parametrize("prefix", ["memory", "local"], indirect=True)
+def test_going_back_says_what_it_supersedes_when_it_commits(prefix, caplog):
+    """Issue 34 item 5.4: resume_from_epoch=8 superseded epochs 9-25 of three earlier runs
+    without a word. The new run's first commit says so in one INFO line (the lineage's own
+    answer)."""
+    for epochs in (12, 20, 25):  # runs 1, 2, 3: epochs 0-12, 13-20, 21-25
+        run(prefix, epochs)
+    with caplog.at_level("INFO", logger="caffe2ckpt"):
+        cm = MultiNodeCheckpointManager(prefix)
+        assert JobRunner(build_job(10), cm, resume_from_epoch=8).train(LocalSession()) == 10
+    assert supersede_lines(caplog) == [
+        f"epoch 9 committed under {prefix!r}; it supersedes epochs 9-25 of runs 1, 2, 3 (they "
+        "stay on disk until retention or gc removes them)"]
+    caplog.clear()
+    with caplog.at_level("INFO", logger="caffe2ckpt"):
+        run(prefix, 12)  # continues the newest save (epoch 10): supersedes nothing
+        cm = MultiNodeCheckpointManager(prefix, auto_resume=False)  # a fresh start
+        JobRunner(build_job(1), cm).train(LocalSession())
+    assert supersede_lines(caplog) == [
+        f"epoch 0 committed under {prefix!r}; it supersedes epochs 0-12 of runs 1, 4, 5 (they "
+        "stay on disk until retention or gc removes them)"]

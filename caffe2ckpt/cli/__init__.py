@@ -7,7 +7,7 @@ Commands (``caffe2ckpt COMMAND --help`` for each)::
     caffe2ckpt verify PREFIX [--epoch N]       re-read every committed checkpoint, check checksums
     caffe2ckpt gc PREFIX [--keep-last N] ...   remove leftovers and old epochs (dry run: no --yes)
     caffe2ckpt diff PREFIX A B                 which blobs changed between epochs A and B
-    caffe2ckpt materialize PREFIX --epoch E DEST   an epoch as ordinary whole Zarr groups
+    caffe2ckpt materialize PREFIX --epoch E DEST   an epoch as plain Zarr, an array per blob
 
 Every command takes ``--json`` (one JSON document on stdout) and ``--storage-options JSON``.
 ``main(argv)`` returns the exit code instead of exiting, so it can be called in-process.
@@ -16,6 +16,7 @@ Every command takes ``--json`` (one JSON document on stdout) and ``--storage-opt
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import sys
@@ -70,7 +71,7 @@ exit codes:
   0  success (also: gc dry run, diff with differences)
   1  damage found: verify, show --verify or diff read a checksum or record that fails
   2  wrong arguments (usage error, bad --storage-options JSON, unknown metric, a URL
-     whose filesystem package is not installed)
+     whose filesystem package is not installed, a materialize DEST that exists)
   3  not found: nothing at PREFIX, or the epoch / node asked for is not committed there
   4  the storage failed: no credentials found, permission denied (also credentials
      the store rejects), network error, or a gc deletion failed
@@ -141,9 +142,10 @@ examples:
 """,
     "materialize": """\
 Reads every node of the epoch (or only --node), verified as a restore is (a differential
-epoch's chain resolved, its digests checked), and writes each as DEST/<node>.<epoch>: an
-ordinary Zarr v3 group that zarr-python and TensorStore read, whatever kind the epoch is.
-Existing groups at DEST are never overwritten.
+epoch's chain resolved, its digests checked), one blob at a time, and writes each as
+DEST/<node>.<epoch>: an ordinary Zarr v3 group in which every blob, small ones included, is
+an array of its own at its blob path, whatever kind the epoch is. An existing group at DEST
+is never overwritten (exit 2, before anything is read).
 
 examples:
   caffe2ckpt materialize checkpoints/regression --epoch 7 /tmp/epoch7
@@ -198,6 +200,21 @@ def _storage_options(text: str) -> dict[str, Any]:
     return value
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose "invalid choice" (a mistyped command, a ``--mode``) says which
+    choice was probably meant."""
+
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        choices = action.choices
+        if choices is None or value in choices or not isinstance(value, str):
+            super()._check_value(action, value)
+            return
+        close = difflib.get_close_matches(value, [str(c) for c in choices], n=1)
+        meant = f"; did you mean {close[0]!r}?" if close else ""
+        raise argparse.ArgumentError(action, f"invalid choice: {value!r}{meant} (choose from "
+                                             f"{', '.join(map(repr, choices))})")
+
+
 def _common(parser: argparse.ArgumentParser, suppress: bool) -> None:
     """--json, --storage-options, --no-progress: before or after the command name."""
     default: Any = argparse.SUPPRESS if suppress else None
@@ -216,8 +233,8 @@ def _common(parser: argparse.ArgumentParser, suppress: bool) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     formatter = argparse.RawDescriptionHelpFormatter
-    parser = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION,
-                                     epilog=EPILOGS[None], formatter_class=formatter)
+    parser = _Parser(prog=PROG, description=DESCRIPTION,
+                     epilog=EPILOGS[None], formatter_class=formatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     _common(parser, suppress=False)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -273,7 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--all", action="store_true",
                    help="also list unchanged blobs (always listed with --json)")
 
-    p = command("materialize", "write an epoch as ordinary whole Zarr groups (deltas resolved)")
+    p = command("materialize", "write an epoch as plain Zarr groups, an array per blob "
+                               "(deltas resolved)")
     p.add_argument("--epoch", metavar="E", type=_epoch, required=True, help="the epoch")
     p.add_argument("dest", metavar="DEST", help="where to write <node>.<epoch> groups")
     nodes(p, "only this node")

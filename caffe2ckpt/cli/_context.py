@@ -21,13 +21,13 @@ from caffe2ckpt.history.cleanup import Leftover, is_checkpoint_prefix
 from caffe2ckpt.history.lineage import Save
 from caffe2ckpt.history.scan import PrefixScan, scan
 from caffe2ckpt.history.scan import require_save as scan_require_save
-from caffe2ckpt.steps.plainzarr import small_blobs
-from caffe2ckpt.store.groupread import read_node
+from caffe2ckpt.store.groupread import read_node, read_units
 from caffe2ckpt.store.layout import COMMITS_DIR, RUNS_DIR, parse_group_name
 from caffe2ckpt.store.manifest import Manifest
 from caffe2ckpt.store.protocol import CheckpointStore
 from caffe2ckpt.store.records import CommitRecord, list_records
 from caffe2ckpt.store.zarrgroup import parse_manifest
+from caffe2ckpt.units import epochs_text
 
 EXIT_OK = 0
 EXIT_DAMAGED = 1  # verification found damage (verify, show --verify, diff of damaged data)
@@ -121,27 +121,6 @@ def checked_manifest(store: CheckpointStore, record: CommitRecord) -> Manifest:
     metadata digests and every array's metadata (``load_node`` with no blobs)."""
     store.load_node(record, names=[])
     return store.manifest(record)
-
-
-def chained_together(manifest: Manifest) -> list[str]:
-    """The blobs of a differential save that older groups hold and that are read together:
-    the small ones (a whole group packs them), whose chains share their sources' packed
-    arrays. Each larger one is read alone, so that one array at a time is in memory."""
-    return small_blobs({name: i.info for name, i in manifest.inherited.items()})
-
-
-def read_units(manifest: Manifest) -> list[list[str]]:
-    """How blobs are read: each own array alone, every packed blob in one read; the blobs a
-    differential save reads through older groups: the small ones in one read (every source
-    group's packed array read once, not once per blob), each larger one alone."""
-    units = [[name] for name in manifest.arrays]
-    if manifest.packed:
-        units.append([b.name for b in manifest.packed])
-    together = chained_together(manifest)
-    if together:
-        units.append(together)
-    alone = set(together)
-    return units + [[name] for name in manifest.inherited if name not in alone]
 
 
 def leftover_bytes(location: Location, item: Leftover) -> int | None:

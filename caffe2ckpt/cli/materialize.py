@@ -1,5 +1,5 @@
-"""``caffe2ckpt materialize``: write a committed epoch as ordinary whole Zarr groups (a
-differential epoch included), for readers without caffe2ckpt."""
+"""``caffe2ckpt materialize``: write a committed epoch as ordinary Zarr groups, every blob an
+array of its own (a differential epoch included), for readers without caffe2ckpt."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import argparse
 
 from caffe2ckpt.cli._context import (
     EXIT_OK,
+    EXIT_USAGE,
+    CLIError,
     Context,
     Document,
     open_prefix,
@@ -22,8 +24,11 @@ def cmd_materialize(ctx: Context, args: argparse.Namespace) -> tuple[Document, i
     store, found = open_prefix(ctx, args.prefix)
     save = require_save(store, found, args.epoch, args.node)
     nodes = save_nodes(save, args.node)
-    written = write_plain(store, save, args.dest, nodes=nodes,
-                          dest_storage_options=args.dest_storage_options)
+    try:
+        written = write_plain(store, save, args.dest, nodes=nodes,
+                              dest_storage_options=args.dest_storage_options)
+    except FileExistsError as exc:  # DEST names a group already there: the arguments are wrong
+        raise CLIError(str(exc), EXIT_USAGE) from exc
     return {"prefix": args.prefix, "epoch": args.epoch, "dest": args.dest, "groups": written,
             "nodes": nodes, "save_id": save.save_id,
             "superseded": found.is_superseded(save)}, EXIT_OK

@@ -44,6 +44,7 @@ from caffe2ckpt.policy import StepManagerOptions
 from caffe2ckpt.store import runs
 from caffe2ckpt.store.protocol import CheckpointStore
 from caffe2ckpt.store.records import CommitRecord
+from caffe2ckpt.units import epochs_text
 
 __all__ = ["CurrentRun"]
 
@@ -68,6 +69,7 @@ class CurrentRun:
         self._newest_read: Any = _UNSET  # the newest save as a resume found it
         self._resolved: Save | None = None  # the last save a decision gave (for _vouch only)
         self._resuming = False  # inside resuming()
+        self._leaves: list[Save] = []  # what the held run supersedes when it first commits
         self._steady = steady  # the view is kept until forget(), run or not
 
     # -- runs ------------------------------------------------------------------------------------
@@ -92,7 +94,19 @@ class CurrentRun:
             run = self._claim(parent, writer)
             self._vouch(newest, run.generation)  # failing twice: the claim fails
         self.run, self._next_parent, self._last_epoch, self._last_save = run, _UNSET, None, None
+        self._leaves = self._left_behind(parent) if newest is None and run.generation > 1 else []
         return run
+
+    def _left_behind(self, parent: tuple[int, int] | None) -> list[Save]:
+        """What a run from ``parent`` will supersede (:meth:`History.left_behind`), for the
+        line its first commit logs: asked when the run starts, where a resume has read it
+        already (a save lists and reads nothing), and only when the run does not continue the
+        family's newest save and is not the prefix's first run."""
+        try:
+            return self._history().left_behind(parent)
+        except Exception as exc:  # noqa: BLE001 - only a log line needs it
+            logger.debug("cannot tell what a run from %s supersedes: %s", parent, exc)
+            return []
 
     def _claim(self, parent: tuple[int, int] | None, writer: dict[str, Any] | None
                ) -> runs.Run:
@@ -124,6 +138,7 @@ class CurrentRun:
         lineage view, which other writers may change from now on; the next save claims
         again."""
         self.run, self._next_parent, self._last_epoch, self._last_save = None, _UNSET, None, None
+        self._leaves = []
         if not self._resuming:
             self.forget()
 
@@ -191,6 +206,7 @@ class CurrentRun:
         self._last_epoch = save.epoch if first else max(self._last_epoch, save.epoch)
         if first:
             self._mark(save)
+            self._tell_superseded(save)
             self._branch(self.run.parent)
         if self._family is not None:
             self._family = self._family.with_newest(save)
@@ -201,6 +217,17 @@ class CurrentRun:
         except OSError as exc:  # its committed save says the same while it stands
             logger.warning("cannot mark run %d of %s as committed: %s", save.generation,
                            self.store.location.display(), exc)
+
+    def _tell_superseded(self, save: Save) -> None:
+        """Say in one INFO line what the run's first commit ``save`` superseded (found when
+        the run started: :meth:`_left_behind`)."""
+        gone, self._leaves = self._leaves, []
+        generations = sorted({s.generation for s in gone})
+        if generations:
+            logger.info("epoch %d committed under %r; it supersedes epochs %s of run%s %s (they "
+                        "stay on disk until retention or gc removes them)", save.epoch,
+                        self.store.location.display(), epochs_text(s.epoch for s in gone),
+                        "s" if len(generations) > 1 else "", ", ".join(map(str, generations)))
 
     def _branch(self, parent: tuple[int, int] | None) -> None:
         """The view once a run from ``parent`` has committed: the lineage above it is

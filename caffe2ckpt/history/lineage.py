@@ -239,8 +239,13 @@ class History:
 
     def lineage(self) -> Iterator[Save]:
         """The committed saves of the current lineage, newest first (read lazily)."""
+        return self._walk(self.head())
+
+    def _walk(self, generation: int | None, limit: int | None = None) -> Iterator[Save]:
+        """The lineage from run ``generation`` (its committed saves up to epoch ``limit``),
+        then those of the run it started from up to where it started, and so on (newest first,
+        read lazily)."""
         gens = self._by_generation()
-        generation, limit = self.head(), None
         while generation is not None:
             keys = gens.get(generation, [])
             epochs: set[int] = set()
@@ -262,6 +267,26 @@ class History:
     def newest(self) -> Save | None:
         """The newest committed save of the lineage (the one a job resumes from)."""
         return next(self.lineage(), None)
+
+    def left_behind(self, parent: tuple[int, int] | None) -> list[Save]:
+        """The committed saves a run starting from ``parent`` (the save it resumed from, as
+        (epoch, generation); None: a fresh start) supersedes once it commits, newest first: those
+        of the lineage that the chain from ``parent`` (that save, the earlier ones of its run, and
+        so on back) does not hold. Both are read newest first, in step, only until they meet
+        (below a save they share they are the same), so a run that goes back a few epochs reads
+        the records of those epochs, not the whole history. Also exact for a run resuming from
+        a superseded save: what it leaves behind may lie below where it starts."""
+        chain = iter(()) if parent is None else self._walk(parent[1], limit=parent[0])
+        shared = next(chain, None)
+        out = []
+        for save in self.lineage():
+            while shared is not None and shared.epoch > save.epoch:
+                shared = next(chain, None)
+            if shared is not None and (shared.epoch, shared.save_id) == (save.epoch,
+                                                                         save.save_id):
+                break
+            out.append(save)
+        return out
 
     def superseded(self, lineage: Collection[Save]) -> list[Save]:
         """Committed saves outside ``lineage`` (all of :meth:`lineage`), newest epoch first."""

@@ -1,4 +1,5 @@
-"""The async-save side of the checkpoint managers (``async_save=True``).
+"""The async-save side of the checkpoint managers (``async_save=True``, or a JobRunner's
+``StepManagerOptions(enable_async_checkpointing=True)``: Orbax's name for the same switch).
 
 A background save lives in the process that holds its node: the flow process with a
 ``LocalSession``, a Dask worker with a ``DaskSession``. So waiting for it and freeing its snapshot
@@ -13,7 +14,7 @@ import weakref
 from functools import partial
 from typing import Any
 
-from caffe2ckpt.errors import CheckpointWriteError
+from caffe2ckpt.errors import CheckpointWriteError, JobDefinitionError
 from caffe2ckpt.manager import _nodeops as nodeops
 from caffe2ckpt.store.records import CommitRecord
 
@@ -21,20 +22,40 @@ __all__ = ["AsyncSaving"]
 
 
 class AsyncSaving:
-    """Mixed into the managers, which provide ``_group``, ``_require_files`` and
+    """Mixed into the managers, which provide ``url``, ``_group``, ``_require_files`` and
     ``_record_save``, call :meth:`_note_pending` for each node a save left in the background
     and set ``_save_group_ran`` to the save group that ran."""
 
-    def _init_async(self, async_save: bool) -> None:
+    def _init_async(self, async_save: bool | None) -> None:
         # this manager's key for its background saves (and differential state) in each process
         # running its nodes
         self._key = f"manager-{uuid.uuid4().hex}"
+        self._async_save = async_save  # as given: None leaves it to a JobRunner's options
         self._background = self._key if async_save else None
         # a manager never closed leaves no buffers behind here
         weakref.finalize(self, nodeops.forget_saves, self._key)
         # the epoch in flight, its save id and its nodes
         self._pending: tuple[int, str, set[str]] | None = None
         self._save_group_ran: Any = None  # the last save group run: its session holds the saves
+
+    def use_async_option(self, enable_async_checkpointing: bool) -> None:
+        """A JobRunner's ``StepManagerOptions.enable_async_checkpointing`` (Orbax's name for
+        the same switch): True is ``async_save=True``. It turns background saves on for a
+        manager made without ``async_save`` (from then on) and is refused for one made with
+        ``async_save=False``; False (the options' default) changes nothing.
+
+        Raises:
+            JobDefinitionError: ``enable_async_checkpointing=True`` for a manager made with
+                ``async_save=False``.
+        """
+        if not enable_async_checkpointing or self._background is not None:
+            return
+        if self._async_save is False:
+            raise JobDefinitionError(
+                f"{type(self).__name__}({self.url!r}, async_save=False) saves synchronously, "
+                "but the JobRunner's options say enable_async_checkpointing=True (the same "
+                "switch, Orbax's name): drop one of them")
+        self._background = self._key
 
     def _note_pending(self, epoch: int, node: str, save_id: str) -> None:
         if self._background is not None:

@@ -79,7 +79,7 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
         storage_options: dict[str, Any] | None = None,
         filesystem: Any = None,
         pack_threshold: int = DEFAULT_PACK_THRESHOLD,
-        async_save: bool = False,
+        async_save: bool | None = None,
         auto_resume: bool = True,
     ) -> None:
         if db_type not in _DB_TYPES:

@@ -35,6 +35,10 @@ class MultiNodeCheckpointManager(BaseCheckpointManager):
         pack_threshold: blobs smaller than this many bytes (default 1 MiB) are packed together
             into one array, the others each get an array of their own.
         async_save: write and commit in the background after a snapshot (see ``save``).
+            ``StepManagerOptions.enable_async_checkpointing`` (Orbax's name, the step
+            manager's switch) given to a :class:`~caffe2ckpt.JobRunner` is the same switch:
+            True turns it on when ``async_save`` is not given (None, the default, is off
+            otherwise) and is refused with ``async_save=False``.
         auto_resume: with ``False`` and no ``metadata_handler``, Caffe2's behaviour: a job
             resumes only from an explicit ``resume_from_epoch`` and otherwise starts from
             scratch; its fresh start then supersedes the epochs already committed.
@@ -118,7 +122,7 @@ class CheckpointManager(BaseCheckpointManager):
         storage_options: dict[str, Any] | None = None,
         filesystem: Any = None,
         pack_threshold: int = DEFAULT_PACK_THRESHOLD,
-        async_save: bool = False,
+        async_save: bool | None = None,
         auto_resume: bool = True,
     ) -> None:
         super().__init__(db_prefix, db_type, metadata_handler, storage_options=storage_options,

@@ -1,14 +1,18 @@
 """Any committed epoch as plain Zarr, for readers that do not use caffe2ckpt's managers.
 
-A whole save's node group is already an ordinary Zarr v3 group. A differential save's group
-holds only what changed (row overlays) and names the older groups it builds on, so plain Zarr
-cannot read its blobs alone. Two ways to read any epoch, delta or not, verified as a restore is
-(every checksum, every chain's digests):
+A checkpoint's node group is a Zarr v3 group, but packs its small blobs into one array (found
+through its manifest), and a differential save's group holds only what changed (row overlays)
+and names the older groups it builds on. Two ways to read any epoch, delta or not, verified as a
+restore is (every checksum, every chain's digests):
 
-- :func:`materialize` writes ``<dest>/<node>.<epoch>``, an ordinary whole group that
-  ``zarr.open_group`` and TensorStore read like any other;
-- :func:`zarr_store` gives a read-only Zarr store that serves the node's whole group without
-  writing anything: each large blob is rebuilt when one of its chunks is first read.
+- :func:`materialize` writes ``<dest>/<node>.<epoch>``, an ordinary group in which every blob is
+  an array of its own at its blob path (:func:`caffe2ckpt.naming.blob_path`), in its own dtype
+  and shape: ``zarr.open_group(url)[blob_path(name)][...]`` reads it like any other group (and
+  TensorStore, but for string blobs: they use zarr-python's fixed-length string data types);
+  it reads and writes one blob at a time (the packed small blobs together);
+- :func:`zarr_store` gives a read-only Zarr store that serves the node's checkpoint group (its
+  manifest and packed small blobs included) without writing anything: each large blob is
+  rebuilt when one of its chunks is first read.
 
 Example:
     >>> import numpy as np, zarr, caffe2ckpt
@@ -26,22 +30,26 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from caffe2ckpt.errors import InvalidLocationError
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.history.lineage import Save
 from caffe2ckpt.history.scan import require_save, scan
-from caffe2ckpt.naming import check_epoch, check_node_name
+from caffe2ckpt.naming import blob_path, check_epoch, check_node_name
+from caffe2ckpt.store.groupread import read_units, small_blobs
 from caffe2ckpt.store.layout import group_name
 from caffe2ckpt.store.manifest import BlobInfo
 from caffe2ckpt.store.protocol import CheckpointStore
+from caffe2ckpt.store.records import CommitRecord
 from caffe2ckpt.store.zarrgroup import (
     DEFAULT_PACK_THRESHOLD,
+    PLAIN_GROUP_KEY,
     epoch_store,
     plan_group,
-    write_group,
+    write_plain_group,
 )
 
 __all__ = ["materialize", "zarr_store"]
@@ -60,15 +68,29 @@ def materialize(url: str, epoch: int, dest: str, *, nodes: Sequence[str] | None 
                 storage_options: dict[str, Any] | None = None,
                 dest_storage_options: dict[str, Any] | None = None) -> list[str]:
     """Write every node (or ``nodes``) of committed ``epoch`` under ``url`` as an ordinary
-    whole group ``<dest>/<node>.<epoch>``; return their URLs. Each is read and verified first
-    (a differential epoch's chain resolved and its digests checked). With ``nodes``, the epoch
-    is the save of the job holding them (jobs with other nodes may share the prefix), a
-    superseded one if their lineage has none of that epoch.
+    group ``<dest>/<node>.<epoch>``; return their URLs.
+
+    Every blob is an array of its own at :func:`~caffe2ckpt.naming.blob_path` of its name, in
+    its dtype and shape (bool, 0-d, empty, fixed-width unicode and byte strings included), with
+    Zarr's ``bytes`` (in the blob's byte order) and ``crc32c`` codecs; a Fortran-ordered blob is
+    stored in Fortran order (Zarr's ``transpose`` codec). Zarr v3 data types keep neither byte
+    order nor memory order, so plain zarr reads big-endian and Fortran-ordered blobs as native,
+    C-ordered arrays of the same values; each array's attribute ``caffe2ckpt_blob`` holds the
+    exact ``name``, ``dtype`` and ``order``, and the group's ``caffe2ckpt_materialized`` the
+    source (node, epoch, save id) and every blob's path by name.
+
+    Each blob is read and verified as a restore is (a differential epoch's chain resolved and
+    its digests checked) and written before the next is read (the small blobs packed together
+    in the checkpoint are read together), so the workspace is never held whole. With
+    ``nodes``, the epoch is the save of the job holding them (jobs with other nodes may share
+    the prefix), a superseded one if their lineage has none of that epoch.
 
     Raises:
         CheckpointNotFoundError: the epoch, or a node, is not committed there.
-        CheckpointCorruptedError: the epoch is damaged (nothing of that node is written).
-        FileExistsError: ``<dest>/<node>.<epoch>`` exists already (never overwritten).
+        CheckpointCorruptedError: the epoch is damaged (what was written of that node is
+            removed again).
+        FileExistsError: ``<dest>/<node>.<epoch>`` exists already (checked before anything is
+            read; never overwritten).
     """
     store = CheckpointStore(Location(url, storage_options))
     save = _save(store, epoch, nodes or ())
@@ -81,28 +103,38 @@ def write_plain(store: CheckpointStore, save: Save, dest: str, *,
                 dest_storage_options: dict[str, Any] | None = None) -> list[str]:
     """:func:`materialize` of ``save`` (every node, or ``nodes``), read from ``store``."""
     out = Location(dest, dest_storage_options)
-    written = []
-    for node in sorted(set(nodes or save.records)):
-        record = save.records[node]
-        blobs = store.load_node(record)
-        plan = plan_group(node=node, epoch=save.epoch, save_id=save.save_id, blobs=blobs)
-        path = group_name(node, save.epoch)
-        try:
-            write_group(out, out.path(path), plan)
-        except FileExistsError:
-            raise FileExistsError(
-                f"{out.display(path)} exists already: materialize never overwrites a group "
-                "(one it left unfinished lacks array metadata: delete it); choose another "
-                "destination") from None
-        written.append(out.display(path))
-    return written
+    paths = {node: group_name(node, save.epoch) for node in sorted(nodes or save.records)}
+    for path in paths.values():
+        if out.exists(out.path(path)):
+            raise _exists(out, path)
+    return [_materialize_node(store, save.records[node], out, path)
+            for node, path in paths.items()]
 
 
-def small_blobs(infos: dict[str, BlobInfo]) -> list[str]:
-    """The blobs a whole group packs together (smaller than the default pack threshold, 0-d
-    or empty): those read together at once."""
-    return [n for n, i in infos.items()
-            if i.nbytes < DEFAULT_PACK_THRESHOLD or not i.shape or 0 in i.shape]
+def _exists(out: Location, path: str) -> FileExistsError:
+    return FileExistsError(f"{out.display(path)} exists already: materialize never overwrites; "
+                           "choose another DEST (or delete that group)")
+
+
+def _materialize_node(store: CheckpointStore, record: CommitRecord, out: Location,
+                      path: str) -> str:
+    """Write the node checkpoint ``record`` commits as the plain group ``path`` under ``out``."""
+    manifest = store.manifest(record)
+    source = {"prefix": store.location.display(), "node": record.node, "epoch": record.epoch,
+              "save_id": record.save_id,
+              "created": time.time(),  # makes the group's zarr.json this call's own (see
+              # Location.create_exclusive: an object store's "exists" is settled by reading back)
+              "blobs": {name: blob_path(name) for name in manifest.blobs}}
+
+    def units() -> Iterator[dict[str, Any]]:
+        for names in read_units(manifest):
+            yield store.load_node(record, names)
+
+    try:
+        write_plain_group(out, out.path(path), {PLAIN_GROUP_KEY: source}, units())
+    except FileExistsError:  # taken since it was checked
+        raise _exists(out, path) from None
+    return out.display(path)
 
 
 def zarr_store(url: str, epoch: int, node: str, *,

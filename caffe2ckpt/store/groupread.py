@@ -44,10 +44,11 @@ from caffe2ckpt.store.manifest import (
     chunk_key,
     stored_spec,
 )
-from caffe2ckpt.store.zarrgroup import CRC_BYTES
+from caffe2ckpt.store.zarrgroup import CRC_BYTES, DEFAULT_PACK_THRESHOLD
 
-__all__ = ["RowRead", "check_chunk_sizes", "destination", "read_arrays", "read_node",
-           "restored", "row_reads", "run_reads"]
+__all__ = ["RowRead", "chained_together", "check_chunk_sizes", "destination", "read_arrays",
+           "read_node", "read_units", "restored", "row_reads", "run_reads",
+           "small_blobs"]
 
 # A read claiming more than this (a quarter of the machine's memory) checks every chunk file's
 # size before allocating its destination, so a crafted manifest claiming petabytes is corruption,
@@ -84,6 +85,35 @@ def _restored(data: np.ndarray, info: BlobInfo) -> np.ndarray:
     else:
         out = data
     return np.asfortranarray(out) if info.order == "F" else out
+
+
+def small_blobs(infos: dict[str, BlobInfo]) -> list[str]:
+    """The blobs a whole group packs together (smaller than the default pack threshold, 0-d
+    or empty): those read together at once."""
+    return [n for n, i in infos.items()
+            if i.nbytes < DEFAULT_PACK_THRESHOLD or not i.shape or 0 in i.shape]
+
+
+def chained_together(manifest: Manifest) -> list[str]:
+    """The blobs of a differential save that older groups hold and that are read together:
+    the small ones (a whole group packs them), whose chains share their sources' packed
+    arrays. Each larger one is read alone, so that one array at a time is in memory."""
+    return small_blobs({name: i.info for name, i in manifest.inherited.items()})
+
+
+def read_units(manifest: Manifest) -> list[list[str]]:
+    """How blobs are read one part at a time (verify, diff, materialize): each own array alone,
+    every packed blob in one read; the blobs a differential save reads through older groups:
+    the small ones in one read (every source group's packed array read once, not once per
+    blob), each larger one alone."""
+    units = [[name] for name in manifest.arrays]
+    if manifest.packed:
+        units.append([b.name for b in manifest.packed])
+    together = chained_together(manifest)
+    if together:
+        units.append(together)
+    alone = set(together)
+    return units + [[name] for name in manifest.inherited if name not in alone]
 
 
 def read_node(

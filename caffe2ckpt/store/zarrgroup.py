@@ -27,6 +27,11 @@ record keeps them).
 Numeric arrays are stored little-endian (big-endian ones are byte-swapped and swapped back);
 unicode (``U``) and byte-string (``S``) arrays are stored as their code units (uint32 / uint8)
 with one extra trailing axis, and restored to the exact original dtype.
+
+A *plain* group (:func:`write_plain_group`, what ``materialize`` writes) is for readers that know
+nothing of caffe2ckpt: no manifest, no packing, every blob an ordinary array at its blob path in
+its own dtype (unicode and byte strings as Zarr's fixed-length string types), byte order and
+memory layout, encoded by Zarr itself; it is never read back here.
 """
 
 from __future__ import annotations
@@ -34,8 +39,10 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import threading
-from collections.abc import Callable, Iterator, MutableMapping
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, MutableMapping
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -43,7 +50,7 @@ from typing import Any, NamedTuple
 import google_crc32c
 import numpy as np
 import zarr
-from zarr.codecs import Crc32cCodec
+from zarr.codecs import BytesCodec, Crc32cCodec, TransposeCodec
 
 from caffe2ckpt.errors import (
     CheckpointCorruptedError,
@@ -68,9 +75,9 @@ from caffe2ckpt.store.manifest import (
 )
 from caffe2ckpt.store.packing import Packed
 
-__all__ = ["ATTRS_KEY", "CRC_BYTES", "DEFAULT_PACK_THRESHOLD", "GROUP_FILE", "DeltaLayout",
-           "GroupPlan", "epoch_store", "parse_manifest", "plan_group", "stored_form",
-           "write_arrays"]
+__all__ = ["ATTRS_KEY", "CRC_BYTES", "DEFAULT_PACK_THRESHOLD", "GROUP_FILE", "PLAIN_BLOB_KEY",
+           "PLAIN_GROUP_KEY", "DeltaLayout", "GroupPlan", "epoch_store", "parse_manifest",
+           "plan_group", "stored_form", "write_arrays", "write_plain_group"]
 
 ATTRS_KEY = "caffe2ckpt"
 GROUP_FILE = "zarr.json"
@@ -82,6 +89,8 @@ GROUP_FILE = "zarr.json"
 # once, a chunk at a time on the I/O threads (Packed); restored packed blobs share one buffer.
 DEFAULT_PACK_THRESHOLD = 1 << 20
 CRC_BYTES = 4  # every chunk file ends with the CRC32C of its bytes
+
+logger = logging.getLogger(__name__)
 
 
 def _wait_all(futures: list[Future[Any]]) -> None:
@@ -351,6 +360,168 @@ def write_group(location: Location, root: str, plan: GroupPlan) -> dict[str, tup
             batch.close()
         raise
     return crcs
+
+
+# -- plain groups (materialize): every blob an ordinary array of its own -----------------------
+
+PLAIN_GROUP_KEY = "caffe2ckpt_materialized"  # a plain group's attribute: where it came from
+PLAIN_BLOB_KEY = "caffe2ckpt_blob"  # each of its arrays': the blob's exact name, dtype, order
+
+
+def write_plain_group(location: Location, root: str, attributes: dict[str, Any],
+                      batches: Iterable[dict[str, np.ndarray]]) -> None:
+    """Write an ordinary Zarr v3 group at ``root`` for readers that know nothing of caffe2ckpt:
+    its ``zarr.json`` (holding ``attributes``) is created exclusively first (``FileExistsError``
+    if the path is taken: nothing is changed then), then every blob of ``batches`` becomes an
+    array of its own at :func:`~caffe2ckpt.naming.blob_path` of its name (:func:`_plain_array`).
+    Batches are asked for one at a time and each is written before the next, so only one is
+    held. As in :func:`write_group`, each array's ``zarr.json`` is written once every chunk is
+    durable. If anything fails after the group was created (a batch that cannot be read
+    included), the files this call wrote are removed again (best effort) and the error raised.
+    """
+    batch = location.sync_batch()
+    try:
+        location.create_group(root, GROUP_FILE, json.dumps(
+            {"attributes": attributes, "zarr_format": 3, "node_type": "group"}).encode(),
+            batch=batch)
+    except BaseException:
+        if batch is not None:
+            batch.close()
+        raise
+    written = [GROUP_FILE]
+    try:
+        _write_plain_arrays(location, root, batches, batch, written)
+    except BaseException:
+        try:
+            location.remove_files(root, written)
+        except Exception as exc:  # noqa: BLE001 - the failure that stopped the write matters
+            logger.warning("cannot remove the unfinished group %s: %s (delete it)",
+                           location.display(root), exc)
+        raise
+
+
+def _write_plain_arrays(location: Location, root: str, batches: Iterable[dict[str, np.ndarray]],
+                        batch: localio.SyncBatch | None, written: list[str]) -> None:
+    """The arrays of :func:`write_plain_group`: every chunk, made durable, then every array's
+    ``zarr.json``, made durable. ``written`` gets the path of every file written (or tried)."""
+    metadata: list[tuple[str, bytes]] = []
+    writes = _Writes(written)
+    try:
+        for blobs in batches:
+            for name, arr in blobs.items():
+                metadata.append(_write_plain_array(location, root, name, arr, batch, writes))
+        writes.finish()
+        location.make_durable(batch, [], _pool())
+        batch = location.sync_batch()
+        if batch is not None:
+            batch.add_dirs([f"{root}/{path}" for path, _ in metadata])
+        written.extend(f"{path}/{GROUP_FILE}" for path, _ in metadata)
+        _wait_all([_pool().submit(location.write_file, f"{root}/{path}/{GROUP_FILE}", [data],
+                                  batch=batch) for path, data in metadata])
+        location.make_durable(batch, [], _pool())
+    except BaseException:
+        writes.finish(raising=False)  # no thread writes on once this returns
+        if batch is not None:
+            batch.close()
+        raise
+
+
+class _Writes:
+    """Chunk writes in flight on the I/O threads: at most 64 of them, and 8 MiB unless it is
+    one chunk (the oldest is waited for first). ``paths`` gets every file submitted, relative
+    to the group."""
+
+    COUNT, NBYTES = 64, 8 << 20
+
+    def __init__(self, paths: list[str]) -> None:
+        self.paths = paths
+        self._pending: deque[tuple[Future[Any], int]] = deque()
+        self._nbytes = 0
+
+    def submit(self, location: Location, root: str, path: str, data: np.ndarray,
+               batch: localio.SyncBatch | None) -> None:
+        while self._pending and (len(self._pending) >= self.COUNT
+                                 or self._nbytes + data.nbytes > self.NBYTES):
+            future, nbytes = self._pending.popleft()
+            self._nbytes -= nbytes
+            future.result()
+        self.paths.append(path)
+        self._pending.append((_pool().submit(location.write_file, f"{root}/{path}", [data],
+                                             batch=batch), data.nbytes))
+        self._nbytes += data.nbytes
+
+    def finish(self, raising: bool = True) -> None:
+        futures = [f for f, _ in self._pending]
+        self._pending.clear()
+        self._nbytes = 0
+        if raising:
+            _wait_all(futures)
+        else:
+            wait(futures)
+
+
+def _write_plain_array(location: Location, root: str, name: str, arr: np.ndarray,
+                       batch: localio.SyncBatch | None, writes: _Writes) -> tuple[str, bytes]:
+    """Write blob ``name``'s chunks as Zarr encodes them, each handed to ``writes`` as soon as
+    it is encoded; return its array's path and ``zarr.json`` (written last by the caller)."""
+    path, files = blob_path(name), {}
+    array = _plain_array(files, name, arr)
+    metadata = files.pop(GROUP_FILE).to_bytes()
+    if location.is_local:
+        location.makedirs(f"{root}/{path}", batch=batch)
+        if batch is not None:  # its new entries: the chunks
+            batch.add_dirs([f"{root}/{path}"])
+    for selection in _plain_selections(arr, array.chunks):
+        array[selection] = arr[selection]  # zarr encodes the chunk into ``files``
+        for key in list(files):
+            writes.submit(location, root, f"{path}/{key}", files.pop(key).as_numpy_array(),
+                          batch)
+    return path, metadata
+
+
+def _plain_array(files: dict[str, Any], name: str, arr: np.ndarray) -> zarr.Array:
+    """An empty Zarr array in ``files`` (a dict of Zarr buffers) for ``arr``: its own dtype
+    (byte strings, fixed-width unicode and bool included) and shape; ``bytes`` in the blob's own
+    byte order + ``crc32c``, no compression; chunks of at most 16 MiB along the axis its memory
+    is laid out by (a Fortran-ordered blob is stored as its memory through Zarr's ``transpose``
+    codec); every chunk written, also one equal to the fill value (so -0.0 and NaN payloads stay
+    bits). Its attributes keep the exact name, dtype (byte order included) and memory order,
+    which Zarr v3 data types do not."""
+    fortran = arr.ndim > 1 and arr.flags.f_contiguous and not arr.flags.c_contiguous
+    order = tuple(reversed(range(arr.ndim)))
+    return zarr.create_array(
+        zarr.storage.MemoryStore(files), shape=arr.shape, dtype=arr.dtype,
+        chunks=_plain_chunk_shape(arr, fortran),
+        filters=[TransposeCodec(order=order)] if fortran else None,
+        serializer=BytesCodec(endian="big") if arr.dtype.byteorder == ">" else "auto",
+        compressors=[Crc32cCodec()],
+        chunk_key_encoding={"name": "default", "separator": "."},
+        attributes={PLAIN_BLOB_KEY: {"name": name, "dtype": arr.dtype.str,
+                                     "order": "F" if fortran else "C"}},
+        config={"write_empty_chunks": True})
+
+
+def _plain_chunk_shape(arr: np.ndarray, fortran: bool) -> tuple[int, ...]:
+    """Chunks split the outermost axis of the blob's memory (axis 0, or the last one of a
+    Fortran-ordered blob) as a checkpoint's arrays do; an empty blob gets chunks of 1 (none is
+    written)."""
+    if arr.size == 0:
+        return tuple(max(1, n) for n in arr.shape)
+    shape = arr.shape[::-1] if fortran else arr.shape
+    chunks = (chunk_rows(shape, arr.dtype.itemsize), *shape[1:]) if shape else ()
+    return chunks[::-1] if fortran else chunks
+
+
+def _plain_selections(arr: np.ndarray, chunks: tuple[int, ...]) -> Iterator[Any]:
+    """The selections of ``arr`` that are one chunk each (none for an empty blob)."""
+    if arr.size == 0:
+        return
+    if arr.ndim == 0:
+        yield ...
+        return
+    axis = next((i for i, (n, c) in enumerate(zip(arr.shape, chunks)) if c < n), 0)
+    for start in range(0, arr.shape[axis], chunks[axis]):
+        yield (slice(None),) * axis + (slice(start, start + chunks[axis]),)
 
 
 def epoch_store(plan: GroupPlan, load: Callable[[str], np.ndarray]) -> zarr.abc.store.Store:

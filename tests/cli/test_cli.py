@@ -568,6 +568,21 @@ def test_wrong_arguments_exit_2_with_a_message(memory_fs, capsys, argv, message)
     assert files(tree) == before
 
 
+@pytest.mark.parametrize(("argv", "meant"), [
+    (["lss", "P"], "ls"), (["materialise", "P", "--epoch", "0", "D"], "materialize"),
+    (["--json", "verfy", "P"], "verify"), (["gc", "P", "--mode", "mni"], "min"),
+])
+def test_a_mistyped_choice_gets_a_did_you_mean(capsys, argv, meant):
+    """Issue 34 item 5.3: `caffe2ckpt lss` listed the commands without saying which one was
+    meant."""
+    code, out, err = run(capsys, *argv)
+    assert (code, out) == (2, "")
+    bad = next(a for a in argv if a not in ("P", "D", "0", "--json", "--epoch", "gc", "--mode"))
+    assert f"invalid choice: {bad!r}; did you mean {meant!r}?" in err, err
+    code, _, err = run(capsys, "xyzzy", "P")
+    assert code == 2 and "invalid choice: 'xyzzy' (choose from" in err and "did you" not in err
+
+
 def test_unknown_metric_is_a_usage_error(tree, capsys):
     code, _, err = run(capsys, "gc", tree, "--keep-best", 1, "--metric", "lss", "--yes")
     assert code == 2 and "metric 'lss'" in err and "acc, loss" in err

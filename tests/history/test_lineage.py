@@ -172,6 +172,28 @@ def test_the_walk_follows_parents_across_generations():
     assert _lineage(records) == [(6, 3), (5, 1), (2, 1), (1, 1), (0, 1)]
 
 
+def test_what_a_run_supersedes_is_the_lineage_it_leaves_not_only_the_epochs_above_it():
+    """History.left_behind, which a run's first commit reports in an INFO line (issue 34 item
+    5.4): the lineage minus the chain from where the run starts, read only until they meet."""
+    records = _records(*[(e, 1, None) for e in (0, 1, 2, 5)], (3, 2, (2, 1)), (4, 2, (2, 1)))
+    read: list[int] = []
+
+    def left(generations, parent):
+        refs = [r for r in records if r.generation in generations]
+        history = History(refs, ["n"], lambda ref: read.append(ref.epoch) or records[ref],
+                          lambda generation: None)
+        return [(s.epoch, s.generation) for s in history.left_behind(parent)]
+
+    assert left({1}, None) == [(5, 1), (2, 1), (1, 1), (0, 1)]  # a fresh start: all of it
+    assert left({1}, (5, 1)) == []  # continuing the newest save
+    assert left({1}, (2, 1)) == [(5, 1)]  # run 2 goes back to 2 (run 1's 3, 4 were replaced)
+    read.clear()
+    # run 3 resumes from run 1's 5, which run 2 superseded: it leaves run 2's 3 and 4 behind,
+    # below where it starts; the lineage and the chain from 5 meet at 2: 1 and 0 are not read
+    assert left({1, 2}, (5, 1)) == [(4, 2), (3, 2)]
+    assert not {0, 1} & set(read), read
+
+
 def test_a_run_that_committed_nothing_is_not_the_head():
     records = _records(*[(e, 1, None) for e in range(4)])
     partial = CommitRecord(epoch=2, node="n", save_id=new_save_id(2), nodes=["n", "m"], nbytes=0,

@@ -74,6 +74,7 @@ BLOCKS = {
     "docs/deltas.md > In short #1": (None, "True [2, 3, 4]"),
     "docs/storage.md > Layout #1": (regression_checkpoints, "trainer_0.10 True"),
     "docs/storage.md > Layout #2": (regression_checkpoints, "(32768, 8) 0.50399417"),
+    "docs/storage.md > Plain groups (materialize) #1": (regression_checkpoints, "0.50399417 <f4"),
 }
 # ```python blocks that a ```bash block's test runs (they need what that block starts).
 RUN_BY_BASH = {"docs/dask.md > Scale-out with Dask #1": "test_the_dask_block_runs_in_order"}

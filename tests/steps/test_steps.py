@@ -417,3 +417,19 @@ def test_a_new_runs_async_save_listed_before_its_commit_survives_its_retention(p
     with manager(prefix) as check:
         assert check.all_steps() == [9]
         assert_same(check.restore(9), items(90))
+
+
+def test_a_forced_save_below_the_newest_says_what_it_supersedes(prefix, caplog):
+    """Issue 34 item 5.4: the first commit of a run that goes back names what it supersedes
+    (INFO)."""
+    items = {"n0": {"w": np.arange(4.0)}}
+    with StepCheckpointManager(prefix, handle_preemption=False) as mgr:
+        for step in range(6):
+            mgr.save(step, items)
+    with caplog.at_level("INFO", logger="caffe2ckpt"):
+        with StepCheckpointManager(prefix, handle_preemption=False) as mgr:
+            assert mgr.save(3, items, force=True) and mgr.save(4, items)
+            assert mgr.all_steps() == [0, 1, 2, 3, 4]
+    assert [r.getMessage() for r in caplog.records if "supersedes" in r.getMessage()] == [
+        f"epoch 3 committed under {prefix!r}; it supersedes epochs 3-5 of run 1 (they stay on "
+        "disk until retention or gc removes them)"]
