@@ -243,21 +243,29 @@ def _save(run: Run, method: str, epoch: int, blobs: dict[str, np.ndarray],
     return _record(mgr, epoch).bytes_written
 
 
+RESTORES = 3  # restores of each epoch from each prefix (alternating, cold): their medians
+
+
 def restore(run: Run, epoch: int, order: int) -> dict[str, float]:
-    """``epoch`` restored from the whole and the compare prefixes (cold), compared bit for bit;
-    how many groups the compare prefix's table is read from."""
+    """``epoch`` restored from the whole and the compare prefixes (cold, alternating,
+    :data:`RESTORES` times each), compared bit for bit; how many groups the compare prefix's
+    table is read from."""
     record = _record(run.mgrs["compare"], epoch)
     groups = 1 + (len(record.delta.chains.get("table", ())) if record.delta else 0)
-    timings, data = {}, {}
-    for name in ("whole", "compare")[::1 - 2 * order]:
-        reader = StepCheckpointManager(run.url(name), handle_preemption=False, **run.options)
-        _cold()
-        timings[name], data[name] = _timed(lambda r=reader: r.restore(epoch)[NODE])
-        reader.close()
+    timings: dict[str, list[float]] = {"whole": [], "compare": []}
+    data = {}
+    for turn in range(RESTORES):
+        for name in ("whole", "compare")[::1 - 2 * ((order + turn) % 2)]:
+            reader = StepCheckpointManager(run.url(name), handle_preemption=False,
+                                           **run.options)
+            _cold()
+            seconds, data[name] = _timed(lambda r=reader: r.restore(epoch)[NODE])
+            timings[name].append(seconds)
+            reader.close()
     if any(data["whole"][k].tobytes() != data["compare"][k].tobytes() for k in data["whole"]):
         raise SystemExit(f"epoch {epoch}: the delta restore differs from the whole one")
-    return {"epoch": epoch, "groups": groups, "whole": timings["whole"],
-            "delta": timings["compare"]}
+    return {"epoch": epoch, "groups": groups, "whole": statistics.median(timings["whole"]),
+            "delta": statistics.median(timings["compare"])}
 
 
 def measure_memory(args, base: str, work_rows: int, epochs: int) -> list[dict[str, float]]:

@@ -63,6 +63,25 @@ class StepManagerOptions:
     (``MultiNodeCheckpointManager(url, async_save=True)``): given to a
     :class:`~caffe2ckpt.JobRunner`, True turns its manager's background saves on (refused if
     the manager was made with ``async_save=False``).
+
+    Differential saves (docs/deltas.md has the whole story):
+
+    - ``delta_saves``: a save writes only part of each large blob (see the module docstring)
+      and builds on the previous committed save of its run; a run's first save is whole.
+    - ``max_delta_chain`` (1 to 64, default 9): a large blob is cut into
+      ``max_delta_chain + 1`` parts of rows and each save writes one part whole, in turn, so
+      a save needs at most this many older saves. More parts write less per save (a tenth of
+      the blob plus its changed rows at the default) and make a restore read more overlays.
+    - ``max_delta_fraction`` (above 0, at most 1, default 0.5): a blob whose row overlays in
+      the saves it needs would pass this share of its bytes is written whole: a restore never
+      reads more than ``1 + max_delta_fraction`` times the blob.
+    - ``delta_min_bytes`` (default 4 MiB): smaller blobs are written whole when they changed,
+      referenced when they did not.
+    - ``delta_detection``: ``"compare"`` (default) finds changed rows by comparing 8-byte keyed
+      digests of the rows with the last save's (at most 5% of the blob's memory, no copy;
+      2**-64 per changed block, caffe2ckpt.store.rowhash); ``"hints"`` also writes the rows
+      given as ``changed_rows=`` / ``Workspace.mark_changed``, and still finds (writes and
+      reports) changed rows the hints missed.
     """
 
     save_interval_steps: int | None = None

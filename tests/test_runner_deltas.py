@@ -127,21 +127,24 @@ def test_a_job_with_empty_blobs_saves_differentially_without_a_warning(prefix, c
     crashed the differential state update (a bare KeyError after the record was written, a
     WARNING and a whole rewrite every epoch)."""
     with Job(name="empty") as job:
-        def init(ws):
-            ws["table"] = table_after(NODES[0], 0)
+        def init(ws):  # a table of its own array (2 MiB), and an empty small blob: nothing
+            ws["table"] = np.zeros((4 * ROWS, 32), np.float32)  # else to pack
             ws["ids"] = np.zeros((0, 4), np.int64)
 
         def epoch(ws):
-            ws["table"][rows_of(NODES[0], 1)] += 1
+            ws["table"][rows_of(NODES[1], 1)] += 1
 
-        with Node(NODES[0]):
+        with Node(NODES[1]):
             with job.init_group:
                 Task(init, name="init")
             Task(epoch, name="epoch")
+        with Node(NODES[0]):  # the epoch counter lives here
             epoch_limiter(job, 3)
     with caplog.at_level("WARNING", logger="caffe2ckpt"):
         runner = JobRunner(job, MultiNodeCheckpointManager(prefix), options=options("compare"))
         assert runner.train(LocalSession()) == 3
     assert runner.saved_epochs == [0, 1, 2, 3] and not runner.failed_saves
     assert [r.message for r in caplog.records if r.levelname == "WARNING"] == []
-    assert kinds(prefix) == {0: 0, 1: 1, 2: 2, 3: 3}
+    depths = {r.epoch: r.delta.depth if r.delta else 0
+              for r in scan(open_store(prefix)).records() if r.node == NODES[1]}
+    assert depths == {0: 0, 1: 1, 2: 2, 3: 3}

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -29,11 +29,12 @@ import numpy as np
 
 from caffe2ckpt.errors import CheckpointCorruptedError
 from caffe2ckpt.store.chains import ChainGroup
-from caffe2ckpt.store.delta import digest
+from caffe2ckpt.store.delta import stored_digest
 from caffe2ckpt.store.groupread import (
     RowRead,
     check_chunk_sizes,
     destination,
+    needs_precheck,
     read_arrays,
     read_node,
     restored,
@@ -48,9 +49,6 @@ if TYPE_CHECKING:
     from caffe2ckpt.store.protocol import CheckpointStore
 
 __all__ = ["read_chained"]
-
-_LARGE = 4 << 20  # a blob this large: its chunk files are checked before it is allocated
-
 
 @dataclass
 class _Source:
@@ -94,33 +92,32 @@ def read_chained(store: CheckpointStore, record: CommitRecord, manifest: Manifes
     every span and whole array (straight into place), each group once however many blobs it
     holds; then the overlays are applied and each blob's digest checked."""
     reader = _Reader(store, record, manifest)
-    parts = {name: reader.parts(name) for name in names}
-    direct = {n: p[0] for n, p in parts.items() if len(p) == 1 and p[0].whole is not None}
-    built = {n: p for n, p in parts.items() if n not in direct}
-    for name, part in direct.items():  # a blob one older group holds whole: read as it is
-        part.source.whole.add(name)
-    for name, chain in built.items():
-        _plan_reads(name, chain, reader.manifest.inherited[name].info)
-    builds = {name: _Build(reader, name, chain) for name, chain in built.items()}
-    with ThreadPoolExecutor(max_workers=1) as beside:  # overlays and copies beside the spans
-        fetching = beside.submit(reader.fetch)
-        try:
-            reader.read_in_place()
-        finally:
-            wait([fetching])
-    fetched = fetching.result()
-    out = {name: fetched[(id(part.source), name)] for name, part in direct.items()}
-    for build in builds.values():
-        build.copy_packed(fetched)
+    direct, builds = _plan(reader, names)
+    fetched = reader.fetch()  # small: packed copies, overlays' row ids
+    for build in builds:
         build.plan_overlays(fetched)
-    reader.read_in_place()  # the overlays' live rows
-    for name, build in builds.items():
-        out[name] = build.finish()
-    for name in built:
-        if digest(out[name]) != record.delta.digests[name]:  # type: ignore[union-attr]
-            raise reader.damage(name, record.group, "rebuilt from the saves it builds on, it "
-                                "differs from what was saved (a damaged or wrong source)")
+    reader.read_in_place()  # spans, whole arrays, overlays' values: one round, disk kept busy
+    for build in builds:
+        build.copy_packed(fetched)
+    run_reads([call for build in builds for call in build.apply()])
+    out = {name: fetched[(id(part.source), name)] for name, part in direct.items()}
+    out.update({build.name: build.finish() for build in builds})
     return out
+
+
+def _plan(reader: _Reader, names: list[str]) -> tuple[dict[str, _Part], list[_Build]]:
+    """The blobs one older group holds whole (read as they are, by part) and the others'
+    builds, their reads planned."""
+    direct, builds = {}, []
+    for name in names:
+        parts = reader.parts(name)
+        if len(parts) == 1 and parts[0].whole is not None:
+            direct[name] = parts[0]
+            parts[0].source.whole.add(name)
+        else:
+            _plan_reads(name, parts, reader.manifest.inherited[name].info)
+            builds.append(_Build(reader, name, parts))
+    return direct, builds
 
 
 def _plan_reads(name: str, chain: list[_Part], info: BlobInfo) -> None:
@@ -318,7 +315,7 @@ class _Build:
         rows, self.cols = (shape[0], math.prod(shape[1:])) if shape else (1, 1)
         self.rows = rows
         self.dense = self._assign()  # (start, stop, age of its part), ascending
-        if rows * self.cols * dtype.itemsize >= _LARGE:
+        if needs_precheck(reader.store.location, rows * self.cols * dtype.itemsize):
             reader.precheck(name, parts)
         self.data = destination(reader.store.location, shape, dtype)
         self.flat = self.data.reshape(rows, self.cols).view(np.uint8)
@@ -358,10 +355,12 @@ class _Build:
                     np.uint8)[start:stop]
 
     def plan_overlays(self, fetched: dict[tuple[int, str], Any]) -> None:
-        """Given each overlay's row ids: which of its rows are live (no newer span or whole
-        copy holds them), and the reads of those rows' values (whole chunks around them)."""
+        """Given each overlay's row ids, newest first: the rows it gives (no newer span, whole
+        copy or overlay holds them: each row is taken from one overlay at most), and the reads
+        of those rows' values (the chunks holding them)."""
         starts = np.array([start for start, _, _ in self.dense])
         ages = np.array([age for _, _, age in self.dense])
+        taken = np.zeros(self.rows, bool)
         self.overlays = []
         for age, part in enumerate(self.parts):
             if not part.needs_overlay:
@@ -369,27 +368,34 @@ class _Build:
             ids = fetched[(id(part.source), self.name)]
             self._check(part.source.group, ids)
             live = ages[np.searchsorted(starts, ids, side="right") - 1] > age
-            runs = _runs(live)
-            if not runs:
+            take = live & ~taken[ids]
+            if not take.any():
                 continue
+            taken[ids[take]] = True
+            runs = _runs(live)  # few: the rows of the parts no newer span holds
             info = part.overlay[1]  # type: ignore[index]
-            if info.nbytes >= _LARGE:
+            if needs_precheck(self.reader.store.location, info.nbytes):
                 self.reader.precheck(self.name, [], [(part.source, info)])
             dtype, shape = stored_spec(info)
             values = destination(self.reader.store.location, shape, dtype)
             flat = values.reshape(shape[0], -1).view(np.uint8)
             part.source.reads.append(RowRead(info, flat, 0, runs))
-            self.overlays.append((ids, live, flat))
+            self.overlays.append((ids[take], flat, take))
+
+    def apply(self) -> list[Callable[[], None]]:
+        """Once every read is done: the calls that write the overlays' rows into place (their
+        rows are disjoint: run them in any order, at once)."""
+        rows = _as_rows(self.flat)
+        return [lambda i=ids, v=values, t=take: rows.__setitem__(i, _as_rows(v)[t])
+                for ids, values, take in self.overlays]
 
     def finish(self) -> np.ndarray:
-        """Once every read is done: apply the overlays' live rows, newest first, each row
-        once."""
-        applied = np.zeros(self.rows, bool) if self.overlays else None
-        rows = _as_rows(self.flat)
-        for ids, live, values in self.overlays:
-            take = live & ~applied[ids]  # type: ignore[index]
-            rows[ids[take]] = _as_rows(values)[take]
-            applied[ids[take]] = True  # type: ignore[index]
+        """The blob, once its digest is the one recorded at save time."""
+        record = self.reader.record
+        if stored_digest(self.data) != record.delta.digests[self.name]:  # type: ignore[union-attr]
+            raise self.reader.damage(self.name, record.group, "rebuilt from the saves it "
+                                     "builds on, it differs from what was saved (a damaged or "
+                                     "wrong source)")
         return restored(self.data, self.info)
 
     def _check(self, group: str, ids: np.ndarray) -> None:

@@ -57,19 +57,17 @@ from caffe2ckpt.store.rowhash import RowHasher, block_rows
 from caffe2ckpt.store.zarrgroup import GROUP_FILE, DeltaLayout, stored_form
 from caffe2ckpt.workspace import merge_rows
 
-__all__ = ["DeltaTracker", "DeltaWrite", "digest", "span_rows"]
+__all__ = ["DeltaTracker", "DeltaWrite", "span_rows", "stored_digest"]
 
 logger = logging.getLogger(__name__)
 
 Info = tuple[str, tuple[int, ...], str]  # a blob's dtype, shape and memory order
 
 
-def digest(arr: np.ndarray) -> str:
-    """The xxh3-128 of ``arr``'s bytes in stored form (C order, little-endian, code units)."""
-    return _digest(stored_form(arr))
-
-
-def _digest(stored: np.ndarray) -> str:
+def stored_digest(stored: np.ndarray) -> str:
+    """The xxh3-128 of a blob's bytes in stored form (``stored``: C order, little-endian, code
+    units; :func:`~caffe2ckpt.store.zarrgroup.stored_form`): what a record keeps per blob a
+    differential save does not store whole."""
     return xxhash.xxh3_128_hexdigest(memoryview(stored.reshape(-1).view(np.uint8)))
 
 
@@ -210,7 +208,7 @@ class DeltaTracker:
         digests, infos, rows = {}, {}, {}
         for name, arr in blobs.items():
             stored = stored_form(arr)
-            digests[name], infos[name] = _digest(stored), _info(arr)
+            digests[name], infos[name] = stored_digest(stored), _info(arr)
             if self.eligible(arr):
                 rows[name] = self._hasher.digests(stored, _on_threads)
         return DeltaWrite({}, infos, digests, hints=hints, rows=rows)

@@ -46,8 +46,8 @@ from caffe2ckpt.store.manifest import (
 )
 from caffe2ckpt.store.zarrgroup import CRC_BYTES, DEFAULT_PACK_THRESHOLD
 
-__all__ = ["RowRead", "chained_together", "check_chunk_sizes", "destination", "read_arrays",
-           "read_node", "read_units", "restored", "row_reads", "run_reads",
+__all__ = ["RowRead", "chained_together", "check_chunk_sizes", "destination", "needs_precheck",
+           "read_arrays", "read_node", "read_units", "restored", "row_reads", "run_reads",
            "small_blobs"]
 
 # A read claiming more than this (a quarter of the machine's memory) checks every chunk file's
@@ -448,6 +448,12 @@ class RowRead(NamedTuple):
     dest: np.ndarray  # (rows, row bytes) uint8
     offset: int
     wanted: list[tuple[int, int]]
+
+
+def needs_precheck(location: Location, nbytes: int) -> bool:
+    """Whether the chunk files of a destination of ``nbytes`` are checked before it is
+    allocated (:func:`_prechecked`'s rule for one array)."""
+    return nbytes >= (_PRECHECK_BYTES if location.is_local else _POPULATE_BYTES)
 
 
 def destination(location: Location, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
