@@ -20,7 +20,7 @@ def test_benchmarks_smoke(tmp_path):
     expected = ["| caffe2ckpt |", "| raw |", "W3", "blocking", "latest-epoch lookup",
                 "| DaskSession (actors) |", "workers x one process",
                 "per-epoch cost, last", "resume of the finished job", "| hints |",
-                "| table chain depth |"]
+                "| groups the table is read from |"]
     if all(importlib.util.find_spec(m) for m in ("moto", "flask", "s3fs")):  # the test extra
         expected += ["S3 requests per node-save", "| raw (s3fs pipe/cat) |",
                      "latest-epoch lookup requests on S3"]
