@@ -178,6 +178,7 @@ class Run:
         self.chain = self.mgrs["compare"].options.max_delta_chain
         self.zarr = None
         self.zarr_rows, self.zarr_epochs = args.zarr_rows, args.zarr_epochs
+        self.restores = 1 if args.smoke else RESTORES
 
     def url(self, name: str) -> str:
         return f"{self.base}/{name}"
@@ -248,13 +249,13 @@ RESTORES = 3  # restores of each epoch from each prefix (alternating, cold): the
 
 def restore(run: Run, epoch: int, order: int) -> dict[str, float]:
     """``epoch`` restored from the whole and the compare prefixes (cold, alternating,
-    :data:`RESTORES` times each), compared bit for bit; how many groups the compare prefix's
-    table is read from."""
+    :data:`RESTORES` times each; once with ``--smoke``), compared bit for bit; how many groups
+    the compare prefix's table is read from."""
     record = _record(run.mgrs["compare"], epoch)
     groups = 1 + (len(record.delta.chains.get("table", ())) if record.delta else 0)
     timings: dict[str, list[float]] = {"whole": [], "compare": []}
     data = {}
-    for turn in range(RESTORES):
+    for turn in range(run.restores):
         for name in ("whole", "compare")[::1 - 2 * ((order + turn) % 2)]:
             reader = StepCheckpointManager(run.url(name), handle_preemption=False,
                                            **run.options)
@@ -391,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, for CI")
     args = parser.parse_args(argv)
     if args.smoke:
-        args.rows, args.epochs, args.zarr_epochs, args.memory_epochs = 1 << 14, 3, 2, 3
+        args.rows, args.epochs, args.zarr_epochs, args.memory_epochs = 1 << 14, 3, 1, 2
     server = None
     local = tempfile.mkdtemp(prefix="bench-delta-", dir=args.dir)
     if args.server is not None:

@@ -27,7 +27,6 @@ from caffe2ckpt.store.manifest import Manifest
 from caffe2ckpt.store.protocol import CheckpointStore
 from caffe2ckpt.store.records import CommitRecord, list_records
 from caffe2ckpt.store.zarrgroup import parse_manifest
-from caffe2ckpt.units import epochs_text
 
 EXIT_OK = 0
 EXIT_DAMAGED = 1  # verification found damage (verify, show --verify, diff of damaged data)

@@ -27,8 +27,7 @@ from caffe2ckpt.cli._context import (
 from caffe2ckpt.cli.render import Progress
 from caffe2ckpt.history.lineage import Save
 from caffe2ckpt.history.scan import PrefixScan
-from caffe2ckpt.store.groupread import chained_together
-from caffe2ckpt.store.groupread import read_node
+from caffe2ckpt.store.groupread import chained_together, read_node
 from caffe2ckpt.store.manifest import BlobInfo
 from caffe2ckpt.store.protocol import CheckpointStore
 from caffe2ckpt.store.records import CommitRecord

@@ -21,12 +21,12 @@ from caffe2ckpt.prefect.chart import Marker, Series, chart_markdown
 from caffe2ckpt.prefect.table import (
     COMMITTED,
     DELETED,
-    epoch_ranges,
     md_text,
     plain_text,
     run_id,
     writer_cell,
 )
+from caffe2ckpt.units import epochs_text
 
 __all__ = ["CHARTED", "Summary", "attempt_reason", "chart_markers", "chart_series",
            "reason_from_states", "summary_markdown"]
@@ -179,7 +179,7 @@ def _writers(rows: Mapping[int, dict[str, Any]], this_run: str | None) -> list[s
         if row.get("writer") is not None:  # None: a failed save
             epochs.setdefault(writer_cell(row["writer"], this_run, link=True), []).append(epoch)
     return (["", "Written by (epochs in the checkpoints table):", ""]
-            + [f"- {who}: epochs {epoch_ranges(es)}" for who, es in epochs.items()]
+            + [f"- {who}: epochs {epochs_text(es)}" for who, es in epochs.items()]
             if epochs else [])
 
 

@@ -33,7 +33,7 @@ from caffe2ckpt.store.records import CommitRecord
 from caffe2ckpt.units import human_bytes
 
 __all__ = ["COLUMNS", "COMMITTED", "DELETED", "SUPERSEDED", "checkpoint_row", "checkpoint_table",
-           "epoch_ranges", "failed_row", "format_metric", "md_text", "plain_text", "run_id",
+           "failed_row", "format_metric", "md_text", "plain_text", "run_id",
            "run_link", "writer_cell"]
 
 COLUMNS = ["epoch", "status", "nodes", "bytes", "written", "seconds", "MB/s", "written by",
@@ -120,17 +120,6 @@ def run_link(writer: Mapping[str, Any]) -> str:
     label, rid = md_text(_run_label(writer)), run_id(writer)
     url = url_for("flow-run", obj_id=rid) if rid else None
     return f"[{label}]({url})" if url else label
-
-
-def epoch_ranges(epochs: Iterable[int]) -> str:
-    """``0-3, 5, 7-8`` for epochs 0, 1, 2, 3, 5, 7, 8."""
-    runs: list[list[int]] = []
-    for epoch in sorted(set(epochs)):
-        if runs and epoch == runs[-1][1] + 1:
-            runs[-1][1] = epoch
-        else:
-            runs.append([epoch, epoch])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 # -- rows --------------------------------------------------------------------------------------

@@ -41,11 +41,9 @@ from caffe2ckpt.history.scan import require_save, scan
 from caffe2ckpt.naming import blob_path, check_epoch, check_node_name
 from caffe2ckpt.store.groupread import read_units, small_blobs
 from caffe2ckpt.store.layout import group_name
-from caffe2ckpt.store.manifest import BlobInfo
 from caffe2ckpt.store.protocol import CheckpointStore
 from caffe2ckpt.store.records import CommitRecord
 from caffe2ckpt.store.zarrgroup import (
-    DEFAULT_PACK_THRESHOLD,
     PLAIN_GROUP_KEY,
     epoch_store,
     plan_group,

@@ -32,12 +32,12 @@ from caffe2ckpt.prefect import AttemptLimitExceeded, PrefectSession, artifact_ke
 from caffe2ckpt.prefect.table import (
     checkpoint_row,
     checkpoint_table,
-    epoch_ranges,
     format_metric,
     run_link,
     writer_cell,
 )
 from caffe2ckpt.store.records import CommitRecord
+from caffe2ckpt.units import epochs_text
 from tests.jobs import EXPECTED_TOTALS, Counter, fetch, make_job
 from tests.prefect.conftest import finished_task_runs, poll
 
@@ -294,7 +294,7 @@ def test_only_valid_flow_run_ids_become_links():
     assert run_link({"flow_run_id": f"{OTHER_RUN})](javascript:x"}) == "flow run 1a2b3c4d-11…"
     assert writer_cell({"flow_run_id": OTHER_RUN, "run_count": "2]"}, THIS_RUN, link=True) == (
         f"[flow run 1a2b3c4d]({ui}/runs/flow-run/{OTHER_RUN}), attempt 2\\]")
-    assert epoch_ranges([7, 0, 1, 2, 3, 5, 8, 2]) == "0-3, 5, 7-8"
+    assert epochs_text([7, 0, 1, 2, 3, 5, 8, 2]) == "0-3, 5, 7-8"
 
 
 def metrics_job(epochs: int) -> Job:

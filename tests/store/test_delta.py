@@ -31,7 +31,7 @@ from caffe2ckpt.store.delta import DeltaTracker, span_rows
 from caffe2ckpt.store.layout import new_save_id
 from caffe2ckpt.store.protocol import SaveInfo
 from caffe2ckpt.store.records import delete_record
-from faultfs import FaultyFileSystem
+from tests.faultfs import FaultyFileSystem
 from tests.stores import gone, open_store, unreferenced_groups
 
 ROWS = 4096
@@ -129,8 +129,9 @@ def test_every_kept_step_restores_bit_exact_across_chains_and_retention(prefix, 
             hints = {"n0": changed} if detection == "hints" and step else None
             mgr.save(step, {"n0": model.blobs}, changed_rows=hints)
             states[step] = model.copy()
-            assert check_all(prefix, states) == mgr.all_steps()
-    assert mgr.all_steps() == [0, 5, 10, 12, 13]
+            if not prefix.startswith("s3://") or step % 5 == 4:  # S3: every 5th (time)
+                assert check_all(prefix, states) == mgr.all_steps()
+    assert check_all(prefix, states) == mgr.all_steps() == [0, 5, 10, 12, 13]
     assert unreferenced_groups(open_store(prefix)) == []
     depths = [(r.epoch, r.delta.depth if r.delta else 0)
               for r in sorted(scan(open_store(prefix)).records(), key=lambda r: r.epoch)]
