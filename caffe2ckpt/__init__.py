@@ -23,6 +23,7 @@ from caffe2ckpt.naming import db_name, get_ckpt_filename
 from caffe2ckpt.policy import StepManagerOptions
 from caffe2ckpt.runner import JobRunner
 from caffe2ckpt.session import LocalSession, Session
+from caffe2ckpt.sharding import Layout
 from caffe2ckpt.steps import AbstractCheckpointManager, StepCheckpointManager
 from caffe2ckpt.steps.plainzarr import materialize, zarr_store
 from caffe2ckpt.workspace import Workspace, WorkspaceType
@@ -41,6 +42,7 @@ __all__ = [
     "JobDefinitionError",
     "JobPreemptedError",
     "JobRunner",
+    "Layout",
     "LocalSession",
     "MultiNodeCheckpointManager",
     "Node",

@@ -40,7 +40,7 @@ from caffe2ckpt.naming import check_node_name
 from caffe2ckpt.policy import StepManagerOptions, should_save
 from caffe2ckpt.preemption import PreemptionWatch
 from caffe2ckpt.session import RunEvent, Session, notify, run_epoch
-from caffe2ckpt.units import writer_phrase
+from caffe2ckpt.units import nodes_text, writer_phrase
 
 __all__ = ["JobRunner"]
 
@@ -317,7 +317,8 @@ class JobRunner:
                 save = cm.save_of(candidate)
                 if save is None:
                     raise CheckpointNotFoundError(f"epoch {candidate} is no longer committed")
-                if cm.lineage_save(candidate) is None:
+                elastic = save.nodes != frozenset(cm.file_nodes())
+                if not elastic and cm.lineage_save(candidate) is None:
                     logger.warning("Epoch %d was superseded (a later run went back to an "
                                    "earlier epoch); resuming from it on request makes its "
                                    "history current again", candidate)
@@ -330,8 +331,10 @@ class JobRunner:
                 continue
             cm.report_checkpoint_stats("checkpoint_load")
             self.resumed_from = candidate
-            logger.info("Resuming from epoch %d (written by %s)", candidate,
-                        writer_phrase(save.first.writer))
+            logger.info("Resuming from epoch %d (written by %s)%s", candidate,
+                        writer_phrase(save.first.writer),
+                        f", saved by {nodes_text(len(save.nodes))}, on "
+                        f"{nodes_text(len(cm.file_nodes()))}" if elastic else "")
             self._notify(session, "resumed", candidate, records=save.records)
             return (candidate, self._still_finished(save.records, session),
                     (candidate, save.generation))

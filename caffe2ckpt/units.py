@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["epochs_summary", "epochs_text", "human_bytes", "writer_phrase"]
+__all__ = ["epochs_summary", "epochs_text", "human_bytes", "nodes_text", "writer_phrase"]
 
 
 def human_bytes(n: int | None) -> str:
@@ -20,6 +20,11 @@ def human_bytes(n: int | None) -> str:
         if value < 1024 or unit == "PiB":
             return f"{value:.1f} {unit}"
     raise AssertionError("unreachable")
+
+
+def nodes_text(count: int) -> str:
+    """``"1 node"``, ``"4 nodes"``."""
+    return f"{count} node{'' if count == 1 else 's'}"
 
 
 def _runs(epochs: Iterable[int]) -> list[tuple[int, int]]:

@@ -26,7 +26,7 @@ from tests.s3server import KINDS, s3_params
 # the storage, resume, corruption and fencing sets. Other modules get memory and local prefixes.
 S3_PREFIX_MODULES = frozenset({
     "test_storage", "test_contract", "test_runner", "test_corruption", "test_fencing",
-    "test_hostile", "test_concurrency", "test_lineage", "test_delta",
+    "test_hostile", "test_concurrency", "test_lineage", "test_delta", "test_reshard",
     "test_review_defects",  # tests/safety/: the review of 75dd0ff (object-store defects)
     "test_review_1aeae9c",  # tests/safety/: the review of 1aeae9c
 })

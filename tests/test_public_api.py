@@ -13,7 +13,7 @@ PUBLIC = {
     "epoch_limiter", "Session", "LocalSession", "CheckpointManager",
     "MultiNodeCheckpointManager", "UploadTaskGroupBuilder", "JobRunner", "db_name",
     "get_ckpt_filename", "StepCheckpointManager", "StepManagerOptions",
-    "AbstractCheckpointManager", "materialize", "zarr_store", *errors.__all__,
+    "AbstractCheckpointManager", "materialize", "zarr_store", "Layout", *errors.__all__,
 }
 
 

@@ -21,8 +21,8 @@ from caffe2ckpt.store.protocol import CheckpointStore
 from caffe2ckpt.store.records import CommitRecord, RecordRef, list_records
 from caffe2ckpt.units import epochs_summary
 
-__all__ = ["Family", "PartialSave", "PrefixScan", "family_history", "newest_save",
-           "require_save", "scan"]
+__all__ = ["Family", "PartialSave", "PrefixScan", "elastic_steps", "family_history",
+           "newest_save", "require_save", "scan"]
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +142,18 @@ class PrefixScan:
         """``"trainer_0, trainer_1; solo_0 (superseded)"``: each save's nodes, for messages."""
         return "; ".join(", ".join(sorted(s.records))
                          + (" (superseded)" if self.is_superseded(s) else "") for s in saves)
+
+
+def elastic_steps(found: PrefixScan, nodes: Iterable[str]) -> dict[int, Save]:
+    """The lineage, by epoch, that a job on ``nodes`` whose nodes have saved nothing resumes
+    from on another node count: that of the family (of other nodes) whose newest save carries a
+    layout and is of the newest run among such families; empty when there is none."""
+    own = frozenset(nodes)
+    families = [f for f in found.families.values() if f.nodes != own and f.newest is not None
+                and all(r.layout is not None for r in f.newest.records.values())]
+    if not families:
+        return {}
+    return max(families, key=lambda f: f.newest.generation).current()  # type: ignore[union-attr]
 
 
 def require_save(found: PrefixScan, store: CheckpointStore, epoch: int,

@@ -33,6 +33,7 @@ from caffe2ckpt.errors import (
 )
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.history.current import CurrentRun
+from caffe2ckpt.history.scan import elastic_steps, scan
 from caffe2ckpt.history.lineage import Save
 from caffe2ckpt.job import Node, Task, TaskGroup
 from caffe2ckpt.manager import _nodeops as nodeops
@@ -42,9 +43,11 @@ from caffe2ckpt.metadata import MetadataHandler, ZarrMetadataHandler
 from caffe2ckpt.naming import check_epoch, check_node_name, db_name
 from caffe2ckpt.policy import StepManagerOptions
 from caffe2ckpt.session import Session
+from caffe2ckpt.sharding import Layout
 from caffe2ckpt.store.layout import new_save_id
 from caffe2ckpt.store.protocol import CheckpointStore, SaveInfo
 from caffe2ckpt.store.records import CommitRecord, RecordRef, list_records
+from caffe2ckpt.store.reshard import shared_names
 from caffe2ckpt.store.runs import Run
 from caffe2ckpt.store.zarrgroup import DEFAULT_PACK_THRESHOLD
 from caffe2ckpt.workspace import WorkspaceType
@@ -81,9 +84,14 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
         pack_threshold: int = DEFAULT_PACK_THRESHOLD,
         async_save: bool | None = None,
         auto_resume: bool = True,
+        layout: Layout | None = None,
     ) -> None:
         if db_type not in _DB_TYPES:
             raise InvalidLocationError(f"db_type {db_type!r} is not supported; use 'zarr'")
+        if layout is not None and not isinstance(layout, Layout):
+            raise JobDefinitionError(f"layout must be a caffe2ckpt.Layout, got "
+                                     f"{type(layout).__name__}")
+        self._layout = layout
         self._db_prefix = db_prefix
         self._db_type = db_type
         if metadata_handler is None and auto_resume:
@@ -202,8 +210,19 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
 
     def save_of(self, epoch: int, store: CheckpointStore | None = None) -> Save | None:
         """The committed save ``epoch`` means when asked for by number (a load, an explicit
-        resume): the lineage's, else the newest superseded save of that epoch."""
-        return self.current(store).save_of(check_epoch(epoch))
+        resume): the lineage's, else the newest superseded save of that epoch, else (with a
+        layout, while this job's nodes have saved nothing) the elastic one."""
+        epoch = check_epoch(epoch)
+        return self.current(store).save_of(epoch) or self.elastic_saves(store).get(epoch)
+
+    def elastic_saves(self, store: CheckpointStore | None = None) -> dict[int, Save]:
+        """With a layout, while this job's nodes have no committed save under ``store``: the
+        saves of another node count this job resumes from, split anew over its nodes
+        (:func:`~caffe2ckpt.history.scan.elastic_steps`), by epoch; else none."""
+        store = store or self._store
+        if self._layout is None or self.current(store).newest() is not None:
+            return {}
+        return elastic_steps(scan(store), self.file_nodes())
 
     def _save_holding(self, nodes: Collection[str], epoch: int,
                       store: CheckpointStore | None = None) -> Save | None:
@@ -226,7 +245,8 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
         return None
 
     def _require_save(self, epoch: int, store: CheckpointStore) -> Save:
-        save = self._save_holding(self.file_nodes(), epoch, store)
+        save = self._save_holding(self.file_nodes(), epoch, store) or self.elastic_saves(
+            store).get(epoch)
         if save is None:
             raise CheckpointNotFoundError(
                 f"epoch {epoch} is not committed for nodes {self.file_nodes()} under "
@@ -262,9 +282,14 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
         else:
             self.current(store).end()  # a resume starts a new run (see load)
             save = self._require_save(check_epoch(retrieve_from_epoch), store)
+            if self._reshards(save):
+                names = shared_names(store, save.records, self.file_nodes())
 
-            def make(node: str, file_node: str) -> Any:
-                return partial(nodeops.manifest_names, store, save.records[file_node])
+                def make(node: str, file_node: str) -> Any:
+                    return partial(nodeops.given_names, names)
+            else:
+                def make(node: str, file_node: str) -> Any:
+                    return partial(nodeops.manifest_names, store, save.records[file_node])
 
         return self._group("checkpoint_init", make,
                            lambda node, _, names: self._blob_names.__setitem__(node, names))
@@ -296,9 +321,18 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
         store = self._source(path_prefix, path_type)
         self.current(store).end()  # a load starts a new run, from the prefix as it is now
         save = self._require_save(epoch, store)
+        if self._reshards(save):
+            order, partition = self.file_nodes(), self._layout.partition  # type: ignore[union-attr]
+            return self._group("checkpoint_load", lambda node, file_node: partial(
+                nodeops.load_share, store, save.records, order, partition, file_node,
+                self._names(node)), self._record_time(epoch), epoch=epoch)
         return self._group("checkpoint_load", lambda node, file_node: partial(
             nodeops.load, store, save.records[file_node], self._names(node), True),
             self._record_time(epoch), epoch=epoch)
+
+    def _reshards(self, save: Save) -> bool:
+        """Whether ``save`` was made by other nodes than this job's (an elastic resume)."""
+        return self._layout is not None and save.nodes != frozenset(self.file_nodes())
 
     def load_blobs_from_checkpoint(self, blob_names: Sequence[str], epoch: int) -> TaskGroup:
         """A runnable that loads only ``blob_names`` (those present) from ``epoch``."""
@@ -365,7 +399,7 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
         self._attempt = (epoch, save_id)
         info = SaveInfo(save_id=save_id, nodes=self.file_nodes(), stop=bool(stop),
                         stop_conditions=tuple(stop_conditions), metrics=metrics, writer=writer,
-                        parent=run.parent)
+                        parent=run.parent, layout=self._layout)
         record = self._record_save(epoch, save_id, into)
         delta = None
         if options is not None and options.delta_saves:
@@ -453,6 +487,9 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
             return user_epoch
         if not self._param_nodes and self._files is not None:  # bound by init() alone
             self._set_params(self.file_nodes(), None, None)
+        elastic = self.elastic_saves()
+        if elastic and (user_epoch is None or user_epoch in elastic):
+            return max(elastic) if user_epoch is None else user_epoch
         return self._metadata_handler.last_epoch(user_epoch=user_epoch)
 
     def _set_params(self, node_names: list[str], path_prefix: str | None,

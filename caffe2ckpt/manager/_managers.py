@@ -15,6 +15,7 @@ from caffe2ckpt.manager._base import BaseCheckpointManager
 from caffe2ckpt.metadata import MetadataHandler
 from caffe2ckpt.naming import check_epoch, check_node_name, db_name
 from caffe2ckpt.session import Session
+from caffe2ckpt.sharding import Layout
 from caffe2ckpt.store.zarrgroup import DEFAULT_PACK_THRESHOLD
 
 __all__ = ["CheckpointManager", "MultiNodeCheckpointManager", "UploadTaskGroupBuilder"]
@@ -42,6 +43,10 @@ class MultiNodeCheckpointManager(BaseCheckpointManager):
         auto_resume: with ``False`` and no ``metadata_handler``, Caffe2's behaviour: a job
             resumes only from an explicit ``resume_from_epoch`` and otherwise starts from
             scratch; its fresh start then supersedes the epochs already committed.
+        layout: how the blobs are spread over the job's nodes (:class:`~caffe2ckpt.Layout`),
+            stored with every save. With a layout, a job whose nodes have no committed epoch
+            resumes from the newest epoch of another node count (the newest family of the
+            prefix whose saves carry a layout): each node loads its share, split anew.
 
     Example:
         >>> cm = MultiNodeCheckpointManager("memory://doc/ckpt")
@@ -124,10 +129,11 @@ class CheckpointManager(BaseCheckpointManager):
         pack_threshold: int = DEFAULT_PACK_THRESHOLD,
         async_save: bool | None = None,
         auto_resume: bool = True,
+        layout: Layout | None = None,
     ) -> None:
         super().__init__(db_prefix, db_type, metadata_handler, storage_options=storage_options,
                          filesystem=filesystem, pack_threshold=pack_threshold,
-                         async_save=async_save, auto_resume=auto_resume)
+                         async_save=async_save, auto_resume=auto_resume, layout=layout)
         self._node_name = check_node_name(node_name)
 
     def init(self, nodes: Sequence[str | Node] | None = None,

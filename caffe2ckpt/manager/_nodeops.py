@@ -29,6 +29,7 @@ from caffe2ckpt.store.delta import DeltaTracker, DeltaWrite
 from caffe2ckpt.store.layout import group_name
 from caffe2ckpt.store.protocol import CheckpointStore, SaveInfo
 from caffe2ckpt.store.records import CommitRecord
+from caffe2ckpt.store.reshard import read_shares
 from caffe2ckpt.workspace import Workspace
 
 __all__ = ["DB_EXISTS", "DeltaArgs", "Timed", "blob_names", "db_exists", "forget_saves", "load",
@@ -241,6 +242,20 @@ def load(store: CheckpointStore, record: CommitRecord, names: Sequence[str],
             f"({store.where(record)}) lacks blobs {missing}")
     ws.restore(data.value)
     return Timed(None, data.ns)
+
+
+def load_share(store: CheckpointStore, records: dict[str, CommitRecord], order: Sequence[str],
+               partition: str, node: str, names: Sequence[str], ws: Workspace) -> Timed:
+    """Restore ``node``'s share of the save ``records`` (made by other nodes) into its
+    workspace, split anew over ``order`` by ``partition`` (an elastic resume)."""
+    data = _timed(lambda: read_shares(store, records, order, partition, [node], list(names)))
+    ws.restore(data.value[node])
+    return Timed(None, data.ns)
+
+
+def given_names(names: Sequence[str], ws: Workspace) -> list[str]:
+    """The blob list of a node resuming elastically: the save's (the same for every node)."""
+    return list(names)
 
 
 def db_exists(committed: bool, ws: Workspace) -> None:

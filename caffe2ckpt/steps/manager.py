@@ -45,17 +45,20 @@ from caffe2ckpt.fs import strictjson
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.history.current import CurrentRun
 from caffe2ckpt.history.lineage import Save
-from caffe2ckpt.history.scan import scan
+from caffe2ckpt.history.scan import elastic_steps, scan
 from caffe2ckpt.naming import check_epoch, check_node_name, get_ckpt_filename
 from caffe2ckpt.policy import StepManagerOptions, should_save
 from caffe2ckpt.preemption import PreemptionWatch
+from caffe2ckpt.sharding import Layout
 from caffe2ckpt.steps.abstract import AbstractCheckpointManager
 from caffe2ckpt.steps.hints import ChangedRows, check_hints
 from caffe2ckpt.store.delta import DeltaTracker, DeltaWrite
 from caffe2ckpt.store.layout import ROOT_METADATA, new_save_id
 from caffe2ckpt.store.protocol import CheckpointStore, SaveInfo
 from caffe2ckpt.store.records import CommitRecord
+from caffe2ckpt.store.reshard import read_shares
 from caffe2ckpt.store.zarrgroup import DEFAULT_PACK_THRESHOLD
+from caffe2ckpt.units import nodes_text
 from caffe2ckpt.workspace import as_blob
 
 __all__ = ["BlobMetadata", "RootMetadata", "StepCheckpointManager", "StepMetadata"]
@@ -110,6 +113,11 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
         filesystem: an fsspec filesystem to use instead of one made from the URL.
         handle_preemption: watch SIGTERM (main thread only) until :meth:`close`; see
             :meth:`reached_preemption`.
+        layout: how the blobs are spread over ``nodes`` (:class:`~caffe2ckpt.Layout`),
+            stored with every save. With ``nodes`` and a layout, a step saved by another set of
+            nodes (the newest family of the prefix whose saves carry a layout, while this
+            manager's nodes have saved none) is listed and restored split anew over
+            ``nodes``; saves continue from it.
     """
 
     def __init__(
@@ -123,9 +131,14 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
         filesystem: Any = None,
         pack_threshold: int = DEFAULT_PACK_THRESHOLD,
         handle_preemption: bool = True,
+        layout: Layout | None = None,
     ) -> None:
         self.options = options or StepManagerOptions()
         self._nodes = None if nodes is None else [check_node_name(n) for n in nodes]
+        if layout is not None and not isinstance(layout, Layout):
+            raise JobDefinitionError(f"layout must be a caffe2ckpt.Layout, got "
+                                     f"{type(layout).__name__}")
+        self._layout = layout
         self._store = CheckpointStore(Location(directory, storage_options, filesystem),
                                       pack_threshold=pack_threshold)
         self._background = BackgroundSaves() if self.options.enable_async_checkpointing else None
@@ -162,14 +175,23 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
         if self._current is not None:
             self._current.forget()
             self._current.family()
+            if self._elastic:
+                self._others = elastic_steps(scan(self._store), self._current.nodes)
         else:
             self._others = scan(self._store).current()
 
     @property
+    def _elastic(self) -> bool:
+        """Whether steps of other node sets are restored split anew (``nodes`` and a layout)."""
+        return self._layout is not None and self._nodes is not None
+
+    @property
     def _steps(self) -> dict[int, Save]:
-        """The committed steps of the lineage, by step."""
+        """The committed steps of the lineage, by step (an elastic manager whose nodes have
+        saved none yet: the steps of the newest family with a layout)."""
         if self._current is not None:
-            return self._current.family().current()
+            own = self._current.family().current()
+            return own if own or not self._elastic else self._others
         return self._others
 
     def _listed(self) -> set[int]:
@@ -215,6 +237,8 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
             self.wait_until_finished()
         if self._current is not None:
             save = self._current.lineage_save(step)
+            if save is None and self._elastic and not self._current.family().current():
+                save = elastic_steps(scan(self._store), self._current.nodes).get(step)
         else:
             save = scan(self._store).current().get(step)
         if save is None or self._steps.get(step) != save:
@@ -280,7 +304,8 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
             run = current.run_for(step, _writer())
         save_id = new_save_id(run.generation)
         info = SaveInfo(save_id=save_id, nodes=sorted(blobs), metrics=values, writer=_writer(),
-                        parent=run.parent)
+                        parent=run.parent, layout=self._layout,
+                        order=tuple(self._nodes or blobs))
         self._last_save_time = time.monotonic()
         base = current.base_for(step)
         plans: dict[str, DeltaWrite] = {}
@@ -398,6 +423,8 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
                 raise CheckpointNotFoundError(
                     f"no committed step under {self._store.location.display()!r}")
         info = self._step(step)
+        if self._elastic and info.nodes != frozenset(self._nodes):  # type: ignore[arg-type]
+            return self._restore_elastic(info, nodes, blobs)
         wanted = sorted(info.records) if nodes is None else [str(n) for n in nodes]
         unknown = sorted(set(wanted) - set(info.records))
         if unknown:
@@ -420,6 +447,25 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
             # saves from now on continue from this step; going back below the newest step
             # starts a new run (a new claim and generation) that supersedes the later ones
             current.set_parent((info.epoch, info.generation))
+        return out
+
+    def _restore_elastic(self, info: Save, nodes: Sequence[str] | None,
+                         blobs: Sequence[str] | None) -> dict[str, dict[str, np.ndarray]]:
+        """``info`` (saved by other nodes) split anew over this manager's nodes; saves from
+        now on continue from it."""
+        own = list(self._nodes)  # type: ignore[arg-type]
+        unknown = sorted(set(nodes or ()) - set(own))
+        if unknown:
+            raise CheckpointNotFoundError(f"restore({info.epoch}): nodes {unknown} are not this "
+                                          f"manager's nodes {own}")
+        out = read_shares(self._store, info.records, own,
+                          self._layout.partition,  # type: ignore[union-attr]
+                          None if nodes is None else [str(n) for n in nodes],
+                          None if blobs is None else list(blobs))
+        logger.info("restored step %d, saved by %s, on %s", info.epoch,
+                    nodes_text(len(info.records)), nodes_text(len(own)))
+        self._protected = set()  # another family's step: this manager's retention never touches it
+        self._run_of(sorted(own)).set_parent((info.epoch, info.generation))
         return out
 
     def item_metadata(self, step: int) -> dict[str, dict[str, BlobMetadata]]:

@@ -38,6 +38,7 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,6 +54,7 @@ from caffe2ckpt.fs import strictjson
 from caffe2ckpt.fs.iopool import pool
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.naming import check_epoch, check_node_name
+from caffe2ckpt.sharding import ROWS, Layout, SavedLayout
 from caffe2ckpt.store import runs
 from caffe2ckpt.store.chainread import read_chained
 from caffe2ckpt.store.delta import DeltaWrite
@@ -98,6 +100,24 @@ class SaveInfo:
     metrics: dict[str, float] | None = None
     writer: dict | None = None
     parent: tuple[int, int] | None = None  # the save the run started from: (epoch, generation)
+    layout: Layout | None = None  # how the blobs are spread over ``order``, when declared
+    order: tuple[str, ...] = ()  # the nodes in the job's order (default: ``nodes``)
+
+    def row_blobs(self, blobs: dict[str, np.ndarray], delta: DeltaWrite | None
+                  ) -> frozenset[str]:
+        """Which of a node's blobs (written whole, or by ``delta``) its layout splits by
+        rows."""
+        if self.layout is None:
+            return frozenset()
+        inherited = delta.layout.inherited if delta is not None and delta.layout else {}
+        names = set(blobs) | set(inherited)
+        return frozenset(n for n in names if self.layout.kind(n) == ROWS)
+
+    def saved_layout(self, names: Iterable[str]) -> SavedLayout | None:
+        """What the record of a node holding the blobs ``names`` says of the layout."""
+        if self.layout is None:
+            return None
+        return self.layout.saved(self.order or tuple(self.nodes), names)
 
     @property
     def generation(self) -> int:
@@ -136,7 +156,8 @@ class CheckpointStore:
             plan = plan_group(node=node, epoch=epoch, save_id=info.save_id, blobs=blobs,
                               pack_threshold=self.pack_threshold,
                               delta=None if delta is None else delta.layout,
-                              fine_overlays=not self.location.per_object_requests)
+                              fine_overlays=not self.location.per_object_requests,
+                              row_blobs=info.row_blobs(blobs, delta))
             if delta is not None:
                 delta.manifest = plan.manifest
             path = self._take_path(node, epoch, info.save_id, plan, batch)
@@ -161,7 +182,8 @@ class CheckpointStore:
             stop_conditions=list(info.stop_conditions), metrics=dict(info.metrics or {}),
             metadata=plan.digests(), writer=dict(info.writer or {}), parent=info.parent,
             path=path, crcs=crcs, started=started,
-            delta=None if delta is None else delta.record(plan.manifest.stored_nbytes))
+            delta=None if delta is None else delta.record(plan.manifest.stored_nbytes),
+            layout=info.saved_layout(plan.manifest.blobs))
         if delta is not None:  # before the record: nothing after the commit may fail the save
             delta.seal(record)
         write_record(self.location, record)

@@ -38,6 +38,7 @@ from caffe2ckpt.errors import (
 from caffe2ckpt.fs import strictjson
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.naming import MAX_EPOCH
+from caffe2ckpt.sharding import SavedLayout
 from caffe2ckpt.store.chains import DeltaRecord
 from caffe2ckpt.store.layout import COMMITS_DIR, group_name, save_generation
 
@@ -103,6 +104,7 @@ class CommitRecord:
     crcs: dict[str, tuple[int, ...]] = field(default_factory=dict)  # array -> chunk CRC32Cs
     started: float = 0.0  # when the save began (its leftovers' age counts from here)
     delta: DeltaRecord | None = None  # a differential save: what it needs from other groups
+    layout: SavedLayout | None = None  # how the save's blobs are spread over its nodes
     format: int = RECORD_FORMAT
 
     def __post_init__(self) -> None:
@@ -146,6 +148,10 @@ class CommitRecord:
             del data["delta"]
         else:
             data["delta"] = self.delta.to_dict()
+        if self.layout is None:
+            del data["layout"]
+        else:
+            data["layout"] = self.layout.to_dict()
         return data
 
     @classmethod
@@ -173,6 +179,9 @@ class CommitRecord:
         if version >= DELTA_RECORD_FORMAT:
             delta = DeltaRecord.from_dict(data["delta"], node=node, epoch=epoch,
                                           save_id=save_id, path=path)
+        layout = None if data.get("layout") is None else SavedLayout.from_dict(data["layout"])
+        if layout is not None and sorted(layout.order) != sorted(map(str, data["nodes"])):
+            raise ValueError("the layout's node order is not the save's nodes")
         return cls(
             epoch=epoch,
             node=node,
@@ -192,6 +201,7 @@ class CommitRecord:
             crcs=crcs,
             started=started,
             delta=delta,
+            layout=layout,
             format=version,
         )
 

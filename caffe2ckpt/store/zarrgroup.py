@@ -61,6 +61,7 @@ from caffe2ckpt.fs.iopool import pool as _pool
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.naming import blob_path
 from caffe2ckpt.store.chains import overlay_paths, span_path
+from caffe2ckpt.store import manifest as manifest_rules
 from caffe2ckpt.store.manifest import (
     CHUNK_BYTES,
     FINE_CHUNK_BYTES,
@@ -212,9 +213,11 @@ def _row_array(name: str, path: str, arr: np.ndarray, plans: list[_ArrayPlan],
     return BlobInfo(name, arr.dtype.str, arr.shape, "C", path=path, chunk_rows=count)
 
 
-def _delta_plans(delta: DeltaLayout, fine: bool) -> tuple[dict[str, Any], list[_ArrayPlan]]:
+def _delta_plans(delta: DeltaLayout, fine: bool, row_blobs: frozenset[str]
+                 ) -> tuple[dict[str, Any], list[_ArrayPlan]]:
     """The manifest's delta fields and the arrays of ``delta``'s overlays and spans (with
-    ``fine``, overlay values in chunks of :data:`~.manifest.FINE_CHUNK_BYTES`)."""
+    ``fine``, overlay values in chunks of :data:`~.manifest.FINE_CHUNK_BYTES`; the spans of
+    ``row_blobs`` in chunks of :data:`~.manifest.ROWS_CHUNK_BYTES`)."""
     overlays, spans, plans = {}, {}, []
     target = FINE_CHUNK_BYTES if fine else CHUNK_BYTES
     for name, (rows, values) in delta.overlays.items():
@@ -222,21 +225,29 @@ def _delta_plans(delta: DeltaLayout, fine: bool) -> tuple[dict[str, Any], list[_
         overlays[name] = (_row_array(name, rows_path, rows, plans),
                           _row_array(name, values_path, values, plans, target))
     for name, (start, values) in delta.spans.items():
-        spans[name] = (start, _row_array(name, span_path(blob_path(name)), values, plans))
+        spans[name] = (start, _row_array(name, span_path(blob_path(name)), values, plans,
+                                         _target(name, row_blobs)))
     return {"inherited": delta.inherited, "overlays": overlays, "spans": spans,
             "base": delta.base}, plans
+
+
+def _target(name: str, row_blobs: frozenset[str]) -> int:
+    return manifest_rules.ROWS_CHUNK_BYTES if name in row_blobs else CHUNK_BYTES
 
 
 def plan_group(*, node: str, epoch: int, save_id: str,
                blobs: dict[str, np.ndarray | BlobInfo],
                pack_threshold: int = DEFAULT_PACK_THRESHOLD,
-               delta: DeltaLayout | None = None, fine_overlays: bool = False) -> GroupPlan:
+               delta: DeltaLayout | None = None, fine_overlays: bool = False,
+               row_blobs: frozenset[str] = frozenset()) -> GroupPlan:
     """How ``blobs`` are written as a group: nothing is copied but the packed small blobs.
     With ``delta``, the group of a differential save (manifest format 4 or 5; with
     ``fine_overlays``, its overlays' values in small chunks, for filesystems where a file
     costs no request of its own). A blob given as a
     :class:`BlobInfo` (dtype, shape, order; at least ``pack_threshold`` bytes) is planned as an
     array of its own without its data (``data`` None: :func:`epoch_store` fills it later).
+    ``row_blobs`` (split by rows across the nodes) are chunked finer
+    (:data:`~.manifest.ROWS_CHUNK_BYTES`), so another node count reads little past its rows.
 
     Raises:
         InvalidBlobError: the manifest would be larger than readers accept.
@@ -262,7 +273,7 @@ def plan_group(*, node: str, epoch: int, save_id: str,
             packed_bytes += nbytes
         else:
             data = stored_form(arr)
-            rows = chunk_rows(data.shape, data.dtype.itemsize)
+            rows = chunk_rows(data.shape, data.dtype.itemsize, _target(name, row_blobs))
             info = BlobInfo(name, dtype, arr.shape, order, path=blob_path(name),
                             chunk_rows=rows)
             arrays[name] = info
@@ -274,7 +285,7 @@ def plan_group(*, node: str, epoch: int, save_id: str,
         plans.append(_ArrayPlan(PACKED_ARRAY, (offset,), pieces, packed_chunk, metadata))
     extra: dict[str, Any] = {}
     if delta is not None:
-        extra, delta_plans = _delta_plans(delta, fine_overlays)
+        extra, delta_plans = _delta_plans(delta, fine_overlays, row_blobs)
         plans.extend(delta_plans)
     manifest = Manifest(node=node, epoch=epoch, save_id=save_id, arrays=arrays, packed=packed,
                         packed_nbytes=offset, packed_chunk=packed_chunk,

@@ -1,0 +1,170 @@
+"""How a job's blobs are spread over its nodes: declared once (:class:`Layout`), stored with
+every save (:class:`SavedLayout`), so that a save of N nodes can be restored on M.
+
+A blob is one of three kinds, by the first glob pattern (``fnmatch``, case-sensitive) it
+matches:
+
+- **rows**: split along axis 0 across the job's nodes, in the job's node order. With
+  ``partition="range"`` node k holds a block of consecutive rows (any sizes: the global array
+  is the nodes' blocks concatenated); with ``partition="mod"`` node k of N holds the global rows
+  r with ``r % N == k``, in order (hash-sharded tables).
+- **replicated**: every node holds the same value (data-parallel weights).
+- **local**: anything else; it belongs to its node and cannot be moved to another node count.
+
+Every node's rows of a ``rows`` blob, in global row numbers, are a Python :class:`range`
+(``range(start, stop)`` or ``range(k, total, N)``), so what one old node gives one new node
+is the intersection of two arithmetic progressions (:func:`overlap`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from typing import Any
+
+from caffe2ckpt.errors import JobDefinitionError
+
+__all__ = ["PARTITIONS", "Layout", "SavedLayout", "new_rows", "old_rows", "overlap"]
+
+PARTITIONS = ("range", "mod")
+ROWS, REPLICATED, LOCAL = "rows", "replicated", "local"
+
+
+def _patterns(value: Any, field: str) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = (value,)
+    out = tuple(value)
+    if not all(isinstance(p, str) and p for p in out):
+        raise JobDefinitionError(f"Layout({field}=...) takes blob-name glob patterns "
+                                 f"(non-empty strings), got {list(out)!r:.200}")
+    return out
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which blobs are split by rows across the nodes and which are the same on every node.
+
+    Args:
+        rows: glob patterns of the blobs split along axis 0 across the nodes.
+        replicated: glob patterns of the blobs every node holds identically.
+        partition: how ``rows`` blobs are split: ``"range"`` (node k holds a block of
+            consecutive rows) or ``"mod"`` (node k of N holds the rows r with r % N == k).
+
+    Blobs matching neither are local to their node: a save holding one can be restored only on
+    the nodes that saved it.
+    """
+
+    rows: Sequence[str] = ()
+    replicated: Sequence[str] = ()
+    partition: str = "range"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rows", _patterns(self.rows, "rows"))
+        object.__setattr__(self, "replicated", _patterns(self.replicated, "replicated"))
+        if self.partition not in PARTITIONS:
+            raise JobDefinitionError(f"Layout(partition={self.partition!r}): use one of "
+                                     f"{', '.join(map(repr, PARTITIONS))}")
+
+    def kind(self, name: str) -> str:
+        """``"rows"``, ``"replicated"`` or ``"local"`` for the blob ``name``."""
+        row = next((p for p in self.rows if fnmatchcase(name, p)), None)
+        same = next((p for p in self.replicated if fnmatchcase(name, p)), None)
+        if row is not None and same is not None:
+            raise JobDefinitionError(f"blob {name!r} matches both rows pattern {row!r} and "
+                                     f"replicated pattern {same!r} of the layout")
+        return ROWS if row is not None else REPLICATED if same is not None else LOCAL
+
+    def saved(self, order: Sequence[str], names: Iterable[str]) -> SavedLayout:
+        """What one node's record stores: the save's node order and which of its blobs
+        ``names`` are rows and replicated."""
+        kinds = {name: self.kind(name) for name in names}
+        return SavedLayout(self.partition, tuple(order),
+                           tuple(sorted(n for n, k in kinds.items() if k == ROWS)),
+                           tuple(sorted(n for n, k in kinds.items() if k == REPLICATED)))
+
+
+@dataclass(frozen=True)
+class SavedLayout:
+    """The layout as one node's commit record stores it: resolved to blob names, so a reader
+    needs no code of the job."""
+
+    partition: str
+    order: tuple[str, ...]  # the save's nodes, in the job's order
+    rows: tuple[str, ...] = ()
+    replicated: tuple[str, ...] = ()
+
+    def kind(self, name: str) -> str:
+        return ROWS if name in self.rows else REPLICATED if name in self.replicated else LOCAL
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"partition": self.partition, "order": list(self.order), "rows": list(self.rows),
+                "replicated": list(self.replicated)}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> SavedLayout:
+        """Parse a stored layout (ValueError if it is not one)."""
+        if not isinstance(data, dict) or set(data) != {"partition", "order", "rows",
+                                                       "replicated"}:
+            raise ValueError(f"bad layout {data!r:.120}")
+        if data["partition"] not in PARTITIONS:
+            raise ValueError(f"bad layout partition {data['partition']!r:.40}")
+        lists = [data[k] for k in ("order", "rows", "replicated")]
+        if not all(isinstance(v, list) and all(isinstance(s, str) for s in v) and
+                   len(set(v)) == len(v) for v in lists):
+            raise ValueError("a layout's order, rows and replicated must be lists of distinct "
+                             "strings")
+        order, rows, replicated = (tuple(v) for v in lists)
+        if not order or set(rows) & set(replicated):
+            raise ValueError("a layout needs its nodes, and no blob both rows and replicated")
+        return cls(data["partition"], order, rows, replicated)
+
+
+def new_rows(partition: str, index: int, count: int, total: int) -> range:
+    """The global rows node ``index`` of ``count`` holds of a ``total``-row blob, split anew:
+    ``range`` splits evenly (the first ``total % count`` nodes one row more), ``mod`` takes
+    every ``count``-th row."""
+    if partition == "mod":
+        return range(index, total, count)
+    return range(index * total // count, (index + 1) * total // count)
+
+
+def old_rows(partition: str, sizes: Sequence[int]) -> list[range]:
+    """The global rows each node of a save holds, given each node's row count in node order
+    (``range``: blocks of any size, one after the other). ValueError when the sizes cannot be
+    a ``mod`` split of their total."""
+    total = sum(sizes)
+    if partition == "mod":
+        out = [range(k, total, len(sizes)) for k in range(len(sizes))]
+        if [len(r) for r in out] != list(sizes):
+            raise ValueError(f"row counts {list(sizes)} are not a mod split of {total} rows")
+        return out
+    starts = [0]
+    for size in sizes:
+        starts.append(starts[-1] + size)
+    return [range(a, b) for a, b in zip(starts, starts[1:])]
+
+
+def overlap(src: range, dst: range) -> tuple[range, range] | None:
+    """The global rows both progressions hold, as indices into ``src`` and into ``dst`` (two
+    ranges of one length), or None when they share none."""
+    if not src or not dst:
+        return None
+    low = max(src.start, dst.start)
+    high = min(src[-1], dst[-1]) + 1
+    x = dst.start + -(-(low - dst.start) // dst.step) * dst.step  # first of dst at or above low
+    for _ in range(src.step // math.gcd(src.step, dst.step)):
+        if (x - src.start) % src.step == 0:
+            break
+        x += dst.step
+    else:
+        return None
+    if x >= high:
+        return None
+    step = math.lcm(src.step, dst.step)
+    count = len(range(x, high, step))
+    first_src, first_dst = (x - src.start) // src.step, (x - dst.start) // dst.step
+    by_src, by_dst = step // src.step, step // dst.step
+    return (range(first_src, first_src + count * by_src, by_src),
+            range(first_dst, first_dst + count * by_dst, by_dst))

@@ -1,0 +1,246 @@
+"""Elastic restores: the blobs of a save made by N nodes, as M nodes hold them under a new split.
+
+The save's records say how its blobs were spread (:class:`~caffe2ckpt.sharding.SavedLayout`):
+the node order, the partition, which blobs are split by rows and which are replicated. Each
+``rows`` blob's global array is what the reference defines (the old nodes' rows put back in
+their global places: concatenated for ``range``, interleaved for ``mod``), split anew over the
+new nodes (:func:`~caffe2ckpt.sharding.new_rows`); a replicated blob is read once, from the
+first node of the old order holding it; a local blob cannot move and is refused before anything
+is read.
+
+What is read: a new node's rows that an old node holds as consecutive rows landing on
+consecutive rows (``range`` to ``range``) of an array the old group stores whole are read
+straight from the chunks holding them into place (:func:`~caffe2ckpt.store.groupread.row_reads`:
+the rows asked for plus the rest of the first and last chunk). Anything else (strided rows of a
+``mod`` split, a blob a differential save builds from older saves, a small packed blob) is read
+as the old node's whole blob, once per call however many new nodes take rows of it, and its
+rows copied out. Every byte read is checked as any restore checks it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from caffe2ckpt.errors import CheckpointCorruptedError, JobDefinitionError
+from caffe2ckpt.sharding import LOCAL, REPLICATED, ROWS, SavedLayout, new_rows, old_rows, overlap
+from caffe2ckpt.store.groupread import RowRead, row_reads, run_reads
+from caffe2ckpt.store.manifest import BlobInfo, Manifest
+from caffe2ckpt.store.records import CommitRecord
+from caffe2ckpt.store.zarrgroup import GROUP_FILE
+from caffe2ckpt.units import nodes_text
+
+if TYPE_CHECKING:
+    from caffe2ckpt.store.protocol import CheckpointStore
+
+__all__ = ["read_shares", "saved_layout", "shared_names"]
+
+
+def saved_layout(records: dict[str, CommitRecord]) -> SavedLayout | None:
+    """The layout one save's records agree on (None: saved without one)."""
+    layouts = [r.layout for r in records.values()]
+    if any(layout is None for layout in layouts):
+        return None
+    first = layouts[0]
+    assert first is not None
+    if any((lay.partition, lay.order) != (first.partition, first.order) for lay in layouts  # type: ignore[union-attr]
+           ) or sorted(first.order) != sorted(records):
+        record = next(iter(records.values()))
+        raise CheckpointCorruptedError(
+            f"epoch {record.epoch} (save {record.save_id!r}): its nodes' records disagree on "
+            "the layout (node order or partition)", node=record.node, epoch=record.epoch,
+            blob="layout")
+    return first
+
+
+def shared_names(store: CheckpointStore, records: dict[str, CommitRecord],
+                 order: Sequence[str]) -> list[str]:
+    """The blobs of the save ``records`` that the nodes ``order`` would each restore a share or
+    a copy of (read from the manifests only).
+
+    Raises:
+        JobDefinitionError: the save holds local blobs (or has no layout): refused before
+            anything is read or written.
+    """
+    return sorted(_Reshard(store, records, list(order), "range").blobs(None))
+
+
+def read_shares(store: CheckpointStore, records: dict[str, CommitRecord], order: Sequence[str],
+                partition: str, nodes: Sequence[str] | None = None,
+                names: Sequence[str] | None = None) -> dict[str, dict[str, np.ndarray]]:
+    """``{new node: {blob: array}}`` of the save ``records`` (by old node) for the nodes
+    ``order`` (the new job's, in its order) split by ``partition``: of ``nodes`` (default all),
+    all blobs or only ``names``.
+
+    Raises:
+        JobDefinitionError: the save holds local blobs (or has no layout), which cannot be
+            given to another set of nodes.
+        CheckpointCorruptedError: the save's records or groups are damaged, or its nodes' rows
+            do not fit its layout.
+    """
+    reader = _Reshard(store, records, list(order), partition)
+    wanted = list(order) if nodes is None else list(nodes)
+    blobs = reader.blobs(names)
+    out: dict[str, dict[str, np.ndarray]] = {node: {} for node in wanted}
+    direct: list[Callable[[], Any]] = []
+    finish: list[Callable[[], None]] = []
+    for name, kind in blobs.items():
+        if kind == ROWS:
+            finish.append(reader.split(name, wanted, out, direct))
+    replicated = [name for name, kind in blobs.items() if kind == REPLICATED]
+    for name in replicated:
+        reader.want(reader.holder(name), name)
+    run_reads(direct)
+    for step in finish:
+        step()
+    for name in replicated:
+        value = reader.whole(reader.holder(name), name)
+        for index, node in enumerate(wanted):
+            out[node][name] = value if index == 0 else value.copy()
+    return out
+
+
+class _Reshard:
+    """One elastic read of one save (see the module docstring)."""
+
+    def __init__(self, store: CheckpointStore, records: dict[str, CommitRecord],
+                 order: list[str], partition: str) -> None:
+        self.store, self.records, self.order, self.partition = store, records, order, partition
+        self.record = next(iter(records.values()))
+        layout = saved_layout(records)
+        self.layouts = {node: r.layout for node, r in records.items()}
+        self.old = list(layout.order) if layout is not None else sorted(records)
+        self.old_partition = layout.partition if layout is not None else "range"
+        self._manifests: dict[str, Manifest] = {}
+        self._loaded: dict[str, dict[str, np.ndarray]] = {}
+        self._wanted: dict[str, set[str]] = {}  # old node -> blobs to read whole
+
+    def manifest(self, node: str) -> Manifest:
+        if node not in self._manifests:
+            self._manifests[node] = self.store.manifest(self.records[node])
+        return self._manifests[node]
+
+    def damage(self, node: str, blob: str, why: str) -> CheckpointCorruptedError:
+        record = self.records[node]
+        return CheckpointCorruptedError(
+            f"checkpoint {self.store.where(record)!r} (node {node!r}, epoch {record.epoch}): "
+            f"blob {blob!r}: {why}", node=node, epoch=record.epoch, blob=blob)
+
+    def blobs(self, names: Sequence[str] | None) -> dict[str, str]:
+        """Each blob asked for, with its kind; refused when any is local."""
+        kinds: dict[str, str] = {}
+        for node in self.old:
+            layout = self.layouts[node]
+            for name in self.manifest(node).blobs:
+                if names is None or name in names:
+                    kind = LOCAL if layout is None else layout.kind(name)
+                    kinds[name] = LOCAL if kinds.get(name, kind) != kind else kind
+        missing = sorted(set(names or ()) - set(kinds))
+        if missing:
+            raise JobDefinitionError(f"epoch {self.record.epoch} under "
+                                     f"{self.store.location.display()!r} has no blobs {missing}")
+        local = sorted(n for n, k in kinds.items() if k == LOCAL)
+        if local:
+            raise JobDefinitionError(self._refusal(local))
+        return kinds
+
+    def _refusal(self, local: list[str]) -> str:
+        how = ("it was saved without a layout" if self.layouts[self.old[0]] is None
+               else f"blobs {local[:10]}{' ...' if len(local) > 10 else ''} are local to "
+               "their nodes")
+        return (f"epoch {self.record.epoch} under {self.store.location.display()!r} was saved "
+                f"by {nodes_text(len(self.old))} {self.old}; it cannot be restored on "
+                f"{nodes_text(len(self.order))} {self.order}: {how}. Declare how each blob is spread "
+                "when saving: caffe2ckpt.Layout(rows=[...]) for blobs split along axis 0 "
+                "across the nodes, replicated=[...] for blobs every node holds alike")
+
+    def holder(self, name: str) -> str:
+        return next(n for n in self.old if name in self.manifest(n).blobs)
+
+    def want(self, node: str, name: str) -> None:
+        """Old node ``node``'s blob ``name`` will be read whole."""
+        self._wanted.setdefault(node, set()).add(name)
+
+    def whole(self, node: str, name: str) -> np.ndarray:
+        """Old node ``node``'s blob ``name``, read whole (with every other blob of that node
+        wanted and not read yet, in one read)."""
+        loaded = self._loaded.setdefault(node, {})
+        if name not in loaded:
+            wanted = sorted((self._wanted.get(node, set()) | {name}) - set(loaded))
+            loaded.update(self.store.load_node(self.records[node], wanted))
+        return loaded[name]
+
+    def split(self, name: str, wanted: list[str], out: dict[str, dict[str, np.ndarray]],
+              direct: list[Callable[[], Any]]) -> Callable[[], None]:
+        """Allocate each wanted new node's share of the rows blob ``name``, add the reads
+        straight into place to ``direct``, and return what copies the other rows once those
+        reads ran."""
+        infos = [self._row_info(node, name) for node in self.old]
+        first = infos[0]
+        try:
+            sources = old_rows(self.old_partition, [i.shape[0] for i in infos])
+        except ValueError as exc:
+            raise self.damage(self.old[0], name, str(exc)) from exc
+        total = sum(len(r) for r in sources)
+        copies: list[tuple[str, np.ndarray, range, range]] = []
+        for node in wanted:
+            target = new_rows(self.partition, self.order.index(node), len(self.order), total)
+            dest = np.empty((len(target), *first.shape[1:]), np.dtype(first.dtype))
+            out[node][name] = dest
+            for old, info, source in zip(self.old, infos, sources):
+                pair = overlap(source, target)
+                if pair is None:
+                    continue
+                if pair[0].step == 1 and pair[1].step == 1 and self._readable(old, info):
+                    direct.extend(self._direct(old, info, dest, *pair))
+                else:
+                    self.want(old, name)
+                    copies.append((old, dest, *pair))
+
+        def finish() -> None:
+            for old, dest, src, dst in copies:
+                dest[_slice(dst)] = self.whole(old, name)[_slice(src)]
+            if first.order == "F":
+                for node in wanted:
+                    out[node][name] = np.asfortranarray(out[node][name])
+        return finish
+
+    def _row_info(self, node: str, name: str) -> BlobInfo:
+        info = self.manifest(node).blobs.get(name)
+        if info is None or not info.shape:
+            raise self.damage(node, name, "its layout splits it by rows, but that node "
+                              "holds no such blob with rows")
+        first = self.manifest(self.old[0]).blobs.get(name)
+        if first is not None and (info.dtype, info.shape[1:], info.order) != (
+                first.dtype, first.shape[1:], first.order):
+            raise self.damage(node, name, f"its rows ({info.dtype}, {info.shape}) do not fit "
+                              f"those of node {self.old[0]!r} ({first.dtype}, {first.shape})")
+        return info
+
+    def _readable(self, node: str, info: BlobInfo) -> bool:
+        """Whether rows of ``info`` are read straight into place: an array of its own in the
+        old group (not packed, not built from older saves), stored as it is restored."""
+        dtype = np.dtype(info.dtype)
+        stored = self.manifest(node).stored_blobs.get(info.name)
+        return (stored is not None and stored.path is not None and dtype.kind in "biufc"
+                and dtype.byteorder != ">" and info.order == "C")
+
+    def _direct(self, node: str, info: BlobInfo, dest: np.ndarray, src: range,
+                dst: range) -> list[Callable[[], Any]]:
+        record, manifest = self.records[node], self.manifest(node)
+        stored = manifest.stored_blobs[info.name]
+        flat = dest.reshape(dest.shape[0], -1).view(np.uint8)
+        location = self.store.location
+        crcs = self.store.chunk_crcs(record, manifest)
+        files = {f"{stored.path}/{GROUP_FILE}"}
+        metadata = {f: d for f, d in record.metadata.items() if f in files}
+        read = RowRead(stored, flat, dst.start - src.start, [(src.start, src.stop)])
+        return list(row_reads(location, self.store.group_path(record), manifest,
+                              {stored.path: crcs[stored.path]},  # type: ignore[index]
+                              [read], metadata))
+
+
+def _slice(rows: range) -> slice:
+    return slice(rows.start, rows.stop, rows.step)

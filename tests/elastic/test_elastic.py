@@ -1,0 +1,189 @@
+"""Elastic epochs through the public API: what a layout refuses and why, listing and saving
+after an elastic restore, the declared layout's checks, the split arithmetic, and a JobRunner
+job saved by 4 nodes resumed on 2 (both partitions)."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import numpy as np
+import pytest
+
+from caffe2ckpt import (
+    JobDefinitionError,
+    JobRunner,
+    Layout,
+    LocalSession,
+    MultiNodeCheckpointManager,
+    StepCheckpointManager,
+    StepManagerOptions,
+)
+from caffe2ckpt.sharding import new_rows
+from tests.elastic.elasticjob import build, layout, reference, share
+
+COUNTS = (1, 2, 3, 4, 8)
+
+
+def test_a_local_blob_is_refused_naming_it_and_both_node_counts(prefix):
+    layout = Layout(rows=["emb"])
+    with StepCheckpointManager(prefix, nodes=["a", "b"], layout=layout,
+                               handle_preemption=False) as mgr:
+        mgr.save(0, {n: {"emb": np.zeros((4, 2)), "opt_state": np.ones(3)} for n in "ab"})
+    with StepCheckpointManager(prefix, nodes=["x"], layout=layout,
+                               handle_preemption=False) as mgr:
+        with pytest.raises(JobDefinitionError) as info:
+            mgr.restore(0)
+    message = str(info.value)
+    assert "'opt_state'" in message and "2 nodes" in message and "on 1 node " in message
+    assert "replicated=[...]" in message
+    # the nodes that saved it restore it as ever
+    with StepCheckpointManager(prefix, nodes=["a", "b"], layout=layout,
+                               handle_preemption=False) as mgr:
+        assert np.array_equal(mgr.restore(0)["b"]["opt_state"], np.ones(3))
+
+
+def test_a_save_without_a_layout_is_refused_saying_so(prefix):
+    with StepCheckpointManager(prefix, nodes=["a", "b"], handle_preemption=False) as mgr:
+        mgr.save(0, {n: {"emb": np.zeros((4, 2))} for n in "ab"})
+    with StepCheckpointManager(prefix, nodes=["x"], layout=Layout(rows=["emb"]),
+                               handle_preemption=False) as mgr:
+        assert mgr.all_steps() == []  # nothing of another node count to resume from
+        with StepCheckpointManager(prefix, handle_preemption=False) as reader:
+            assert reader.all_steps() == [0]
+
+
+def test_saves_after_an_elastic_restore_continue_and_keep_the_old_family(prefix):
+    layout = Layout(rows=["emb"], replicated=["w"])
+    old = {f"t{k}": {"emb": np.full((5, 2), k, np.int32), "w": np.arange(3)} for k in range(4)}
+    with StepCheckpointManager(prefix, nodes=list(old), layout=layout,
+                               options=StepManagerOptions(max_to_keep=1),
+                               handle_preemption=False) as mgr:
+        for epoch in range(3):
+            mgr.save(epoch, old)
+    with StepCheckpointManager(prefix, nodes=["u0", "u1"], layout=layout,
+                               options=StepManagerOptions(max_to_keep=1),
+                               handle_preemption=False) as mgr:
+        got = mgr.restore()
+        assert got["u0"]["emb"].ravel().tolist() == [0] * 10 + [1] * 10
+        for epoch in (3, 4):
+            mgr.save(epoch, got)
+        assert mgr.all_steps() == [4]
+    with StepCheckpointManager(prefix, nodes=list(old), layout=layout,
+                               handle_preemption=False) as mgr:
+        assert mgr.all_steps() == [2]  # the old family's newest save, kept
+        assert np.array_equal(mgr.restore(2)["t3"]["emb"], old["t3"]["emb"])
+
+
+def test_layouts_are_checked_when_declared():
+    with pytest.raises(JobDefinitionError, match="partition='rows'"):
+        Layout(partition="rows")
+    with pytest.raises(JobDefinitionError, match="glob patterns"):
+        Layout(rows=[""])
+    with pytest.raises(JobDefinitionError, match="matches both"):
+        Layout(rows=["e*"], replicated=["*b"]).kind("emb")
+    assert Layout(rows="emb").rows == ("emb",)
+    assert [Layout(rows=["emb_*"], replicated=["w?"]).kind(n) for n in ("emb_1", "w1", "x")] == [
+        "rows", "replicated", "local"]
+
+
+def test_overlap_is_the_intersection_of_two_splits():
+    from caffe2ckpt.sharding import old_rows, overlap
+
+    for total, n, m, old_p, new_p in itertools.product(range(0, 40, 3), COUNTS, COUNTS,
+                                                       ("range", "mod"), ("range", "mod")):
+        sources = old_rows(old_p, [len(new_rows(old_p, k, n, total)) for k in range(n)])
+        for j in range(m):
+            target = new_rows(new_p, j, m, total)
+            got = []
+            for source in sources:
+                pair = overlap(source, target)
+                if pair is not None:
+                    assert [source[i] for i in pair[0]] == [target[i] for i in pair[1]]
+                    got += [target[i] for i in pair[1]]
+            assert sorted(got) == list(target)
+
+
+@pytest.mark.parametrize("partition", ["range", "mod"])
+def test_a_job_saved_by_4_nodes_resumes_on_2_and_on_8(prefix, partition, caplog):
+    session = LocalSession()
+    JobRunner(build(4, 3, partition), MultiNodeCheckpointManager(prefix, layout=layout(
+        partition))).train(session)
+    for m, epochs in ((2, 5), (8, 7)):
+        session = LocalSession()
+        runner = JobRunner(build(m, epochs, partition),
+                           MultiNodeCheckpointManager(prefix, layout=layout(partition)))
+        with caplog.at_level(logging.INFO, logger="caffe2ckpt.runner"):
+            runner.train(session)
+        saved_by = 4 if m == 2 else 2
+        assert runner.resumed_from == epochs - 2
+        assert f"saved by {saved_by} nodes, on {m} nodes" in caplog.text
+        table, weights = reference(epochs)
+        for k in range(m):
+            ws = session.workspace(f"trainer_{k}")
+            assert ws["emb"].tobytes() == share(table, partition, k, m).tobytes()
+            assert np.array_equal(ws["w"], weights)
+        caplog.clear()
+
+
+def test_a_job_with_a_local_blob_is_refused_before_it_claims_the_prefix(prefix):
+    JobRunner(build(2, 2), MultiNodeCheckpointManager(prefix, layout=Layout(rows=["emb"]))
+              ).train(LocalSession())
+    cm = MultiNodeCheckpointManager(prefix, layout=Layout(rows=["emb"]))
+    runs = sorted(cm.store.location.list_names(cm.store.location.path("_runs")))
+    with pytest.raises(JobDefinitionError, match=r"saved by 2 nodes.*on 3 nodes.*blobs "
+                       r"\['epoch_limiter.0/epochs_done', 'w'\] are local"):
+        JobRunner(build(3, 4), cm).train(LocalSession())
+    assert sorted(cm.store.location.list_names(cm.store.location.path("_runs"))) == runs
+
+
+@pytest.mark.parametrize("layout_field", [
+    {"partition": "hash", "order": ["a", "b"], "rows": [], "replicated": []},
+    {"partition": "range", "order": ["a", "c"], "rows": [], "replicated": []},
+    {"partition": "range", "order": ["a", "b"], "rows": ["x"], "replicated": ["x"]},
+    {"partition": "range", "order": ["a", "b", "b"], "rows": [], "replicated": []},
+    ["range"],
+], ids=["partition", "order", "both-kinds", "repeated-node", "not-an-object"])
+def test_a_forged_layout_makes_its_record_damage(tmp_path, layout_field):
+    import json
+
+    from caffe2ckpt.errors import CheckpointCorruptedError
+    from caffe2ckpt.store.records import list_records, read_record, record_path
+
+    url = str(tmp_path / "ckpt")
+    with StepCheckpointManager(url, nodes=["a", "b"], layout=Layout(rows=["x"]),
+                               handle_preemption=False) as mgr:
+        mgr.save(0, {n: {"x": np.zeros((2, 2))} for n in "ab"})
+        location = mgr._store.location
+    ref = next(r for r in list_records(location) if r.node == "a")
+    path = record_path(location, ref)
+    data = json.loads(location.read_bytes(path))
+    data["layout"] = layout_field
+    with open(path, "w") as f:
+        json.dump(data, f)
+    with pytest.raises(CheckpointCorruptedError, match="unreadable") as info:
+        read_record(location, ref)
+    assert info.value.node == "a" and info.value.epoch == 0
+
+
+def test_records_of_one_save_that_disagree_on_the_layout_are_damage(tmp_path):
+    import json
+
+    from caffe2ckpt.errors import CheckpointCorruptedError
+    from caffe2ckpt.store.records import list_records, record_path
+
+    url = str(tmp_path / "ckpt")
+    with StepCheckpointManager(url, nodes=["a", "b"], layout=Layout(rows=["x"]),
+                               handle_preemption=False) as mgr:
+        mgr.save(0, {n: {"x": np.zeros((2, 2))} for n in "ab"})
+        location = mgr._store.location
+    ref = next(r for r in list_records(location) if r.node == "b")
+    path = record_path(location, ref)
+    data = json.loads(location.read_bytes(path))
+    data["layout"]["partition"] = "mod"
+    with open(path, "w") as f:
+        json.dump(data, f)
+    with StepCheckpointManager(url, nodes=["z"], layout=Layout(rows=["x"]),
+                               handle_preemption=False) as mgr:
+        with pytest.raises(CheckpointCorruptedError, match="disagree on the layout"):
+            mgr.restore(0)
