@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any
 
@@ -76,13 +76,25 @@ class Layout:
                                      f"replicated pattern {same!r} of the layout")
         return ROWS if row is not None else REPLICATED if same is not None else LOCAL
 
-    def saved(self, order: Sequence[str], names: Iterable[str]) -> SavedLayout:
-        """What one node's record stores: the save's node order and which of its blobs
-        ``names`` are rows and replicated."""
+    def saved(self, order: Sequence[str], names: Iterable[str],
+              written_by: dict[str, str] | None = None) -> SavedLayout:
+        """What one node's record stores: the save's node order, which of its blobs
+        ``names`` are rows and replicated, and which replicated ones another node wrote."""
         kinds = {name: self.kind(name) for name in names}
         return SavedLayout(self.partition, tuple(order),
                            tuple(sorted(n for n, k in kinds.items() if k == ROWS)),
-                           tuple(sorted(n for n, k in kinds.items() if k == REPLICATED)))
+                           tuple(sorted(n for n, k in kinds.items() if k == REPLICATED)),
+                           dict(sorted((written_by or {}).items())))
+
+    def writers(self, order: Sequence[str], names: dict[str, Iterable[str]]) -> dict[str, str]:
+        """Which node writes each replicated blob of a save (the first in ``order`` holding
+        it), given each node's blob names."""
+        out: dict[str, str] = {}
+        for node in order:
+            for name in names.get(node, ()):
+                if name not in out and self.kind(name) == REPLICATED:
+                    out[name] = node
+        return out
 
 
 @dataclass(frozen=True)
@@ -94,19 +106,21 @@ class SavedLayout:
     order: tuple[str, ...]  # the save's nodes, in the job's order
     rows: tuple[str, ...] = ()
     replicated: tuple[str, ...] = ()
+    # replicated blobs this node holds that another node of the save wrote (once for all)
+    written_by: dict[str, str] = field(default_factory=dict)
 
     def kind(self, name: str) -> str:
         return ROWS if name in self.rows else REPLICATED if name in self.replicated else LOCAL
 
     def to_dict(self) -> dict[str, Any]:
         return {"partition": self.partition, "order": list(self.order), "rows": list(self.rows),
-                "replicated": list(self.replicated)}
+                "replicated": list(self.replicated), "written_by": dict(self.written_by)}
 
     @classmethod
     def from_dict(cls, data: Any) -> SavedLayout:
         """Parse a stored layout (ValueError if it is not one)."""
         if not isinstance(data, dict) or set(data) != {"partition", "order", "rows",
-                                                       "replicated"}:
+                                                       "replicated", "written_by"}:
             raise ValueError(f"bad layout {data!r:.120}")
         if data["partition"] not in PARTITIONS:
             raise ValueError(f"bad layout partition {data['partition']!r:.40}")
@@ -118,7 +132,11 @@ class SavedLayout:
         order, rows, replicated = (tuple(v) for v in lists)
         if not order or set(rows) & set(replicated):
             raise ValueError("a layout needs its nodes, and no blob both rows and replicated")
-        return cls(data["partition"], order, rows, replicated)
+        written_by = data["written_by"]
+        if not isinstance(written_by, dict) or not set(written_by) <= set(replicated) or not all(
+                isinstance(v, str) and v in order for v in written_by.values()):
+            raise ValueError("a layout's written_by must map replicated blobs to its nodes")
+        return cls(data["partition"], order, rows, replicated, dict(written_by))
 
 
 def new_rows(partition: str, index: int, count: int, total: int) -> range:

@@ -33,8 +33,8 @@ from caffe2ckpt.errors import (
 )
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.history.current import CurrentRun
-from caffe2ckpt.history.scan import elastic_steps, scan
 from caffe2ckpt.history.lineage import Save
+from caffe2ckpt.history.scan import elastic_steps, scan
 from caffe2ckpt.job import Node, Task, TaskGroup
 from caffe2ckpt.manager import _nodeops as nodeops
 from caffe2ckpt.manager._async import AsyncSaving
@@ -47,7 +47,9 @@ from caffe2ckpt.sharding import Layout
 from caffe2ckpt.store.layout import new_save_id
 from caffe2ckpt.store.protocol import CheckpointStore, SaveInfo
 from caffe2ckpt.store.records import CommitRecord, RecordRef, list_records
+from caffe2ckpt.store.replicas import check_replicas
 from caffe2ckpt.store.reshard import shared_names
+from caffe2ckpt.store.shared import SharedReads
 from caffe2ckpt.store.runs import Run
 from caffe2ckpt.store.zarrgroup import DEFAULT_PACK_THRESHOLD
 from caffe2ckpt.workspace import WorkspaceType
@@ -286,7 +288,7 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
                 names = shared_names(store, save.records, self.file_nodes())
 
                 def make(node: str, file_node: str) -> Any:
-                    return partial(nodeops.given_names, names)
+                    return partial(nodeops.given_names, names[file_node])
             else:
                 def make(node: str, file_node: str) -> Any:
                     return partial(nodeops.manifest_names, store, save.records[file_node])
@@ -321,14 +323,37 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
         store = self._source(path_prefix, path_type)
         self.current(store).end()  # a load starts a new run, from the prefix as it is now
         save = self._require_save(epoch, store)
+        shared = SharedReads()  # what several nodes read, once per process
         if self._reshards(save):
             order, partition = self.file_nodes(), self._layout.partition  # type: ignore[union-attr]
             return self._group("checkpoint_load", lambda node, file_node: partial(
                 nodeops.load_share, store, save.records, order, partition, file_node,
-                self._names(node)), self._record_time(epoch), epoch=epoch)
+                self._names(node), shared), self._record_time(epoch), epoch=epoch)
         return self._group("checkpoint_load", lambda node, file_node: partial(
-            nodeops.load, store, save.records[file_node], self._names(node), True),
+            nodeops.load, store, save.records[file_node], self._names(node), True, shared),
             self._record_time(epoch), epoch=epoch)
+
+    def _check_replicas(self, session: Session, epoch: int) -> None:
+        """Each node's replicated blobs hold what their writers hold (one group: a digest of
+        each per node), before the save writes anything."""
+        writers = self._writers()
+        if not writers:
+            return
+        digests: dict[str, dict[str, str]] = {}
+        session.run(self._group("checkpoint_replicas", lambda node, file_node: partial(
+            nodeops.replica_digests_of, [n for n in self._names(node) if n in writers]),
+            lambda node, file_node, result: digests.__setitem__(file_node, result),
+            epoch=epoch))
+        check_replicas(epoch, digests, writers)
+
+    def _writers(self) -> dict[str, str]:
+        """Which node (by file name) writes each replicated blob of a save: the first in node
+        order holding it."""
+        if self._layout is None:
+            return {}
+        files = self._require_files()
+        return self._layout.writers(self.file_nodes(), {
+            file_node: self._names(node) for node, file_node in files.items()})
 
     def _reshards(self, save: Save) -> bool:
         """Whether ``save`` was made by other nodes than this job's (an elastic resume)."""
@@ -338,13 +363,14 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
         """A runnable that loads only ``blob_names`` (those present) from ``epoch``."""
         epoch = check_epoch(epoch)
         names = list(blob_names)
+        shared = SharedReads()
 
         def make(node: str, file_node: str) -> Any:
             record = self._node_record(file_node, epoch)
             if record is None:
                 raise CheckpointNotFoundError(
                     f"epoch {epoch} is not committed for node {file_node!r} under {self.url!r}")
-            return partial(nodeops.load, self._store, record, names, False)
+            return partial(nodeops.load, self._store, record, names, False, shared)
 
         return self._group("checkpoint_partial_load", make, self._record_time(epoch),
                            epoch=epoch)
@@ -399,7 +425,7 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
         self._attempt = (epoch, save_id)
         info = SaveInfo(save_id=save_id, nodes=self.file_nodes(), stop=bool(stop),
                         stop_conditions=tuple(stop_conditions), metrics=metrics, writer=writer,
-                        parent=run.parent, layout=self._layout)
+                        parent=run.parent, layout=self._layout, writers=self._writers())
         record = self._record_save(epoch, save_id, into)
         delta = None
         if options is not None and options.delta_saves:
@@ -424,7 +450,10 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
                         options: StepManagerOptions | None = None) -> SaveOutcome:
         """Run the save of ``epoch`` on ``session`` and return its outcome (what the runner
         uses; :meth:`save` is Caffe2's runnable). ``options`` with ``delta_saves`` make it a
-        differential save (see :mod:`caffe2ckpt.store.delta`)."""
+        differential save (see :mod:`caffe2ckpt.store.delta`). With replicated blobs in the
+        layout, every node's value of each is first compared with the one its writer will
+        write (:mod:`~caffe2ckpt.store.replicas`): if they differ, nothing is written."""
+        self._check_replicas(session, epoch)
         into: dict[str, CommitRecord] = {}
         session.run(self._save_group(epoch, into, stop=stop, stop_conditions=stop_conditions,
                                      metrics=metrics, writer=writer, options=options))

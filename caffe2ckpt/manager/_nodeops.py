@@ -29,7 +29,9 @@ from caffe2ckpt.store.delta import DeltaTracker, DeltaWrite
 from caffe2ckpt.store.layout import group_name
 from caffe2ckpt.store.protocol import CheckpointStore, SaveInfo
 from caffe2ckpt.store.records import CommitRecord
+from caffe2ckpt.store.replicas import replica_digests
 from caffe2ckpt.store.reshard import read_shares
+from caffe2ckpt.store.shared import SharedReads
 from caffe2ckpt.workspace import Workspace
 
 __all__ = ["DB_EXISTS", "DeltaArgs", "Timed", "blob_names", "db_exists", "forget_saves", "load",
@@ -138,8 +140,10 @@ def blob_names(ws: Workspace) -> list[str]:
 
 
 def manifest_names(store: CheckpointStore, record: CommitRecord, ws: Workspace) -> list[str]:
-    """The blobs in the node's checkpoint ``record`` commits (a resume's checkpointed names)."""
-    return list(store.manifest(record).blobs)
+    """The blobs in the node's checkpoint ``record`` commits (a resume's checkpointed names),
+    with the replicated ones another node of its save wrote."""
+    lent = record.layout.written_by if record.layout is not None else {}
+    return [*store.manifest(record).blobs, *lent]
 
 
 @dataclass(frozen=True)
@@ -158,7 +162,11 @@ def save(store: CheckpointStore, node: str, file_node: str, epoch: int, names: S
     """Save and commit ``names`` of the node's workspace as ``epoch``; the commit record names
     this process as the worker. With a ``background`` key, only snapshot them here and write
     in the background (:func:`wait_saves` collects the record); returns None then. With
-    ``delta``, write only what changed since the save it builds on (:mod:`~.store.delta`)."""
+    ``delta``, write only what changed since the save it builds on (:mod:`~.store.delta`).
+    Replicated blobs another node of the save writes (``info.writers``) are not written here:
+    the record names that node."""
+    borrowed = info.borrowed(file_node, names)
+    names = [n for n in names if n not in borrowed]
     try:
         blobs = {n: ws[n] for n in names}
     except KeyError:
@@ -179,7 +187,8 @@ def save(store: CheckpointStore, node: str, file_node: str, epoch: int, names: S
 
     def write(snapshot: dict[str, Any]) -> Timed:
         with writing(f"saving node {file_node!r} epoch {epoch} to {where!r}", epoch):
-            return _timed(lambda: _commit(store, file_node, epoch, snapshot, info, tracker, plan))
+            return _timed(lambda: _commit(store, file_node, epoch, snapshot, info, tracker, plan,
+                                          borrowed))
 
     if background is None:
         return write(blobs)
@@ -193,11 +202,11 @@ def save(store: CheckpointStore, node: str, file_node: str, epoch: int, names: S
 
 
 def _commit(store: CheckpointStore, node: str, epoch: int, blobs: dict[str, Any],
-            info: SaveInfo, tracker: DeltaTracker | None, plan: DeltaWrite | None
-            ) -> CommitRecord:
+            info: SaveInfo, tracker: DeltaTracker | None, plan: DeltaWrite | None,
+            borrowed: dict[str, str]) -> CommitRecord:
     """One node's save; its tracker (differential saves) learns how it ended."""
     try:
-        record = store.save_node(node, epoch, blobs, info, plan)
+        record = store.save_node(node, epoch, blobs, info, plan, borrowed)
     except BaseException:
         if tracker is not None and plan is not None:
             tracker.failed(plan)
@@ -231,10 +240,11 @@ def wait_saves(background: str, node: str, epoch: int | None, ws: Workspace) -> 
 
 
 def load(store: CheckpointStore, record: CommitRecord, names: Sequence[str],
-         require_all: bool, ws: Workspace) -> Timed:
+         require_all: bool, shared: SharedReads, ws: Workspace) -> Timed:
     """Restore ``names`` (with ``require_all``, every one of them; else those present) from the
-    node's checkpoint that ``record`` commits into its workspace."""
-    data = _timed(lambda: store.load_node(record, list(names)))
+    node's checkpoint that ``record`` commits into its workspace (what several nodes read,
+    read once per ``shared``)."""
+    data = _timed(lambda: store.load_node(record, list(names), shared))
     missing = [n for n in names if n not in data.value] if require_all else []
     if missing:
         raise CheckpointNotFoundError(
@@ -245,12 +255,20 @@ def load(store: CheckpointStore, record: CommitRecord, names: Sequence[str],
 
 
 def load_share(store: CheckpointStore, records: dict[str, CommitRecord], order: Sequence[str],
-               partition: str, node: str, names: Sequence[str], ws: Workspace) -> Timed:
+               partition: str, node: str, names: Sequence[str], shared: SharedReads,
+               ws: Workspace) -> Timed:
     """Restore ``node``'s share of the save ``records`` (made by other nodes) into its
-    workspace, split anew over ``order`` by ``partition`` (an elastic resume)."""
-    data = _timed(lambda: read_shares(store, records, order, partition, [node], list(names)))
+    workspace, split anew over ``order`` by ``partition`` (an elastic resume; what several
+    nodes read, read once per ``shared``)."""
+    data = _timed(lambda: read_shares(store, records, order, partition, [node], list(names),
+                                      shared))
     ws.restore(data.value[node])
     return Timed(None, data.ns)
+
+
+def replica_digests_of(names: Sequence[str], ws: Workspace) -> dict[str, str]:
+    """The digests of the node's replicated blobs ``names`` (compared before a save)."""
+    return replica_digests({n: ws[n] for n in names if n in ws})
 
 
 def given_names(names: Sequence[str], ws: Workspace) -> list[str]:

@@ -172,14 +172,17 @@ class CheckpointArtifacts:
 
     def _new_summary(self, event: RunEvent) -> Summary:
         cm = event.checkpoint_manager
-        resumed = None
+        resumed = elastic = None
         if event.kind == "resumed" and event.records:
             resumed = (event.epoch, next(iter(event.records.values())).writer)
+            nodes = cm.file_nodes() if cm is not None else list(event.records)
+            if set(nodes) != set(event.records):
+                elastic = (len(event.records), len(nodes))
         return Summary(
             job=event.job,
             this_run={"flow_run_id": flow_run.id, "flow_run_name": flow_run.name,
                       "run_count": flow_run.run_count},
-            start=event.epoch, target=event.max_epochs, resumed=resumed,
+            start=event.epoch, target=event.max_epochs, resumed=resumed, elastic=elastic,
             reason=attempt_reason(flow_run.id, flow_run.run_count),
             url=cm.url if cm is not None else None,
             file_node=cm.file_nodes()[0] if cm is not None else None)

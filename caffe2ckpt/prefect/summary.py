@@ -26,7 +26,7 @@ from caffe2ckpt.prefect.table import (
     run_id,
     writer_cell,
 )
-from caffe2ckpt.units import epochs_text
+from caffe2ckpt.units import epochs_text, nodes_text
 
 __all__ = ["CHARTED", "Summary", "attempt_reason", "chart_markers", "chart_series",
            "reason_from_states", "summary_markdown"]
@@ -47,6 +47,8 @@ class Summary:
     start: int  # the epoch the attempt started from (0: fresh)
     target: int | None  # the job's epoch limit
     resumed: tuple[int, Any] | None = None  # (epoch, writer of the save it resumed from)
+    # an elastic resume: (nodes that saved the epoch resumed from, nodes of this run)
+    elastic: tuple[int, int] | None = None
     reason: str | None = None  # why this attempt runs (a retry), see attempt_reason
     url: str | None = None
     file_node: str | None = None
@@ -205,8 +207,10 @@ def summary_markdown(summary: Summary, rows: Mapping[int, dict[str, Any]], *,
         lines.append(f"- {summary.reason}")
     if summary.resumed is not None:
         resumed, writer = summary.resumed
+        elastic = "" if summary.elastic is None else (
+            f", saved by {nodes_text(summary.elastic[0])}, on {nodes_text(summary.elastic[1])}")
         lines.append(f"- **Resumed** from epoch {resumed}, written by "
-                     f"{writer_cell(writer, run['flow_run_id'], link=True)}")
+                     f"{writer_cell(writer, run['flow_run_id'], link=True)}{elastic}")
     else:
         lines.append("- **Fresh start** (no committed checkpoint to resume from)")
     lines.append(f"- This run: {writer_cell(run, None, link=True)}")

@@ -56,7 +56,9 @@ from caffe2ckpt.store.delta import DeltaTracker, DeltaWrite
 from caffe2ckpt.store.layout import ROOT_METADATA, new_save_id
 from caffe2ckpt.store.protocol import CheckpointStore, SaveInfo
 from caffe2ckpt.store.records import CommitRecord
+from caffe2ckpt.store.replicas import check_replicas, replica_digests
 from caffe2ckpt.store.reshard import read_shares
+from caffe2ckpt.store.shared import SharedReads
 from caffe2ckpt.store.zarrgroup import DEFAULT_PACK_THRESHOLD
 from caffe2ckpt.units import nodes_text
 from caffe2ckpt.workspace import as_blob
@@ -297,6 +299,11 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
         if not (force or self.should_save(step)):
             return False
         self.wait_until_finished()
+        order = tuple(self._nodes or blobs)
+        writers = self._replicas(step, order, blobs)  # checked before anything is written
+        held = {node: list(b) for node, b in blobs.items()}
+        blobs = {node: {n: a for n, a in b.items() if writers.get(n, node) == node}
+                 for node, b in blobs.items()}
         values = {str(k): float(v) for k, v in (metrics or {}).items()}
         current = self._run_of(sorted(blobs))
         with writing(f"claiming {self._store.location.display()!r} to save step {step}",
@@ -304,8 +311,7 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
             run = current.run_for(step, _writer())
         save_id = new_save_id(run.generation)
         info = SaveInfo(save_id=save_id, nodes=sorted(blobs), metrics=values, writer=_writer(),
-                        parent=run.parent, layout=self._layout,
-                        order=tuple(self._nodes or blobs))
+                        parent=run.parent, layout=self._layout, order=order, writers=writers)
         self._last_save_time = time.monotonic()
         base = current.base_for(step)
         plans: dict[str, DeltaWrite] = {}
@@ -318,7 +324,7 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
                 for node in blobs:
                     started.add(node)
                     records[node] = self._save_node(step, node, plans[node].whole, info,
-                                                    plans[node])
+                                                    plans[node], held[node])
                 self._committed(current, Save(step, save_id, records))
                 return True
             # recorded before any submit: if a snapshot fails, the nodes already submitted are
@@ -327,7 +333,7 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
             for node in blobs:
                 self._background.submit(step, node, plans[node].whole,
                                         lambda snapshot, n=node: self._save_node(
-                                            step, n, snapshot, info, plans[n]))
+                                            step, n, snapshot, info, plans[n], held[n]))
                 started.add(node)
         except BaseException:
             for node, plan in plans.items():  # their hints count for the next save
@@ -354,14 +360,32 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
             self._current = CurrentRun(self._store, nodes, steady=True)
         return self._current
 
+    def _replicas(self, step: int, order: Sequence[str],
+                  blobs: dict[str, dict[str, np.ndarray]]) -> dict[str, str]:
+        """Which node writes each replicated blob (the first in ``order`` holding it), once
+        every node holding it holds the same value.
+
+        Raises:
+            InvalidBlobError: nodes hold different values of a replicated blob (nothing is
+                written).
+        """
+        if self._layout is None:
+            return {}
+        writers = self._layout.writers(order, {n: list(b) for n, b in blobs.items()})
+        if writers:
+            check_replicas(step, {n: replica_digests({k: v for k, v in b.items() if k in writers})
+                                  for n, b in blobs.items()}, writers)
+        return writers
+
     def _save_node(self, step: int, node: str, blobs: dict[str, np.ndarray],
-                   info: SaveInfo, plan: DeltaWrite) -> CommitRecord:
+                   info: SaveInfo, plan: DeltaWrite, held: list[str]) -> CommitRecord:
         where = self._store.location.display(get_ckpt_filename(node, step))
         tracker = self._trackers.get(node)
         with writing(f"saving step {step} of node {node!r} to {where!r}", step):
             try:
                 record = self._store.save_node(node, step, blobs, info,
-                                               plan if tracker is not None else None)
+                                               plan if tracker is not None else None,
+                                               info.borrowed(node, held))
             except BaseException:
                 if tracker is not None:
                     tracker.failed(plan)
@@ -431,9 +455,10 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
             raise CheckpointNotFoundError(f"step {step} under {self._store.location.display()!r}"
                                           f" has no nodes {unknown}; it has {sorted(info.records)}")
         out = {}
+        shared = SharedReads()  # a replicated blob one node wrote: read once for all
         for node in wanted:
             out[node] = self._store.load_node(info.records[node],
-                                              None if blobs is None else list(blobs))
+                                              None if blobs is None else list(blobs), shared)
             missing = [b for b in blobs or () if b not in out[node]]
             if missing:
                 raise CheckpointNotFoundError(

@@ -39,7 +39,7 @@ import json
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -67,6 +67,7 @@ from caffe2ckpt.store.layout import (
     save_generation,
 )
 from caffe2ckpt.store.manifest import Manifest
+from caffe2ckpt.store.shared import SharedReads
 from caffe2ckpt.store.records import (
     CommitRecord,
     RecordRef,
@@ -102,6 +103,12 @@ class SaveInfo:
     parent: tuple[int, int] | None = None  # the save the run started from: (epoch, generation)
     layout: Layout | None = None  # how the blobs are spread over ``order``, when declared
     order: tuple[str, ...] = ()  # the nodes in the job's order (default: ``nodes``)
+    writers: dict[str, str] = field(default_factory=dict)  # replicated blob -> node writing it
+
+    def borrowed(self, node: str, names: Iterable[str]) -> dict[str, str]:
+        """Of ``node``'s blobs ``names``, the replicated ones another node writes (blob ->
+        that node): ``node`` does not write them, its record names the writer."""
+        return {n: self.writers[n] for n in names if self.writers.get(n, node) != node}
 
     def row_blobs(self, blobs: dict[str, np.ndarray], delta: DeltaWrite | None
                   ) -> frozenset[str]:
@@ -113,11 +120,13 @@ class SaveInfo:
         names = set(blobs) | set(inherited)
         return frozenset(n for n in names if self.layout.kind(n) == ROWS)
 
-    def saved_layout(self, names: Iterable[str]) -> SavedLayout | None:
-        """What the record of a node holding the blobs ``names`` says of the layout."""
+    def saved_layout(self, names: Iterable[str], borrowed: dict[str, str]
+                     ) -> SavedLayout | None:
+        """What the record of a node holding the blobs ``names`` (and ``borrowed``, written
+        by other nodes) says of the layout."""
         if self.layout is None:
             return None
-        return self.layout.saved(self.order or tuple(self.nodes), names)
+        return self.layout.saved(self.order or tuple(self.nodes), [*names, *borrowed], borrowed)
 
     @property
     def generation(self) -> int:
@@ -139,11 +148,14 @@ class CheckpointStore:
     # -- saving ----------------------------------------------------------------------------------
 
     def save_node(self, node: str, epoch: int, blobs: dict[str, np.ndarray],
-                  info: SaveInfo, delta: DeltaWrite | None = None) -> CommitRecord:
+                  info: SaveInfo, delta: DeltaWrite | None = None,
+                  borrowed: dict[str, str] | None = None) -> CommitRecord:
         """Write and commit ``blobs`` as ``node``'s checkpoint of ``epoch`` (see the module
         docstring for the phases). With ``delta`` (a differential save), ``blobs`` are the
         blobs it writes whole and ``delta`` says what the rest are; once the record is written
-        the save checks that the save it builds on still stands (:meth:`_check_base`)."""
+        the save checks that the save it builds on still stands (:meth:`_check_base`).
+        ``borrowed`` are the node's replicated blobs another node of the save writes (blob ->
+        node): the record names them (:meth:`load_node` reads them from that node's save)."""
         check_node_name(node)
         check_epoch(epoch)
         started, start = time.time(), time.perf_counter()
@@ -183,7 +195,7 @@ class CheckpointStore:
             metadata=plan.digests(), writer=dict(info.writer or {}), parent=info.parent,
             path=path, crcs=crcs, started=started,
             delta=None if delta is None else delta.record(plan.manifest.stored_nbytes),
-            layout=info.saved_layout(plan.manifest.blobs))
+            layout=info.saved_layout(plan.manifest.blobs, borrowed or {}))
         if delta is not None:  # before the record: nothing after the commit may fail the save
             delta.seal(record)
         write_record(self.location, record)
@@ -374,17 +386,56 @@ class CheckpointStore:
                 f"{record.epoch}): {exc}", node=record.node, epoch=record.epoch,
                 blob=GROUP_FILE) from exc
 
-    def load_node(self, record: CommitRecord,
-                  names: list[str] | None = None) -> dict[str, np.ndarray]:
-        """Read and verify the blobs (only ``names`` if given) of the group ``record`` commits.
+    def load_node(self, record: CommitRecord, names: list[str] | None = None,
+                  shared: SharedReads | None = None) -> dict[str, np.ndarray]:
+        """Read and verify the blobs (only ``names`` if given) of the group ``record`` commits,
+        and the replicated blobs of the node that another node of its save wrote (read from
+        that node's save; once per ``shared``, each caller getting a copy of its own).
 
         Raises:
             CheckpointCorruptedError: the group is damaged (names node, epoch and blob).
         """
         manifest = self.manifest(record)
+        lent = record.layout.written_by if record.layout is not None else {}
+        wanted = [*manifest.blobs, *lent] if names is None else list(names)
+        borrowed = {n: lent[n] for n in wanted if n in lent and n not in manifest.blobs}
+        out = self._read_own(record, manifest, [n for n in wanted if n not in borrowed])
+        out.update(self._read_borrowed(record, borrowed, shared or SharedReads()))
+        return out
+
+    def _read_borrowed(self, record: CommitRecord, borrowed: dict[str, str],
+                       shared: SharedReads) -> dict[str, np.ndarray]:
+        """The blobs ``borrowed`` (blob -> node) of ``record``'s save, read as those nodes'
+        records say (copies of what ``shared`` holds)."""
+        out = {}
+        for name, node in borrowed.items():
+            value = shared.get((self.location.url, record.save_id, node, name),
+                               lambda n=name, w=node: self._lent(record, w, n))
+            out[name] = value.copy()
+        return out
+
+    def _lent(self, record: CommitRecord, node: str, name: str) -> np.ndarray:
+        """Blob ``name`` of ``record``'s save as node ``node``, which wrote it, saved it."""
+        ref = RecordRef(epoch=record.epoch, node=node, save_id=record.save_id)
+        where = (f"checkpoint {self.where(record)!r} (node {record.node!r}, epoch "
+                 f"{record.epoch}): blob {name!r}, written by node {node!r} of the same save")
+        try:
+            writer = self.read_record(ref)
+        except (CheckpointNotFoundError, CheckpointCorruptedError) as exc:
+            raise CheckpointCorruptedError(f"{where}: {exc}", node=record.node,
+                                           epoch=record.epoch, blob=name) from exc
+        manifest = self.manifest(writer)
+        if name not in manifest.blobs:
+            raise CheckpointCorruptedError(f"{where}: that node's checkpoint does not hold it",
+                                           node=record.node, epoch=record.epoch, blob=name)
+        return self._read_own(writer, manifest, [name])[name]
+
+    def _read_own(self, record: CommitRecord, manifest: Manifest,
+                  wanted: list[str]) -> dict[str, np.ndarray]:
+        """The blobs ``wanted`` of ``record``'s own group (and the chains of a differential
+        save)."""
         metadata = {name: digest for name, digest in record.metadata.items()
                     if name != GROUP_FILE}  # checked by manifest()
-        wanted = list(manifest.blobs) if names is None else names
         chained = [n for n in wanted if n in manifest.inherited]
         if chained:  # the own group's overlays are read with their chains
             overlays = {f"{i.path}/{GROUP_FILE}" for i in manifest.delta_arrays()}

@@ -180,8 +180,10 @@ class CommitRecord:
             delta = DeltaRecord.from_dict(data["delta"], node=node, epoch=epoch,
                                           save_id=save_id, path=path)
         layout = None if data.get("layout") is None else SavedLayout.from_dict(data["layout"])
-        if layout is not None and sorted(layout.order) != sorted(map(str, data["nodes"])):
-            raise ValueError("the layout's node order is not the save's nodes")
+        if layout is not None and (sorted(layout.order) != sorted(map(str, data["nodes"]))
+                                   or node in layout.written_by.values()):
+            raise ValueError("the layout's node order is not the save's nodes, or names this "
+                             "node as the writer of a blob it does not hold")
         return cls(
             epoch=epoch,
             node=node,

@@ -5,8 +5,9 @@ the node order, the partition, which blobs are split by rows and which are repli
 ``rows`` blob's global array is what the reference defines (the old nodes' rows put back in
 their global places: concatenated for ``range``, interleaved for ``mod``), split anew over the
 new nodes (:func:`~caffe2ckpt.sharding.new_rows`); a replicated blob is read once, from the
-first node of the old order holding it; a local blob cannot move and is refused before anything
-is read.
+node of the old order that wrote it, and given to every new node if every old node held it,
+else (held by some, such as an epoch counter on the first node) to the first new node; a local
+blob cannot move and is refused before anything is read.
 
 What is read: a new node's rows that an old node holds as consecutive rows landing on
 consecutive rows (``range`` to ``range``) of an array the old group stores whole are read
@@ -29,6 +30,7 @@ from caffe2ckpt.sharding import LOCAL, REPLICATED, ROWS, SavedLayout, new_rows, 
 from caffe2ckpt.store.groupread import RowRead, row_reads, run_reads
 from caffe2ckpt.store.manifest import BlobInfo, Manifest
 from caffe2ckpt.store.records import CommitRecord
+from caffe2ckpt.store.shared import SharedReads
 from caffe2ckpt.store.zarrgroup import GROUP_FILE
 from caffe2ckpt.units import nodes_text
 
@@ -56,23 +58,28 @@ def saved_layout(records: dict[str, CommitRecord]) -> SavedLayout | None:
 
 
 def shared_names(store: CheckpointStore, records: dict[str, CommitRecord],
-                 order: Sequence[str]) -> list[str]:
-    """The blobs of the save ``records`` that the nodes ``order`` would each restore a share or
-    a copy of (read from the manifests only).
+                 order: Sequence[str]) -> dict[str, list[str]]:
+    """The blobs of the save ``records`` each of the nodes ``order`` restores a share or a
+    copy of (read from the manifests only), by node.
 
     Raises:
         JobDefinitionError: the save holds local blobs (or has no layout): refused before
             anything is read or written.
     """
-    return sorted(_Reshard(store, records, list(order), "range").blobs(None))
+    reader = _Reshard(store, records, list(order), "range", SharedReads())
+    kinds = reader.blobs(None)
+    return {node: sorted(n for n, k in kinds.items()
+                         if k == ROWS or node in reader.receivers(n)) for node in order}
 
 
 def read_shares(store: CheckpointStore, records: dict[str, CommitRecord], order: Sequence[str],
                 partition: str, nodes: Sequence[str] | None = None,
-                names: Sequence[str] | None = None) -> dict[str, dict[str, np.ndarray]]:
+                names: Sequence[str] | None = None, shared: SharedReads | None = None
+                ) -> dict[str, dict[str, np.ndarray]]:
     """``{new node: {blob: array}}`` of the save ``records`` (by old node) for the nodes
     ``order`` (the new job's, in its order) split by ``partition``: of ``nodes`` (default all),
-    all blobs or only ``names``.
+    all blobs or only ``names``. What is read whole (see the module docstring) is read once
+    per ``shared``.
 
     Raises:
         JobDefinitionError: the save holds local blobs (or has no layout), which cannot be
@@ -80,7 +87,7 @@ def read_shares(store: CheckpointStore, records: dict[str, CommitRecord], order:
         CheckpointCorruptedError: the save's records or groups are damaged, or its nodes' rows
             do not fit its layout.
     """
-    reader = _Reshard(store, records, list(order), partition)
+    reader = _Reshard(store, records, list(order), partition, shared or SharedReads())
     wanted = list(order) if nodes is None else list(nodes)
     blobs = reader.blobs(names)
     out: dict[str, dict[str, np.ndarray]] = {node: {} for node in wanted}
@@ -90,15 +97,14 @@ def read_shares(store: CheckpointStore, records: dict[str, CommitRecord], order:
         if kind == ROWS:
             finish.append(reader.split(name, wanted, out, direct))
     replicated = [name for name, kind in blobs.items() if kind == REPLICATED]
-    for name in replicated:
-        reader.want(reader.holder(name), name)
     run_reads(direct)
     for step in finish:
         step()
     for name in replicated:
         value = reader.whole(reader.holder(name), name)
-        for index, node in enumerate(wanted):
-            out[node][name] = value if index == 0 else value.copy()
+        for node in wanted:
+            if node in reader.receivers(name):
+                out[node][name] = value.copy()
     return out
 
 
@@ -106,16 +112,15 @@ class _Reshard:
     """One elastic read of one save (see the module docstring)."""
 
     def __init__(self, store: CheckpointStore, records: dict[str, CommitRecord],
-                 order: list[str], partition: str) -> None:
+                 order: list[str], partition: str, shared: SharedReads) -> None:
         self.store, self.records, self.order, self.partition = store, records, order, partition
+        self.shared = shared
         self.record = next(iter(records.values()))
         layout = saved_layout(records)
         self.layouts = {node: r.layout for node, r in records.items()}
         self.old = list(layout.order) if layout is not None else sorted(records)
         self.old_partition = layout.partition if layout is not None else "range"
         self._manifests: dict[str, Manifest] = {}
-        self._loaded: dict[str, dict[str, np.ndarray]] = {}
-        self._wanted: dict[str, set[str]] = {}  # old node -> blobs to read whole
 
     def manifest(self, node: str) -> Manifest:
         if node not in self._manifests:
@@ -157,20 +162,22 @@ class _Reshard:
                 "across the nodes, replicated=[...] for blobs every node holds alike")
 
     def holder(self, name: str) -> str:
+        """The old node that wrote the replicated blob ``name``."""
         return next(n for n in self.old if name in self.manifest(n).blobs)
 
-    def want(self, node: str, name: str) -> None:
-        """Old node ``node``'s blob ``name`` will be read whole."""
-        self._wanted.setdefault(node, set()).add(name)
+    def receivers(self, name: str) -> list[str]:
+        """The new nodes given the replicated blob ``name``: all, if every old node held it;
+        else (held by some, such as an epoch counter on the first node) the first."""
+        everywhere = all(name in self.manifest(n).blobs or name in (
+            self.layouts[n].written_by if self.layouts[n] else {}) for n in self.old)
+        return self.order if everywhere else self.order[:1]
 
     def whole(self, node: str, name: str) -> np.ndarray:
-        """Old node ``node``'s blob ``name``, read whole (with every other blob of that node
-        wanted and not read yet, in one read)."""
-        loaded = self._loaded.setdefault(node, {})
-        if name not in loaded:
-            wanted = sorted((self._wanted.get(node, set()) | {name}) - set(loaded))
-            loaded.update(self.store.load_node(self.records[node], wanted))
-        return loaded[name]
+        """Old node ``node``'s blob ``name``, read whole once per ``shared`` (never written
+        into: its rows are copied out)."""
+        record = self.records[node]
+        return self.shared.get((self.store.location.url, record.save_id, node, name),
+                               lambda: self.store.load_node(record, [name])[name])
 
     def split(self, name: str, wanted: list[str], out: dict[str, dict[str, np.ndarray]],
               direct: list[Callable[[], Any]]) -> Callable[[], None]:
@@ -196,7 +203,6 @@ class _Reshard:
                 if pair[0].step == 1 and pair[1].step == 1 and self._readable(old, info):
                     direct.extend(self._direct(old, info, dest, *pair))
                 else:
-                    self.want(old, name)
                     copies.append((old, dest, *pair))
 
         def finish() -> None:

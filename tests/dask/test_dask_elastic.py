@@ -13,8 +13,8 @@ from caffe2ckpt import JobRunner, MultiNodeCheckpointManager
 from tests.elastic.elasticjob import build, layout, reference, share
 
 pytest.importorskip("distributed")
-from caffe2ckpt.dask import DaskSession  # noqa: E402
-from tests.daskcluster import local_cluster  # noqa: E402
+from caffe2ckpt.dask import DaskSession
+from tests.daskcluster import local_cluster
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from caffe2ckpt import JobDefinitionError, Layout, StepCheckpointManager, StepManagerOptions
+from caffe2ckpt import Layout, StepCheckpointManager, StepManagerOptions
 from caffe2ckpt.naming import blob_path
 from caffe2ckpt.sharding import new_rows
 from caffe2ckpt.store import manifest

@@ -461,3 +461,27 @@ def test_with_retention_the_summary_reports_the_newest_epoch_not_the_deleted_one
     assert progress.description == "Job 'regression': Epoch 4 of 6 (this run started from epoch 0)"
     rows = read_table(client, str(run_id), key_of("regression", "checkpoints", url))
     assert [r["status"] for r in rows] == ["deleted (retention)"] * 3 + ["committed"] * 2
+
+
+def test_an_elastic_resume_says_so_in_the_summary(tmp_path, client):
+    """A job saved by 4 nodes resumed by a flow run of 2: the summary artifact says how many
+    nodes saved the epoch it resumed from and how many resumed it."""
+    from tests.elastic.elasticjob import build, layout
+
+    url = str(tmp_path / "ckpt")
+    JobRunner(build(4, 2), MultiNodeCheckpointManager(url, layout=layout())).train(
+        LocalSession())
+
+    @flow(name="elastic")
+    def elastic() -> None:
+        JobRunner(build(2, 3), MultiNodeCheckpointManager(url, layout=layout())).train(
+            PrefectSession(artifacts_interval=3600))
+
+    state = elastic(return_state=True)
+    assert state.is_completed()
+    run_id = UUID(str(state.state_details.flow_run_id))
+    artifacts = {a.key: a for a in client.read_artifacts(artifact_filter=ArtifactFilter(
+        flow_run_id=ArtifactFilterFlowRunId(any_=[run_id])))}
+    summary = artifacts[key_of("elastic", "summary", url)].data
+    assert re.search(r"\*\*Resumed\*\* from epoch 2, written by .*, saved by 4 nodes, on 2 "
+                     r"nodes", summary), summary
