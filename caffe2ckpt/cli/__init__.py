@@ -150,6 +150,7 @@ is never overwritten (exit 2, before anything is read).
 examples:
   caffe2ckpt materialize checkpoints/regression --epoch 7 /tmp/epoch7
   caffe2ckpt materialize s3://bucket/run --epoch 12 --node trainer_0 ./plain
+  caffe2ckpt materialize s3://bucket/run --epoch 12 --consolidate ./global
 """,
 }
 
@@ -297,6 +298,10 @@ def build_parser() -> argparse.ArgumentParser:
     nodes(p, "only this node")
     p.add_argument("--dest-storage-options", metavar="JSON", type=_storage_options,
                    help="fsspec options for DEST as a JSON object (default: none)")
+    p.add_argument("--consolidate", action="store_true",
+                   help="one global group DEST/consolidated.<epoch>: each blob split by rows "
+                        "as one array, each replicated blob once, local blobs under <node>/ "
+                        "(the layout the save was made with)")
     return parser
 
 

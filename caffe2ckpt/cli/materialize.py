@@ -15,6 +15,7 @@ from caffe2ckpt.cli._context import (
     require_save,
     save_nodes,
 )
+from caffe2ckpt.steps.consolidate import write_consolidated
 from caffe2ckpt.steps.plainzarr import write_plain
 
 __all__ = ["cmd_materialize"]
@@ -25,10 +26,14 @@ def cmd_materialize(ctx: Context, args: argparse.Namespace) -> tuple[Document, i
     save = require_save(store, found, args.epoch, args.node)
     nodes = save_nodes(save, args.node)
     try:
-        written = write_plain(store, save, args.dest, nodes=nodes,
-                              dest_storage_options=args.dest_storage_options)
+        if args.consolidate:
+            written = write_consolidated(store, save, args.dest,
+                                         dest_storage_options=args.dest_storage_options)
+        else:
+            written = write_plain(store, save, args.dest, nodes=nodes,
+                                  dest_storage_options=args.dest_storage_options)
     except FileExistsError as exc:  # DEST names a group already there: the arguments are wrong
         raise CLIError(str(exc), EXIT_USAGE) from exc
     return {"prefix": args.prefix, "epoch": args.epoch, "dest": args.dest, "groups": written,
-            "nodes": nodes, "save_id": save.save_id,
+            "nodes": nodes, "save_id": save.save_id, "consolidated": bool(args.consolidate),
             "superseded": found.is_superseded(save)}, EXIT_OK

@@ -39,6 +39,7 @@ from caffe2ckpt.fs.location import Location
 from caffe2ckpt.history.lineage import Save
 from caffe2ckpt.history.scan import require_save, scan
 from caffe2ckpt.naming import blob_path, check_epoch, check_node_name
+from caffe2ckpt.steps.consolidate import write_consolidated
 from caffe2ckpt.store.groupread import read_units, small_blobs
 from caffe2ckpt.store.layout import group_name
 from caffe2ckpt.store.protocol import CheckpointStore
@@ -64,9 +65,17 @@ def _save(store: CheckpointStore, epoch: int, nodes: Sequence[str]) -> Save:
 
 def materialize(url: str, epoch: int, dest: str, *, nodes: Sequence[str] | None = None,
                 storage_options: dict[str, Any] | None = None,
-                dest_storage_options: dict[str, Any] | None = None) -> list[str]:
+                dest_storage_options: dict[str, Any] | None = None,
+                consolidate: bool = False) -> list[str]:
     """Write every node (or ``nodes``) of committed ``epoch`` under ``url`` as an ordinary
     group ``<dest>/<node>.<epoch>``; return their URLs.
+
+    With ``consolidate``, write instead one global group ``<dest>/consolidated.<epoch>`` as
+    the save's layout (:class:`~caffe2ckpt.Layout`) says: each ``rows`` blob as one array of
+    all nodes' rows in their global order, each replicated blob once, each node's local blobs
+    in the group ``<node>`` inside it; streamed a chunk at a time
+    (:mod:`caffe2ckpt.steps.consolidate`). ``nodes`` then chooses the save (the job holding
+    them), and every node of it is written.
 
     Every blob is an array of its own at :func:`~caffe2ckpt.naming.blob_path` of its name, in
     its dtype and shape (bool, 0-d, empty, fixed-width unicode and byte strings included), with
@@ -92,6 +101,8 @@ def materialize(url: str, epoch: int, dest: str, *, nodes: Sequence[str] | None 
     """
     store = CheckpointStore(Location(url, storage_options))
     save = _save(store, epoch, nodes or ())
+    if consolidate:
+        return write_consolidated(store, save, dest, dest_storage_options=dest_storage_options)
     return write_plain(store, save, dest, nodes=nodes,
                        dest_storage_options=dest_storage_options)
 
@@ -124,9 +135,14 @@ def _materialize_node(store: CheckpointStore, record: CommitRecord, out: Locatio
               # Location.create_exclusive: an object store's "exists" is settled by reading back)
               "blobs": {name: blob_path(name) for name in manifest.blobs}}
 
+    lent = record.layout.written_by if record.layout is not None else {}
+    source["blobs"].update({name: blob_path(name) for name in lent})
+
     def units() -> Iterator[dict[str, Any]]:
         for names in read_units(manifest):
             yield store.load_node(record, names)
+        for name in lent:  # a replicated blob another node of the save wrote
+            yield store.load_node(record, [name])
 
     try:
         write_plain_group(out, out.path(path), {PLAIN_GROUP_KEY: source}, units())

@@ -86,13 +86,18 @@ class _Part:
 
 
 def read_chained(store: CheckpointStore, record: CommitRecord, manifest: Manifest,
-                 names: list[str]) -> dict[str, np.ndarray]:
+                 names: list[str], window: tuple[int, int] | None = None
+                 ) -> dict[str, np.ndarray]:
     """Rebuild the blobs ``names`` of ``record``'s differential save (whose verified manifest
     is ``manifest``): every group's manifest, then every overlay and packed copy needed, then
     every span and whole array (straight into place), each group once however many blobs it
-    holds; then the overlays are applied and each blob's digest checked."""
+    holds; then the overlays are applied and each blob's digest checked.
+
+    With ``window`` (``[start, stop)`` rows along axis 0), only those rows of each blob are
+    read and rebuilt: every chunk and manifest read is checked as ever, but the blob's digest,
+    which covers all its rows, is checked only when the window is the whole blob."""
     reader = _Reader(store, record, manifest)
-    direct, builds = _plan(reader, names)
+    direct, builds = _plan(reader, names, window)
     fetched = reader.fetch()  # small: packed copies, overlays' row ids
     for build in builds:
         build.plan_overlays(fetched)
@@ -105,18 +110,19 @@ def read_chained(store: CheckpointStore, record: CommitRecord, manifest: Manifes
     return out
 
 
-def _plan(reader: _Reader, names: list[str]) -> tuple[dict[str, _Part], list[_Build]]:
-    """The blobs one older group holds whole (read as they are, by part) and the others'
-    builds, their reads planned."""
+def _plan(reader: _Reader, names: list[str], window: tuple[int, int] | None
+          ) -> tuple[dict[str, _Part], list[_Build]]:
+    """The blobs one older group holds whole (read as they are, by part; not with a
+    ``window``) and the others' builds, their reads planned."""
     direct, builds = {}, []
     for name in names:
         parts = reader.parts(name)
-        if len(parts) == 1 and parts[0].whole is not None:
+        if window is None and len(parts) == 1 and parts[0].whole is not None:
             direct[name] = parts[0]
             parts[0].source.whole.add(name)
         else:
             _plan_reads(name, parts, reader.manifest.inherited[name].info)
-            builds.append(_Build(reader, name, parts))
+            builds.append(_Build(reader, name, parts, window))
     return direct, builds
 
 
@@ -308,17 +314,25 @@ class _Build:
     holds it. Every row must be in some span or whole copy, checked before anything is
     allocated."""
 
-    def __init__(self, reader: _Reader, name: str, parts: list[_Part]) -> None:
+    def __init__(self, reader: _Reader, name: str, parts: list[_Part],
+                 window: tuple[int, int] | None = None) -> None:
         self.reader, self.name, self.parts = reader, name, parts
         self.info = reader.manifest.inherited[name].info
         dtype, shape = stored_spec(self.info)
         rows, self.cols = (shape[0], math.prod(shape[1:])) if shape else (1, 1)
         self.rows = rows
-        self.dense = self._assign()  # (start, stop, age of its part), ascending
-        if needs_precheck(reader.store.location, rows * self.cols * dtype.itemsize):
+        self.lo, self.hi = window if window is not None else (0, rows)
+        if not 0 <= self.lo <= self.hi <= rows or (window is not None and not shape):
+            raise ValueError(f"rows {self.lo}..{self.hi} are not rows of blob {name!r}")
+        # (start, stop, age of its part), ascending, within the window
+        self.dense = [(max(a, self.lo), min(b, self.hi), age) for a, b, age in self._assign()
+                      if a < self.hi and b > self.lo]
+        count = self.hi - self.lo
+        if needs_precheck(reader.store.location, count * self.cols * dtype.itemsize):
             reader.precheck(name, parts)
-        self.data = destination(reader.store.location, shape, dtype)
-        self.flat = self.data.reshape(rows, self.cols).view(np.uint8)
+        self.data = destination(reader.store.location, (count, *shape[1:]) if shape else shape,
+                                dtype)
+        self.flat = self.data.reshape(count, self.cols).view(np.uint8)
         for age, part in enumerate(parts):
             if part.whole is not None and part.whole.path is None:
                 continue  # a packed copy: read already, copied in finish()
@@ -326,8 +340,8 @@ class _Build:
                 part.span[1] if part.span else None, part.span[0] if part.span else 0)
             wanted = [(a - offset, b - offset) for a, b, held in self.dense if held == age]
             if wanted:  # one read per array, however many intervals of it are wanted
-                part.source.reads.append(RowRead(info, self.flat, offset,  # type: ignore[arg-type]
-                                                 wanted))
+                part.source.reads.append(RowRead(
+                    info, self.flat, offset - self.lo, wanted))  # type: ignore[arg-type]
 
     def _assign(self) -> list[tuple[int, int, int]]:
         """Which part's span or whole copy each row is read from (the newest holding it), as
@@ -351,8 +365,8 @@ class _Build:
             part = self.parts[age]
             if part.whole is not None and part.whole.path is None:
                 stored = stored_form(np.ascontiguousarray(fetched[(id(part.source), self.name)]))
-                self.flat[start:stop] = stored.reshape(self.rows, self.cols).view(
-                    np.uint8)[start:stop]
+                self.flat[start - self.lo:stop - self.lo] = stored.reshape(
+                    self.rows, self.cols).view(np.uint8)[start:stop]
 
     def plan_overlays(self, fetched: dict[tuple[int, str], Any]) -> None:
         """Given each overlay's row ids, newest first: the rows it gives (no newer span, whole
@@ -360,18 +374,21 @@ class _Build:
         of those rows' values (the chunks holding them)."""
         starts = np.array([start for start, _, _ in self.dense])
         ages = np.array([age for _, _, age in self.dense])
-        taken = np.zeros(self.rows, bool)
+        taken = np.zeros(self.hi - self.lo, bool)
         self.overlays = []
         for age, part in enumerate(self.parts):
             if not part.needs_overlay:
                 continue
             ids = fetched[(id(part.source), self.name)]
             self._check(part.source.group, ids)
-            live = ages[np.searchsorted(starts, ids, side="right") - 1] > age
-            take = live & ~taken[ids]
+            inside = (ids >= self.lo) & (ids < self.hi)  # ascending ids: one run
+            live = np.zeros(ids.shape, bool)
+            live[inside] = ages[np.searchsorted(starts, ids[inside], side="right") - 1] > age
+            take = live.copy()
+            take[inside] &= ~taken[ids[inside] - self.lo]
             if not take.any():
                 continue
-            taken[ids[take]] = True
+            taken[ids[take] - self.lo] = True
             runs = _runs(live)  # few: the rows of the parts no newer span holds
             info = part.overlay[1]  # type: ignore[index]
             if needs_precheck(self.reader.store.location, info.nbytes):
@@ -380,7 +397,7 @@ class _Build:
             values = destination(self.reader.store.location, shape, dtype)
             flat = values.reshape(shape[0], -1).view(np.uint8)
             part.source.reads.append(RowRead(info, flat, 0, runs))
-            self.overlays.append((ids[take], flat, take))
+            self.overlays.append((ids[take] - self.lo, flat, take))
 
     def apply(self) -> list[Callable[[], None]]:
         """Once every read is done: the calls that write the overlays' rows into place (their
@@ -390,13 +407,18 @@ class _Build:
                 for ids, values, take in self.overlays]
 
     def finish(self) -> np.ndarray:
-        """The blob, once its digest is the one recorded at save time."""
+        """The blob (its window's rows), once its digest is the one recorded at save time
+        (checked when the window is the whole blob)."""
         record = self.reader.record
-        if stored_digest(self.data) != record.delta.digests[self.name]:  # type: ignore[union-attr]
+        whole = (self.lo, self.hi) == (0, self.rows)
+        if whole and stored_digest(self.data) != record.delta.digests[  # type: ignore[union-attr]
+                self.name]:
             raise self.reader.damage(self.name, record.group, "rebuilt from the saves it "
                                      "builds on, it differs from what was saved (a damaged or "
                                      "wrong source)")
-        return restored(self.data, self.info)
+        info = self.info if whole else self.info._replace(
+            shape=(self.hi - self.lo, *self.info.shape[1:]))
+        return restored(self.data, info)
 
     def _check(self, group: str, ids: np.ndarray) -> None:
         """An overlay's row ids fit the blob: ascending, within its rows."""

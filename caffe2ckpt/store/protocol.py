@@ -58,7 +58,14 @@ from caffe2ckpt.sharding import ROWS, Layout, SavedLayout
 from caffe2ckpt.store import runs
 from caffe2ckpt.store.chainread import read_chained
 from caffe2ckpt.store.delta import DeltaWrite
-from caffe2ckpt.store.groupread import read_node
+from caffe2ckpt.store.groupread import (
+    RowRead,
+    destination,
+    read_node,
+    restored,
+    row_reads,
+    run_reads,
+)
 from caffe2ckpt.store.layout import (
     HINTS_DIR,
     group_name,
@@ -66,7 +73,7 @@ from caffe2ckpt.store.layout import (
     parse_group_name,
     save_generation,
 )
-from caffe2ckpt.store.manifest import Manifest
+from caffe2ckpt.store.manifest import BlobInfo, Manifest, stored_spec
 from caffe2ckpt.store.shared import SharedReads
 from caffe2ckpt.store.records import (
     CommitRecord,
@@ -396,39 +403,92 @@ class CheckpointStore:
             CheckpointCorruptedError: the group is damaged (names node, epoch and blob).
         """
         manifest = self.manifest(record)
-        lent = record.layout.written_by if record.layout is not None else {}
+        layout = record.layout
+        lent = layout.written_by if layout is not None else {}
         wanted = [*manifest.blobs, *lent] if names is None else list(names)
-        borrowed = {n: lent[n] for n in wanted if n in lent and n not in manifest.blobs}
-        out = self._read_own(record, manifest, [n for n in wanted if n not in borrowed])
-        out.update(self._read_borrowed(record, borrowed, shared or SharedReads()))
+        replicas = {n: lent.get(n, record.node) for n in wanted
+                    if layout is not None and n in layout.replicated
+                    and (n in manifest.blobs or n in lent)}
+        out = self._read_own(record, manifest, [n for n in wanted if n not in replicas])
+        out.update(self._read_replicas(record, replicas, shared or SharedReads()))
         return out
 
-    def _read_borrowed(self, record: CommitRecord, borrowed: dict[str, str],
-                       shared: SharedReads) -> dict[str, np.ndarray]:
-        """The blobs ``borrowed`` (blob -> node) of ``record``'s save, read as those nodes'
-        records say (copies of what ``shared`` holds)."""
-        out = {}
-        for name, node in borrowed.items():
-            value = shared.get((self.location.url, record.save_id, node, name),
-                               lambda n=name, w=node: self._lent(record, w, n))
-            out[name] = value.copy()
-        return out
+    def load_rows(self, record: CommitRecord, name: str, start: int, stop: int,
+                  manifest: Manifest | None = None) -> np.ndarray:
+        """Rows ``[start, stop)`` (axis 0) of blob ``name`` of the node checkpoint ``record``
+        commits: of its own array, read from the chunks holding them (all of the first and
+        last); of a differential save, rebuilt from its chain for those rows only; of a packed
+        blob, read whole. Verified as a restore is (but for a chain's digest of the whole blob,
+        see :func:`~caffe2ckpt.store.chainread.read_chained`).
 
-    def _lent(self, record: CommitRecord, node: str, name: str) -> np.ndarray:
-        """Blob ``name`` of ``record``'s save as node ``node``, which wrote it, saved it."""
+        ``manifest``: the group's, as :meth:`manifest` read it already (else it is read).
+
+        Raises:
+            CheckpointCorruptedError: the group is damaged (names node, epoch and blob).
+        """
+        manifest = manifest or self.manifest(record)
+        lent = record.layout.written_by if record.layout is not None else {}
+        if name not in manifest.blobs and name in lent:
+            record = self._writer_record(record, lent[name], name)
+            manifest = self.manifest(record)
+        if name in manifest.inherited:
+            return read_chained(self, record, manifest, [name], (start, stop))[name]
+        stored = manifest.stored_blobs.get(name)
+        if stored is None or stored.path is None:  # packed (small), or absent: read as ever
+            return self._read_own(record, manifest, [name])[name][start:stop].copy()
+        return self._read_window(record, manifest, stored, start, stop)
+
+    def _read_window(self, record: CommitRecord, manifest: Manifest, info: BlobInfo,
+                     start: int, stop: int) -> np.ndarray:
+        """Rows ``[start, stop)`` of ``info``'s own array in ``record``'s group."""
+        dtype, shape = stored_spec(info)
+        if not shape or not 0 <= start <= stop <= shape[0]:
+            raise ValueError(f"rows {start}..{stop} are not rows of blob {info.name!r}")
+        data = destination(self.location, (stop - start, *shape[1:]), dtype)
+        flat = data.reshape(stop - start, -1).view(np.uint8)
+        files = {f"{info.path}/{GROUP_FILE}"}
+        crcs = self.chunk_crcs(record, manifest)
+        run_reads(row_reads(self.location, self.group_path(record), manifest,
+                            {info.path: crcs[info.path]},  # type: ignore[index]
+                            [RowRead(info, flat, -start, [(start, stop)])],
+                            {f: d for f, d in record.metadata.items() if f in files}))
+        return restored(data, info._replace(shape=(stop - start, *info.shape[1:])))
+
+    def _writer_record(self, record: CommitRecord, node: str, name: str) -> CommitRecord:
+        """The record of ``node`` in ``record``'s save, which wrote the blob ``name`` that
+        ``record``'s node holds too."""
         ref = RecordRef(epoch=record.epoch, node=node, save_id=record.save_id)
-        where = (f"checkpoint {self.where(record)!r} (node {record.node!r}, epoch "
-                 f"{record.epoch}): blob {name!r}, written by node {node!r} of the same save")
         try:
             writer = self.read_record(ref)
         except (CheckpointNotFoundError, CheckpointCorruptedError) as exc:
-            raise CheckpointCorruptedError(f"{where}: {exc}", node=record.node,
-                                           epoch=record.epoch, blob=name) from exc
-        manifest = self.manifest(writer)
-        if name not in manifest.blobs:
-            raise CheckpointCorruptedError(f"{where}: that node's checkpoint does not hold it",
-                                           node=record.node, epoch=record.epoch, blob=name)
-        return self._read_own(writer, manifest, [name])[name]
+            raise CheckpointCorruptedError(
+                f"checkpoint {self.where(record)!r} (node {record.node!r}, epoch "
+                f"{record.epoch}): blob {name!r}, written by node {node!r} of the same save: "
+                f"{exc}", node=record.node, epoch=record.epoch, blob=name) from exc
+        if name not in self.manifest(writer).blobs:
+            raise CheckpointCorruptedError(
+                f"checkpoint {self.where(record)!r} (node {record.node!r}, epoch "
+                f"{record.epoch}): blob {name!r} is written by node {node!r} of the same save, "
+                "whose checkpoint does not hold it", node=record.node, epoch=record.epoch,
+                blob=name)
+        return writer
+
+    def _read_replicas(self, record: CommitRecord, replicas: dict[str, str],
+                       shared: SharedReads) -> dict[str, np.ndarray]:
+        """The replicated blobs ``replicas`` of ``record``'s node (blob -> the node of its save
+        that wrote it: this one, or another), each read once per ``shared`` (as the writer's
+        record says) and copied."""
+        out = {}
+        for name, node in replicas.items():
+            value = shared.get((self.location.url, record.save_id, node, name),
+                               lambda n=name, w=node: self._replica(record, w, n))
+            out[name] = value.copy()
+        return out
+
+    def _replica(self, record: CommitRecord, node: str, name: str) -> np.ndarray:
+        """Blob ``name`` of ``record``'s save as node ``node``, which wrote it, saved it."""
+        writer = record if node == record.node else self._writer_record(record, node, name)
+        return self._read_own(writer, self.manifest(writer), [name])[name]
 
     def _read_own(self, record: CommitRecord, manifest: Manifest,
                   wanted: list[str]) -> dict[str, np.ndarray]:

@@ -9,13 +9,14 @@ node of the old order that wrote it, and given to every new node if every old no
 else (held by some, such as an epoch counter on the first node) to the first new node; a local
 blob cannot move and is refused before anything is read.
 
-What is read: a new node's rows that an old node holds as consecutive rows landing on
-consecutive rows (``range`` to ``range``) of an array the old group stores whole are read
-straight from the chunks holding them into place (:func:`~caffe2ckpt.store.groupread.row_reads`:
-the rows asked for plus the rest of the first and last chunk). Anything else (strided rows of a
-``mod`` split, a blob a differential save builds from older saves, a small packed blob) is read
-as the old node's whole blob, once per call however many new nodes take rows of it, and its
-rows copied out. Every byte read is checked as any restore checks it.
+What is read: the rows a new node takes of an old node, when they are consecutive there, are
+read alone: straight from the chunks holding them into place (``range`` to ``range``, an array
+the old group stores whole: :func:`~caffe2ckpt.store.groupread.row_reads`, the rows asked for
+plus the rest of the first and last chunk), else into a buffer of their own and copied (a
+differential save's blob is rebuilt from its chain for those rows only; a small packed blob is
+read whole). Rows an old node holds every k-th of (to or from a ``mod`` split that does not
+line up) come out of that node's whole blob, read once per process however many new nodes
+take rows of it. Every byte read is checked as any restore checks it.
 """
 
 from __future__ import annotations
@@ -207,11 +208,19 @@ class _Reshard:
 
         def finish() -> None:
             for old, dest, src, dst in copies:
-                dest[_slice(dst)] = self.whole(old, name)[_slice(src)]
+                dest[_slice(dst)] = self._rows(old, name, src)
             if first.order == "F":
                 for node in wanted:
                     out[node][name] = np.asfortranarray(out[node][name])
         return finish
+
+    def _rows(self, node: str, name: str, rows: range) -> np.ndarray:
+        """Rows ``rows`` of old node ``node``'s blob ``name``: consecutive ones read alone
+        (:meth:`~caffe2ckpt.store.protocol.CheckpointStore.load_rows`), every k-th one (a
+        ``mod`` split) out of the whole blob, read once per ``shared``."""
+        if rows.step == 1:
+            return self.store.load_rows(self.records[node], name, rows.start, rows.stop)
+        return self.whole(node, name)[_slice(rows)]
 
     def _row_info(self, node: str, name: str) -> BlobInfo:
         info = self.manifest(node).blobs.get(name)

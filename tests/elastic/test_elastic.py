@@ -187,3 +187,66 @@ def test_records_of_one_save_that_disagree_on_the_layout_are_damage(tmp_path):
                                handle_preemption=False) as mgr:
         with pytest.raises(CheckpointCorruptedError, match="disagree on the layout"):
             mgr.restore(0)
+
+
+def test_a_replicated_blob_is_written_once_and_read_once(prefix):
+    from caffe2ckpt.naming import blob_path
+
+    weights = np.random.default_rng(0).random((300, 300))
+    items = {n: {"emb": np.full((50, 4), k), "w": weights} for k, n in enumerate("abc")}
+    with StepCheckpointManager(prefix, nodes=list("abc"), pack_threshold=1024,
+                               layout=Layout(rows=["emb"], replicated=["w"]),
+                               handle_preemption=False) as mgr:
+        mgr.save(0, items)
+        records = mgr._step(0).records
+        assert records["a"].nbytes == weights.nbytes + items["a"]["emb"].nbytes
+        assert [records[n].nbytes for n in "bc"] == [items["b"]["emb"].nbytes] * 2
+        assert [records[n].layout.written_by for n in "abc"] == [{}, {"w": "a"}, {"w": "a"}]
+        location, read = mgr._store.location, []
+        original = location.read_exact
+
+        def counted(path, out, trailer):
+            if f"/{blob_path('w')}/" in path:
+                read.append(len(out))
+            return original(path, out, trailer)
+
+        location.read_exact = counted
+        got = mgr.restore(0)
+        assert sum(read) == weights.nbytes  # once, for the three nodes
+        assert all(np.array_equal(got[n]["w"], weights) for n in "abc")
+        got["b"]["w"][0, 0] = -1  # each node has its own copy
+        assert got["c"]["w"][0, 0] == weights[0, 0]
+        assert np.array_equal(mgr.restore(0, nodes=["c"])["c"]["w"], weights)
+
+
+def test_nodes_that_disagree_on_a_replicated_blob_write_nothing(prefix):
+    from caffe2ckpt import InvalidBlobError, Job, Node, Task
+
+    layout_ = Layout(replicated=["w"])
+    with StepCheckpointManager(prefix, nodes=["a", "b"], layout=layout_,
+                               handle_preemption=False) as mgr:
+        with pytest.raises(InvalidBlobError, match=r"replicated blob 'w' differs between node "
+                           r"'a' and nodes \['b'\].*nothing was written"):
+            mgr.save(0, {"a": {"w": np.zeros(3)}, "b": {"w": np.ones(3)}})
+        location = mgr._store.location
+        assert not location.list_names(location.path("_commits"))
+        assert not location.list_names(location.path("_runs"))
+
+    def job() -> Job:
+        with Job(name="drift") as j:
+            for k in range(2):
+                with Node(f"trainer_{k}"):
+                    with j.init_group:
+                        Task(lambda ws: ws.__setitem__("w", np.zeros(3)), name="init")
+                    Task(lambda ws, k=k: ws.__setitem__("w", ws["w"] + 1 + (k and ws["w"][0] > 0)),
+                         name="train")
+            epoch_limiter(j, 3)
+        return j
+
+    from caffe2ckpt import epoch_limiter  # noqa: F811
+
+    url = f"{prefix}/job"
+    runner = JobRunner(job(), MultiNodeCheckpointManager(url, layout=Layout(
+        replicated=["w", "epoch_limiter.*"])))
+    runner.train(LocalSession())
+    assert runner.saved_epochs == [0, 1]  # epoch 2: trainer_1 drifted, nothing written for it

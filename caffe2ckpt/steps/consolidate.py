@@ -1,0 +1,156 @@
+"""One global checkpoint out of a save of N nodes: ``materialize(..., consolidate=True)``.
+
+The save's layout (:class:`caffe2ckpt.Layout`, stored in its records) says how its blobs are
+spread: each ``rows`` blob becomes one global array (the nodes' rows in their global places:
+concatenated for ``range``, interleaved for ``mod``), each ``replicated`` blob is written once
+(from the node that saved it), and each local blob goes under ``<node>/``, a group of its own.
+
+It streams: a global array is written one output chunk (at most 16 MiB) at a time, each read
+from the old nodes' rows it covers (:meth:`~caffe2ckpt.store.protocol.CheckpointStore.load_rows`:
+the chunks holding them, or a differential save's chain for those rows only) and verified as a
+restore is, so what is held stays under one chunk's worth of reads and writes, whatever the
+table's size. A replicated or local blob is read and written whole, one at a time.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from caffe2ckpt.errors import CheckpointCorruptedError
+from caffe2ckpt.fs.location import Location
+from caffe2ckpt.history.lineage import Save
+from caffe2ckpt.naming import blob_path
+from caffe2ckpt.sharding import LOCAL, REPLICATED, ROWS, old_rows, overlap
+from caffe2ckpt.store.protocol import CheckpointStore
+from caffe2ckpt.store.reshard import saved_layout
+from caffe2ckpt.store.zarrgroup import PLAIN_GROUP_KEY, write_plain_group
+
+__all__ = ["CONSOLIDATED", "write_consolidated"]
+
+CONSOLIDATED = "consolidated.{epoch}"  # the group written under DEST
+
+
+class GlobalRows:
+    """A ``rows`` blob's global array, read a window of rows at a time when sliced (what the
+    plain-group writer asks of an array: its shape, dtype, memory order and one chunk at a
+    time)."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: np.dtype,
+                 read: Callable[[int, int], np.ndarray]) -> None:
+        self.shape, self.dtype, self.ndim = shape, dtype, len(shape)
+        self.size = math.prod(shape)
+        self.flags = SimpleNamespace(c_contiguous=True, f_contiguous=self.ndim <= 1)
+        self._read = read
+
+    def __getitem__(self, selection: Any) -> np.ndarray:
+        rows = selection[0] if isinstance(selection, tuple) else selection
+        start, stop, _ = rows.indices(self.shape[0])
+        return self._read(start, stop)
+
+
+def write_consolidated(store: CheckpointStore, save: Save, dest: str, *,
+                       dest_storage_options: dict[str, Any] | None = None) -> list[str]:
+    """Write ``save`` as one plain Zarr group ``<dest>/consolidated.<epoch>`` (see the module
+    docstring); return its URL and those of its nodes' local groups.
+
+    Raises:
+        JobDefinitionError: never; a save without a layout has only local blobs (each node's
+            under ``<node>/``).
+        CheckpointCorruptedError: the save is damaged, or its nodes' rows do not fit its layout.
+        FileExistsError: the group exists already (never overwritten).
+    """
+    out = Location(dest, dest_storage_options)
+    root = out.path(CONSOLIDATED.format(epoch=save.epoch))
+    if out.exists(root):
+        raise FileExistsError(f"{out.display(CONSOLIDATED.format(epoch=save.epoch))} exists "
+                              "already: materialize never overwrites; choose another DEST")
+    plan = _Consolidation(store, save)
+    attributes = {PLAIN_GROUP_KEY: plan.describe()}
+    write_plain_group(out, root, attributes, plan.global_blobs())
+    written = [out.display(CONSOLIDATED.format(epoch=save.epoch))]
+    for node in plan.order:
+        local = plan.local(node)
+        if local:
+            write_plain_group(out, f"{root}/{node}", {PLAIN_GROUP_KEY: {"node": node}},
+                              plan.local_blobs(node, local))
+            written.append(out.display(f"{CONSOLIDATED.format(epoch=save.epoch)}/{node}"))
+    return written
+
+
+class _Consolidation:
+    """What one save's consolidation writes, blob by blob."""
+
+    def __init__(self, store: CheckpointStore, save: Save) -> None:
+        self.store, self.save = store, save
+        layout = saved_layout(save.records)
+        self.order = list(layout.order) if layout is not None else sorted(save.records)
+        self.partition = layout.partition if layout is not None else "range"
+        self.manifests = {n: store.manifest(save.records[n]) for n in self.order}
+        self.kinds: dict[str, str] = {}
+        for node in self.order:
+            record = save.records[node]
+            for name in [*self.manifests[node].blobs, *(record.layout.written_by
+                                                        if record.layout else {})]:
+                kind = record.layout.kind(name) if record.layout else LOCAL
+                self.kinds.setdefault(name, kind)
+
+    def describe(self) -> dict[str, Any]:
+        return {"prefix": self.store.location.display(), "epoch": self.save.epoch,
+                "save_id": self.save.save_id, "nodes": self.order, "partition": self.partition,
+                "created": time.time(),  # the group's zarr.json is this call's own
+                "blobs": {n: {"kind": k, "path": blob_path(n) if k != LOCAL else None}
+                          for n, k in sorted(self.kinds.items())}}
+
+    def local(self, node: str) -> list[str]:
+        return sorted(n for n in self.manifests[node].blobs if self.kinds[n] == LOCAL)
+
+    def local_blobs(self, node: str, names: list[str]) -> Iterator[dict[str, np.ndarray]]:
+        for name in names:
+            yield self.store.load_node(self.save.records[node], [name])
+
+    def global_blobs(self) -> Iterator[dict[str, Any]]:
+        for name, kind in sorted(self.kinds.items()):
+            if kind == ROWS:
+                yield {name: self._global_rows(name)}
+            elif kind == REPLICATED:
+                writer = next(n for n in self.order if name in self.manifests[n].blobs)
+                yield self.store.load_node(self.save.records[writer], [name])
+
+    def _global_rows(self, name: str) -> GlobalRows:
+        infos = [self.manifests[n].blobs.get(name) for n in self.order]
+        if any(i is None or not i.shape or (i.dtype, i.shape[1:]) != (
+                infos[0].dtype, infos[0].shape[1:]) for i in infos):  # type: ignore[union-attr]
+            raise self._damage(name, "its nodes do not all hold rows of one dtype and width")
+        try:
+            sources = old_rows(self.partition, [i.shape[0] for i in infos])  # type: ignore[union-attr]
+        except ValueError as exc:
+            raise self._damage(name, str(exc)) from exc
+        first = infos[0]
+        dtype = np.dtype(first.dtype)  # type: ignore[union-attr]
+        total = sum(len(r) for r in sources)
+
+        def read(start: int, stop: int) -> np.ndarray:
+            window = range(start, stop)
+            out = np.empty((stop - start, *first.shape[1:]), dtype)  # type: ignore[union-attr]
+            for node, source in zip(self.order, sources):
+                pair = overlap(source, window)
+                if pair is not None:
+                    src, dst = pair  # src: consecutive rows of the node
+                    out[dst.start:dst.stop:dst.step] = self.store.load_rows(
+                        self.save.records[node], name, src.start, src.stop,
+                        self.manifests[node])
+            return out
+
+        return GlobalRows((total, *first.shape[1:]), dtype, read)  # type: ignore[union-attr]
+
+    def _damage(self, name: str, why: str) -> CheckpointCorruptedError:
+        return CheckpointCorruptedError(
+            f"epoch {self.save.epoch} (save {self.save.save_id!r}) under "
+            f"{self.store.location.display()!r}: blob {name!r}: {why}", epoch=self.save.epoch,
+            blob=name)
