@@ -194,7 +194,7 @@ def report(args, results, writes, consolidation, where: str) -> None:
         print(f"| {label} | {nbytes / 2**20:.1f} MiB | {nbytes / once:.3f} |")
     if consolidation:
         seconds, peak = consolidation
-        print(f"\nconsolidate (materialize --consolidate) of the 4-node range save: "
+        print(f"\nconsolidate (materialize --consolidate) of the 4-node save: "
               f"{seconds:.2f} s, at most {peak / 2**20:.1f} MiB held (tracemalloc)")
 
 
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         consolidation = None
         if server is None:
             tracemalloc.start()
-            seconds, _ = _timed(lambda: materialize(job.url("range", 4), 0,
+            seconds, _ = _timed(lambda: materialize(job.url(partitions[0], 4), 0,
                                                     f"{local}/consolidated", consolidate=True))
             consolidation = (seconds, tracemalloc.get_traced_memory()[1])
             tracemalloc.stop()

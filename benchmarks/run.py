@@ -36,6 +36,7 @@ def main() -> int:
         ["bench_extras.py", *where, *smoke],
         ["bench_history.py", *where, *smoke],
         ["bench_delta.py", *where, *smoke],
+        ["bench_reshard.py", *where, *smoke],
     ]
     if all(importlib.util.find_spec(m) is not None for m in ("moto", "flask", "s3fs")):
         runs.append(["bench_s3.py", *smoke])

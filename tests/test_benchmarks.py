@@ -20,7 +20,8 @@ def test_benchmarks_smoke(tmp_path):
     expected = ["| caffe2ckpt |", "| raw |", "W3", "blocking", "latest-epoch lookup",
                 "| DaskSession (actors) |", "workers x one process",
                 "per-epoch cost, last", "resume of the finished job", "| hints |",
-                "| groups the table is read from |"]
+                "| groups the table is read from |", "| partition | N -> M |",
+                "w replicated (written once)"]
     if all(importlib.util.find_spec(m) for m in ("moto", "flask", "s3fs")):  # the test extra
         expected += ["S3 requests per node-save", "| raw (s3fs pipe/cat) |",
                      "latest-epoch lookup requests on S3"]

@@ -9,7 +9,8 @@ It streams: a global array is written one output chunk (at most 16 MiB) at a tim
 from the old nodes' rows it covers (:meth:`~caffe2ckpt.store.protocol.CheckpointStore.load_rows`:
 the chunks holding them, or a differential save's chain for those rows only) and verified as a
 restore is, so what is held stays under one chunk's worth of reads and writes, whatever the
-table's size. A replicated or local blob is read and written whole, one at a time.
+table's size. Replicated and local blobs are streamed the same way from the node holding them
+(small, packed or 0-d ones, and Fortran-ordered ones, are read whole).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from caffe2ckpt.fs.location import Location
 from caffe2ckpt.history.lineage import Save
 from caffe2ckpt.naming import blob_path
 from caffe2ckpt.sharding import LOCAL, REPLICATED, ROWS, old_rows, overlap
+from caffe2ckpt.store.groupread import destination
 from caffe2ckpt.store.protocol import CheckpointStore
 from caffe2ckpt.store.reshard import saved_layout
 from caffe2ckpt.store.zarrgroup import PLAIN_GROUP_KEY, write_plain_group
@@ -110,9 +112,9 @@ class _Consolidation:
     def local(self, node: str) -> list[str]:
         return sorted(n for n in self.manifests[node].blobs if self.kinds[n] == LOCAL)
 
-    def local_blobs(self, node: str, names: list[str]) -> Iterator[dict[str, np.ndarray]]:
+    def local_blobs(self, node: str, names: list[str]) -> Iterator[dict[str, Any]]:
         for name in names:
-            yield self.store.load_node(self.save.records[node], [name])
+            yield {name: self._streamed(node, name)}
 
     def global_blobs(self) -> Iterator[dict[str, Any]]:
         for name, kind in sorted(self.kinds.items()):
@@ -120,7 +122,18 @@ class _Consolidation:
                 yield {name: self._global_rows(name)}
             elif kind == REPLICATED:
                 writer = next(n for n in self.order if name in self.manifests[n].blobs)
-                yield self.store.load_node(self.save.records[writer], [name])
+                yield {name: self._streamed(writer, name)}
+
+    def _streamed(self, node: str, name: str) -> Any:
+        """Node ``node``'s blob ``name``: read a window of rows at a time when it has rows and
+        an array of its own (C order), else read whole (small, packed, 0-d)."""
+        info = self.manifests[node].blobs[name]
+        stored = self.manifests[node].stored_blobs.get(name)
+        if not info.shape or info.order != "C" or stored is None or stored.path is None:
+            return self.store.load_node(self.save.records[node], [name])[name]
+        record, manifest = self.save.records[node], self.manifests[node]
+        return GlobalRows(tuple(info.shape), np.dtype(info.dtype), lambda a, b: (
+            self.store.load_rows(record, name, a, b, manifest)))
 
     def _global_rows(self, name: str) -> GlobalRows:
         infos = [self.manifests[n].blobs.get(name) for n in self.order]
@@ -137,7 +150,8 @@ class _Consolidation:
 
         def read(start: int, stop: int) -> np.ndarray:
             window = range(start, stop)
-            out = np.empty((stop - start, *first.shape[1:]), dtype)  # type: ignore[union-attr]
+            out = destination(self.store.location, (stop - start, *first.shape[1:]),  # type: ignore[union-attr]
+                              dtype)
             for node, source in zip(self.order, sources):
                 pair = overlap(source, window)
                 if pair is not None:

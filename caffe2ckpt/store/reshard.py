@@ -22,13 +22,15 @@ take rows of it. Every byte read is checked as any restore checks it.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from caffe2ckpt.errors import CheckpointCorruptedError, JobDefinitionError
+from caffe2ckpt.fs.iopool import pool
 from caffe2ckpt.sharding import LOCAL, REPLICATED, ROWS, SavedLayout, new_rows, old_rows, overlap
-from caffe2ckpt.store.groupread import RowRead, row_reads, run_reads
+from caffe2ckpt.store.groupread import RowRead, destination, row_reads, run_reads
 from caffe2ckpt.store.manifest import BlobInfo, Manifest
 from caffe2ckpt.store.records import CommitRecord
 from caffe2ckpt.store.shared import SharedReads
@@ -38,7 +40,9 @@ from caffe2ckpt.units import nodes_text
 if TYPE_CHECKING:
     from caffe2ckpt.store.protocol import CheckpointStore
 
-__all__ = ["read_shares", "saved_layout", "shared_names"]
+__all__ = ["WINDOW_BYTES", "read_shares", "saved_layout", "shared_names"]
+
+WINDOW_BYTES = 16 << 20  # what a window of an old node's rows holds when they are scattered
 
 
 def saved_layout(records: dict[str, CommitRecord]) -> SavedLayout | None:
@@ -88,7 +92,9 @@ def read_shares(store: CheckpointStore, records: dict[str, CommitRecord], order:
         CheckpointCorruptedError: the save's records or groups are damaged, or its nodes' rows
             do not fit its layout.
     """
+    owned = shared is None  # nobody else takes what this call reads: its last user may keep it
     reader = _Reshard(store, records, list(order), partition, shared or SharedReads())
+    reader.streams = owned  # rows every k-th: streamed to this call's nodes, else read whole
     wanted = list(order) if nodes is None else list(nodes)
     blobs = reader.blobs(names)
     out: dict[str, dict[str, np.ndarray]] = {node: {} for node in wanted}
@@ -103,9 +109,10 @@ def read_shares(store: CheckpointStore, records: dict[str, CommitRecord], order:
         step()
     for name in replicated:
         value = reader.whole(reader.holder(name), name)
-        for node in wanted:
-            if node in reader.receivers(name):
-                out[node][name] = value.copy()
+        receivers = [node for node in wanted if node in reader.receivers(name)]
+        copies = list(pool().map(lambda _: value.copy(), receivers[:-1 if owned else None]))
+        for node, copy in zip(receivers, [*copies, value]):
+            out[node][name] = copy
     return out
 
 
@@ -116,6 +123,7 @@ class _Reshard:
                  order: list[str], partition: str, shared: SharedReads) -> None:
         self.store, self.records, self.order, self.partition = store, records, order, partition
         self.shared = shared
+        self.streams = False  # strided rows of an old array: read in windows (else whole)
         self.record = next(iter(records.values()))
         layout = saved_layout(records)
         self.layouts = {node: r.layout for node, r in records.items()}
@@ -195,7 +203,8 @@ class _Reshard:
         copies: list[tuple[str, np.ndarray, range, range]] = []
         for node in wanted:
             target = new_rows(self.partition, self.order.index(node), len(self.order), total)
-            dest = np.empty((len(target), *first.shape[1:]), np.dtype(first.dtype))
+            dest = destination(self.store.location, (len(target), *first.shape[1:]),
+                               np.dtype(first.dtype))
             out[node][name] = dest
             for old, info, source in zip(self.old, infos, sources):
                 pair = overlap(source, target)
@@ -207,12 +216,40 @@ class _Reshard:
                     copies.append((old, dest, *pair))
 
         def finish() -> None:
+            streamed = {old: [c for c in copies if c[0] == old] for old, info in zip(
+                self.old, infos) if self.streams and self._readable(old, info)}
             for old, dest, src, dst in copies:
-                dest[_slice(dst)] = self._rows(old, name, src)
+                if old not in streamed:
+                    dest[_slice(dst)] = self._rows(old, name, src)
+            for old, jobs in streamed.items():
+                self._scatter(old, name, [(dest, src, dst) for _, dest, src, dst in jobs])
             if first.order == "F":
                 for node in wanted:
                     out[node][name] = np.asfortranarray(out[node][name])
         return finish
+
+    def _scatter(self, node: str, name: str, jobs: list[tuple[np.ndarray, range, range]]
+                 ) -> None:
+        """Copy, for each job ``(dest, src, dst)``, old node ``node``'s rows ``src`` of blob
+        ``name`` to rows ``dst`` of ``dest``, reading that node's array once, a window of
+        :data:`WINDOW_BYTES` at a time (the next read while this one's rows are copied, the
+        jobs' copies at once)."""
+        if not jobs:
+            return
+        record, manifest = self.records[node], self.manifest(node)
+        info = manifest.stored_blobs[name]
+        low = min(src.start for _, src, _ in jobs)
+        high = max(src[-1] + 1 for _, src, _ in jobs)
+        step = max(1, WINDOW_BYTES // max(1, info.nbytes // max(1, info.shape[0])))
+        windows = [(a, min(high, a + step)) for a in range(low, high, step)]
+        with ThreadPoolExecutor(1) as ahead:
+            reading = ahead.submit(self.store.load_rows, record, name, *windows[0], manifest)
+            for index, (start, stop) in enumerate(windows):
+                window = reading.result()
+                if index + 1 < len(windows):
+                    reading = ahead.submit(self.store.load_rows, record, name,
+                                           *windows[index + 1], manifest)
+                list(pool().map(lambda job: _copy_rows(job, window, start, stop), jobs))
 
     def _rows(self, node: str, name: str, rows: range) -> np.ndarray:
         """Rows ``rows`` of old node ``node``'s blob ``name``: consecutive ones read alone
@@ -255,6 +292,18 @@ class _Reshard:
         return list(row_reads(location, self.store.group_path(record), manifest,
                               {stored.path: crcs[stored.path]},  # type: ignore[index]
                               [read], metadata))
+
+
+def _copy_rows(job: tuple[np.ndarray, range, range], window: np.ndarray, start: int,
+               stop: int) -> None:
+    """The rows of ``window`` (rows ``[start, stop)`` of an old node's blob) that job ``(dest,
+    src, dst)`` takes: those of ``src`` in the window, to their rows ``dst`` of ``dest``."""
+    dest, src, dst = job
+    first = max(0, -(-(start - src.start) // src.step))
+    last = min(len(src), -(-(stop - src.start) // src.step))
+    if first < last:
+        dest[_slice(dst[first:last])] = window[_slice(range(
+            src[first] - start, src[last - 1] - start + 1, src.step))]
 
 
 def _slice(rows: range) -> slice:

@@ -72,6 +72,7 @@ BLOCKS = {
         (None, "[0, 10, 12, 15, 20]"),
     "docs/steps.md > The Orbax-style step API #1": (None, None),
     "docs/deltas.md > In short #1": (None, "True [2, 3, 4]"),
+    "docs/elastic.md > In short #1": (None, "2000.0 (500, 4)"),
     "docs/storage.md > Layout #1": (regression_checkpoints, "trainer_0.10 True"),
     "docs/storage.md > Layout #2": (regression_checkpoints, "(32768, 8) 0.50399417"),
     "docs/storage.md > Plain groups (materialize) #1": (regression_checkpoints, "0.50399417 <f4"),

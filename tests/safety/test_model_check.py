@@ -166,11 +166,13 @@ import zarr
 
 from caffe2ckpt import (
     CheckpointCorruptedError,
+    CheckpointError,
     CheckpointFencedError,
     CheckpointNotFoundError,
     Job,
     JobPreemptedError,
     JobRunner,
+    Layout,
     LocalSession,
     MultiNodeCheckpointManager,
     Node,
@@ -183,6 +185,7 @@ from caffe2ckpt.cli import main as cli_main
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.history.scan import scan
 from caffe2ckpt.metadata import ZarrMetadataHandler
+from caffe2ckpt.sharding import new_rows
 from caffe2ckpt.store.protocol import CheckpointStore
 from tests.s3server import KINDS
 
@@ -196,6 +199,9 @@ DELTA_SEEDS = int(os.environ.get("CAFFE2CKPT_MODEL_CHECK_DELTA_SEEDS", "16"))
 
 FAMILIES: dict[str, tuple[str, ...]] = {"A": ("trainer_0", "trainer_1"), "B": ("solo_0",)}
 COUNT = "epoch_limiter.0/epochs_done"  # epoch_limiter's checkpointed count (on the first node)
+# family B saves with a layout (its table split by rows, the rest the same on every node), so
+# ``reshard`` operations restore it on other node counts
+LAYOUTS: dict[str, Layout] = {"B": Layout(rows=["w"], replicated=["trace", COUNT])}
 BIG = 425  # rows of 40 float32s (160 bytes: one row digest each) on a family's first node:
 # 68 KB, more than 64 KiB, so stored as an array of its own
 MAX_EPOCH = 40  # keeps sequences cheap
@@ -753,11 +759,13 @@ class Harness:
                 if key in self.managers:
                     self.managers.pop(key).close()
                 self.managers[key] = MultiNodeCheckpointManager(
-                    self.url, async_save=op["async"], auto_resume=op["mode"] != "fresh")
+                    self.url, async_save=op["async"], auto_resume=op["mode"] != "fresh",
+                    layout=LAYOUTS.get(fam))
             cm = self.managers[key]
         else:
             cm = MultiNodeCheckpointManager(self.url, async_save=op["async"],
-                                            auto_resume=op["mode"] != "fresh")
+                                            auto_resume=op["mode"] != "fresh",
+                                            layout=LAYOUTS.get(fam))
         runner = JobRunner(job, cm, resume_from_epoch=op.get("epoch"),
                            options=self._options(op), handle_preemption=preempt is not None)
         session = LocalSession()
@@ -997,6 +1005,37 @@ class Harness:
         save.state = "gone"  # type: ignore[union-attr]
         return True
 
+    def _op_reshard(self, op: dict[str, Any], token: int) -> None:
+        """Family B's step ``op["epoch"]`` (None: the latest) restored on ``op["m"]`` other
+        nodes split by ``op["partition"]`` must be what a restore by B's own node gives, split
+        anew (its table's rows; the rest copied), or fail as that restore fails (the same
+        error class: not committed, damaged)."""
+        own = self._restore_as(list(FAMILIES["B"]), LAYOUTS["B"], op["epoch"])
+        nodes = [f"elastic_{k}" for k in range(op["m"])]
+        layout = Layout(rows=["w"], replicated=["trace", COUNT], partition=op["partition"])
+        got = self._restore_as(nodes, layout, op["epoch"])
+        if isinstance(own, Exception) or isinstance(got, Exception):
+            self.expect(f"reshard of B's step {op['epoch']} on {op['m']} nodes: the error",
+                        type(own).__name__, type(got).__name__)
+            return
+        (old,) = own.values()
+        for k, node in enumerate(nodes):
+            rows = new_rows(op["partition"], k, len(nodes), len(old["w"]))
+            want = {"w": np.ascontiguousarray(old["w"][rows.start:rows.stop:rows.step]),
+                    "trace": old["trace"], COUNT: old[COUNT]}
+            why = diff_blobs({node: want}, {node: got[node]})
+            if why is not None:
+                self.fail(f"reshard of B's step {op['epoch']} on {op['m']} nodes "
+                          f"({op['partition']})", "the own restore split anew", why)
+
+    def _restore_as(self, nodes: list[str], layout: Layout, epoch: int | None) -> Any:
+        with StepCheckpointManager(self.url, nodes=nodes, layout=layout,
+                                   handle_preemption=False) as mgr:
+            try:
+                return mgr.restore(epoch)
+            except CheckpointError as exc:
+                return exc
+
     def _op_steps(self, op: dict[str, Any], token: int) -> None:
         model, fam = self.model, op["fam"]
         self._wrote(fam)
@@ -1008,7 +1047,7 @@ class Harness:
         options = self._options(op, enable_async_checkpointing=asynchronous) if (
             asynchronous or op.get("keep_last") or op.get("keep_every") or self.deltas) else None
         mgr = StepCheckpointManager(self.url, nodes=list(FAMILIES[fam]), options=options,
-                                    handle_preemption=False)
+                                    handle_preemption=False, layout=LAYOUTS.get(fam))
         st = StepsState(fam, op.get("keep_last"), op.get("keep_every"))
         pending: int | None = None
         count = op["count"] if not generate else self.rng.randint(1, 4)
@@ -1082,7 +1121,7 @@ class Harness:
             options = self._options(op)
             st = StepsState(fam, op.get("keep_last"), op.get("keep_every"))
             st.mgr = StepCheckpointManager(self.url, nodes=list(FAMILIES[fam]), options=options,
-                                           handle_preemption=False)
+                                           handle_preemption=False, layout=LAYOUTS.get(fam))
             self.kept[slot] = st
             fresh = True
         mgr = st.mgr
@@ -1308,6 +1347,13 @@ class Harness:
                     "node": rng.choice(FAMILIES[save.fam]),
                     "how": rng.choice(["delete", "delete", "garbage", "empty", "object",
                                        "truncated"])}
+        if roll < 0.05:  # family B's steps restored on another node count (reads only)
+            epochs = [s.epoch for s in model.lineage("B")]
+            pick = rng.random()
+            epoch = (rng.choice(epochs) if epochs and pick < 0.6 else None if pick < 0.8
+                     else rng.randrange(MAX_EPOCH))
+            return {"op": "reshard", "m": rng.choice([1, 2, 3]), "epoch": epoch,
+                    "partition": rng.choice(["range", "mod"])}
         intact = [s for s in everything if s.chunk is None]
         if roll >= 0.89 and intact:
             newest = [s for f in model.families() if (s := model.newest(f)) in intact]
