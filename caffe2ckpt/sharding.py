@@ -119,17 +119,11 @@ class SavedLayout:
     @classmethod
     def from_dict(cls, data: Any) -> SavedLayout:
         """Parse a stored layout (ValueError if it is not one)."""
-        if not isinstance(data, dict) or set(data) != {"partition", "order", "rows",
-                                                       "replicated", "written_by"}:
+        if not isinstance(data, dict) or set(data) != _FIELDS:
             raise ValueError(f"bad layout {data!r:.120}")
         if data["partition"] not in PARTITIONS:
             raise ValueError(f"bad layout partition {data['partition']!r:.40}")
-        lists = [data[k] for k in ("order", "rows", "replicated")]
-        if not all(isinstance(v, list) and all(isinstance(s, str) for s in v) and
-                   len(set(v)) == len(v) for v in lists):
-            raise ValueError("a layout's order, rows and replicated must be lists of distinct "
-                             "strings")
-        order, rows, replicated = (tuple(v) for v in lists)
+        order, rows, replicated = (_names(data, key) for key in ("order", "rows", "replicated"))
         if not order or set(rows) & set(replicated):
             raise ValueError("a layout needs its nodes, and no blob both rows and replicated")
         written_by = data["written_by"]
@@ -137,6 +131,18 @@ class SavedLayout:
                 isinstance(v, str) and v in order for v in written_by.values()):
             raise ValueError("a layout's written_by must map replicated blobs to its nodes")
         return cls(data["partition"], order, rows, replicated, dict(written_by))
+
+
+_FIELDS = frozenset({"partition", "order", "rows", "replicated", "written_by"})
+
+
+def _names(data: dict[str, Any], key: str) -> tuple[str, ...]:
+    """``data[key]``: a list of distinct strings (ValueError otherwise)."""
+    value = data[key]
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value) or len(
+            set(value)) != len(value):
+        raise ValueError(f"a layout's {key} must be a list of distinct strings")
+    return tuple(value)
 
 
 def new_rows(partition: str, index: int, count: int, total: int) -> range:

@@ -103,16 +103,13 @@ def read_shares(store: CheckpointStore, records: dict[str, CommitRecord], order:
     for name, kind in blobs.items():
         if kind == ROWS:
             finish.append(reader.split(name, wanted, out, direct))
-    replicated = [name for name, kind in blobs.items() if kind == REPLICATED]
     run_reads(direct)
     for step in finish:
         step()
-    for name in replicated:
-        value = reader.whole(reader.holder(name), name)
+    for name in (name for name, kind in blobs.items() if kind == REPLICATED):
         receivers = [node for node in wanted if node in reader.receivers(name)]
-        copies = list(pool().map(lambda _: value.copy(), receivers[:-1 if owned else None]))
-        for node, copy in zip(receivers, [*copies, value]):
-            out[node][name] = copy
+        for node, value in zip(receivers, reader.copies(name, len(receivers), owned)):
+            out[node][name] = value
     return out
 
 
@@ -180,6 +177,13 @@ class _Reshard:
         everywhere = all(name in self.manifest(n).blobs or name in (
             self.layouts[n].written_by if self.layouts[n] else {}) for n in self.old)
         return self.order if everywhere else self.order[:1]
+
+    def copies(self, name: str, count: int, owned: bool) -> list[np.ndarray]:
+        """``count`` arrays of the replicated blob ``name`` (read once, from its writer): copies
+        made at once, the last the array read itself when this read ``owned`` it."""
+        value = self.whole(self.holder(name), name)
+        copies = list(pool().map(lambda _: value.copy(), range(count - 1 if owned else count)))
+        return [*copies, value][:count]
 
     def whole(self, node: str, name: str) -> np.ndarray:
         """Old node ``node``'s blob ``name``, read whole once per ``shared`` (never written

@@ -137,53 +137,53 @@ def test_a_job_with_a_local_blob_is_refused_before_it_claims_the_prefix(prefix):
     assert sorted(cm.store.location.list_names(cm.store.location.path("_runs"))) == runs
 
 
-@pytest.mark.parametrize("layout_field", [
-    {"partition": "hash", "order": ["a", "b"], "rows": [], "replicated": []},
-    {"partition": "range", "order": ["a", "c"], "rows": [], "replicated": []},
-    {"partition": "range", "order": ["a", "b"], "rows": ["x"], "replicated": ["x"]},
-    {"partition": "range", "order": ["a", "b", "b"], "rows": [], "replicated": []},
-    ["range"],
-], ids=["partition", "order", "both-kinds", "repeated-node", "not-an-object"])
-def test_a_forged_layout_makes_its_record_damage(tmp_path, layout_field):
+def forged(tmp_path, node: str, change) -> tuple[object, object]:
+    """A save of nodes a and b with a layout, node ``node``'s record rewritten by
+    ``change(its layout as stored)`` (returning the new one); the location and that ref."""
     import json
 
-    from caffe2ckpt.errors import CheckpointCorruptedError
-    from caffe2ckpt.store.records import list_records, read_record, record_path
+    from caffe2ckpt.store.records import list_records, record_path
 
-    url = str(tmp_path / "ckpt")
-    with StepCheckpointManager(url, nodes=["a", "b"], layout=Layout(rows=["x"]),
-                               handle_preemption=False) as mgr:
-        mgr.save(0, {n: {"x": np.zeros((2, 2))} for n in "ab"})
+    with StepCheckpointManager(str(tmp_path / "ckpt"), nodes=["a", "b"], handle_preemption=False,
+                               layout=Layout(rows=["x"], replicated=["w"])) as mgr:
+        mgr.save(0, {n: {"x": np.zeros((2, 2)), "w": np.ones(2)} for n in "ab"})
         location = mgr._store.location
-    ref = next(r for r in list_records(location) if r.node == "a")
+    ref = next(r for r in list_records(location) if r.node == node)
     path = record_path(location, ref)
     data = json.loads(location.read_bytes(path))
-    data["layout"] = layout_field
+    data["layout"] = change(data["layout"])
     with open(path, "w") as f:
         json.dump(data, f)
+    return location, ref
+
+
+GOOD = {"partition": "range", "order": ["a", "b"], "rows": ["x"], "replicated": ["w"],
+        "written_by": {"w": "a"}}
+
+
+@pytest.mark.parametrize("field, value", [
+    ("partition", "hash"), ("order", ["a", "c"]), ("order", ["a", "b", "b"]),
+    ("replicated", ["w", "x"]), ("written_by", {"w": "z"}), ("written_by", {"w": "b"}),
+    ("written_by", {"x": "a"}), ("rows", "x"), ("extra", 1),
+], ids=["partition", "order", "repeated-node", "both-kinds", "writer-not-a-node",
+        "writer-itself", "writer-of-rows", "rows-not-a-list", "unknown-field"])
+def test_a_forged_layout_makes_its_record_damage(tmp_path, field, value):
+    from caffe2ckpt.errors import CheckpointCorruptedError
+    from caffe2ckpt.store.records import read_record
+
+    location, ref = forged(tmp_path, "b", lambda layout: {**layout, field: value})
     with pytest.raises(CheckpointCorruptedError, match="unreadable") as info:
         read_record(location, ref)
-    assert info.value.node == "a" and info.value.epoch == 0
+    assert info.value.node == "b" and info.value.epoch == 0
+    untouched = forged(tmp_path / "again", "b", lambda layout: layout)  # what each case changed
+    assert read_record(*untouched).layout.to_dict() == GOOD
 
 
 def test_records_of_one_save_that_disagree_on_the_layout_are_damage(tmp_path):
-    import json
-
     from caffe2ckpt.errors import CheckpointCorruptedError
-    from caffe2ckpt.store.records import list_records, record_path
 
-    url = str(tmp_path / "ckpt")
-    with StepCheckpointManager(url, nodes=["a", "b"], layout=Layout(rows=["x"]),
-                               handle_preemption=False) as mgr:
-        mgr.save(0, {n: {"x": np.zeros((2, 2))} for n in "ab"})
-        location = mgr._store.location
-    ref = next(r for r in list_records(location) if r.node == "b")
-    path = record_path(location, ref)
-    data = json.loads(location.read_bytes(path))
-    data["layout"]["partition"] = "mod"
-    with open(path, "w") as f:
-        json.dump(data, f)
-    with StepCheckpointManager(url, nodes=["z"], layout=Layout(rows=["x"]),
+    location, _ = forged(tmp_path, "b", lambda layout: {**layout, "partition": "mod"})
+    with StepCheckpointManager(str(tmp_path / "ckpt"), nodes=["z"], layout=Layout(rows=["x"]),
                                handle_preemption=False) as mgr:
         with pytest.raises(CheckpointCorruptedError, match="disagree on the layout"):
             mgr.restore(0)
