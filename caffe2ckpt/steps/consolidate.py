@@ -6,7 +6,7 @@ concatenated for ``range``, interleaved for ``mod``), each ``replicated`` blob i
 (from the node that saved it), and each local blob goes under ``<node>/``, a group of its own.
 
 It streams: a global array is written one output chunk (at most 16 MiB) at a time, each read
-from the old nodes' rows it covers (:meth:`~caffe2ckpt.store.protocol.CheckpointStore.load_rows`:
+from the old nodes' rows it covers (:func:`~caffe2ckpt.store.rowread.load_rows`:
 the chunks holding them, or a differential save's chain for those rows only) and verified as a
 restore is, so what is held stays under one chunk's worth of reads and writes, whatever the
 table's size. Replicated and local blobs are streamed the same way from the node holding them
@@ -31,6 +31,7 @@ from caffe2ckpt.sharding import LOCAL, REPLICATED, ROWS, old_rows, overlap
 from caffe2ckpt.store.groupread import destination
 from caffe2ckpt.store.protocol import CheckpointStore
 from caffe2ckpt.store.reshard import saved_layout
+from caffe2ckpt.store.rowread import load_rows
 from caffe2ckpt.store.zarrgroup import PLAIN_GROUP_KEY, write_plain_group
 
 __all__ = ["CONSOLIDATED", "write_consolidated"]
@@ -133,7 +134,7 @@ class _Consolidation:
             return self.store.load_node(self.save.records[node], [name])[name]
         record, manifest = self.save.records[node], self.manifests[node]
         return GlobalRows(tuple(info.shape), np.dtype(info.dtype), lambda a, b: (
-            self.store.load_rows(record, name, a, b, manifest)))
+            load_rows(self.store, record, name, a, b, manifest)))
 
     def _global_rows(self, name: str) -> GlobalRows:
         infos = [self.manifests[n].blobs.get(name) for n in self.order]
@@ -156,8 +157,8 @@ class _Consolidation:
                 pair = overlap(source, window)
                 if pair is not None:
                     src, dst = pair  # src: consecutive rows of the node
-                    out[dst.start:dst.stop:dst.step] = self.store.load_rows(
-                        self.save.records[node], name, src.start, src.stop,
+                    out[dst.start:dst.stop:dst.step] = load_rows(
+                        self.store, self.save.records[node], name, src.start, src.stop,
                         self.manifests[node])
             return out
 

@@ -58,14 +58,7 @@ from caffe2ckpt.sharding import ROWS, Layout, SavedLayout
 from caffe2ckpt.store import runs
 from caffe2ckpt.store.chainread import read_chained
 from caffe2ckpt.store.delta import DeltaWrite
-from caffe2ckpt.store.groupread import (
-    RowRead,
-    destination,
-    read_node,
-    restored,
-    row_reads,
-    run_reads,
-)
+from caffe2ckpt.store.groupread import read_node
 from caffe2ckpt.store.layout import (
     HINTS_DIR,
     group_name,
@@ -73,7 +66,7 @@ from caffe2ckpt.store.layout import (
     parse_group_name,
     save_generation,
 )
-from caffe2ckpt.store.manifest import BlobInfo, Manifest, stored_spec
+from caffe2ckpt.store.manifest import Manifest
 from caffe2ckpt.store.shared import SharedReads
 from caffe2ckpt.store.records import (
     CommitRecord,
@@ -409,52 +402,11 @@ class CheckpointStore:
         replicas = {n: lent.get(n, record.node) for n in wanted
                     if layout is not None and n in layout.replicated
                     and (n in manifest.blobs or n in lent)}
-        out = self._read_own(record, manifest, [n for n in wanted if n not in replicas])
+        out = self.read_own(record, manifest, [n for n in wanted if n not in replicas])
         out.update(self._read_replicas(record, replicas, shared or SharedReads()))
         return out
 
-    def load_rows(self, record: CommitRecord, name: str, start: int, stop: int,
-                  manifest: Manifest | None = None) -> np.ndarray:
-        """Rows ``[start, stop)`` (axis 0) of blob ``name`` of the node checkpoint ``record``
-        commits: of its own array, read from the chunks holding them (all of the first and
-        last); of a differential save, rebuilt from its chain for those rows only; of a packed
-        blob, read whole. Verified as a restore is (but for a chain's digest of the whole blob,
-        see :func:`~caffe2ckpt.store.chainread.read_chained`).
-
-        ``manifest``: the group's, as :meth:`manifest` read it already (else it is read).
-
-        Raises:
-            CheckpointCorruptedError: the group is damaged (names node, epoch and blob).
-        """
-        manifest = manifest or self.manifest(record)
-        lent = record.layout.written_by if record.layout is not None else {}
-        if name not in manifest.blobs and name in lent:
-            record = self._writer_record(record, lent[name], name)
-            manifest = self.manifest(record)
-        if name in manifest.inherited:
-            return read_chained(self, record, manifest, [name], (start, stop))[name]
-        stored = manifest.stored_blobs.get(name)
-        if stored is None or stored.path is None:  # packed (small), or absent: read as ever
-            return self._read_own(record, manifest, [name])[name][start:stop].copy()
-        return self._read_window(record, manifest, stored, start, stop)
-
-    def _read_window(self, record: CommitRecord, manifest: Manifest, info: BlobInfo,
-                     start: int, stop: int) -> np.ndarray:
-        """Rows ``[start, stop)`` of ``info``'s own array in ``record``'s group."""
-        dtype, shape = stored_spec(info)
-        if not shape or not 0 <= start <= stop <= shape[0]:
-            raise ValueError(f"rows {start}..{stop} are not rows of blob {info.name!r}")
-        data = destination(self.location, (stop - start, *shape[1:]), dtype)
-        flat = data.reshape(stop - start, -1).view(np.uint8)
-        files = {f"{info.path}/{GROUP_FILE}"}
-        crcs = self.chunk_crcs(record, manifest)
-        run_reads(row_reads(self.location, self.group_path(record), manifest,
-                            {info.path: crcs[info.path]},  # type: ignore[index]
-                            [RowRead(info, flat, -start, [(start, stop)])],
-                            {f: d for f, d in record.metadata.items() if f in files}))
-        return restored(data, info._replace(shape=(stop - start, *info.shape[1:])))
-
-    def _writer_record(self, record: CommitRecord, node: str, name: str) -> CommitRecord:
+    def writer_record(self, record: CommitRecord, node: str, name: str) -> CommitRecord:
         """The record of ``node`` in ``record``'s save, which wrote the blob ``name`` that
         ``record``'s node holds too."""
         ref = RecordRef(epoch=record.epoch, node=node, save_id=record.save_id)
@@ -487,11 +439,11 @@ class CheckpointStore:
 
     def _replica(self, record: CommitRecord, node: str, name: str) -> np.ndarray:
         """Blob ``name`` of ``record``'s save as node ``node``, which wrote it, saved it."""
-        writer = record if node == record.node else self._writer_record(record, node, name)
-        return self._read_own(writer, self.manifest(writer), [name])[name]
+        writer = record if node == record.node else self.writer_record(record, node, name)
+        return self.read_own(writer, self.manifest(writer), [name])[name]
 
-    def _read_own(self, record: CommitRecord, manifest: Manifest,
-                  wanted: list[str]) -> dict[str, np.ndarray]:
+    def read_own(self, record: CommitRecord, manifest: Manifest,
+                 wanted: list[str]) -> dict[str, np.ndarray]:
         """The blobs ``wanted`` of ``record``'s own group (and the chains of a differential
         save)."""
         metadata = {name: digest for name, digest in record.metadata.items()

@@ -33,6 +33,7 @@ from caffe2ckpt.sharding import LOCAL, REPLICATED, ROWS, SavedLayout, new_rows, 
 from caffe2ckpt.store.groupread import RowRead, destination, row_reads, run_reads
 from caffe2ckpt.store.manifest import BlobInfo, Manifest
 from caffe2ckpt.store.records import CommitRecord
+from caffe2ckpt.store.rowread import load_rows
 from caffe2ckpt.store.shared import SharedReads
 from caffe2ckpt.store.zarrgroup import GROUP_FILE
 from caffe2ckpt.units import nodes_text
@@ -247,20 +248,20 @@ class _Reshard:
         step = max(1, WINDOW_BYTES // max(1, info.nbytes // max(1, info.shape[0])))
         windows = [(a, min(high, a + step)) for a in range(low, high, step)]
         with ThreadPoolExecutor(1) as ahead:
-            reading = ahead.submit(self.store.load_rows, record, name, *windows[0], manifest)
+            reading = ahead.submit(load_rows, self.store, record, name, *windows[0], manifest)
             for index, (start, stop) in enumerate(windows):
                 window = reading.result()
                 if index + 1 < len(windows):
-                    reading = ahead.submit(self.store.load_rows, record, name,
+                    reading = ahead.submit(load_rows, self.store, record, name,
                                            *windows[index + 1], manifest)
                 list(pool().map(lambda job: _copy_rows(job, window, start, stop), jobs))
 
     def _rows(self, node: str, name: str, rows: range) -> np.ndarray:
         """Rows ``rows`` of old node ``node``'s blob ``name``: consecutive ones read alone
-        (:meth:`~caffe2ckpt.store.protocol.CheckpointStore.load_rows`), every k-th one (a
+        (:func:`~caffe2ckpt.store.rowread.load_rows`), every k-th one (a
         ``mod`` split) out of the whole blob, read once per ``shared``."""
         if rows.step == 1:
-            return self.store.load_rows(self.records[node], name, rows.start, rows.stop)
+            return load_rows(self.store, self.records[node], name, rows.start, rows.stop)
         return self.whole(node, name)[_slice(rows)]
 
     def _row_info(self, node: str, name: str) -> BlobInfo:
