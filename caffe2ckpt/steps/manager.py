@@ -300,10 +300,7 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
             return False
         self.wait_until_finished()
         order = tuple(self._nodes or blobs)
-        writers = self._replicas(step, order, blobs)  # checked before anything is written
-        held = {node: list(b) for node, b in blobs.items()}
-        blobs = {node: {n: a for n, a in b.items() if writers.get(n, node) == node}
-                 for node, b in blobs.items()}
+        writers, held, blobs = self._split_replicas(step, order, blobs)
         values = {str(k): float(v) for k, v in (metrics or {}).items()}
         current = self._run_of(sorted(blobs))
         with writing(f"claiming {self._store.location.display()!r} to save step {step}",
@@ -359,6 +356,18 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
         if self._current is None or self._current.nodes != frozenset(nodes):
             self._current = CurrentRun(self._store, nodes, steady=True)
         return self._current
+
+    def _split_replicas(self, step: int, order: tuple[str, ...],
+                        blobs: dict[str, dict[str, np.ndarray]]) -> tuple[
+                            dict[str, str], dict[str, list[str]], dict[str, dict[str, np.ndarray]]]:
+        """The writer of each replicated blob (checked before anything is written), each
+        node's blob names, and what each node writes (its blobs less the replicated ones
+        another node writes)."""
+        writers = self._replicas(step, order, blobs)
+        held = {node: list(b) for node, b in blobs.items()}
+        return writers, held, {node: {n: a for n, a in b.items()
+                                      if writers.get(n, node) == node}
+                               for node, b in blobs.items()}
 
     def _replicas(self, step: int, order: Sequence[str],
                   blobs: dict[str, dict[str, np.ndarray]]) -> dict[str, str]:
@@ -433,6 +442,23 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
         retention (a run resumed from it). A background save is waited for first; if it failed,
         its error is raised here only when it was the step asked for, else by the next save,
         :meth:`wait_until_finished` or :meth:`close`."""
+        info = self._step(self._restore_step(step))
+        if self._elastic and info.nodes != frozenset(self._nodes):  # type: ignore[arg-type]
+            return self._restore_elastic(info, nodes, blobs)
+        out = self._read_nodes(info, nodes, blobs)
+        self._protected = {info.epoch}
+        current = self._run_of(sorted(info.nodes))
+        newest = current.newest()
+        own = current.run is not None and info.generation == current.run.generation
+        if not own or newest is None or info.epoch < newest.epoch:
+            # saves from now on continue from this step; going back below the newest step
+            # starts a new run (a new claim and generation) that supersedes the later ones
+            current.set_parent((info.epoch, info.generation))
+        return out
+
+    def _restore_step(self, step: int | None) -> int:
+        """The step a restore of ``step`` reads (None: the latest), once the save in flight
+        is finished (its failure raised if it was that step, else kept for later)."""
         step = None if step is None else check_epoch(step)
         pending = self._pending
         try:
@@ -446,14 +472,17 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
             if step is None:
                 raise CheckpointNotFoundError(
                     f"no committed step under {self._store.location.display()!r}")
-        info = self._step(step)
-        if self._elastic and info.nodes != frozenset(self._nodes):  # type: ignore[arg-type]
-            return self._restore_elastic(info, nodes, blobs)
+        return step
+
+    def _read_nodes(self, info: Save, nodes: Sequence[str] | None,
+                    blobs: Sequence[str] | None) -> dict[str, dict[str, np.ndarray]]:
+        """``info``'s nodes (or ``nodes``), all blobs or ``blobs``, as its nodes saved them."""
         wanted = sorted(info.records) if nodes is None else [str(n) for n in nodes]
+        where = self._store.location.display()
         unknown = sorted(set(wanted) - set(info.records))
         if unknown:
-            raise CheckpointNotFoundError(f"step {step} under {self._store.location.display()!r}"
-                                          f" has no nodes {unknown}; it has {sorted(info.records)}")
+            raise CheckpointNotFoundError(f"step {info.epoch} under {where!r} has no nodes "
+                                          f"{unknown}; it has {sorted(info.records)}")
         out = {}
         shared = SharedReads()  # a replicated blob one node wrote: read once for all
         for node in wanted:
@@ -462,16 +491,7 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
             missing = [b for b in blobs or () if b not in out[node]]
             if missing:
                 raise CheckpointNotFoundError(
-                    f"step {step} of node {node!r} under {self._store.location.display()!r} has "
-                    f"no blobs {missing}")
-        self._protected = {info.epoch}
-        current = self._run_of(sorted(info.nodes))
-        newest = current.newest()
-        own = current.run is not None and info.generation == current.run.generation
-        if not own or newest is None or info.epoch < newest.epoch:
-            # saves from now on continue from this step; going back below the newest step
-            # starts a new run (a new claim and generation) that supersedes the later ones
-            current.set_parent((info.epoch, info.generation))
+                    f"step {info.epoch} of node {node!r} under {where!r} has no blobs {missing}")
         return out
 
     def _restore_elastic(self, info: Save, nodes: Sequence[str] | None,

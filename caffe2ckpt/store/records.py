@@ -179,11 +179,7 @@ class CommitRecord:
         if version >= DELTA_RECORD_FORMAT:
             delta = DeltaRecord.from_dict(data["delta"], node=node, epoch=epoch,
                                           save_id=save_id, path=path)
-        layout = None if data.get("layout") is None else SavedLayout.from_dict(data["layout"])
-        if layout is not None and (sorted(layout.order) != sorted(map(str, data["nodes"]))
-                                   or node in layout.written_by.values()):
-            raise ValueError("the layout's node order is not the save's nodes, or names this "
-                             "node as the writer of a blob it does not hold")
+        layout = _layout(data, node)
         return cls(
             epoch=epoch,
             node=node,
@@ -206,6 +202,19 @@ class CommitRecord:
             layout=layout,
             format=version,
         )
+
+
+def _layout(data: dict[str, Any], node: str) -> SavedLayout | None:
+    """The record's layout, if any: of the save's nodes, not naming this node as the writer of
+    a blob it holds."""
+    if data.get("layout") is None:
+        return None
+    layout = SavedLayout.from_dict(data["layout"])
+    if sorted(layout.order) != sorted(map(str, data["nodes"])) or node in (
+            layout.written_by.values()):
+        raise ValueError("the layout's node order is not the save's nodes, or names this node "
+                         "as the writer of a blob it does not hold")
+    return layout
 
 
 _MAX_COUNT = 2**63 - 1
