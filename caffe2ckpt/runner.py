@@ -14,15 +14,17 @@ Run order (Caffe2's, with the deliberate differences listed in docs/concepts.md)
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from typing import Any, Literal
 
 import numpy as np
 
+from caffe2ckpt import events
 from caffe2ckpt.errors import (
     CheckpointCorruptedError,
     CheckpointError,
@@ -323,6 +325,7 @@ class JobRunner:
                                    "earlier epoch); resuming from it on request makes its "
                                    "history current again", candidate)
             except (CheckpointCorruptedError, CheckpointNotFoundError) as exc:
+                self._publish_damage(cm, candidate, exc)
                 if not automatic:
                     raise
                 failures.append(f"epoch {candidate}: {exc}")
@@ -336,6 +339,10 @@ class JobRunner:
                         f", saved by {nodes_text(len(save.nodes))}, on "
                         f"{nodes_text(len(cm.file_nodes()))}" if elastic else "")
             self._notify(session, "resumed", candidate, records=save.records)
+            reason = _resume_reason(cm, candidate, automatic=automatic, elastic=elastic,
+                                    fell_back=bool(failures))
+            events.publish(events.RUN_RESUMED, _url(cm), functools.partial(
+                _resume_payload, cm, save, reason), job=self.job.name)
             return (candidate, self._still_finished(save.records, session),
                     (candidate, save.generation))
         raise CheckpointCorruptedError(
@@ -436,6 +443,13 @@ class JobRunner:
         self._notify(session, "saved", outcome.epoch, records=outcome.records)
         if self.options is not None and self.options.has_retention:
             self._retain(session, cm)
+        events.publish(events.EPOCH_COMMITTED, _url(cm), lambda: events.committed_payload(
+            outcome.records, kept=sum(1 for _ in cm.lineage())), job=self.job.name)
+
+    def _publish_damage(self, cm: BaseCheckpointManager, epoch: int, exc: Exception) -> None:
+        if isinstance(exc, CheckpointCorruptedError):
+            events.publish(events.CHECKPOINT_DAMAGED, _url(cm), lambda: events.damage_payload(
+                exc, found_by="restore", epoch=epoch), job=self.job.name)
 
     def _has_retention(self) -> bool:
         return self.options is not None and self.options.has_retention
@@ -465,6 +479,8 @@ class JobRunner:
                 raise exc
             return
         self.failed_saves.append(epoch)
+        events.publish(events.SAVE_FAILED, _url(cm),
+                       lambda: events.failure_payload(epoch, exc), job=self.job.name)
         self._notify(session, "save_failed", epoch, error=f"{type(exc).__name__}: {exc}")
         if isinstance(exc, NodeLostError):  # the node's workspace is gone: the run must fail
             raise exc  # (a retry resumes from the newest committed epoch)
@@ -487,6 +503,31 @@ def _recheck_failed(cm: BaseCheckpointManager, epoch: int, exc: Exception) -> Sa
         logger.warning("the save of epoch %d reported %s: %s, but every node's commit record is "
                        "there: the epoch is committed", epoch, type(exc).__name__, exc)
     return outcome
+
+
+def _resume_payload(cm: BaseCheckpointManager, save: Any, reason: Callable[[], str]
+                    ) -> dict[str, Any]:
+    return {"epoch": save.epoch, "reason": reason(), "saved_by": len(save.nodes),
+            "nodes": len(cm.file_nodes())}
+
+
+def _url(cm: BaseCheckpointManager | None) -> str:
+    """The prefix as its events name it."""
+    return "" if cm is None else cm.store.location.canonical_url
+
+
+def _resume_reason(cm: BaseCheckpointManager, epoch: int, *, automatic: bool, elastic: bool,
+                   fell_back: bool) -> Callable[[], str]:
+    """Why a run resumes from ``epoch`` (see :mod:`caffe2ckpt.events`), found when asked."""
+    def reason() -> str:
+        if elastic:
+            return "elastic"
+        if fell_back:
+            return "fallback"
+        newest = next(cm.lineage(), None)
+        return "going back" if not automatic and newest is not None and newest.epoch > epoch \
+            else "resume"
+    return reason
 
 
 def _writer(session: Session) -> dict[str, Any] | None:

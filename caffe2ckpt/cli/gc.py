@@ -19,6 +19,7 @@ import argparse
 from collections import Counter
 from collections.abc import Callable, Iterator
 
+from caffe2ckpt import events
 from caffe2ckpt.cli._context import (
     EXIT_DAMAGED,
     EXIT_IO,
@@ -264,6 +265,16 @@ def _remove(ctx: Context, store: CheckpointStore, found: PrefixScan,
     return _carry_out(ctx, work)
 
 
+def _publish(url: str, doc: Document) -> None:
+    """The ``caffe2ckpt.gc.finished`` event of a gc that removed things (``doc``: its report)."""
+    removals = (*doc["delete"], *doc["leftovers"])
+    events.publish(events.GC_FINISHED, url, lambda: {
+        "deleted": sorted(d["epoch"] for d in doc["delete"] if d.get("done")),
+        "kept": sorted({d["epoch"] for d in doc["keep"]}), "bytes_freed": doc["bytes_freed"],
+        "leftovers_removed": sum(1 for d in doc["leftovers"] if d.get("done")),
+        "errors": sum(1 for d in removals if d.get("error"))})
+
+
 def cmd_gc(ctx: Context, args: argparse.Namespace) -> tuple[Document, int]:
     store, found = open_prefix(ctx, args.prefix)
     location = store.location
@@ -297,4 +308,6 @@ def cmd_gc(ctx: Context, args: argparse.Namespace) -> tuple[Document, int]:
            "bytes_freed": freed, "pinned": pinned,
            "bytes_pinned": sum(p["bytes"] or 0 for p in pinned),
            **({"refused": "; ".join(refusals)} if refusals else {})}
+    if args.yes:
+        _publish(location.canonical_url, doc)
     return doc, EXIT_DAMAGED if refusals else code

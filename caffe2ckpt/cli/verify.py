@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import functools
 
+from caffe2ckpt import events
 from caffe2ckpt.cli._context import (
     EXIT_DAMAGED,
     EXIT_NOT_FOUND,
@@ -73,5 +75,18 @@ def cmd_verify(ctx: Context, args: argparse.Namespace) -> tuple[Document, int]:
                      "missing_nodes": p.missing}
                     for p in found.partial if _matches(args, wanted, p.epoch, p.have)],
     }
+    _publish_damage(store, results)
     failed = summary["damaged"] or summary["error"] or bad_records
     return doc, EXIT_DAMAGED if failed else EXIT_OK
+
+
+def _publish_damage(store: CheckpointStore, results: list[Document]) -> None:
+    """A ``caffe2ckpt.checkpoint.damaged`` event per damaged blob found."""
+    for result in results:
+        if result["status"] != "damaged":
+            continue
+        for error in result["errors"]:
+            payload = {"epoch": result["epoch"], "node": result["node"], "blob": error["blob"],
+                       "found_by": "verify", "message": error["error"]}
+            events.publish(events.CHECKPOINT_DAMAGED, store.location.canonical_url,
+                           functools.partial(dict, payload))

@@ -6,6 +6,8 @@
 - :class:`CheckpointArtifacts` keeps the checkpoint table, progress and summary artifacts;
 - :func:`create_crash_retry_automation` re-schedules crashed runs of a deployment, and
   :func:`create_heartbeat_crash_automation` marks runs whose heartbeats stopped *Crashed*;
+- checkpoint events (an epoch committed, a save failed, a run resumed, damage found, gc
+  finished) become Prefect events once this package is imported (:mod:`.events`);
 - :func:`temporary_server` runs a block on Prefect's temporary server, stopped even on SIGKILL;
 - :func:`planned_failures` logs a planned failure (a demo, a drill) as one WARNING;
 - :func:`quiet_task_runs` keeps task runs' INFO lines off the console (not out of the logs).
@@ -26,10 +28,13 @@ from caffe2ckpt.prefect.automations import (  # noqa: E402
     create_heartbeat_crash_automation,
 )
 from caffe2ckpt.prefect.console import quiet_task_runs  # noqa: E402
+from caffe2ckpt.prefect.events import subscribe_publisher  # noqa: E402
 from caffe2ckpt.prefect.flow import AttemptLimitExceeded, RunPlan, plan_run, run_job  # noqa: E402
 from caffe2ckpt.prefect.localserver import temporary_server  # noqa: E402
 from caffe2ckpt.prefect.planned import planned_failures  # noqa: E402
 from caffe2ckpt.prefect.session import PrefectSession, in_flow_run  # noqa: E402
+
+subscribe_publisher()  # checkpoint events become Prefect events (see caffe2ckpt.prefect.events)
 
 __all__ = [
     "AttemptLimitExceeded",

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from caffe2ckpt import events
 from caffe2ckpt.background import BackgroundSaves, ClosedOnExit
 from caffe2ckpt.errors import (
     CheckpointCorruptedError,
@@ -299,6 +300,12 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
         if not (force or self.should_save(step)):
             return False
         self.wait_until_finished()
+        with events.reporting_save_failure(self._url, step):
+            return self._save_now(step, blobs, metrics)
+
+    def _save_now(self, step: int, blobs: dict[str, dict[str, np.ndarray]],
+                  metrics: Mapping[str, float] | None) -> bool:
+        """Write and commit ``blobs`` as ``step`` (or start writing them in the background)."""
         order = tuple(self._nodes or blobs)
         writers, held, blobs = self._split_replicas(step, order, blobs)
         values = {str(k): float(v) for k, v in (metrics or {}).items()}
@@ -432,6 +439,9 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
             logger.warning("step %d is committed under %s, but retention could not delete older "
                            "steps: %s (caffe2ckpt gc removes them later)", save.epoch,
                            self._store.location.display(), exc)
+        events.publish(events.EPOCH_COMMITTED, self._url,
+                       lambda: events.committed_payload(
+                           save.records, kept=sum(1 for _ in current.lineage())))
 
     # -- reading ---------------------------------------------------------------------------------
 
@@ -444,8 +454,12 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
         :meth:`wait_until_finished` or :meth:`close`."""
         info = self._step(self._restore_step(step))
         if self._elastic and info.nodes != frozenset(self._nodes):  # type: ignore[arg-type]
-            return self._restore_elastic(info, nodes, blobs)
-        out = self._read_nodes(info, nodes, blobs)
+            with events.reporting_damage(self._url, info.epoch, found_by="restore"):
+                out = self._restore_elastic(info, nodes, blobs)
+            self._resumed(info, "elastic")
+            return out
+        with events.reporting_damage(self._url, info.epoch, found_by="restore"):
+            out = self._read_nodes(info, nodes, blobs)
         self._protected = {info.epoch}
         current = self._run_of(sorted(info.nodes))
         newest = current.newest()
@@ -454,7 +468,19 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
             # saves from now on continue from this step; going back below the newest step
             # starts a new run (a new claim and generation) that supersedes the later ones
             current.set_parent((info.epoch, info.generation))
+        self._resumed(info, "going back" if newest is not None and info.epoch < newest.epoch
+                      else "resume")
         return out
+
+    @property
+    def _url(self) -> str:
+        """The prefix as its events name it."""
+        return self._store.location.canonical_url
+
+    def _resumed(self, info: Save, reason: str) -> None:
+        events.publish(events.RUN_RESUMED, self._url, lambda: {
+            "epoch": info.epoch, "reason": reason, "saved_by": len(info.nodes),
+            "nodes": len(self._nodes or info.nodes)})
 
     def _restore_step(self, step: int | None) -> int:
         """The step a restore of ``step`` reads (None: the latest), once the save in flight
@@ -604,12 +630,13 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
             return
         step, save_id, current, nodes = self._pending
         self._pending = None
-        _, records = self._background.wait()
-        if sorted(records) != nodes:  # a snapshot failed: the nodes submitted were written
-            raise CheckpointWriteError(
-                f"the save of step {step} under {self._store.location.display()!r} is "
-                f"incomplete: only nodes {sorted(records)} of {nodes} were written (another "
-                "node's snapshot failed); it is not committed", epoch=step)
+        with events.reporting_save_failure(self._url, step):
+            _, records = self._background.wait()
+            if sorted(records) != nodes:  # a snapshot failed: the nodes submitted were written
+                raise CheckpointWriteError(
+                    f"the save of step {step} under {self._store.location.display()!r} is "
+                    f"incomplete: only nodes {sorted(records)} of {nodes} were written "
+                    "(another node's snapshot failed); it is not committed", epoch=step)
         self._committed(current, Save(step, save_id, records))
 
     def check_for_errors(self) -> None:

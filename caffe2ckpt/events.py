@@ -1,0 +1,216 @@
+"""Checkpoint events: what caffe2ckpt tells the outside world as checkpoints are made, used and
+removed, for whoever subscribed (``caffe2ckpt.prefect`` subscribes one that emits Prefect
+events, shown in the UI's Event Feed and usable as automation triggers).
+
+Names, each with its payload (every payload also has ``job`` when a job is known):
+
+- ``caffe2ckpt.epoch.committed``: ``epoch``, ``nodes`` (names), ``bytes`` (the epoch's data),
+  ``bytes_written`` (what this save wrote: less for a differential save), ``seconds``,
+  ``kind`` (``"whole"`` or ``"delta"``), ``metrics``, ``kept`` (how many epochs the prefix keeps
+  after this commit and its retention);
+- ``caffe2ckpt.save.failed``: ``epoch``, ``node`` (None when the failure is not one node's),
+  ``error`` (its class) and ``message``;
+- ``caffe2ckpt.run.resumed``: ``epoch``, ``reason`` (``"resume"``: the newest epoch, which the
+  Prefect publisher turns into ``"retry"`` or ``"re-run"`` from the flow run's attempt;
+  ``"going back"``: an older epoch on request; ``"elastic"``: saved by another node count;
+  ``"fallback"``: the newer ones could not be loaded), ``saved_by`` and ``nodes`` (counts);
+- ``caffe2ckpt.checkpoint.damaged``: ``epoch``, ``node``, ``blob`` (each None where unknown),
+  ``found_by`` (``"restore"`` or ``"verify"``), ``message``;
+- ``caffe2ckpt.gc.finished``: ``deleted`` and ``kept`` (epochs), ``bytes_freed``, ``dry_run``.
+
+Each event names the checkpoint prefix without credentials, query string or fragment
+(:func:`public_url`). Publishing never fails the operation it reports: a subscriber's error is
+logged as a WARNING. A payload is built only when some subscriber is listening.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import Any, Protocol
+from urllib.parse import urlsplit, urlunsplit
+
+from caffe2ckpt.errors import CheckpointCorruptedError
+
+__all__ = ["CHECKPOINT_DAMAGED", "EPOCH_COMMITTED", "EVENT_NAMES", "GC_FINISHED", "RUN_RESUMED",
+           "SAVE_FAILED", "CheckpointEvent", "Subscriber", "committed_payload", "damage_payload",
+           "failure_payload", "flush", "load_plugins", "public_url", "publish", "reporting_damage",
+           "reporting_save_failure", "subscribe"]
+
+logger = logging.getLogger(__name__)
+
+EPOCH_COMMITTED = "caffe2ckpt.epoch.committed"
+SAVE_FAILED = "caffe2ckpt.save.failed"
+RUN_RESUMED = "caffe2ckpt.run.resumed"
+CHECKPOINT_DAMAGED = "caffe2ckpt.checkpoint.damaged"
+GC_FINISHED = "caffe2ckpt.gc.finished"
+EVENT_NAMES = (EPOCH_COMMITTED, SAVE_FAILED, RUN_RESUMED, CHECKPOINT_DAMAGED, GC_FINISHED)
+
+# entry points of this group are publishers installed with other packages: each is named after
+# the environment variable that turns it on, and is a function that subscribes it
+PLUGIN_GROUP = "caffe2ckpt.events"
+
+
+@dataclass(frozen=True)
+class CheckpointEvent:
+    """One event: its ``name`` (one of :data:`EVENT_NAMES`), the checkpoint prefix ``url``
+    (already made public), the ``job`` when known, and the ``payload``."""
+
+    name: str
+    url: str
+    payload: Mapping[str, Any] = field(default_factory=dict)
+    job: str | None = None
+
+
+class Subscriber(Protocol):
+    def active(self) -> bool:
+        """Whether it would publish now (payloads are built only if some subscriber is)."""
+
+    def __call__(self, event: CheckpointEvent) -> None:
+        """Publish ``event``."""
+
+    def flush(self) -> None:
+        """Send what is queued (a short-lived process calls it before it exits)."""
+
+
+_subscribers: list[Subscriber] = []
+_lock = threading.Lock()
+_plugins_loaded = False
+
+
+def subscribe(subscriber: Subscriber) -> Callable[[], None]:
+    """Add ``subscriber``; return the function that removes it again."""
+    with _lock:
+        _subscribers.append(subscriber)
+
+    def unsubscribe() -> None:
+        with _lock:
+            if subscriber in _subscribers:
+                _subscribers.remove(subscriber)
+    return unsubscribe
+
+
+def _current() -> tuple[Subscriber, ...]:
+    with _lock:
+        return tuple(_subscribers)
+
+
+def publish(name: str, url: str, payload: Callable[[], Mapping[str, Any]], *,
+            job: str | None = None) -> None:
+    """Hand event ``name`` about prefix ``url`` to every active subscriber; ``payload`` is
+    called only if one is. Never raises: a failure is logged."""
+    try:
+        listening = [s for s in _current() if s.active()]
+        if not listening:
+            return
+        built = {**({"job": job} if job is not None else {}), **payload()}
+        event = CheckpointEvent(name, public_url(url), built, job)
+    except Exception as exc:  # noqa: BLE001 - an event never fails what it reports
+        logger.warning("could not prepare event %s for %s: %r", name, public_url(url), exc)
+        return
+    for subscriber in listening:
+        try:
+            subscriber(event)
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("could not publish event %s for %s: %r", name, event.url, exc)
+
+
+def flush() -> None:
+    """Ask every subscriber to send what it queued (never raises)."""
+    for subscriber in _current():
+        try:
+            subscriber.flush()
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("could not send queued checkpoint events: %r", exc)
+
+
+def load_plugins() -> None:
+    """Subscribe the publishers installed as entry points (group ``caffe2ckpt.events``) whose
+    environment variable is set, once per process: how a command-line run (``gc``,
+    ``verify``) reaches Prefect when ``PREFECT_API_URL`` is set, without importing Prefect
+    otherwise."""
+    global _plugins_loaded
+    with _lock:
+        if _plugins_loaded:
+            return
+        _plugins_loaded = True
+    ours = logging.getLogger("caffe2ckpt")
+    before = (list(ours.handlers), ours.level, ours.propagate)
+    for plugin in entry_points(group=PLUGIN_GROUP):
+        if os.environ.get(plugin.name):
+            try:
+                plugin.load()()
+            except Exception as exc:  # noqa: BLE001 - a publisher never stops a command
+                logger.warning("could not load the event publisher %r: %r", plugin.value, exc)
+    # what a command prints stays its own (Prefect, once imported, adds its console handler)
+    ours.handlers[:], ours.level, ours.propagate = before
+
+
+def public_url(url: str) -> str:
+    """``url`` without user name, password, query string or fragment (what may carry a secret)."""
+    parts = urlsplit(url)
+    if not parts.scheme or not parts.netloc:
+        return url.split("?", 1)[0].split("#", 1)[0]
+    host = parts.netloc.rsplit("@", 1)[-1]
+    return urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
+def committed_payload(records: Mapping[str, Any], *, kept: int | None) -> dict[str, Any]:
+    """The payload of an epoch committed with ``records`` (node -> commit record)."""
+    first = next(iter(records.values()))
+    delta = any(r.delta is not None for r in records.values())
+    return {
+        "epoch": first.epoch,
+        "nodes": sorted(records),
+        "bytes": sum(r.nbytes for r in records.values()),
+        "bytes_written": sum(r.bytes_written for r in records.values()),
+        "seconds": round(max(r.seconds for r in records.values()), 6),
+        "kind": "delta" if delta else "whole",
+        "metrics": {k: v if math.isfinite(v) else repr(v) for k, v in first.metrics.items()},
+        "kept": kept,
+    }
+
+
+def failure_payload(epoch: int | None, exc: BaseException) -> dict[str, Any]:
+    """The payload of a save of ``epoch`` that failed with ``exc``."""
+    return {"epoch": epoch, "node": getattr(exc, "node", None), "error": type(exc).__name__,
+            "message": str(exc)}
+
+
+def damage_payload(exc: BaseException, *, found_by: str, epoch: int | None = None,
+                   node: str | None = None, blob: str | None = None) -> dict[str, Any]:
+    """The payload of damage ``exc`` found by ``found_by`` (its own node, epoch and blob first)."""
+    return {"epoch": getattr(exc, "epoch", None) if epoch is None else epoch,
+            "node": getattr(exc, "node", None) or node,
+            "blob": getattr(exc, "blob", None) or blob,
+            "found_by": found_by, "message": str(exc)}
+
+
+@contextmanager
+def reporting_save_failure(url: str, epoch: int, *, job: str | None = None) -> Iterator[None]:
+    """Publish ``caffe2ckpt.save.failed`` for an exception raised in the block (re-raised)."""
+    try:
+        yield
+    except Exception as exc:
+        publish(SAVE_FAILED, url, functools.partial(failure_payload, epoch, exc), job=job)
+        raise
+
+
+@contextmanager
+def reporting_damage(url: str, epoch: int | None, *, found_by: str,
+                     job: str | None = None) -> Iterator[None]:
+    """Publish ``caffe2ckpt.checkpoint.damaged`` for a :class:`CheckpointCorruptedError`
+    raised in the block (re-raised)."""
+    try:
+        yield
+    except CheckpointCorruptedError as exc:
+        publish(CHECKPOINT_DAMAGED, url,
+                functools.partial(damage_payload, exc, found_by=found_by, epoch=epoch), job=job)
+        raise

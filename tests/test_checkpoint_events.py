@@ -1,0 +1,81 @@
+"""Checkpoint events without Prefect: what subscribers hear, and that nothing they do can fail
+the operation an event reports."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+from caffe2ckpt import StepCheckpointManager, events
+
+
+class Collected:
+    def __init__(self, *, fail: bool = False, active: bool = True) -> None:
+        self.events: list[events.CheckpointEvent] = []
+        self.fail, self.is_active = fail, active
+
+    def active(self) -> bool:
+        return self.is_active
+
+    def __call__(self, event: events.CheckpointEvent) -> None:
+        if self.fail:
+            raise RuntimeError("the events server is down")
+        self.events.append(event)
+
+    def flush(self) -> None:
+        pass
+
+
+@pytest.fixture
+def subscribed(request):
+    subscriber = Collected(**getattr(request, "param", {}))
+    unsubscribe = events.subscribe(subscriber)
+    yield subscriber
+    unsubscribe()
+
+
+def _save_two_and_restore(url: str) -> None:
+    with StepCheckpointManager(url, handle_preemption=False) as mgr:
+        mgr.save(0, {"a": {"w": np.zeros(4)}}, metrics={"loss": float("nan")})
+        mgr.save(1, {"a": {"w": np.ones(4)}})
+        mgr.restore(0)
+
+
+def test_a_step_manager_publishes_commits_and_restores(tmp_path, subscribed):
+    _save_two_and_restore(str(tmp_path / "ck"))
+    names = [(e.name, e.payload["epoch"]) for e in subscribed.events]
+    assert names == [(events.EPOCH_COMMITTED, 0), (events.EPOCH_COMMITTED, 1),
+                     (events.RUN_RESUMED, 0)]
+    first = subscribed.events[0]
+    assert first.url == "file://" + str(tmp_path / "ck") and first.job is None
+    assert first.payload["metrics"] == {"loss": "nan"} and first.payload["kept"] == 1
+    assert subscribed.events[2].payload["reason"] == "going back"
+
+
+@pytest.mark.parametrize("subscribed", [{"fail": True}], indirect=True)
+def test_a_failing_subscriber_never_fails_a_save(tmp_path, subscribed, caplog):
+    with caplog.at_level(logging.WARNING, logger="caffe2ckpt.events"):
+        _save_two_and_restore(str(tmp_path / "ck"))
+    assert "could not publish event caffe2ckpt.epoch.committed" in caplog.text
+    with StepCheckpointManager(str(tmp_path / "ck"), handle_preemption=False) as mgr:
+        assert mgr.all_steps() == [0, 1]
+
+
+@pytest.mark.parametrize("subscribed", [{"active": False}], indirect=True)
+def test_no_payload_is_built_when_no_subscriber_listens(subscribed):
+    def payload():
+        raise AssertionError("built")
+    events.publish(events.GC_FINISHED, "memory://x", payload)
+    assert subscribed.events == []
+
+
+@pytest.mark.parametrize(("url", "public"), [
+    ("s3://key:secret@bucket/ck?token=abc#frag", "s3://bucket/ck"),
+    ("https://user:pw@host:9000/a/b?X-Amz-Signature=1", "https://host:9000/a/b"),
+    ("/data/ck?x", "/data/ck"),
+    ("file:///data/ck", "file:///data/ck"),
+])
+def test_an_event_url_carries_no_credentials_or_query(url, public):
+    assert events.public_url(url) == public
