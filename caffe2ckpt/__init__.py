@@ -25,7 +25,7 @@ from caffe2ckpt.runner import JobRunner
 from caffe2ckpt.session import LocalSession, Session
 from caffe2ckpt.sharding import Layout
 from caffe2ckpt.steps import AbstractCheckpointManager, StepCheckpointManager
-from caffe2ckpt.steps.plainzarr import materialize, zarr_store
+from caffe2ckpt.steps.plainzarr import materialize, read_epoch, zarr_store
 from caffe2ckpt.workspace import Workspace, WorkspaceType
 
 __all__ = [
@@ -61,5 +61,6 @@ __all__ = [
     "epoch_limiter",
     "get_ckpt_filename",
     "materialize",
+    "read_epoch",
     "zarr_store",
 ]

@@ -29,7 +29,7 @@ from caffe2ckpt.errors import JobDefinitionError, JobPreemptedError
 from caffe2ckpt.job import Job, Node, Task, epoch_limiter
 from caffe2ckpt.workspace import Workspace
 
-__all__ = ["EXIT_PREEMPTED", "build_job", "main", "node_names"]
+__all__ = ["EXIT_PREEMPTED", "build_job", "held_out_loss", "main", "node_names"]
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by a preemption signal, rerun to resume
 
@@ -91,6 +91,17 @@ def _train_epoch(node: str, node_index: int, seed: int, batches: int,
         print(f"[{node}] epoch {epoch:3d}  loss {float(ws['loss']):.5f}", flush=True)
 
     return sgd
+
+
+def held_out_loss(w: np.ndarray, b: float, *, seed: int = 0, samples: int = 4096) -> float:
+    """The mean squared error of model ``(w, b)`` on samples no node trains on (the same true
+    weights as :func:`build_job` with ``seed``): what an evaluation of a checkpoint reports."""
+    true_w = np.random.default_rng(seed).normal(size=FEATURES)
+    rng = np.random.default_rng([seed, 1 << 20])  # a stream no trainer node uses
+    x = rng.normal(size=(samples, FEATURES)).astype(np.float32)
+    y = x @ true_w + 0.5 + rng.normal(scale=0.1, size=samples)
+    err = x @ np.asarray(w, np.float64) + float(b) - y
+    return float(np.mean(err * err))
 
 
 def node_names(num_nodes: int) -> list[str]:

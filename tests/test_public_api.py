@@ -13,7 +13,8 @@ PUBLIC = {
     "epoch_limiter", "Session", "LocalSession", "CheckpointManager",
     "MultiNodeCheckpointManager", "UploadTaskGroupBuilder", "JobRunner", "db_name",
     "get_ckpt_filename", "StepCheckpointManager", "StepManagerOptions",
-    "AbstractCheckpointManager", "materialize", "zarr_store", "Layout", *errors.__all__,
+    "AbstractCheckpointManager", "materialize", "read_epoch", "zarr_store", "Layout",
+    *errors.__all__,
 }
 
 

@@ -6,6 +6,8 @@
 - :class:`CheckpointArtifacts` keeps the checkpoint table, progress and summary artifacts;
 - :func:`create_crash_retry_automation` re-schedules crashed runs of a deployment, and
   :func:`create_heartbeat_crash_automation` marks runs whose heartbeats stopped *Crashed*;
+- :func:`create_epoch_deployment_automation` runs a deployment every k-th committed epoch, and
+  :func:`create_checkpoint_alert_automation` notifies when a save fails or damage is found;
 - checkpoint events (an epoch committed, a save failed, a run resumed, damage found, gc
   finished) become Prefect events once this package is imported (:mod:`.events`);
 - :func:`temporary_server` runs a block on Prefect's temporary server, stopped even on SIGKILL;
@@ -24,7 +26,9 @@ _environment.apply()  # before the modules below import prefect
 
 from caffe2ckpt.prefect.artifacts import CheckpointArtifacts, artifact_key  # noqa: E402
 from caffe2ckpt.prefect.automations import (  # noqa: E402
+    create_checkpoint_alert_automation,
     create_crash_retry_automation,
+    create_epoch_deployment_automation,
     create_heartbeat_crash_automation,
 )
 from caffe2ckpt.prefect.console import quiet_task_runs  # noqa: E402
@@ -42,7 +46,9 @@ __all__ = [
     "PrefectSession",
     "RunPlan",
     "artifact_key",
+    "create_checkpoint_alert_automation",
     "create_crash_retry_automation",
+    "create_epoch_deployment_automation",
     "create_heartbeat_crash_automation",
     "in_flow_run",
     "plan_run",

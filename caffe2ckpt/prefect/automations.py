@@ -1,5 +1,5 @@
-"""Automations for runs whose process died: re-run crashed deployment runs, and mark runs that
-went silent *Crashed*.
+"""Automations: re-run crashed deployment runs, mark runs that went silent *Crashed*, run a
+deployment when epochs commit, and raise the alarm when a save fails or damage is found.
 
 A deployment's worker marks its run *Crashed* when the run's process exits, and
 :func:`create_crash_retry_automation` puts such runs back to ``AwaitingRetry`` so a worker runs
@@ -9,6 +9,12 @@ a real server, or a machine that is gone with its worker) is noticed only by its
 flow run sends a ``prefect.flow-run.heartbeat`` event every ``PREFECT_FLOWS_HEARTBEAT_FREQUENCY``
 seconds (180 by default), and :func:`create_heartbeat_crash_automation` marks a run *Crashed*
 when neither another heartbeat nor a final state follows within a window.
+
+The other two react to caffe2ckpt's own events (:mod:`caffe2ckpt.prefect.events`):
+:func:`create_epoch_deployment_automation` runs a deployment (an evaluation flow, an export)
+when an epoch that is a multiple of k is committed, passing it the prefix and the epoch; and
+:func:`create_checkpoint_alert_automation` sends a notification through a notification block
+(and, if asked, marks the flow run *Failed*) when a save fails or damage is found.
 """
 
 from __future__ import annotations
@@ -19,13 +25,16 @@ from uuid import UUID
 
 from prefect.automations import Automation
 from prefect.client.schemas.objects import StateType
-from prefect.events.actions import ChangeFlowRunState
+from prefect.events.actions import Action, ChangeFlowRunState, RunDeployment, SendNotification
 from prefect.events.schemas.automations import EventTrigger, Posture
 from prefect.events.schemas.events import ResourceSpecification
 
+from caffe2ckpt import events
 from caffe2ckpt.errors import JobDefinitionError
+from caffe2ckpt.prefect.events import EPOCH_LABEL, RESOURCE_PREFIX, resource_id
 
-__all__ = ["create_crash_retry_automation", "create_heartbeat_crash_automation"]
+__all__ = ["create_checkpoint_alert_automation", "create_crash_retry_automation",
+           "create_epoch_deployment_automation", "create_heartbeat_crash_automation"]
 
 logger = logging.getLogger(__name__)
 
@@ -98,4 +107,107 @@ def create_heartbeat_crash_automation(within: timedelta = timedelta(minutes=10),
     ).create()
     logger.info("created automation %s: flow runs silent for %s are marked Crashed",
                 automation.id, within)
+    return automation.id
+
+
+# the epochs an every-k-th automation names by default: multiples of k up to this one
+UP_TO_EPOCH = 10_000
+FAILED_MESSAGE = ("caffe2ckpt: a checkpoint save failed or damage was found (the event is in "
+                  "the Event Feed)")
+ALERT_SUBJECT = "caffe2ckpt: {{ event.event }} for {{ event.resource['caffe2ckpt.url'] }}"
+ALERT_BODY = ("{{ event.event }}: {{ event.payload.message }}\n"
+              "checkpoint: {{ event.resource['caffe2ckpt.url'] }}\n"
+              "epoch: {{ event.payload.epoch }}, node: {{ event.payload.node }}"
+              "{% if event.payload.blob %}, blob: {{ event.payload.blob }}{% endif %}")
+
+
+def _prefixes(checkpoint_url: str | None, **labels: list[str]) -> ResourceSpecification:
+    """The checkpoint prefixes an automation watches: one (given as saved, e.g. its canonical
+    URL ``file:///...`` for a folder) or, with None, all; and the resource ``labels``."""
+    return ResourceSpecification({"prefect.resource.id": resource_id(checkpoint_url)
+                                  if checkpoint_url else f"{RESOURCE_PREFIX}*", **labels})
+
+
+def create_epoch_deployment_automation(deployment_id: UUID | str, *, every: int = 1,
+                                       checkpoint_url: str | None = None,
+                                       parameters: dict[str, object] | None = None,
+                                       up_to_epoch: int = UP_TO_EPOCH,
+                                       name: str | None = None) -> UUID:
+    """Create an automation that runs deployment ``deployment_id`` when an epoch whose number
+    is a multiple of ``every`` is committed (every epoch with ``every=1``; epoch 0, the save
+    after init, only then), under any checkpoint prefix or under ``checkpoint_url`` only.
+
+    The run gets two parameters from the event: ``checkpoint_url`` (the prefix, canonical: a
+    folder is ``file:///...``) and ``epoch`` (the epoch just committed), plus ``parameters``.
+    Prefect's triggers match labels, not arithmetic, so with ``every`` above 1 the automation
+    lists the epochs it runs for: the multiples of ``every`` up to ``up_to_epoch``. A retried
+    or re-run job that commits such an epoch again runs the deployment again.
+
+    Returns:
+        The automation's id.
+
+    Raises:
+        JobDefinitionError: ``every`` or ``up_to_epoch`` is not a positive int.
+    """
+    for what, value in (("every", every), ("up_to_epoch", up_to_epoch)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise JobDefinitionError(f"create_epoch_deployment_automation: {what} must be an "
+                                     f"int >= 1, got {value!r}")
+    epochs = {} if every == 1 else {
+        EPOCH_LABEL: [str(e) for e in range(every, up_to_epoch + 1, every)]}
+    automation = Automation(
+        name=name or f"caffe2ckpt-run-{deployment_id}-every-{every}-epochs",
+        description=f"Run deployment {deployment_id} when an epoch that is a multiple of "
+                    f"{every} is committed (caffe2ckpt)",
+        trigger=EventTrigger(
+            expect={events.EPOCH_COMMITTED}, match=_prefixes(checkpoint_url, **epochs),
+            posture=Posture.Reactive, threshold=1, within=timedelta(0)),
+        actions=[RunDeployment(source="selected", deployment_id=UUID(str(deployment_id)),
+                               parameters={
+                                   "checkpoint_url": "{{ event.resource['caffe2ckpt.url'] }}",
+                                   "epoch": "{{ event.payload.epoch }}",
+                                   **(parameters or {})})],
+    ).create()
+    logger.info("created automation %s: committed epochs that are multiples of %d run "
+                "deployment %s", automation.id, every, deployment_id)
+    return automation.id
+
+
+def create_checkpoint_alert_automation(*, notification_block_id: UUID | str | None = None,
+                                       fail_flow_run: bool = False,
+                                       checkpoint_url: str | None = None,
+                                       name: str = "caffe2ckpt-checkpoint-alerts") -> UUID:
+    """Create an automation for a save that failed or damage that was found (in each
+    checkpoint prefix, or in ``checkpoint_url`` only).
+
+    ``notification_block_id``: send a notification through this Prefect notification block
+    (Slack, e-mail, a webhook...): what happened, the prefix, epoch, node and blob.
+    ``fail_flow_run``: also mark the flow run that sent the event *Failed* (a job whose
+    ``on_save_error="warn"`` would otherwise go on without that checkpoint). At least one.
+
+    Returns:
+        The automation's id.
+
+    Raises:
+        JobDefinitionError: neither action was asked for.
+    """
+    actions: list[Action] = []
+    if notification_block_id is not None:
+        actions.append(SendNotification(block_document_id=UUID(str(notification_block_id)),
+                                        subject=ALERT_SUBJECT, body=ALERT_BODY))
+    if fail_flow_run:
+        actions.append(ChangeFlowRunState(state=StateType.FAILED, message=FAILED_MESSAGE))
+    if not actions:
+        raise JobDefinitionError("create_checkpoint_alert_automation: give "
+                                 "notification_block_id, fail_flow_run=True or both")
+    automation = Automation(
+        name=name,
+        description="A checkpoint save failed or damage was found (caffe2ckpt)",
+        trigger=EventTrigger(
+            expect={events.SAVE_FAILED, events.CHECKPOINT_DAMAGED},
+            match=_prefixes(checkpoint_url), posture=Posture.Reactive, threshold=1,
+            within=timedelta(0)),
+        actions=actions,
+    ).create()
+    logger.info("created automation %s for failed saves and damaged checkpoints", automation.id)
     return automation.id

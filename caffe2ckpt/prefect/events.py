@@ -9,8 +9,8 @@ sent in the background: a server that cannot be reached costs the save nothing.
 
 Each event's resource is the checkpoint prefix: ``prefect.resource.id`` is
 ``caffe2ckpt.checkpoint.<url>`` (the URL without credentials, query or fragment),
-``prefect.resource.name`` the job's name (or the URL), with labels ``caffe2ckpt.url`` and
-``caffe2ckpt.job``. Prefect adds the flow run, flow, deployment and task run it was sent from as
+``prefect.resource.name`` the job's name (or the URL), with labels ``caffe2ckpt.url``,
+``caffe2ckpt.job`` and, for an event about one epoch, ``caffe2ckpt.epoch``. Prefect adds the flow run, flow, deployment and task run it was sent from as
 related resources. The payloads are documented in :mod:`caffe2ckpt.events`; a resume's
 ``reason`` ``"resume"`` becomes ``"retry"`` in a flow run's second or later attempt, else
 ``"re-run"``.
@@ -29,9 +29,10 @@ from prefect.settings import PREFECT_API_URL
 
 from caffe2ckpt import events
 
-__all__ = ["RESOURCE_PREFIX", "PrefectPublisher", "resource_id", "subscribe_publisher"]
+__all__ = ["EPOCH_LABEL", "RESOURCE_PREFIX", "PrefectPublisher", "resource_id", "subscribe_publisher"]
 
 RESOURCE_PREFIX = "caffe2ckpt.checkpoint."
+EPOCH_LABEL = "caffe2ckpt.epoch"  # a resource label of events about one epoch
 _DRAIN_SECONDS = 10.0
 
 
@@ -56,6 +57,8 @@ class PrefectPublisher:
                     "caffe2ckpt.url": event.url}
         if event.job is not None:
             resource["caffe2ckpt.job"] = event.job
+        if isinstance(payload.get("epoch"), int):  # for triggers on chosen epochs
+            resource[EPOCH_LABEL] = str(payload["epoch"])
         emit_event(event.name, resource=resource, payload=payload)
 
     def flush(self) -> None:

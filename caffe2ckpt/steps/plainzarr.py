@@ -34,7 +34,9 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from caffe2ckpt.errors import InvalidLocationError
+import numpy as np
+
+from caffe2ckpt.errors import CheckpointNotFoundError, InvalidLocationError
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.history.lineage import Save
 from caffe2ckpt.history.scan import require_save, scan
@@ -149,6 +151,29 @@ def _materialize_node(store: CheckpointStore, record: CommitRecord, out: Locatio
     except FileExistsError:  # taken since it was checked
         raise _exists(out, path) from None
     return out.display(path)
+
+
+def read_epoch(url: str, epoch: int, node: str, *, blobs: Sequence[str] | None = None,
+               storage_options: dict[str, Any] | None = None) -> dict[str, np.ndarray]:
+    """Node ``node``'s blobs (all, or ``blobs``) of committed ``epoch`` under ``url``, read and
+    verified as a restore is, without resuming anything: nothing is written, no run starts
+    from it, retention is not told (an evaluation or an export reads this way).
+
+    Raises:
+        CheckpointNotFoundError: the epoch, the node or one of ``blobs`` is not there.
+        CheckpointCorruptedError: what it read is damaged.
+    """
+    store = CheckpointStore(Location(url, storage_options))
+    if not isinstance(node, str):
+        raise InvalidLocationError(f"read_epoch: node must be a node name, got {node!r}")
+    record = _save(store, epoch, [node]).records[node]
+    wanted = None if blobs is None else [str(b) for b in blobs]
+    out = store.load_node(record, wanted)
+    missing = sorted(set(wanted or ()) - set(out))
+    if missing:
+        raise CheckpointNotFoundError(f"epoch {record.epoch} of node {node!r} under "
+                                      f"{store.location.display()!r} has no blobs {missing}")
+    return out
 
 
 def zarr_store(url: str, epoch: int, node: str, *,
