@@ -28,12 +28,10 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from importlib.metadata import entry_points
 from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
@@ -41,7 +39,7 @@ from caffe2ckpt.errors import CheckpointCorruptedError
 
 __all__ = ["CHECKPOINT_DAMAGED", "EPOCH_COMMITTED", "EVENT_NAMES", "GC_FINISHED", "RUN_RESUMED",
            "SAVE_FAILED", "CheckpointEvent", "Subscriber", "committed_payload", "damage_payload",
-           "failure_payload", "flush", "load_plugins", "public_url", "publish", "reporting_damage",
+           "failure_payload", "flush", "public_url", "publish", "reporting_damage",
            "reporting_save_failure", "subscribe"]
 
 logger = logging.getLogger(__name__)
@@ -53,9 +51,6 @@ CHECKPOINT_DAMAGED = "caffe2ckpt.checkpoint.damaged"
 GC_FINISHED = "caffe2ckpt.gc.finished"
 EVENT_NAMES = (EPOCH_COMMITTED, SAVE_FAILED, RUN_RESUMED, CHECKPOINT_DAMAGED, GC_FINISHED)
 
-# entry points of this group are publishers installed with other packages: each is named after
-# the environment variable that turns it on, and is a function that subscribes it
-PLUGIN_GROUP = "caffe2ckpt.events"
 
 
 @dataclass(frozen=True)
@@ -82,7 +77,6 @@ class Subscriber(Protocol):
 
 _subscribers: list[Subscriber] = []
 _lock = threading.Lock()
-_plugins_loaded = False
 
 
 def subscribe(subscriber: Subscriber) -> Callable[[], None]:
@@ -129,28 +123,6 @@ def flush() -> None:
             subscriber.flush()
         except Exception as exc:  # noqa: BLE001
             logger.warning("could not send queued checkpoint events: %r", exc)
-
-
-def load_plugins() -> None:
-    """Subscribe the publishers installed as entry points (group ``caffe2ckpt.events``) whose
-    environment variable is set, once per process: how a command-line run (``gc``,
-    ``verify``) reaches Prefect when ``PREFECT_API_URL`` is set, without importing Prefect
-    otherwise."""
-    global _plugins_loaded
-    with _lock:
-        if _plugins_loaded:
-            return
-        _plugins_loaded = True
-    ours = logging.getLogger("caffe2ckpt")
-    before = (list(ours.handlers), ours.level, ours.propagate)
-    for plugin in entry_points(group=PLUGIN_GROUP):
-        if os.environ.get(plugin.name):
-            try:
-                plugin.load()()
-            except Exception as exc:  # noqa: BLE001 - a publisher never stops a command
-                logger.warning("could not load the event publisher %r: %r", plugin.value, exc)
-    # what a command prints stays its own (Prefect, once imported, adds its console handler)
-    ours.handlers[:], ours.level, ours.propagate = before
 
 
 def public_url(url: str) -> str:

@@ -9,7 +9,10 @@ resuming. ``prefect.yaml`` deploys ``regression`` with a schedule. With ``--dask
 (``pip install ".[dask]"``; see docs/dask.md). ``--storage-options JSON``
 (the flow parameter ``storage_options``) goes to the checkpoint managers' filesystem, e.g. an
 S3 endpoint and credentials: ``'{"endpoint_url": "http://127.0.0.1:8333", "key": "k",
-"secret": "s"}'``.
+"secret": "s"}'``. Better for credentials: ``--checkpoint-block NAME`` (the flow parameter
+``checkpoint_block``), the name of a ``Checkpoint Storage`` block holding the prefix and its
+storage options encrypted (docs/prefect.md, "Credentials in blocks"); only the name is a
+parameter of the run.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 from caffe2ckpt.prefect import (  # before prefect: routes caffe2ckpt logs
+    CheckpointStorage,
     PrefectSession,
     plan_run,
     planned_failures,
@@ -55,6 +59,7 @@ def regression(
     max_attempts: int = 5,
     dask_scheduler: str | None = None,
     storage_options: dict[str, Any] | None = None,
+    checkpoint_block: str | None = None,
 ) -> int:
     """Train the example regression job, resuming from its newest committed checkpoint.
 
@@ -66,8 +71,11 @@ def regression(
     ``dask_scheduler``: run each node in an actor on a worker of the Dask cluster at that address
     (``checkpoint_url`` must then be a folder or bucket every worker can reach).
     ``storage_options``: fsspec options for ``checkpoint_url``'s filesystem (endpoint,
-    credentials, ...).
+    credentials, ...). ``checkpoint_block``: the name of a ``Checkpoint Storage`` block to
+    checkpoint to instead of ``checkpoint_url`` and ``storage_options``.
     """
+    if checkpoint_block is not None:
+        checkpoint_url = CheckpointStorage.load(checkpoint_block)
     return train(checkpoint_url, epochs, nodes, epochs_per_run=epochs_per_run,
                  resume_from_epoch=resume_from_epoch, max_attempts=max_attempts,
                  dask_scheduler=dask_scheduler, storage_options=storage_options)
@@ -87,7 +95,7 @@ def regression_failure_demo(
                  fail_at_epoch=fail_at_epoch if flow_run.run_count <= 1 else None)
 
 
-def train(checkpoint_url: str, epochs: int, nodes: int, *, epochs_per_run: int | None = None,
+def train(checkpoint_url: str | CheckpointStorage, epochs: int, nodes: int, *, epochs_per_run: int | None = None,
           resume_from_epoch: int | None = None, max_attempts: int = 5,
           dask_scheduler: str | None = None, fail_at_epoch: int | None = None,
           storage_options: dict[str, Any] | None = None) -> int:
@@ -141,6 +149,9 @@ if __name__ == "__main__":
                         help="fsspec options for the checkpoint URL's filesystem, e.g. "
                              "'{\"endpoint_url\": \"http://127.0.0.1:8333\", \"key\": \"k\", "
                              "\"secret\": \"s\"}'")
+    parser.add_argument("--checkpoint-block", default=None, metavar="NAME",
+                        help="checkpoint to the prefix of this Checkpoint Storage block (its "
+                             "credentials stay secret) instead of --checkpoint-url")
     args = parser.parse_args()
     if args.fail_at_epoch is not None:
         given = [f"--{k.replace('_', '-')}" for k in ("epochs_per_run", "resume_from_epoch",
@@ -158,5 +169,6 @@ if __name__ == "__main__":
                                epochs_per_run=args.epochs_per_run,
                                resume_from_epoch=args.resume_from_epoch,
                                dask_scheduler=args.dask_scheduler,
-                               storage_options=args.storage_options)
+                               storage_options=args.storage_options,
+                               checkpoint_block=args.checkpoint_block)
     print(f"final epoch: {final}")

@@ -23,7 +23,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from caffe2ckpt import events
+from caffe2ckpt import events, plugins
 from caffe2ckpt.cli._context import (
     EXIT_DAMAGED,
     EXIT_IO,
@@ -315,10 +315,6 @@ def _version() -> str:
         return "unknown"
 
 
-# the commands that publish checkpoint events (caffe2ckpt.events)
-_PUBLISHING = frozenset({"gc", "verify"})
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default: ``sys.argv[1:]``); return the exit code."""
     parser = build_parser()
@@ -329,8 +325,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     problem = _argument_problem(args, extra)
     if problem:
         return _usage(args, problem)
-    if args.command in _PUBLISHING:
-        events.load_plugins()  # e.g. Prefect events when PREFECT_API_URL is set
+    plugins.load()  # with PREFECT_API_URL: Prefect events, prefect-block:// prefixes
     try:
         outcome = _run(args)
     finally:

@@ -56,6 +56,7 @@ import json
 import posixpath
 import re
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any
 
@@ -68,7 +69,7 @@ from caffe2ckpt.errors import CheckpointError, InvalidLocationError
 from caffe2ckpt.fs import localio, strictjson
 from caffe2ckpt.fs.clienterrors import credentials_rejected, is_credentials_error, translate
 
-__all__ = ["CREATE_GRACE", "Location"]
+__all__ = ["CREATE_GRACE", "Location", "register_source", "resolve_source"]
 
 _OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs"})
 
@@ -79,6 +80,42 @@ _OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs"})
 CREATE_GRACE = 10.0
 # what a file cut short (empty, or a prefix of one JSON object) fails to parse with
 _INCOMPLETE = (json.JSONDecodeError, UnicodeDecodeError)
+
+
+# Where a checkpoint prefix may come from besides a path or URL: resolvers that turn a source
+# (e.g. a Prefect storage block, or a "prefect-block://<type>/<name>" reference) into a URL and
+# its storage options, or return None for a source they do not know. caffe2ckpt.prefect
+# registers one when it is imported.
+SourceResolver = Callable[[Any], "tuple[str, dict[str, Any]] | None"]
+_SOURCES: list[SourceResolver] = []
+
+
+def register_source(resolver: SourceResolver) -> None:
+    """Accept the sources ``resolver`` knows wherever a checkpoint prefix is taken."""
+    if resolver not in _SOURCES:
+        _SOURCES.append(resolver)
+
+
+def resolve_source(url: Any, storage_options: dict[str, Any] | None = None
+                   ) -> tuple[str, dict[str, Any] | None]:
+    """``(url, storage_options)`` for a checkpoint prefix given as a path or URL, or as a
+    source a registered resolver knows (its options first, ``storage_options`` over them).
+
+    Raises:
+        InvalidLocationError: ``url`` is neither a string nor a known source.
+    """
+    for resolver in tuple(_SOURCES):
+        found = resolver(url)
+        if found is not None:
+            resolved, options = found
+            merged = {**options, **(storage_options or {})}
+            return resolved, merged or None
+    if isinstance(url, str):
+        return url, storage_options
+    raise InvalidLocationError(
+        f"a checkpoint prefix must be a path or URL (a str), or a storage block once its "
+        f"integration is imported (Prefect blocks: import caffe2ckpt.prefect); got a "
+        f"{type(url).__name__}")
 
 
 def _resolve(url: str, storage_options: dict[str, Any] | None,
@@ -155,7 +192,8 @@ class Location:
     """A checkpoint prefix on some filesystem (the contract; see the module docstring).
 
     Args:
-        url: a local path or an fsspec URL (``memory://runs/a``, ``s3://bucket/run``).
+        url: a local path or an fsspec URL (``memory://runs/a``, ``s3://bucket/run``), or a
+            source a registered resolver knows (:func:`resolve_source`: a Prefect block).
         storage_options: passed to the fsspec filesystem (credentials, endpoint, ...).
         filesystem: use this fsspec filesystem instance instead of one made from the URL's
             protocol; ``url`` is then a path on it.
@@ -170,6 +208,7 @@ class Location:
                 filesystem: fsspec.AbstractFileSystem | None = None) -> Location:
         if cls is not Location:  # a backend's own class (also when unpickling)
             return super().__new__(cls)
+        url, storage_options = resolve_source(url, storage_options)
         fs, root = _resolve(url, storage_options, filesystem)
         location = super().__new__(_backend(fs))
         location._resolved = (fs, root)
@@ -178,6 +217,7 @@ class Location:
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None,
                  filesystem: fsspec.AbstractFileSystem | None = None) -> None:
         resolved = self.__dict__.pop("_resolved", None)
+        url, storage_options = resolve_source(url, storage_options)
         self.fs, root = resolved or _resolve(url, storage_options, filesystem)
         self.url = url
         self.root = self._checked_root(str(root))

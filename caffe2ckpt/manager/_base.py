@@ -31,7 +31,7 @@ from caffe2ckpt.errors import (
     JobDefinitionError,
     writing,
 )
-from caffe2ckpt.fs.location import Location
+from caffe2ckpt.fs.location import Location, resolve_source
 from caffe2ckpt.history.current import CurrentRun
 from caffe2ckpt.history.lineage import Save
 from caffe2ckpt.history.scan import elastic_steps, scan
@@ -94,6 +94,7 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
             raise JobDefinitionError(f"layout must be a caffe2ckpt.Layout, got "
                                      f"{type(layout).__name__}")
         self._layout = layout
+        db_prefix, storage_options = resolve_source(db_prefix, storage_options)
         self._db_prefix = db_prefix
         self._db_type = db_type
         if metadata_handler is None and auto_resume:

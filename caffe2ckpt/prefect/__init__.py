@@ -8,6 +8,9 @@
   :func:`create_heartbeat_crash_automation` marks runs whose heartbeats stopped *Crashed*;
 - :func:`create_epoch_deployment_automation` runs a deployment every k-th committed epoch, and
   :func:`create_checkpoint_alert_automation` notifies when a save fails or damage is found;
+- :class:`CheckpointStorage` is a block for a checkpoint prefix with secret storage options;
+  it, Prefect's ``RemoteFileSystem``, prefect-aws's ``S3Bucket`` and ``prefect-block://``
+  references are accepted wherever a checkpoint prefix is (:mod:`.blocks`);
 - checkpoint events (an epoch committed, a save failed, a run resumed, damage found, gc
   finished) become Prefect events once this package is imported (:mod:`.events`);
 - :func:`temporary_server` runs a block on Prefect's temporary server, stopped even on SIGKILL;
@@ -32,17 +35,19 @@ from caffe2ckpt.prefect.automations import (  # noqa: E402
     create_heartbeat_crash_automation,
 )
 from caffe2ckpt.prefect.console import quiet_task_runs  # noqa: E402
-from caffe2ckpt.prefect.events import subscribe_publisher  # noqa: E402
 from caffe2ckpt.prefect.flow import AttemptLimitExceeded, RunPlan, plan_run, run_job  # noqa: E402
 from caffe2ckpt.prefect.localserver import temporary_server  # noqa: E402
+from caffe2ckpt.prefect import plugin  # noqa: E402
+from caffe2ckpt.prefect.blocks import CheckpointStorage  # noqa: E402
 from caffe2ckpt.prefect.planned import planned_failures  # noqa: E402
 from caffe2ckpt.prefect.session import PrefectSession, in_flow_run  # noqa: E402
 
-subscribe_publisher()  # checkpoint events become Prefect events (see caffe2ckpt.prefect.events)
+plugin.install()  # checkpoint events become Prefect events; blocks name checkpoint prefixes
 
 __all__ = [
     "AttemptLimitExceeded",
     "CheckpointArtifacts",
+    "CheckpointStorage",
     "PrefectSession",
     "RunPlan",
     "artifact_key",

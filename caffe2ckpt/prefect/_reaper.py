@@ -14,7 +14,9 @@ is not final (*Running*, *Pending*, ...) is marked *Crashed*: the server stamps 
 its clock, so the run's end time and duration stop at the death, not at the next run that would
 notice it (``orphans.py``, still the fallback on a real server). Then, once the server has
 recorded the task-run events the parent sent last, their unfinished task runs are marked
-*Crashed* too, and each process gets SIGKILL. Not SIGTERM: a server told to shut down cancels
+*Crashed* too, their checkpoint artifacts are brought up to date from the commit records
+(``python -m caffe2ckpt.prefect refresh-crashed``, see ``crashed.py``), and each process gets
+SIGKILL. Not SIGTERM: a server told to shut down cancels
 its services mid-write, and each of them prints an ERROR traceback ("Error flushing 1 events")
 into the terminal the parent was started from, after the user's prompt is back. Its SQLite
 database survives a kill like any crash.
@@ -29,13 +31,14 @@ import json
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 import urllib.request
 
 SETTLE_SECONDS = 2.0  #: the server records what the parent sent last
 REQUEST_TIMEOUT = 3.0  #: seconds, per API request
-BUDGET_SECONDS = 20.0  #: for all API work, after which the server is stopped regardless
+BUDGET_SECONDS = 30.0  #: for all API work, after which the server is stopped regardless
 TASKS_STILL_SECONDS = 2.0  #: task-run counts unchanged this long: the server recorded them
 NOT_FINAL = ["SCHEDULED", "PENDING", "RUNNING", "PAUSED", "CANCELLING"]
 PAGE = 200
@@ -154,6 +157,22 @@ def crash_orphans(url: str, owner: str) -> None:
     if flow_run_ids:
         wait_until_recorded(api, flow_run_ids)
         crash_task_runs(api, flow_run_ids, owner)
+        refresh_artifacts(url, flow_run_ids, api.deadline)
+
+
+def refresh_artifacts(url: str, flow_run_ids: list[str], deadline: float) -> None:
+    """Bring the crashed runs' checkpoint artifacts up to date from their records: a process
+    with caffe2ckpt and Prefect (``python -m caffe2ckpt.prefect refresh-crashed``), within the
+    reaper's time budget."""
+    left = deadline - time.monotonic()
+    if left <= 1:
+        return
+    subprocess.run([sys.executable, "-m", "caffe2ckpt.prefect", "refresh-crashed",
+                    "--why", "its process died, and the reaper of its temporary server marked "
+                    "it Crashed", *flow_run_ids],
+                   env={**os.environ, "PREFECT_API_URL": url}, stdin=subprocess.DEVNULL,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=left,
+                   check=False)
 
 
 def read_parent(lines) -> tuple[set[int], dict[str, str]] | None:

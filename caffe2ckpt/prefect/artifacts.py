@@ -72,7 +72,7 @@ from caffe2ckpt.prefect.table import (
 )
 from caffe2ckpt.session import RunEvent
 
-__all__ = ["CheckpointArtifacts", "artifact_key"]
+__all__ = ["CheckpointArtifacts", "artifact_key", "artifact_metadata", "committed_rows"]
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +97,32 @@ def artifact_key(job_name: str, what: str, checkpoint_url: str | None = None) ->
         digest = hashlib.sha256(checkpoint_url.encode()).hexdigest()[:6]
         parts += [folder, digest] if folder else [digest]
     return "-".join(parts + [what])
+
+
+def committed_rows(store: Any, nodes: list[str], this_run: str | None
+                   ) -> dict[int, dict[str, Any]]:
+    """Rows for every epoch committed under ``store`` for ``nodes`` as flow run ``this_run``
+    sees them (records only, as :mod:`caffe2ckpt.history.lineage` defines them; superseded
+    epochs say so)."""
+    family = scan(store, nodes).families.get(frozenset(nodes))
+    if family is None:
+        return {}
+    rows = {s.epoch: checkpoint_row(s.epoch, s.records, this_run) | {"status": SUPERSEDED}
+            for s in family.superseded}
+    rows.update({s.epoch: checkpoint_row(s.epoch, s.records, this_run) for s in family.lineage})
+    return dict(sorted(rows.items()))
+
+
+def artifact_metadata(event: RunEvent) -> dict[str, str]:
+    """What a later reader of the artifacts needs to find their records again (the run's
+    crash handling, :mod:`caffe2ckpt.prefect.crashed`): the prefix, its nodes, the epoch limit."""
+    cm = event.checkpoint_manager
+    if cm is None:
+        return {}
+    return {"caffe2ckpt.url": cm.store.location.canonical_url,
+            "caffe2ckpt.nodes": ",".join(cm.file_nodes()),
+            "caffe2ckpt.max_epochs": "" if event.max_epochs is None else str(event.max_epochs),
+            "caffe2ckpt.job": event.job}
 
 
 class CheckpointArtifacts:
@@ -276,16 +302,7 @@ class CheckpointArtifacts:
             logger.warning("could not update checkpoint artifacts: %s", exc)
 
     def _committed_rows(self, cm: Any) -> dict[int, dict[str, Any]]:
-        """Rows for every epoch committed under the prefix for the job's nodes (records only,
-        as :mod:`caffe2ckpt.history.lineage` defines them; superseded epochs say so)."""
-        family = scan(cm.store, cm.file_nodes()).families.get(frozenset(cm.file_nodes()))
-        if family is None:
-            return {}
-        rows = {s.epoch: checkpoint_row(s.epoch, s.records, flow_run.id) | {"status": SUPERSEDED}
-                for s in family.superseded}
-        rows.update({s.epoch: checkpoint_row(s.epoch, s.records, flow_run.id)
-                     for s in family.lineage})
-        return dict(sorted(rows.items()))
+        return committed_rows(cm.store, cm.file_nodes(), flow_run.id)
 
     # -- one artifact per key per flow run -----------------------------------------------------
 
@@ -326,12 +343,18 @@ class CheckpointArtifacts:
             }
             updates = {"checkpoints": ArtifactUpdate(data=json.dumps(rows)), "progress": bar,
                        "summary": summary}
+            metadata = artifact_metadata(event)
             for what in _KINDS:
                 key = self.key(event, what)
                 artifact_id = self._existing(key)
-                if artifact_id is None:
-                    self._ids[key] = creators[what](key)
-                else:
-                    with get_client(sync_client=True) as client:
-                        client.update_artifact(artifact_id, updates[what])
+                with get_client(sync_client=True) as client:
+                    if artifact_id is None:
+                        self._ids[key] = creators[what](key)
+                        if metadata:
+                            client.update_artifact(self._ids[key],
+                                                   ArtifactUpdate(metadata_=metadata))
+                    else:
+                        update = updates[what]
+                        update.metadata_ = metadata or None
+                        client.update_artifact(artifact_id, update)
             self._last_upload = time.monotonic()

@@ -11,7 +11,9 @@ every *Running* run whose process no longer exists *Crashed*, with its task runs
 finished (submitted or running at the kill; one that never started is named as it would have
 been, ``epoch_group[trainer_1] e7``); their end time is then that later moment. Runs on other
 hosts are left alone (their processes cannot be checked from here); so is a run whose process
-id was reused by a live process (it stays *Running*).
+id was reused by a live process (it stays *Running*). The runs it marks, and the newest runs of
+the flow that others marked *Crashed* (the heartbeat automation, on any host), get their
+checkpoint artifacts brought up to date from the records (:mod:`~caffe2ckpt.prefect.crashed`).
 """
 
 from __future__ import annotations
@@ -35,13 +37,16 @@ from prefect.client.schemas.filters import (
     TaskRunFilterStateType,
 )
 from prefect.client.schemas.objects import TERMINAL_STATES, StateType
+from prefect.client.schemas.sorting import FlowRunSort
 from prefect.runtime import deployment, flow_run
 from prefect.states import Crashed
 
 from caffe2ckpt.prefect._reaper import GENERIC_NAME
+from caffe2ckpt.prefect.crashed import refresh_crashed_run
 
 __all__ = ["claim_and_sweep", "process_id"]
 
+_RECENT_CRASHED = 5  # crashed runs of the flow whose artifacts a new run brings up to date
 NOT_FINAL = [t for t in StateType if t not in TERMINAL_STATES]  #: a run in one may still change
 
 logger = logging.getLogger(__name__)
@@ -93,11 +98,35 @@ def claim_and_sweep() -> list[str]:
                        f" is gone; marked Crashed by flow run {flow_run.name} ({flow_run.id})")
             client.set_flow_run_state(run.id, Crashed(message=message), force=True)
             tasks = _crash_unfinished_tasks(client, run.id, message)
+            _refresh(client, run.id, f"its process ({run.infrastructure_pid}) is gone; flow "
+                                     f"run {flow_run.name} marked it Crashed")
             logger.warning("flow run %s (%s) was left Running by process %s, which is gone: "
                            "marked it and %d unfinished task run(s) Crashed", run.name, run.id,
                            run.infrastructure_pid, tasks)
             crashed.append(run.name)
+        _refresh_marked_elsewhere(client)
     return crashed
+
+
+def _refresh(client: Any, run_id: Any, why: str) -> None:
+    try:
+        refresh_crashed_run(client, run_id, why)
+    except Exception as exc:  # noqa: BLE001 - a view: never stops the run that sweeps
+        logger.warning("could not update the artifacts of crashed flow run %s: %s", run_id, exc)
+
+
+def _refresh_marked_elsewhere(client: Any) -> None:
+    """Runs of this flow marked *Crashed* by others (the heartbeat automation, a worker) whose
+    artifacts were not brought up to date yet (the newest few)."""
+    runs = client.read_flow_runs(
+        flow_filter=FlowFilter(name=FlowFilterName(any_=[flow_run.flow_name])),
+        flow_run_filter=FlowRunFilter(
+            id=FlowRunFilterId(not_any_=[flow_run.id]),
+            state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.CRASHED]))),
+        sort=FlowRunSort.START_TIME_DESC, limit=_RECENT_CRASHED)
+    for run in runs:
+        _refresh(client, run.id, f"marked Crashed ({run.state.message or 'no message'}); "
+                                 f"noticed by flow run {flow_run.name}")
 
 
 def _crash_unfinished_tasks(client: Any, run_id: Any, message: str) -> int:

@@ -7,6 +7,7 @@ task runs recorded as finished."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -111,6 +112,16 @@ def task_runs(tmp_path: Path, infrastructure_pid: str) -> dict[str, str]:
     return dict(rows)
 
 
+def artifacts(tmp_path: Path, infrastructure_pid: str) -> dict[str, str]:
+    """The progress bar's description and the summary of that flow run's artifacts."""
+    with sqlite3.connect(tmp_path / "home" / "prefect.db") as db:
+        rows = db.execute("SELECT a.key, a.description, a.data FROM artifact a JOIN flow_run r "
+                          "ON a.flow_run_id = r.id WHERE r.infrastructure_pid = ?",
+                          (infrastructure_pid,)).fetchall()
+    found = {key.rpartition("-")[2]: (description, data) for key, description, data in rows}
+    return {"progress": found["progress"][0], "summary": json.loads(found["summary"][1])}
+
+
 def recorded(tmp_path: Path, infrastructure_pid: str) -> list[str]:
     """The states of those task runs, or none while the server creates its database."""
     try:
@@ -153,6 +164,12 @@ def test_kill_9_ends_the_run_at_the_kill_and_the_next_run_starts_clean(tmp_path)
     assert abs((end_time(tmp_path, killed) - killed_at).total_seconds()) < AT_DEATH
     # its task runs that never finished (submitted or running at the kill) are Crashed too
     assert set(task_run_states(tmp_path, killed)) <= {"COMPLETED", "CRASHED"}
+    # and its artifacts say so, at the newest epoch it committed (uploads were throttled)
+    newest = max(ref.epoch for ref in list_records(Location(str(ckpt))))
+    shown = artifacts(tmp_path, killed)
+    assert shown["progress"] == f"Job 'regression': Epoch {newest} of 1000 (crashed)", shown
+    assert ("- **Crashed**: its process died, and the reaper of its temporary server marked it "
+            f"Crashed; epoch {newest} is the newest it committed" in shown["summary"]), shown
 
     # enough epochs that the server's task-run recorder lags behind the flow at its end
     second = start(tmp_path, tmp_path / "other", SECOND_EPOCHS, "second.log")

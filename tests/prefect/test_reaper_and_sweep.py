@@ -7,6 +7,7 @@ never finished (on a real Prefect server, where no reaper outlives the process).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import subprocess
@@ -14,13 +15,22 @@ import sys
 import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from uuid import UUID
 
 import pytest
 from prefect import flow, task
+from prefect.client.schemas.actions import ArtifactUpdate
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 from prefect.client.schemas.objects import StateType
+from prefect.runtime import flow_run
 from prefect.settings import PREFECT_API_URL
-from prefect.states import Completed, Pending, Running
+from prefect.states import Completed, Crashed, Pending, Running
 
+from caffe2ckpt import MultiNodeCheckpointManager
+from caffe2ckpt.example import build_job
+from caffe2ckpt.fs.location import Location
+from caffe2ckpt.prefect import PrefectSession, run_job
+from caffe2ckpt.prefect.crashed import refresh_crashed_run
 from caffe2ckpt.prefect.orphans import claim_and_sweep
 
 NO_LONGER = 25.0  #: seconds: a reaper's API work has 20 s at most (_reaper.BUDGET_SECONDS)
@@ -171,3 +181,46 @@ def test_the_reaper_and_the_sweep_agree_on_which_states_are_not_final():
     from caffe2ckpt.prefect import _reaper, orphans
 
     assert sorted(_reaper.NOT_FINAL) == sorted(state.value for state in orphans.NOT_FINAL)
+
+
+def test_a_crashed_runs_artifacts_are_brought_up_to_date_from_its_records(tmp_path, client):
+    """What the reaper's ``refresh-crashed`` and the sweep do for a run marked Crashed: the
+    progress bar at the newest epoch it committed, the table from the records, the summary
+    saying it crashed; once only."""
+    url = str(tmp_path / "ckpt")
+
+    @flow(name="stale-artifacts")
+    def stale() -> str:
+        cm = MultiNodeCheckpointManager(url)
+        run_job(build_job(3), cm, session=PrefectSession(artifacts_interval=3600))
+        return flow_run.id
+
+    run_id = UUID(stale())
+    by_kind = {a.key.rpartition("-")[2]: a for a in client.read_artifacts(
+        artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run_id])))}
+    assert by_kind["progress"].metadata_["caffe2ckpt.url"] == Location(url).canonical_url
+    # as a kill -9 would have left them: throttled uploads missing
+    client.update_artifact(by_kind["progress"].id, ArtifactUpdate(
+        data=33.3, description="Job 'regression': Epoch 1 of 3 (this run started from epoch 0)"))
+    client.update_artifact(by_kind["checkpoints"].id, ArtifactUpdate(data="[]"))
+    client.set_flow_run_state(run_id, Crashed(message="no heartbeat"), force=True)
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
+    out = subprocess.run([sys.executable, "-m", "caffe2ckpt.prefect", "refresh-crashed",
+                          str(run_id)], env=env, capture_output=True, text=True, check=False)
+    assert out.returncode == 0 and "artifacts brought up to date" in out.stdout, out.stderr
+    after = {a.key.rpartition("-")[2]: a for a in client.read_artifacts(
+        artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run_id])))}
+    assert after["progress"].description == "Job 'regression': Epoch 3 of 3 (crashed)"
+    assert after["progress"].data == 100.0
+    assert [row["epoch"] for row in json.loads(after["checkpoints"].data)] == [3, 2, 1, 0]
+    assert "- **Crashed**: marked Crashed; epoch 3 is the newest it committed" in \
+        after["summary"].data
+    assert not refresh_crashed_run(client, run_id, "again")  # once only
+
+
+def test_refresh_crashed_without_an_api_says_what_to_set():
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    for args in (["refresh-crashed", str(UUID(int=1))], ["retry-crashed", "a/b"]):
+        out = subprocess.run([sys.executable, "-m", "caffe2ckpt.prefect", *args], env=env,
+                             capture_output=True, text=True, check=False, timeout=120)
+        assert out.returncode == 2 and "PREFECT_API_URL is not set" in out.stderr, out.stderr

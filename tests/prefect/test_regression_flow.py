@@ -140,13 +140,16 @@ def test_no_deployment_exposes_the_failure_demo_switch():
     """A deployment's parameter form is its flow's signature: fail_at_epoch is in none, and every
     parameter prefect.yaml sets is one the flow takes."""
     deployments = yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]
-    assert {d["name"] for d in deployments} == {"nightly", "nightly-dask"}
+    assert {d["name"] for d in deployments} == {"nightly", "nightly-dask", "evaluate"}
     for deployment in deployments:
         entry = deployment["entrypoint"]
         schema = load_flow_from_entrypoint(str(REPO / entry)).parameters.properties
         assert "fail_at_epoch" not in schema, entry
-        assert set(deployment["parameters"]) <= set(schema), (entry, deployment["parameters"])
-        assert {"epochs_per_run", "resume_from_epoch"} <= set(schema)
+        assert set(deployment.get("parameters", {})) <= set(schema), (entry, deployment)
+        if deployment["name"] == "evaluate":  # an automation passes both, from the event
+            assert {"checkpoint_url", "epoch"} <= set(schema)
+        else:
+            assert {"epochs_per_run", "resume_from_epoch", "checkpoint_block"} <= set(schema)
     nightly = next(d for d in deployments if d["name"] == "nightly")["parameters"]
     assert nightly["epochs_per_run"] >= 1 and nightly["epochs"] > nightly["epochs_per_run"]
 

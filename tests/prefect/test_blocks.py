@@ -1,0 +1,143 @@
+"""Checkpoint prefixes from Prefect blocks (ours, RemoteFileSystem, prefect-aws's S3Bucket) on a
+real S3 server, and a secret kept in a block that is then looked for everywhere a user could
+see it: logs, artifacts, events, flow-run parameters, ``caffe2ckpt ls --json``, error messages
+and every file under the prefix (commit records included)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from uuid import UUID
+
+import numpy as np
+import pytest
+from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterFlowRunId,
+    LogFilter,
+    LogFilterFlowRunId,
+)
+from prefect.filesystems import RemoteFileSystem
+from prefect.settings import PREFECT_API_URL
+from prefect_aws import AwsCredentials, S3Bucket
+
+from caffe2ckpt import MultiNodeCheckpointManager, StepCheckpointManager, read_epoch
+from caffe2ckpt.errors import CheckpointError, InvalidLocationError
+from caffe2ckpt.fs.location import Location
+from caffe2ckpt.prefect import CheckpointStorage
+from tests.prefect.conftest import poll
+from tests.prefect.eventfeed import event_feed
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "flows"))
+from regression import regression  # noqa: E402
+
+SECRET = f"s3cr3t-{uuid.uuid4().hex}"  # what must never be shown
+KEY = f"AKID{uuid.uuid4().hex[:12].upper()}"
+
+
+def _items(block) -> dict[str, dict[str, np.ndarray]]:
+    return {"a": {"w": np.arange(100_000.0), "b": np.ones(3)}}
+
+
+def _round_trip(source) -> None:
+    with StepCheckpointManager(source, handle_preemption=False) as mgr:
+        mgr.save(0, _items(source))
+    with StepCheckpointManager(source, handle_preemption=False) as mgr:
+        assert np.array_equal(mgr.restore(0)["a"]["w"], np.arange(100_000.0))
+    assert read_epoch(source, 0, "a", blobs=["b"])["b"].tolist() == [1.0, 1.0, 1.0]
+
+
+def test_remote_file_system_and_s3_bucket_blocks_name_prefixes(moto_server):
+    bucket = moto_server.new_bucket()
+    endpoint = moto_server.endpoint
+    _round_trip(RemoteFileSystem(basepath=f"s3://{bucket}/rfs",
+                                 settings={"key": KEY, "secret": SECRET,
+                                           "endpoint_url": endpoint}))
+    s3_bucket = S3Bucket(bucket_name=bucket, bucket_folder="aws/run", credentials=AwsCredentials(
+        aws_access_key_id=KEY, aws_secret_access_key=SECRET,
+        aws_client_parameters={"endpoint_url": endpoint}))
+    _round_trip(s3_bucket)
+    s3_bucket.save("ckpt-s3-bucket", overwrite=True)
+    with StepCheckpointManager("prefect-block://s3-bucket/ckpt-s3-bucket",
+                               handle_preemption=False) as mgr:
+        assert mgr.all_steps() == [0] and mgr.directory == f"s3://{bucket}/aws/run"
+
+
+@pytest.mark.parametrize(("reference", "message"), [
+    ("prefect-block://checkpoint-storage/no-such-block", "cannot load block "
+                                                         "checkpoint-storage/no-such-block"),
+    ("prefect-block://checkpoint-storage", "must be prefect-block://<block-type-slug>/<block"),
+    ("prefect-block://secret/ckpt-not-a-location", "names no checkpoint location"),
+])
+def test_a_bad_block_reference_is_refused_naming_it(reference, message):
+    from prefect.blocks.system import Secret
+
+    Secret(value="x").save("ckpt-not-a-location", overwrite=True)
+    with pytest.raises(InvalidLocationError, match=message):
+        StepCheckpointManager(reference, handle_preemption=False)
+
+
+def test_a_non_block_object_is_refused():
+    with pytest.raises(InvalidLocationError, match="must be a path or URL .* got a int"):
+        MultiNodeCheckpointManager(42)
+
+
+def _everything_under(url: str, options: dict) -> bytes:
+    location = Location(url, options)
+    return b"".join(location.fs.cat_file(p) for p in location.fs.find(location.root))
+
+
+def test_a_secret_in_a_block_never_shows(moto_server, seaweedfs_server, client):
+    bucket = moto_server.new_bucket()
+    options = {"key": KEY, "secret": SECRET, "endpoint_url": moto_server.endpoint}
+    CheckpointStorage(url=f"s3://{bucket}/regression",
+                      storage_options=options).save("ckpt-secret", overwrite=True)
+    # SeaweedFS checks signatures: the secret is wrong there, and the error names the prefix
+    # (and the key), never the secret
+    CheckpointStorage(url=f"s3://{seaweedfs_server.new_bucket()}/x", storage_options={
+        "key": "testing", "secret": SECRET, "endpoint_url": seaweedfs_server.endpoint,
+    }).save("ckpt-broken", overwrite=True)
+    shown: list[str] = []
+    with event_feed(["caffe2ckpt.", "prefect.flow-run."]) as feed:
+        final = regression(epochs=3, checkpoint_block="ckpt-secret")
+        feed.wait_for("caffe2ckpt.epoch.committed", lambda es: len(es) >= 4)
+        shown += [e.model_dump_json() for e in feed.received]
+    assert final == 3
+    run_id = next(r.id for r in feed.named("caffe2ckpt.epoch.committed")[0].related
+                  if r.role == "flow-run").removeprefix("prefect.flow-run.")
+    run = client.read_flow_run(UUID(run_id))
+    shown.append(json.dumps(run.parameters))
+    assert run.parameters["checkpoint_block"] == "ckpt-secret"
+    logs = poll(lambda: client.read_logs(log_filter=LogFilter(
+        flow_run_id=LogFilterFlowRunId(any_=[run.id]))),
+        lambda ls: any("Epoch 3 " in log.message for log in ls))
+    shown += [log.message for log in logs]
+    artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
+        flow_run_id=ArtifactFilterFlowRunId(any_=[run.id])))
+    assert len(artifacts) >= 3
+    shown += [json.dumps([a.data, a.description]) for a in artifacts]
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
+    for args in (["ls", "--json"], ["show", "--epoch", "3", "--json"], ["verify", "--json"]):
+        out = subprocess.run([sys.executable, "-m", "caffe2ckpt.cli", args[0],
+                              "prefect-block://checkpoint-storage/ckpt-secret", *args[1:]],
+                             env=env, capture_output=True, text=True, check=False)
+        assert out.returncode == 0, out.stderr
+        shown += [out.stdout, out.stderr]
+    assert json.loads(shown[-2])["summary"]["ok"] == 8  # verify: 2 nodes x epochs 0-3
+    for broken in ("prefect-block://checkpoint-storage/ckpt-broken",
+                   CheckpointStorage.load("ckpt-broken")):
+        with pytest.raises(CheckpointError) as failure:
+            with StepCheckpointManager(broken, handle_preemption=False) as mgr:
+                mgr.save(0, _items(None))
+        shown.append(f"{failure.value!r} {failure.value} {failure.value.__cause__!r}")
+        assert "/x" in str(failure.value)
+    on_storage = _everything_under(f"s3://{bucket}/regression", options)
+    assert len(on_storage) > 1_000_000  # four epochs of two nodes: records, manifests, data
+    assert SECRET.encode() not in on_storage
+    leaks = [text for text in shown if SECRET in text]
+    assert not leaks, leaks[0][:2000]
