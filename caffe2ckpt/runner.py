@@ -252,6 +252,8 @@ class JobRunner:
             saved = "checkpoint NOT saved (see the warning above)"
         else:
             saved = "no checkpoint (the save policy skips this epoch)"
+        if epoch == 0:  # not a training epoch: what init made, saved as epoch 0
+            return f"Init of job {self.job.name!r} done (epoch 0: the save after init); {saved}"
         return f"Epoch {epoch} of job {self.job.name!r} done{values}; {saved}"
 
     def _committed_epoch(self, epoch: int) -> bool:

@@ -40,3 +40,28 @@ def test_the_api_reference_names_every_public_name():
     public |= {f"caffe2ckpt.prefect.{n}" for n in caffe2ckpt.prefect.__all__}
     public |= {f"caffe2ckpt.dask.{n}" for n in caffe2ckpt.dask.__all__}
     assert named == public
+
+
+def test_every_fence_opens_with_a_language_and_closes_bare():
+    """A stray fence (a code fragment pasted outside its block) turns the rest of a page inside
+    out, yet builds: every block opens with its language (``text`` for drawings and output) and
+    closes with a bare fence."""
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    for page in pages:
+        inside = False
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            if not line.strip().startswith("```"):
+                continue
+            tag = line.strip()[3:]
+            where = f"{page.relative_to(REPO)}:{number}"
+            assert bool(tag) != inside, f"{where}: a fence that {'closes' if inside else 'opens'}" \
+                                        f" a block must be {'bare' if inside else 'tagged'}"
+            inside = not inside
+        assert not inside, f"{page.relative_to(REPO)}: a block is never closed"
+
+
+def test_every_image_under_docs_is_shown_by_a_page():
+    text = "".join(p.read_text() for p in [REPO / "README.md", *(REPO / "docs").glob("*.md")])
+    images = [p for p in (REPO / "docs").rglob("*.png")]
+    unused = [str(p.relative_to(REPO)) for p in images if p.name not in text]
+    assert not unused, f"images no page shows (the site would copy them): {unused}"

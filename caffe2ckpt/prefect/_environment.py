@@ -17,6 +17,9 @@ def apply() -> None:
       this process inherits the environment, and its analytics service otherwise logs an ERROR
       on every start offline ("Failed to send telemetry") and can hold a new database's lock
       during a first run ("database is locked"). Set it to "true" to keep Prefect's analytics;
+    - ``PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120`` unless set: Prefect's 20 s is
+      too short for a temporary server on a busy 2-core machine (a first run timed out). Like
+      the analytics switch, it counts only if this package is imported before prefect;
     - the ``caffe2ckpt`` logger gets the handlers Prefect gives its extra loggers (the flow run
       log shipper among them) and their level. Prefect hands them over when it sets up logging,
       on its first import; if prefect was imported before this package, caffe2ckpt was not
@@ -29,6 +32,7 @@ def apply() -> None:
         os.environ["PREFECT_LOGGING_EXTRA_LOGGERS"] = ",".join([*extra, "caffe2ckpt"])
     os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
     import prefect.main  # noqa: F401 - sets Prefect's logging up (unless it was already)
 

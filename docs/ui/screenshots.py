@@ -8,7 +8,10 @@ attempt 1 fails, attempt 2 resumes, so the summary says why attempt 2 ran and it
 both) in a temporary folder, checkpointing to the relative ``checkpoints/regression`` so that
 no machine's temporary path shows in the pages, then opens the
 flow run's summary, checkpoints and progress artifact pages in Chromium and saves a PNG of each
-(``summary.png``, ``checkpoints.png``, ``progress.png``) in ``--out``. It checks what the
+(``summary.png``, ``checkpoints.png``, ``progress.png``) in ``--out``; then registers the
+Checkpoint Storage block type, saves one such block, and saves the Event Feed (``events.png``:
+the run's ``caffe2ckpt.epoch.committed`` events) and the block's page in the UI's Blocks
+section (``blocks.png``: its URL shown, its storage options masked, the secret nowhere). It checks what the
 browser rendered, not what was sent: the summary page must show the chart (an ``<img>`` whose
 source is an SVG data URL and whose alt text starts with ``caffe2ckpt-chart``), the table page
 a table whose first row is the newest epoch, the progress page the epoch against the target.
@@ -162,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             artifacts = api(api_url, "/artifacts/filter",
                             {"artifacts": {"flow_run_id": {"any_": [runs[0]["id"]]}}})
             browser = Browser(chromium, work / "profile")
-            missing = []
+            missing = prefect_pages(api_url, env, work, browser, args.out)
             for kind, (what, check) in checks(args.epochs).items():
                 found = [a for a in artifacts if (a["key"] or "").endswith(f"-{kind}")]
                 if len(found) != 1:
@@ -179,6 +182,43 @@ def main(argv: list[str] | None = None) -> int:
     for line in missing:
         print(f"missing: {line}", file=sys.stderr)
     return 1 if missing else 0
+
+
+BLOCK = ("from caffe2ckpt.prefect import CheckpointStorage; CheckpointStorage("
+         "url='s3://checkpoints/regression', storage_options={'endpoint_url': "
+         "'http://127.0.0.1:8333', 'key': 'demo', 'secret': 'demo-secret'})"
+         ".save('nightly-checkpoints', overwrite=True)")
+
+
+def prefect_pages(api_url: str, env: dict[str, str], work: Path, browser: Browser,
+                  out: Path) -> list[str]:
+    """The Event Feed right after the run (its newest events: the run's end and its last
+    ``caffe2ckpt.epoch.committed``), then the Blocks page once a Checkpoint Storage block is
+    registered and saved: screenshots ``events.png`` and ``blocks.png``; what is missing."""
+    ui = api_url.removesuffix("/api")
+    missing = _page(browser, f"{ui}/events?events=caffe2ckpt.epoch.committed",
+                    out / "events.png", "the committed epochs",
+                    lambda dom: "caffe2ckpt.epoch.committed" in dom)
+    for argv in ([sys.executable, "-m", "prefect", "block", "register", "-m",
+                  "caffe2ckpt.prefect.blocks"], [sys.executable, "-c", BLOCK]):
+        subprocess.run(argv, env=env, cwd=work, capture_output=True, check=True, timeout=120)
+    block = api(api_url, "/block_documents/filter", {"limit": 1})[0]
+    return missing + _page(browser, f"{ui}/blocks/block/{block['id']}", out / "blocks.png",
+                           "the Checkpoint Storage block, its secret masked",
+                           lambda dom: "nightly-checkpoints" in dom and "Checkpoint Storage" in
+                           dom and "********" in dom and "demo-secret" not in dom)
+
+
+def _page(browser: Browser, page: str, png: Path, what: str, check) -> list[str]:
+    """Screenshot ``page`` to ``png`` once it renders what ``check`` looks for."""
+    for _ in range(3):
+        if check(browser.dom(page)):
+            break
+    else:
+        return [f"{png.stem}: {page} does not show {what}"]
+    browser.screenshot(page, png)
+    print(f"{png.stem}: {png} ({page})")
+    return []
 
 
 if __name__ == "__main__":

@@ -141,3 +141,14 @@ def test_a_secret_in_a_block_never_shows(moto_server, seaweedfs_server, client):
     assert SECRET.encode() not in on_storage
     leaks = [text for text in shown if SECRET in text]
     assert not leaks, leaks[0][:2000]
+
+
+def test_the_block_type_registers_for_the_blocks_page(client):
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
+    out = subprocess.run(["prefect", "block", "register", "-m", "caffe2ckpt.prefect.blocks"],
+                         env=env, capture_output=True, text=True, check=False, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    block_type = client.read_block_type_by_slug("checkpoint-storage")
+    assert block_type.name == "Checkpoint Storage"
+    schema = client.get_most_recent_block_schema_for_block_type(block_type.id)
+    assert schema.fields["secret_fields"] == ["storage_options.*"]  # kept encrypted, masked

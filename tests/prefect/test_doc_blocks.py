@@ -159,7 +159,7 @@ def test_the_deployment_block_runs_in_order(tmp_path):
     shutil.copy(REPO / "prefect.yaml", tmp_path)
     env = _block_env(tmp_path, own_server=True)
     code, text, leftovers = _run_block(block.replace("4200", str(free_port())), tmp_path, env,
-                                       logs=["worker.log"])
+                                       logs=["scratch/worker.log"])
     assert code == 0, f"the block exited {code}:\n{text}"
     assert "Flow run finished successfully in 'Completed'" in text, text
     assert "Server stopped!" in text and not leftovers, (leftovers, text)
@@ -221,10 +221,11 @@ def test_the_dask_block_runs_in_order(tmp_path):
     port = str(free_port())
     block = _without_pip(doc_blocks("bash")["docs/dask.md > Scale-out with Dask #1"])
     flow = python_blocks()["docs/dask.md > Scale-out with Dask #1"]
-    (tmp_path / "my_cluster_flow.py").write_text(flow.replace("8786", port))
+    env = _block_env(tmp_path)
+    (Path(env["TMPDIR"]) / "my_cluster_flow.py").write_text(flow.replace("8786", port))
     assert block.rstrip().endswith("# when you are done: stop the workers, then the scheduler")
-    code, text, leftovers = _run_block(block.replace("8786", port), tmp_path,
-                                       _block_env(tmp_path), logs=["dask.log"])
+    code, text, leftovers = _run_block(block.replace("8786", port), tmp_path, env,
+                                       logs=["scratch/dask.log"])
     assert code == 0 and not leftovers, f"the block exited {code} ({leftovers}):\n{text}"
     assert "final epoch: 10" in text.splitlines() and "10" in text.splitlines(), text
     assert _resume_epoch(tmp_path / "checkpoints" / "cluster") == 10
@@ -238,8 +239,9 @@ def _block_env(tmp_path: Path, own_server: bool = False) -> dict[str, str]:
     running), and the harness's server unless the block starts its own."""
     venv_bin = str(Path(sys.executable).parent)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    (tmp_path / "scratch").mkdir(exist_ok=True)
     env.update(PREFECT_HOME=str(tmp_path / "home"), PATH=f"{venv_bin}:{env.get('PATH', '')}",
-               PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))
+               PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO), TMPDIR=str(tmp_path / "scratch"))
     if not own_server:
         env["PREFECT_API_URL"] = PREFECT_API_URL.value()
     return env
@@ -267,6 +269,11 @@ def _run_block(script: str, tmp_path: Path, env: dict, *, logs: tuple | list = (
         if not keep_running:
             leftovers = _stop_leftovers(tmp_path, env)
     text = log.read_text(errors="replace")
+    # a block leaves nothing in the directory it runs in (the repository, for a user) but the
+    # checkpoints it writes: logs, data and files to save go to $TMPDIR
+    left = {p.name for p in tmp_path.iterdir()} - {"flows", "prefect.yaml", "block.sh",
+                                                   "block.log", "home", "scratch", "checkpoints"}
+    assert not left, f"the block left {sorted(left)} in the directory it ran in"
     for name in logs:
         path = tmp_path / name
         text += f"\n--- {name}:\n" + (path.read_text(errors="replace")[-6000:]

@@ -1,7 +1,9 @@
 """The artifacts as a user sees them: ``docs/ui/screenshots.py`` runs the failure demo on a real
 ``prefect server`` and checks, in headless Chromium, that the summary page shows the chart and
 why attempt 2 ran, the table page the newest epoch first and the progress page the epoch
-against the target; then it saves the screenshots (``docs/ui/*.png`` are such screenshots)."""
+against the target, the Event Feed the committed epochs and a Checkpoint Storage block's page
+its storage options masked; then it saves the screenshots (``docs/ui/*.png`` are such
+screenshots)."""
 
 from __future__ import annotations
 
@@ -26,6 +28,6 @@ def test_the_artifact_pages_render_the_chart_the_table_and_the_progress(tmp_path
     out = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path), "--epochs", "6"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
-    for kind in ("summary", "checkpoints", "progress"):
+    for kind in ("summary", "checkpoints", "progress", "events", "blocks"):
         png = (tmp_path / f"{kind}.png").read_bytes()
         assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000, (kind, len(png))
