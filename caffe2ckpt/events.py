@@ -6,8 +6,9 @@ Names, each with its payload (every payload also has ``job`` when a job is known
 
 - ``caffe2ckpt.epoch.committed``: ``epoch``, ``nodes`` (names), ``bytes`` (the epoch's data),
   ``bytes_written`` (what this save wrote: less for a differential save), ``seconds``,
-  ``kind`` (``"whole"`` or ``"delta"``), ``metrics``, ``kept`` (how many epochs the prefix keeps
-  after this commit and its retention);
+  ``kind`` (``"whole"`` or ``"delta"``), ``metrics``, ``kept`` (how many epochs the lineage
+  keeps after this commit and its retention; None when that is not known without listing the
+  prefix: a JobRunner without retention. An event never costs a LIST);
 - ``caffe2ckpt.save.failed``: ``epoch``, ``node`` (None when the failure is not one node's),
   ``error`` (its class) and ``message``;
 - ``caffe2ckpt.run.resumed``: ``epoch``, ``reason`` (``"resume"``: the newest epoch, which the

@@ -446,7 +446,7 @@ class JobRunner:
         if self.options is not None and self.options.has_retention:
             self._retain(session, cm)
         events.publish(events.EPOCH_COMMITTED, _url(cm), lambda: events.committed_payload(
-            outcome.records, kept=sum(1 for _ in cm.lineage())), job=self.job.name)
+            outcome.records, kept=cm.current().known_count()), job=self.job.name)
 
     def _publish_damage(self, cm: BaseCheckpointManager, epoch: int, exc: Exception) -> None:
         if isinstance(exc, CheckpointCorruptedError):
@@ -526,9 +526,10 @@ def _resume_reason(cm: BaseCheckpointManager, epoch: int, *, automatic: bool, el
             return "elastic"
         if fell_back:
             return "fallback"
+        if automatic:  # the newest epoch (a user's own choice is compared with it)
+            return "resume"
         newest = next(cm.lineage(), None)
-        return "going back" if not automatic and newest is not None and newest.epoch > epoch \
-            else "resume"
+        return "going back" if newest is not None and newest.epoch > epoch else "resume"
     return reason
 
 

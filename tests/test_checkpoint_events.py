@@ -8,7 +8,7 @@ import logging
 import numpy as np
 import pytest
 
-from caffe2ckpt import StepCheckpointManager, events
+from caffe2ckpt import StepCheckpointManager, StepManagerOptions, events
 
 
 class Collected:
@@ -37,7 +37,8 @@ def subscribed(request):
 
 
 def _save_two_and_restore(url: str) -> None:
-    with StepCheckpointManager(url, handle_preemption=False) as mgr:
+    with StepCheckpointManager(url, handle_preemption=False,
+                               options=StepManagerOptions(max_to_keep=3)) as mgr:
         mgr.save(0, {"a": {"w": np.zeros(4)}}, metrics={"loss": float("nan")})
         mgr.save(1, {"a": {"w": np.ones(4)}})
         mgr.restore(0)
@@ -50,7 +51,8 @@ def test_a_step_manager_publishes_commits_and_restores(tmp_path, subscribed):
                      (events.RUN_RESUMED, 0)]
     first = subscribed.events[0]
     assert first.url == "file://" + str(tmp_path / "ck") and first.job is None
-    assert first.payload["metrics"] == {"loss": "nan"} and first.payload["kept"] == 1
+    assert first.payload["metrics"] == {"loss": "nan"}
+    assert [e.payload.get("kept") for e in subscribed.events[:2]] == [1, 2]  # from retention
     assert subscribed.events[2].payload["reason"] == "going back"
 
 
@@ -79,3 +81,37 @@ def test_no_payload_is_built_when_no_subscriber_listens(subscribed):
 ])
 def test_an_event_url_carries_no_credentials_or_query(url, public):
     assert events.public_url(url) == public
+
+
+def _lists(with_subscriber: bool) -> tuple[int, int]:
+    """LISTs of five more saves of a step manager and of a resumed JobRunner's five epochs."""
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    from caffe2ckpt import JobRunner, LocalSession, MultiNodeCheckpointManager
+    from caffe2ckpt.example import build_job
+    from tests.faultfs import FaultyFileSystem
+
+    unsubscribe = events.subscribe(Collected()) if with_subscriber else (lambda: None)
+    try:
+        fs = FaultyFileSystem(MemoryFileSystem())
+        root = f"/lists-{with_subscriber}"
+        with StepCheckpointManager(root + "/steps", filesystem=fs,
+                                   handle_preemption=False) as mgr:
+            mgr.save(0, {"a": {"w": np.zeros(10)}})
+            fs.reset()
+            for step in range(1, 6):
+                mgr.save(step, {"a": {"w": np.full(10, step)}})
+            steps = fs.counts["list"]
+        JobRunner(build_job(1), MultiNodeCheckpointManager(root + "/job", filesystem=fs)).train(
+            LocalSession())
+        fs.reset()
+        JobRunner(build_job(6), MultiNodeCheckpointManager(root + "/job", filesystem=fs)).train(
+            LocalSession())
+        return steps, fs.counts["list"]
+    finally:
+        unsubscribe()
+        MemoryFileSystem.store.clear()
+
+
+def test_an_event_costs_no_listing():
+    assert _lists(with_subscriber=True) == _lists(with_subscriber=False)

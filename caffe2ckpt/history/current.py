@@ -65,6 +65,7 @@ class CurrentRun:
         self._last_epoch: int | None = None  # the newest epoch the current run saved
         self._last_save: str | None = None  # and the id of that save
         self._family: Family | None = None  # the lineage view, once read
+        self._counted: int | None = None  # lineage saves after the last retention, if since
         self._reading: History | None = None  # the one reading of a resume
         self._newest_read: Any = _UNSET  # the newest save as a resume found it
         self._resolved: Save | None = None  # the last save a decision gave (for _vouch only)
@@ -197,6 +198,7 @@ class CurrentRun:
         """``save`` was committed: by the current run, or (an explicit claim) by another one,
         after which the view is read again when needed. The run's first commit marks it in the
         run log: from then on it has taken over the family's history."""
+        self._counted = None  # the next retention counts again
         if self.run is None or save.generation != self.run.generation:
             self.forget()
             return
@@ -373,8 +375,17 @@ class CurrentRun:
         generation, nodes = self._fence()
         removed = remove_saves(self.store, plan.delete, fence=generation, nodes=nodes,
                                doing="apply retention", references=self._references(family))
-        self._family = family.without(removed) if self._keeps() else None
+        left = family.without(removed)
+        self._family = left if self._keeps() else None
+        self._counted = len(left.lineage)
         return removed
+
+    def known_count(self) -> int | None:
+        """How many saves the lineage holds, if known without reading the prefix: from the
+        kept view, or from the retention that just ran; else None."""
+        if self._family is not None and self._keeps():
+            return len(self._family.lineage)
+        return self._counted
 
     def _stands(self, family: Family, plan: RetentionPlan) -> bool:
         """Whether the lineage saves ``plan`` keeps newer than the oldest lineage save it

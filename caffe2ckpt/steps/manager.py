@@ -440,8 +440,8 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
                            "steps: %s (caffe2ckpt gc removes them later)", save.epoch,
                            self._store.location.display(), exc)
         events.publish(events.EPOCH_COMMITTED, self._url,
-                       lambda: events.committed_payload(
-                           save.records, kept=sum(1 for _ in current.lineage())))
+                       lambda: events.committed_payload(save.records,
+                                                        kept=current.known_count()))
 
     # -- reading ---------------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ from prefect import flow
 from prefect.runtime import flow_run
 from prefect.settings import PREFECT_API_URL
 
-from caffe2ckpt import MultiNodeCheckpointManager, StepCheckpointManager
+from caffe2ckpt import MultiNodeCheckpointManager, StepCheckpointManager, StepManagerOptions
 from caffe2ckpt.errors import CheckpointCorruptedError, CheckpointWriteError
 from caffe2ckpt.example import build_job
 from caffe2ckpt.fs.location import Location
@@ -41,7 +41,8 @@ def test_a_retried_job_run_sends_its_commits_and_its_resume(tmp_path):
     def evented() -> str:
         job = build_job(4, fail_at_epoch=3 if flow_run.run_count == 1 else None)
         cm = MultiNodeCheckpointManager(url, metadata_handler=ZarrMetadataHandler())
-        run_job(job, cm, session=PrefectSession(artifacts=False))
+        run_job(job, cm, session=PrefectSession(artifacts=False),
+                options=StepManagerOptions(max_to_keep=10))  # retention counts what is kept
         return flow_run.id
 
     with event_feed() as feed:
