@@ -29,7 +29,7 @@ def test_the_docs_error_tree_names_every_public_error():
     from pathlib import Path
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "concepts.md").read_text()
-    tree = text.split("## Errors", 1)[1].split("```")[1]
+    tree = text.split("## Errors", 1)[1].split("```text\n")[1].split("```")[0]
     named = {line.strip("│├└─ ").split(" ")[0] for line in tree.splitlines() if line.strip()}
     assert named == set(errors.__all__)
 

@@ -55,6 +55,7 @@ from __future__ import annotations
 import json
 import posixpath
 import re
+import reprlib
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -114,8 +115,8 @@ def resolve_source(url: Any, storage_options: dict[str, Any] | None = None
         return url, storage_options
     raise InvalidLocationError(
         f"a checkpoint prefix must be a path or URL (a str), or a storage block once its "
-        f"integration is imported (Prefect blocks: import caffe2ckpt.prefect); got a "
-        f"{type(url).__name__}")
+        f"integration is imported (Prefect blocks: import caffe2ckpt.prefect); got "
+        f"{reprlib.repr(url)} (of type {type(url).__name__})")
 
 
 def _resolve(url: str, storage_options: dict[str, Any] | None,

@@ -83,7 +83,8 @@ def test_a_bad_block_reference_is_refused_naming_it(reference, message):
 
 
 def test_a_non_block_object_is_refused():
-    with pytest.raises(InvalidLocationError, match="must be a path or URL .* got a int"):
+    with pytest.raises(InvalidLocationError,
+                       match=r"must be a path or URL .* got 42 \(of type int\)"):
         MultiNodeCheckpointManager(42)
 
 
