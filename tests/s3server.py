@@ -28,8 +28,8 @@ from typing import Any
 
 import pytest
 
-__all__ = ["KINDS", "NOT_ON_S3", "S3Server", "prefix_kind", "s3_params", "start",
-           "storage_cases"]
+__all__ = ["KINDS", "NOT_ON_S3", "S3Server", "on_one_s3_server", "prefix_kind", "s3_params",
+           "start", "storage_cases"]
 
 CREDENTIALS = {"key": "testing", "secret": "testing"}
 KINDS = ("moto", "seaweedfs")
@@ -171,6 +171,17 @@ def prefix_kind(prefix: str) -> str:
 # of pure logic (parsing, dtype encoding, refusals before any write) gain nothing from S3 beyond
 # the cases that exercise its I/O, and each S3 request costs milliseconds.
 NOT_ON_S3 = pytest.mark.parametrize("prefix", ["memory", "local"], indirect=True)
+
+
+def on_one_s3_server(kind: str) -> pytest.MarkDecorator:
+    """Parametrize ``prefix`` as memory, local and the S3 server ``kind`` only (marked slow):
+    for a test of logic above the storage layer whose S3 I/O (reads, writes, ranged reads)
+    other tests check on both servers, and which costs seconds per server."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown S3 server kind {kind!r} (use one of {KINDS})")
+    return pytest.mark.parametrize(
+        "prefix", ["memory", "local", pytest.param(f"s3-{kind}", marks=pytest.mark.slow)],
+        indirect=True)
 
 
 def storage_cases(argnames: str, values: list[Any], *, s3: list[Any]) -> pytest.MarkDecorator:

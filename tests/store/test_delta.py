@@ -1,7 +1,13 @@
 """Differential saves through the public step API: what each save writes (a span of each large
 blob in turn and its changed rows), what the writer keeps in memory (8-byte row digests and the
 union of hints, never a copy), and that every kept step restores bit for bit whatever retention,
-gc, deletes and damage did to the chains."""
+gc, deletes and damage did to the chains.
+
+Each test runs on memory, local and S3. On S3, the tests of what deletes, gc, empty blobs and
+hints do run on both servers (moto and SeaweedFS); the long checks of the delta logic above
+the storage layer (restores across chains, bytes written, plain zarr reads, async saves, the
+CLI, damage) each run on one of them: what they ask of S3 (writes, whole and ranged reads,
+listings) the other tests here and tests/store/test_s3.py check on both."""
 
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ from caffe2ckpt.store.layout import new_save_id
 from caffe2ckpt.store.protocol import SaveInfo
 from caffe2ckpt.store.records import delete_record
 from tests.faultfs import FaultyFileSystem
+from tests.s3server import on_one_s3_server
 from tests.stores import gone, open_store, unreferenced_groups
 
 ROWS = 4096
@@ -119,7 +126,11 @@ def check_all(prefix: str, states: dict[int, dict[str, np.ndarray]]) -> list[int
     return steps
 
 
-@pytest.mark.parametrize("detection", ["compare", "hints"])
+@pytest.mark.parametrize("prefix, detection", [
+    *[(kind, detection) for kind in ("memory", "local") for detection in ("compare", "hints")],
+    pytest.param("s3-moto", "compare", marks=pytest.mark.slow),
+    pytest.param("s3-seaweedfs", "hints", marks=pytest.mark.slow),
+], indirect=["prefix"])
 def test_every_kept_step_restores_bit_exact_across_chains_and_retention(prefix, detection):
     model, states = Model(), {}
     opts = options(delta_detection=detection, max_to_keep=2, keep_period=5)
@@ -171,6 +182,7 @@ def test_a_delta_writes_a_span_the_changed_rows_and_nothing_for_unchanged_blobs(
     assert not [name for name in files if name.startswith("emb")]  # the table is not whole
 
 
+@on_one_s3_server("seaweedfs")
 def test_every_save_writes_about_the_same_and_needs_at_most_the_chain(prefix):
     """Rolling spans: no save after the first is whole, each writes about a part of every
     table and its changed rows, and needs at most ``max_delta_chain`` older groups."""
@@ -232,6 +244,7 @@ def test_a_hint_that_misses_rows_is_written_and_reported_never_damage(prefix, ca
     assert "node 'n0', blob 't': 1 changed row(s) were not in the changed-rows hints" in warning
 
 
+@on_one_s3_server("moto")
 def test_chains_are_bounded_by_length_and_by_overlay_bytes(prefix):
     model = Model()
     with StepCheckpointManager(prefix, options=options(max_delta_chain=2),
@@ -331,6 +344,7 @@ def test_gc_keeps_every_chain_a_kept_step_needs_and_sweeps_the_rest(prefix, caps
     assert unreferenced_groups(open_store(prefix)) == []
 
 
+@on_one_s3_server("seaweedfs")
 def test_a_damaged_base_is_found_in_every_step_built_on_it(prefix):
     model, states = Model(), {}
     with StepCheckpointManager(prefix, options=options(), handle_preemption=False) as mgr:
@@ -348,6 +362,7 @@ def test_a_damaged_base_is_found_in_every_step_built_on_it(prefix):
         assert_same(r.restore(3, blobs=["fortran"])["n0"], {"fortran": states[3]["fortran"]})
 
 
+@on_one_s3_server("seaweedfs")
 def test_async_differential_saves_restore_bit_exact(prefix):
     model, states = Model(), {}
     opts = options(enable_async_checkpointing=True, max_to_keep=3)
@@ -358,6 +373,7 @@ def test_async_differential_saves_restore_bit_exact(prefix):
                                                  key=lambda r: r.epoch)] == [True, True, True]
 
 
+@on_one_s3_server("seaweedfs")
 def test_every_kept_step_reads_bit_exact_through_plain_zarr(prefix, tmp_path):
     model, states = Model(), {}
     with StepCheckpointManager(prefix, options=options(max_to_keep=3),
@@ -410,6 +426,7 @@ def read_plain_group(group) -> dict[str, np.ndarray]:
     return out
 
 
+@on_one_s3_server("seaweedfs")
 def test_the_cli_tells_deltas_pinned_groups_and_materializes(prefix, tmp_path, capsys):
     model = Model()
     with StepCheckpointManager(prefix, options=options(), handle_preemption=False) as mgr:
