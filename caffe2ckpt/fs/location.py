@@ -88,6 +88,7 @@ _INCOMPLETE = (json.JSONDecodeError, UnicodeDecodeError)
 # its storage options, or return None for a source they do not know. caffe2ckpt.prefect
 # registers one when it is imported.
 SourceResolver = Callable[[Any], "tuple[str, dict[str, Any]] | None"]
+BLOCK_REFERENCE = "prefect-block://"  # what caffe2ckpt.prefect.blocks resolves
 _SOURCES: list[SourceResolver] = []
 
 
@@ -111,6 +112,11 @@ def resolve_source(url: Any, storage_options: dict[str, Any] | None = None
             resolved, options = found
             merged = {**options, **(storage_options or {})}
             return resolved, merged or None
+    if isinstance(url, str) and url.startswith(BLOCK_REFERENCE):
+        raise InvalidLocationError(
+            f"checkpoint prefix {url!r} names a Prefect block: it is read once "
+            "caffe2ckpt.prefect is imported (the caffe2ckpt command: with PREFECT_API_URL set "
+            "to the server holding the block)")
     if isinstance(url, str):
         return url, storage_options
     raise InvalidLocationError(

@@ -30,11 +30,11 @@ from prefect.types import SecretDict
 from pydantic import Field
 
 from caffe2ckpt.errors import InvalidLocationError
-from caffe2ckpt.fs.location import register_source
+from caffe2ckpt.fs.location import BLOCK_REFERENCE, register_source
 
 __all__ = ["BLOCK_SCHEME", "CheckpointStorage", "block_location", "register"]
 
-BLOCK_SCHEME = "prefect-block://"
+BLOCK_SCHEME = BLOCK_REFERENCE
 
 
 class CheckpointStorage(Block):

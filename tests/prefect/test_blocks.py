@@ -153,3 +153,12 @@ def test_the_block_type_registers_for_the_blocks_page(client):
     assert block_type.name == "Checkpoint Storage"
     schema = client.get_most_recent_block_schema_for_block_type(block_type.id)
     assert schema.fields["secret_fields"] == ["storage_options.*"]  # kept encrypted, masked
+
+
+def test_a_block_reference_without_a_prefect_api_says_what_to_set(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    out = subprocess.run([sys.executable, "-m", "caffe2ckpt.cli", "ls",
+                          "prefect-block://checkpoint-storage/nightly"], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, check=False, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert "names a Prefect block" in out.stderr and "PREFECT_API_URL" in out.stderr
