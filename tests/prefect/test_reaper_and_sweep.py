@@ -184,37 +184,38 @@ def test_the_reaper_and_the_sweep_agree_on_which_states_are_not_final():
 
 
 def test_a_crashed_runs_artifacts_are_brought_up_to_date_from_its_records(tmp_path, client):
-    """What the reaper's ``refresh-crashed`` and the sweep do for a run marked Crashed: the
+    """A run another party marked Crashed (here by hand, as the heartbeat automation does) with
+    its artifacts as a kill -9 leaves them: the next run of its flow sweeps it, setting the
     progress bar at the newest epoch it committed, the table from the records, the summary
     saying it crashed; once only."""
     url = str(tmp_path / "ckpt")
 
     @flow(name="stale-artifacts")
-    def stale() -> str:
-        cm = MultiNodeCheckpointManager(url)
-        run_job(build_job(3), cm, session=PrefectSession(artifacts_interval=3600))
+    def stale(train: bool = True) -> str:
+        if train:
+            cm = MultiNodeCheckpointManager(url)
+            run_job(build_job(3), cm, session=PrefectSession(artifacts_interval=3600))
+        else:  # the next run's start: what run_job does first
+            claim_and_sweep()
         return flow_run.id
 
     run_id = UUID(stale())
     by_kind = {a.key.rpartition("-")[2]: a for a in client.read_artifacts(
         artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run_id])))}
     assert by_kind["progress"].metadata_["caffe2ckpt.url"] == Location(url).canonical_url
-    # as a kill -9 would have left them: throttled uploads missing
     client.update_artifact(by_kind["progress"].id, ArtifactUpdate(
         data=33.3, description="Job 'regression': Epoch 1 of 3 (this run started from epoch 0)"))
     client.update_artifact(by_kind["checkpoints"].id, ArtifactUpdate(data="[]"))
     client.set_flow_run_state(run_id, Crashed(message="no heartbeat"), force=True)
-    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
-    out = subprocess.run([sys.executable, "-m", "caffe2ckpt.prefect", "refresh-crashed",
-                          str(run_id)], env=env, capture_output=True, text=True, check=False)
-    assert out.returncode == 0 and "artifacts brought up to date" in out.stdout, out.stderr
+    stale(train=False)
     after = {a.key.rpartition("-")[2]: a for a in client.read_artifacts(
         artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run_id])))}
     assert after["progress"].description == "Job 'regression': Epoch 3 of 3 (crashed)"
     assert after["progress"].data == 100.0
     assert [row["epoch"] for row in json.loads(after["checkpoints"].data)] == [3, 2, 1, 0]
-    assert "- **Crashed**: marked Crashed; epoch 3 is the newest it committed" in \
-        after["summary"].data
+    assert ("- **Crashed**: marked Crashed (no heartbeat); noticed by flow run "
+            in after["summary"].data), after["summary"].data
+    assert "epoch 3 is the newest it committed" in after["summary"].data
     assert not refresh_crashed_run(client, run_id, "again")  # once only
 
 
