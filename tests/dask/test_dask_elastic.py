@@ -1,10 +1,8 @@
 """An elastic resume on Dask: a job saved by 4 nodes on a cluster of 4 workers (one node each)
-resumes, after the cluster shrank to 2 workers, as a job of 2 nodes, each loading its share of
+resumes on a cluster of 2 workers as a job of 2 nodes, each loading its share of
 the table on its own worker (both partitions)."""
 
 from __future__ import annotations
-
-import time
 
 import numpy as np
 import pytest
@@ -14,36 +12,30 @@ from tests.elastic.elasticjob import build, layout, reference, share
 
 pytest.importorskip("distributed")
 from caffe2ckpt.dask import DaskSession
-from tests.daskcluster import local_cluster
+from tests.daskcluster import client_of, local_cluster
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("partition", ["range", "mod"])
 def test_a_job_saved_on_4_workers_resumes_on_2(tmp_path, partition):
-    import distributed
-
     url = str(tmp_path / "ckpt")
-    with local_cluster(4) as cluster, distributed.Client(cluster) as client:
-        client.wait_for_workers(4, timeout=60)
-        with DaskSession(client) as session:
-            JobRunner(build(4, 3, partition), MultiNodeCheckpointManager(
-                url, layout=layout(partition))).train(session)
-            assert len({session.worker_of(f"trainer_{k}") for k in range(4)}) == 4
-        cluster.scale(2)
-        client.wait_for_workers(2, timeout=60)
-        deadline = time.monotonic() + 60
-        while len(client.scheduler_info()["workers"]) > 2:  # the retired ones gone
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
-        with DaskSession(client) as session:
-            runner = JobRunner(build(2, 5, partition),
-                               MultiNodeCheckpointManager(url, layout=layout(partition)))
-            runner.train(session)
-            assert runner.resumed_from == 3
-            table, weights = reference(5)
-            for k in range(2):
-                ws = session.workspace(f"trainer_{k}")
-                assert ws["emb"].tobytes() == share(table, partition, k, 2).tobytes()
-                assert np.array_equal(ws["w"], weights)
-            assert len({session.worker_of(f"trainer_{k}") for k in range(2)}) == 2
+    with local_cluster(4) as cluster, client_of(cluster) as client, \
+            DaskSession(client) as session:
+        JobRunner(build(4, 3, partition), MultiNodeCheckpointManager(
+            url, layout=layout(partition))).train(session)
+        assert len({session.worker_of(f"trainer_{k}") for k in range(4)}) == 4
+    # the next run gets a cluster of 2 workers (a new one: scaling a LocalCluster down races
+    # its close in distributed, a KeyError in _update_worker_status seen once in CI)
+    with local_cluster(2) as cluster, client_of(cluster) as client, \
+            DaskSession(client) as session:
+        runner = JobRunner(build(2, 5, partition),
+                           MultiNodeCheckpointManager(url, layout=layout(partition)))
+        runner.train(session)
+        assert runner.resumed_from == 3
+        table, weights = reference(5)
+        for k in range(2):
+            ws = session.workspace(f"trainer_{k}")
+            assert ws["emb"].tobytes() == share(table, partition, k, 2).tobytes()
+            assert np.array_equal(ws["w"], weights)
+        assert len({session.worker_of(f"trainer_{k}") for k in range(2)}) == 2
