@@ -6,8 +6,9 @@
 - :class:`CheckpointArtifacts` keeps the checkpoint table, progress and summary artifacts;
 - :func:`create_crash_retry_automation` re-schedules crashed runs of a deployment, and
   :func:`create_heartbeat_crash_automation` marks runs whose heartbeats stopped *Crashed*;
-- :func:`create_epoch_deployment_automation` runs a deployment every k-th committed epoch, and
-  :func:`create_checkpoint_alert_automation` notifies when a save fails or damage is found;
+- :func:`create_epoch_deployment_automation` runs a deployment every k-th committed epoch,
+  :func:`create_metric_deployment_automation` when a committed epoch's metric crosses a
+  threshold, and :func:`create_checkpoint_alert_automation` notifies when a save fails or damage is found;
 - :class:`CheckpointStorage` is a block for a checkpoint prefix with secret storage options;
   it, Prefect's ``RemoteFileSystem``, prefect-aws's ``S3Bucket`` and ``prefect-block://``
   references are accepted wherever a checkpoint prefix is (:mod:`.blocks`);
@@ -33,6 +34,7 @@ from caffe2ckpt.prefect.automations import (  # noqa: E402
     create_crash_retry_automation,
     create_epoch_deployment_automation,
     create_heartbeat_crash_automation,
+    create_metric_deployment_automation,
 )
 from caffe2ckpt.prefect.console import quiet_task_runs  # noqa: E402
 from caffe2ckpt.prefect.flow import AttemptLimitExceeded, RunPlan, plan_run, run_job  # noqa: E402
@@ -55,6 +57,7 @@ __all__ = [
     "create_crash_retry_automation",
     "create_epoch_deployment_automation",
     "create_heartbeat_crash_automation",
+    "create_metric_deployment_automation",
     "in_flow_run",
     "plan_run",
     "planned_failures",

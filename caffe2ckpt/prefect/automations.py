@@ -12,7 +12,9 @@ when neither another heartbeat nor a final state follows within a window.
 
 The other two react to caffe2ckpt's own events (:mod:`caffe2ckpt.prefect.events`):
 :func:`create_epoch_deployment_automation` runs a deployment (an evaluation flow, an export)
-when an epoch that is a multiple of k is committed, passing it the prefix and the epoch; and
+when an epoch that is a multiple of k is committed, passing it the prefix and the epoch;
+:func:`create_metric_deployment_automation` does so when a committed epoch's metric crosses a
+threshold; and
 :func:`create_checkpoint_alert_automation` sends a notification through a notification block
 (and, if asked, marks the flow run *Failed*) when a save fails or damage is found.
 """
@@ -20,21 +22,29 @@ when an epoch that is a multiple of k is committed, passing it the prefix and th
 from __future__ import annotations
 
 import logging
+import math
 from datetime import timedelta
 from uuid import UUID
 
 from prefect.automations import Automation
 from prefect.client.schemas.objects import StateType
-from prefect.events.actions import Action, ChangeFlowRunState, RunDeployment, SendNotification
+from prefect.events.actions import (
+    Action,
+    ChangeFlowRunState,
+    RunDeployment,
+    SendNotification,
+)
 from prefect.events.schemas.automations import EventTrigger, Posture
 from prefect.events.schemas.events import ResourceSpecification
 
 from caffe2ckpt import events
 from caffe2ckpt.errors import JobDefinitionError
 from caffe2ckpt.prefect.events import EPOCH_LABEL, RESOURCE_PREFIX, resource_id
+from caffe2ckpt.prefect.orderkey import METRIC_LABEL, keys_above, keys_below
 
 __all__ = ["create_checkpoint_alert_automation", "create_crash_retry_automation",
-           "create_epoch_deployment_automation", "create_heartbeat_crash_automation"]
+           "create_epoch_deployment_automation", "create_heartbeat_crash_automation",
+           "create_metric_deployment_automation"]
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +122,7 @@ def create_heartbeat_crash_automation(within: timedelta = timedelta(minutes=10),
 
 # the epochs an every-k-th automation names by default: multiples of k up to this one
 UP_TO_EPOCH = 10_000
+ONCE_WINDOW = timedelta(days=3650)  # a once-only threshold automation fires once in this
 FAILED_MESSAGE = ("caffe2ckpt: a checkpoint save failed or damage was found (the event is in "
                   "the Event Feed)")
 ALERT_SUBJECT = "caffe2ckpt: {{ event.event }} for {{ event.resource['caffe2ckpt.url'] }}"
@@ -155,22 +166,88 @@ def create_epoch_deployment_automation(deployment_id: UUID | str, *, every: int 
                                      f"int >= 1, got {value!r}")
     epochs = {} if every == 1 else {
         EPOCH_LABEL: [str(e) for e in range(every, up_to_epoch + 1, every)]}
-    automation = Automation(
+    automation_id = _run_on_commit(
+        deployment_id, _prefixes(checkpoint_url, **epochs), parameters,
         name=name or f"caffe2ckpt-run-{deployment_id}-every-{every}-epochs",
         description=f"Run deployment {deployment_id} when an epoch that is a multiple of "
-                    f"{every} is committed (caffe2ckpt)",
-        trigger=EventTrigger(
-            expect={events.EPOCH_COMMITTED}, match=_prefixes(checkpoint_url, **epochs),
-            posture=Posture.Reactive, threshold=1, within=timedelta(0)),
-        actions=[RunDeployment(source="selected", deployment_id=UUID(str(deployment_id)),
-                               parameters={
-                                   "checkpoint_url": "{{ event.resource['caffe2ckpt.url'] }}",
-                                   "epoch": "{{ event.payload.epoch }}",
-                                   **(parameters or {})})],
-    ).create()
+                    f"{every} is committed (caffe2ckpt)")
     logger.info("created automation %s: committed epochs that are multiples of %d run "
-                "deployment %s", automation.id, every, deployment_id)
-    return automation.id
+                "deployment %s", automation_id, every, deployment_id)
+    return automation_id
+
+
+def create_metric_deployment_automation(deployment_id: UUID | str, *, metric: str,
+                                        below: float | None = None, above: float | None = None,
+                                        once: bool = True, checkpoint_url: str | None = None,
+                                        parameters: dict[str, object] | None = None,
+                                        name: str | None = None) -> UUID:
+    """Create an automation that runs deployment ``deployment_id`` when an epoch is committed
+    whose ``metric`` (a job metric its commit records carry, e.g. ``"loss"``) is strictly
+    ``below`` (or ``above``: give one) the threshold, under any checkpoint prefix or under
+    ``checkpoint_url`` only, with the parameters of :func:`create_epoch_deployment_automation`.
+
+    With ``once`` (the default) the deployment runs for the first such epoch of each checkpoint
+    prefix only: Prefect's trigger fires, then waits out a window of :data:`ONCE_WINDOW`
+    (create the automation again to re-arm it). "First" is the first event the server takes:
+    epochs committed within a second of each other may reach it in either order. With ``once=False`` every such epoch runs it.
+    An epoch whose metric is NaN or infinite, or that has no such metric, runs nothing. (Prefect's triggers compare labels, not numbers: the trigger lists the prefixes
+    of every order key on the threshold's side, :mod:`caffe2ckpt.prefect.orderkey`.)
+
+    Returns:
+        The automation's id.
+
+    Raises:
+        JobDefinitionError: not exactly one of ``below`` and ``above`` is given as a finite
+            number, or ``metric`` is not a non-empty string.
+    """
+    if not isinstance(metric, str) or not metric:
+        raise JobDefinitionError(f"create_metric_deployment_automation: metric must be a "
+                                 f"metric's name, got {metric!r}")
+    side, threshold = _threshold(below, above)
+    patterns = keys_below(threshold) if side == "below" else keys_above(threshold)
+    automation_id = _run_on_commit(
+        deployment_id, _prefixes(checkpoint_url, **{METRIC_LABEL + metric: patterns}),
+        parameters, within=ONCE_WINDOW if once else timedelta(0),
+        name=name or f"caffe2ckpt-run-{deployment_id}-when-{metric}-{side}-{threshold:g}",
+        description=f"Run deployment {deployment_id} when an epoch is committed whose "
+                    f"{metric} is {side} {threshold!r}{' (once)' if once else ''} (caffe2ckpt)")
+    logger.info("created automation %s: committed epochs whose %s is %s %r run deployment %s",
+                automation_id, metric, side, threshold, deployment_id)
+    return automation_id
+
+
+def _threshold(below: float | None, above: float | None) -> tuple[str, float]:
+    """``("below" | "above", the threshold)`` of the two arguments, exactly one given."""
+    given = [(side, value) for side, value in (("below", below), ("above", above))
+             if value is not None]
+    if len(given) != 1 or not _finite(given[0][1]):
+        raise JobDefinitionError("create_metric_deployment_automation: give exactly one of "
+                                 f"below= and above=, a finite number (got below={below!r}, "
+                                 f"above={above!r})")
+    return given[0][0], float(given[0][1])
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) \
+        and math.isfinite(value)
+
+
+def _run_on_commit(deployment_id: UUID | str, match: ResourceSpecification,
+                   parameters: dict[str, object] | None, *, name: str, description: str,
+                   within: timedelta = timedelta(0)) -> UUID:
+    """Create an automation running ``deployment_id`` for each committed epoch ``match``
+    matches (with ``within``: for the first in each prefix, then not again for that long),
+    with parameters ``checkpoint_url`` and ``epoch`` from the event."""
+    run = RunDeployment(source="selected", deployment_id=UUID(str(deployment_id)),
+                        parameters={"checkpoint_url": "{{ event.resource['caffe2ckpt.url'] }}",
+                                    "epoch": "{{ event.payload.epoch }}", **(parameters or {})})
+    return Automation(
+        name=name, description=description,
+        trigger=EventTrigger(expect={events.EPOCH_COMMITTED}, match=match,
+                             for_each={"prefect.resource.id"}, posture=Posture.Reactive,
+                             threshold=1, within=within),
+        actions=[run],
+    ).create().id
 
 
 def create_checkpoint_alert_automation(*, notification_block_id: UUID | str | None = None,

@@ -10,8 +10,10 @@ sent in the background: a server that cannot be reached costs the save nothing.
 Each event's resource is the checkpoint prefix: ``prefect.resource.id`` is
 ``caffe2ckpt.checkpoint.<url>`` (the URL without credentials, query or fragment),
 ``prefect.resource.name`` the job's name (or the URL), with labels ``caffe2ckpt.url``,
-``caffe2ckpt.job`` and, for an event about one epoch, ``caffe2ckpt.epoch``. Prefect adds the flow run, flow, deployment and task run it was sent from as
-related resources. The payloads are documented in :mod:`caffe2ckpt.events`; a resume's
+``caffe2ckpt.job`` and, for an event about one epoch, ``caffe2ckpt.epoch``; a committed epoch's
+finite metrics also as ``caffe2ckpt.metric-key.<name>``, an order key
+(:mod:`caffe2ckpt.prefect.orderkey`) for threshold triggers. Prefect adds the flow run, flow,
+deployment and task run it was sent from as related resources. The payloads are documented in :mod:`caffe2ckpt.events`; a resume's
 ``reason`` ``"resume"`` becomes ``"retry"`` in a flow run's second or later attempt, else
 ``"re-run"``.
 """
@@ -28,6 +30,7 @@ from prefect.runtime import flow_run
 from prefect.settings import PREFECT_API_URL
 
 from caffe2ckpt import events
+from caffe2ckpt.prefect.orderkey import metric_labels
 
 __all__ = ["EPOCH_LABEL", "RESOURCE_PREFIX", "PrefectPublisher", "resource_id", "subscribe_publisher"]
 
@@ -59,6 +62,8 @@ class PrefectPublisher:
             resource["caffe2ckpt.job"] = event.job
         if isinstance(payload.get("epoch"), int):  # for triggers on chosen epochs
             resource[EPOCH_LABEL] = str(payload["epoch"])
+        if event.name == events.EPOCH_COMMITTED:  # for triggers on metric thresholds
+            resource.update(metric_labels(payload.get("metrics") or {}))
         emit_event(event.name, resource=resource, payload=payload)
 
     def flush(self) -> None:

@@ -1,5 +1,6 @@
 """Automations on caffe2ckpt's events, created on a real Prefect server and seen to act: an
-evaluation deployment run every k-th committed epoch (and executed), a notification through a
+evaluation deployment run every k-th committed epoch (and executed) and when a metric crosses a
+threshold, a notification through a
 webhook block when damage is found, a flow run marked *Failed* when its save failed."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from uuid import UUID
@@ -37,6 +39,7 @@ from caffe2ckpt.prefect import (
     PrefectSession,
     create_checkpoint_alert_automation,
     create_epoch_deployment_automation,
+    create_metric_deployment_automation,
     run_job,
 )
 from caffe2ckpt.prefect.automations import FAILED_MESSAGE
@@ -49,13 +52,17 @@ sys.path.insert(0, str(REPO / "flows"))
 from evaluate import evaluate  # noqa: E402
 
 
+def evaluation_deployment(client, name: str = "evaluate") -> UUID:
+    """A deployment of flows/evaluate.py (its runs are created, and run only where a test
+    runs one)."""
+    return client.create_deployment(flow_id=client.create_flow(evaluate), name=name,
+                                    entrypoint="flows/evaluate.py:evaluate", path=str(REPO))
+
+
 def test_an_evaluation_runs_on_every_second_committed_epoch(tmp_path, client):
     url = str(tmp_path / "ckpt")
     canonical = Location(url).canonical_url
-    flow_id = client.create_flow(evaluate)
-    deployment_id = client.create_deployment(
-        flow_id=flow_id, name="evaluate", entrypoint="flows/evaluate.py:evaluate",
-        path=str(REPO))
+    deployment_id = evaluation_deployment(client)
     automation_id = create_epoch_deployment_automation(deployment_id, every=2,
                                                        checkpoint_url=canonical)
 
@@ -172,6 +179,62 @@ def test_a_failed_save_can_mark_its_flow_run_failed(tmp_path, client):
         client.delete_automation(automation_id)
     assert after.state.type == StateType.FAILED, after.state
     assert after.state.message == FAILED_MESSAGE
+
+
+LOSSES = [3.0, 2.5, 0.9, 0.4, -1e-300, 0.3, float("nan"), float("inf"), -0.0, 7.0]
+
+
+def test_a_metric_crossing_a_threshold_runs_a_deployment(tmp_path, client):
+    """Below 0.5 once: the first such epoch (3) only, though 4, 5 and 8 are below too; above
+    2.0 every time: 0, 1 and 9 (NaN and inf are no number to compare: never); another
+    metric's name matches nothing. (Epochs are saved after the first crossing was acted on,
+    as in a job whose epochs take seconds: events sent within milliseconds of each other may
+    reach the trigger in either order.)"""
+    url = str(tmp_path / "steps")
+    canonical = Location(url).canonical_url
+    first, every = evaluation_deployment(client, "first"), evaluation_deployment(client, "every")
+    automations = [
+        create_metric_deployment_automation(first, metric="loss", below=0.5,
+                                            checkpoint_url=canonical),
+        create_metric_deployment_automation(every, metric="loss", above=2, once=False,
+                                            checkpoint_url=canonical),
+        create_metric_deployment_automation(every, metric="accuracy", below=1e300,
+                                            checkpoint_url=canonical)]
+
+    @flow(name="steps-with-a-loss")
+    def steps(start: int, stop: int) -> None:
+        with StepCheckpointManager(url, handle_preemption=False) as mgr:
+            for step in range(start, stop):
+                mgr.save(step, {"a": {"w": np.full(4, step)}}, metrics={"loss": LOSSES[step]})
+
+    def epochs(deployment_id: UUID) -> list[int]:
+        runs = client.read_flow_runs(deployment_filter=DeploymentFilter(
+            id=DeploymentFilterId(any_=[deployment_id])))
+        assert {r.parameters["checkpoint_url"] for r in runs} <= {canonical}
+        return sorted(int(r.parameters["epoch"]) for r in runs)
+
+    try:
+        steps(0, 4)
+        poll(lambda: (epochs(first), epochs(every)), lambda got: got == ([3], [0, 1]),
+             timeout=60)
+        steps(4, len(LOSSES))
+        poll(lambda: epochs(every), lambda got: got == [0, 1, 9], timeout=60)
+        EventsWorker.drain_all(timeout=10)
+        time.sleep(2)  # the later events had time to (wrongly) act too
+        assert (epochs(first), epochs(every)) == ([3], [0, 1, 9])
+    finally:
+        for automation_id in automations:
+            client.delete_automation(automation_id)
+
+
+@pytest.mark.parametrize("below, above", [(None, None), (1, 2), (float("nan"), None),
+                                          (None, float("inf")), (None, "1"), (True, None)])
+def test_a_threshold_is_one_finite_number(below, above):
+    with pytest.raises(JobDefinitionError, match="exactly one of below= and above="):
+        create_metric_deployment_automation(UUID(int=1), metric="loss", below=below,
+                                            above=above)
+    with pytest.raises(JobDefinitionError, match="metric must be"):
+        create_metric_deployment_automation(UUID(int=1), metric="", below=1)
 
 
 @pytest.mark.parametrize("every", [0, -1, 1.5, True])

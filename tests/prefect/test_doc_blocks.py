@@ -68,7 +68,7 @@ BLOCKS = {
     "README.md > A short example #1": (None, "10"),
     "docs/getting-started.md > Your own job #1": (None, "10"),
     "docs/prefect.md > A flow #1": (None, "4"),
-    "docs/prefect.md > Events and automations #1": (None, "automation created: True"),
+    "docs/prefect.md > Events and automations #1": (None, "automations created: True"),
     "docs/prefect.md > Credentials in blocks #1": (None, "blocks-demo [0]"),
     "docs/concepts.md > Save policies, retention, metrics and preemption #1":
         (None, "[0, 10, 12, 15, 20]"),
