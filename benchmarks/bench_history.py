@@ -311,12 +311,12 @@ def main() -> None:
     ap.add_argument("--s3-epochs", default=None,
                     help="comma-separated S3 history sizes (default 30,300)")
     ap.add_argument("--no-s3", action="store_true", help="skip the S3 part")
-    ap.add_argument("--smoke", action="store_true", help="60 epochs, S3 histories of 4 and 12")
+    ap.add_argument("--smoke", action="store_true", help="20 epochs, S3 histories of 3 and 6")
     args = ap.parse_args()
-    args.epochs = args.epochs or (60 if args.smoke else 3000)
+    args.epochs = args.epochs or (20 if args.smoke else 3000)
     args.window = args.window or max(1, min(300, args.epochs // 10))
-    args.repeats = args.repeats or (2 if args.smoke else 5)
-    args.s3_epochs = sorted(int(x) for x in (args.s3_epochs or ("4,12" if args.smoke
+    args.repeats = args.repeats or (1 if args.smoke else 5)
+    args.s3_epochs = sorted(int(x) for x in (args.s3_epochs or ("3,6" if args.smoke
                                                                 else "30,300")).split(","))
     if args.epochs < 3 or args.window > args.epochs // 2:
         raise SystemExit("--epochs must be at least 3 and at least twice --window")

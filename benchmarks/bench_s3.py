@@ -15,8 +15,8 @@ issues no LIST; requests per node-save <= data objects + 3; save and restore >= 
 >= 0.5x raw on W3.
 
 Workloads (seeded, one node ``trainer_0``): W1 = 256 MiB in 8 float32 arrays of 32 MiB; W3 =
-10,000 float32 arrays of 1 KiB. ``--smoke``: W1 of 8 MiB (8 x 1 MiB), W3 of 500 arrays, 2
-repetitions, no warm-up.
+10,000 float32 arrays of 1 KiB. ``--smoke``: W1 of 8 MiB (8 x 1 MiB), W3 of 100 arrays, 1
+repetition, no warm-up.
 
 Server (``--server``): ``moto`` (the default) or ``seaweedfs`` (SeaweedFS's ``weed mini``, a Go
 process, started as the test suite starts it: tests/seaweedfs.py); the same table for both.
@@ -104,7 +104,7 @@ NODE = "trainer_0"
 BIG = MiB  # raw: arrays of at least this many bytes are their own objects
 
 
-SIZES = {"full": (32, 10_000), "smoke": (1, 500), "compare": (8, 2_000)}  # W1 MiB/array, W3 n
+SIZES = {"full": (32, 10_000), "smoke": (1, 100), "compare": (8, 2_000)}  # W1 MiB/array, W3 n
 
 
 def make_workload(name: str, size: str = "full") -> dict[str, np.ndarray]:
@@ -491,7 +491,7 @@ def main():
     s3wire.require_s3()
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     args.size = "smoke" if args.smoke else "compare" if args.compare_servers else "full"
-    args.repeats = args.repeats or (2 if args.smoke else 4 if args.compare_servers else 5)
+    args.repeats = args.repeats or (1 if args.smoke else 4 if args.compare_servers else 5)
     args.warmup = (0 if args.smoke else 1) if args.warmup is None else args.warmup
     have = {d.metadata["Name"].lower(): d.version for d in importlib.metadata.distributions()}
     versions = [f"{m} {have[m]}" for m in ("numpy", "zarr", "fsspec", "s3fs", "aiobotocore",

@@ -14,6 +14,7 @@ end time is the time of death) and stops those processes.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import subprocess
 import sys
@@ -23,7 +24,6 @@ from pathlib import Path
 from typing import IO, Any
 
 import httpx
-from prefect.server.api.server import SubprocessASGIServer
 from prefect.settings import PREFECT_API_URL
 
 from caffe2ckpt.prefect.orphans import NOT_FINAL, process_id
@@ -35,21 +35,34 @@ logger = logging.getLogger(__name__)
 _NOT_FINAL = sorted(t.value for t in NOT_FINAL)
 
 
-class _GuardedServer(SubprocessASGIServer):
-    """Prefect's temporary server, each of whose processes is registered with the reaper.
+@functools.cache
+def _guarded_server() -> type:
+    """Prefect's temporary server class, each of whose processes is registered with the reaper.
 
     It shares Prefect's instance registry, so once started it *is* the server Prefect's
-    clients use when no API URL is set.
+    clients use when no API URL is set. (Made on first use: Prefect's server modules take
+    about two seconds to import, which a flow run on a real server never needs.)
     """
+    from prefect.server.api.server import SubprocessASGIServer
 
-    reaper: IO[str] | None = None
+    class GuardedServer(SubprocessASGIServer):
+        reaper: IO[str] | None = None
 
-    def _run_uvicorn_command(self) -> subprocess.Popen[Any]:
-        proc = super()._run_uvicorn_command()
-        if self.reaper is not None:
-            self.reaper.write(f"{proc.pid}\n")
-            self.reaper.flush()
-        return proc
+        def _run_uvicorn_command(self) -> subprocess.Popen[Any]:
+            proc = super()._run_uvicorn_command()
+            if self.reaper is not None:
+                self.reaper.write(f"{proc.pid}\n")
+                self.reaper.flush()
+            return proc
+
+    return GuardedServer
+
+
+def _temporary_server_running() -> bool:
+    """Whether Prefect's temporary server already runs in this process (never imports the
+    server modules to find out: they are imported once one was started)."""
+    server = sys.modules.get("prefect.server.api.server")
+    return server is not None and None in server.SubprocessASGIServer._instances
 
 
 def _drain_senders(timeout: float = 30.0) -> None:
@@ -110,7 +123,7 @@ def temporary_server(timeout: int | None = None) -> Iterator[str | None]:
     API URL; the server stops when the block ends, or when this process dies (after marking the
     flow runs this process left unfinished *Crashed*, see ``_reaper.py``).
     """
-    if PREFECT_API_URL.value() or None in SubprocessASGIServer._instances:
+    if PREFECT_API_URL.value() or _temporary_server_running():
         yield None
         return
     # run by path, isolated: it needs only the standard library, not caffe2ckpt or prefect
@@ -118,7 +131,7 @@ def temporary_server(timeout: int | None = None) -> Iterator[str | None]:
         [sys.executable, "-I", "-S", str(Path(__file__).with_name("_reaper.py"))],
         stdin=subprocess.PIPE, text=True)
     assert reaper.stdin is not None
-    server = _GuardedServer()
+    server = _guarded_server()()
     server.reaper = reaper.stdin
     try:
         server.start(timeout=timeout)
