@@ -8,7 +8,8 @@
   :func:`create_heartbeat_crash_automation` marks runs whose heartbeats stopped *Crashed*;
 - :func:`create_epoch_deployment_automation` runs a deployment every k-th committed epoch,
   :func:`create_metric_deployment_automation` when a committed epoch's metric crosses a
-  threshold, and :func:`create_checkpoint_alert_automation` notifies when a save fails or damage is found;
+  threshold, and :func:`create_checkpoint_alert_automation` notifies when a save fails or
+  damage is found;
 - :class:`CheckpointStorage` is a block for a checkpoint prefix with secret storage options;
   it, Prefect's ``RemoteFileSystem``, prefect-aws's ``S3Bucket`` and ``prefect-block://``
   references are accepted wherever a checkpoint prefix is (:mod:`.blocks`);

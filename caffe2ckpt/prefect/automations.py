@@ -10,37 +10,31 @@ flow run sends a ``prefect.flow-run.heartbeat`` event every ``PREFECT_FLOWS_HEAR
 seconds (180 by default), and :func:`create_heartbeat_crash_automation` marks a run *Crashed*
 when neither another heartbeat nor a final state follows within a window.
 
-The other two react to caffe2ckpt's own events (:mod:`caffe2ckpt.prefect.events`):
+The other three react to caffe2ckpt's own events (:mod:`caffe2ckpt.prefect.events`):
 :func:`create_epoch_deployment_automation` runs a deployment (an evaluation flow, an export)
 when an epoch that is a multiple of k is committed, passing it the prefix and the epoch;
 :func:`create_metric_deployment_automation` does so when a committed epoch's metric crosses a
-threshold; and
-:func:`create_checkpoint_alert_automation` sends a notification through a notification block
-(and, if asked, marks the flow run *Failed*) when a save fails or damage is found.
+threshold; and :func:`create_checkpoint_alert_automation` sends a notification through a
+notification block (and, if asked, marks the flow run *Failed*) when a save fails or damage is
+found.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from datetime import timedelta
 from uuid import UUID
 
 from prefect.automations import Automation
 from prefect.client.schemas.objects import StateType
-from prefect.events.actions import (
-    Action,
-    ChangeFlowRunState,
-    RunDeployment,
-    SendNotification,
-)
+from prefect.events.actions import Action, ChangeFlowRunState, RunDeployment, SendNotification
 from prefect.events.schemas.automations import EventTrigger, Posture
 from prefect.events.schemas.events import ResourceSpecification
 
 from caffe2ckpt import events
 from caffe2ckpt.errors import JobDefinitionError
 from caffe2ckpt.prefect.events import EPOCH_LABEL, RESOURCE_PREFIX, resource_id
-from caffe2ckpt.prefect.orderkey import METRIC_LABEL, keys_above, keys_below
+from caffe2ckpt.prefect.orderkey import METRIC_LABEL, finite_number, keys_above, keys_below
 
 __all__ = ["create_checkpoint_alert_automation", "create_crash_retry_automation",
            "create_epoch_deployment_automation", "create_heartbeat_crash_automation",
@@ -189,9 +183,11 @@ def create_metric_deployment_automation(deployment_id: UUID | str, *, metric: st
     With ``once`` (the default) the deployment runs for the first such epoch of each checkpoint
     prefix only: Prefect's trigger fires, then waits out a window of :data:`ONCE_WINDOW`
     (create the automation again to re-arm it). "First" is the first event the server takes:
-    epochs committed within a second of each other may reach it in either order. With ``once=False`` every such epoch runs it.
-    An epoch whose metric is NaN or infinite, or that has no such metric, runs nothing. (Prefect's triggers compare labels, not numbers: the trigger lists the prefixes
-    of every order key on the threshold's side, :mod:`caffe2ckpt.prefect.orderkey`.)
+    epochs committed within a second of each other may reach it in either order. With
+    ``once=False`` every such epoch runs it. An epoch whose metric is NaN or infinite, or that
+    has no such metric, runs nothing. (Prefect's triggers compare labels, not numbers: the
+    trigger lists the prefixes of every order key on the threshold's side,
+    :mod:`caffe2ckpt.prefect.orderkey`.)
 
     Returns:
         The automation's id.
@@ -220,16 +216,11 @@ def _threshold(below: float | None, above: float | None) -> tuple[str, float]:
     """``("below" | "above", the threshold)`` of the two arguments, exactly one given."""
     given = [(side, value) for side, value in (("below", below), ("above", above))
              if value is not None]
-    if len(given) != 1 or not _finite(given[0][1]):
+    if len(given) != 1 or not finite_number(given[0][1]):
         raise JobDefinitionError("create_metric_deployment_automation: give exactly one of "
                                  f"below= and above=, a finite number (got below={below!r}, "
                                  f"above={above!r})")
     return given[0][0], float(given[0][1])
-
-
-def _finite(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) \
-        and math.isfinite(value)
 
 
 def _run_on_commit(deployment_id: UUID | str, match: ResourceSpecification,

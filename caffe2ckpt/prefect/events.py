@@ -13,9 +13,9 @@ Each event's resource is the checkpoint prefix: ``prefect.resource.id`` is
 ``caffe2ckpt.job`` and, for an event about one epoch, ``caffe2ckpt.epoch``; a committed epoch's
 finite metrics also as ``caffe2ckpt.metric-key.<name>``, an order key
 (:mod:`caffe2ckpt.prefect.orderkey`) for threshold triggers. Prefect adds the flow run, flow,
-deployment and task run it was sent from as related resources. The payloads are documented in :mod:`caffe2ckpt.events`; a resume's
-``reason`` ``"resume"`` becomes ``"retry"`` in a flow run's second or later attempt, else
-``"re-run"``.
+deployment and task run it was sent from as related resources. The payloads are documented in
+:mod:`caffe2ckpt.events`; a resume's ``reason`` ``"resume"`` becomes ``"retry"`` in a flow
+run's second or later attempt, else ``"re-run"``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ from prefect.settings import PREFECT_API_URL
 from caffe2ckpt import events
 from caffe2ckpt.prefect.orderkey import metric_labels
 
-__all__ = ["EPOCH_LABEL", "RESOURCE_PREFIX", "PrefectPublisher", "resource_id", "subscribe_publisher"]
+__all__ = ["EPOCH_LABEL", "RESOURCE_PREFIX", "PrefectPublisher", "resource_id",
+           "subscribe_publisher"]
 
 RESOURCE_PREFIX = "caffe2ckpt.checkpoint."
 EPOCH_LABEL = "caffe2ckpt.epoch"  # a resource label of events about one epoch

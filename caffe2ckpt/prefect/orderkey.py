@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 import struct
 
-__all__ = ["METRIC_LABEL", "keys_above", "keys_below", "metric_labels", "order_key"]
+__all__ = ["METRIC_LABEL", "finite_number", "keys_above", "keys_below", "metric_labels",
+           "order_key"]
 
 METRIC_LABEL = "caffe2ckpt.metric-key."  # + the metric's name: its order key
 _HEX = "0123456789abcdef"
@@ -37,8 +38,13 @@ def keys_above(value: float) -> list[str]:
     return [f"{key[:i]}{c}*" for i, digit in enumerate(key) for c in _HEX[_HEX.index(digit) + 1:]]
 
 
+def finite_number(value: object) -> bool:
+    """Whether ``value`` is an int or float (not a bool), neither NaN nor infinite."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) \
+        and math.isfinite(value)
+
+
 def metric_labels(metrics: dict[str, object]) -> dict[str, str]:
     """The resource labels of an epoch's ``metrics``: an order key per finite number."""
     return {METRIC_LABEL + name: order_key(value) for name, value in metrics.items()
-            if isinstance(value, (int, float)) and not isinstance(value, bool)
-            and math.isfinite(value)}
+            if finite_number(value)}
