@@ -303,7 +303,9 @@ class CurrentRun:
             if confirmed is not None:
                 return self._resolve(confirmed)
         found = self.newest()
-        if found is None or found.epoch != epoch:
+        if found is None:  # no lineage as it was just read: no save of any epoch
+            return None
+        if found.epoch != epoch:
             found = next((s for s in self._history().lineage() if s.epoch <= epoch), None)
             found = found if found is not None and found.epoch == epoch else None
         return self._resolve(found)

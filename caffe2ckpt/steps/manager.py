@@ -239,9 +239,7 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
         if self._pending is not None and self._pending[0] == step:
             self.wait_until_finished()
         if self._current is not None:
-            save = self._current.lineage_save(step)
-            if save is None and self._elastic and not self._current.family().current():
-                save = elastic_steps(scan(self._store), self._current.nodes).get(step)
+            save = self._lineage_save(self._current, step)
         else:
             save = scan(self._store).current().get(step)
         if save is None or self._steps.get(step) != save:
@@ -250,6 +248,21 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
             raise CheckpointNotFoundError(
                 f"step {step} is not committed under {self._store.location.display()!r}; "
                 f"committed steps: {sorted(self._steps)}")
+        return save
+
+    def _lineage_save(self, current: CurrentRun, step: int) -> Save | None:
+        """The save of ``step`` of this family's lineage, or, for an elastic manager whose nodes
+        have saved nothing, of the lineage it resumes on another node count
+        (:func:`~caffe2ckpt.history.scan.elastic_steps`): then one reading of the prefix
+        decides, and the family's own lineage is asked only if its nodes appear there."""
+        found = None
+        if self._elastic and not current.family().current():
+            found = scan(self._store)
+            if found.families.get(frozenset(current.nodes)) is None:
+                return elastic_steps(found, current.nodes).get(step)
+        save = current.lineage_save(step)
+        if save is None and found is not None:
+            save = elastic_steps(found, current.nodes).get(step)
         return save
 
     # -- saving ----------------------------------------------------------------------------------

@@ -165,10 +165,11 @@ def _read(location: Location, path: str, manifest: Manifest, crcs: dict[str, tup
     files = _Files(path, manifest, [info for info in wanted if info.path is not None],
                    with_packed, crcs)
     least = _prechecked(location, files)
-    if least is not None:  # before anything that large is allocated, or populated
+    checked = [] if least is None else list(files.spans(least))
+    if checked:  # before anything that large is allocated, or populated
         sizes = location.sizes_under(path)  # object stores: one listing, not a HEAD per file
         _run_bounded(functools.partial(_check_size, location, manifest, where, span, sizes)
-                     for span in files.spans(least))
+                     for span in checked)
     arrays, flats = _destinations(location, manifest, wanted, with_packed)
     owners = manifest.metadata_files()
     _run_bounded(itertools.chain(
@@ -442,12 +443,16 @@ def _read_chunk(location: Location, manifest: Manifest, where: str, blob: str, c
 class RowRead(NamedTuple):
     """Rows of one array of a group (its own array, not the packed one) to read straight into
     a destination: array row ``r`` goes to row ``offset + r`` of ``dest``; only the rows of
-    ``wanted`` (array rows ``[start, stop)``, sorted and disjoint) are written there."""
+    ``wanted`` (array rows ``[start, stop)``, sorted and disjoint) are written there. With a
+    ``sink`` instead, each chunk holding a wanted row is read into a buffer of its own, checked,
+    and given to ``sink(first array row, rows)`` (``(rows, row bytes)`` uint8) on the I/O
+    thread that read it."""
 
     info: BlobInfo
-    dest: np.ndarray  # (rows, row bytes) uint8
+    dest: np.ndarray | None  # (rows, row bytes) uint8
     offset: int
     wanted: list[tuple[int, int]]
+    sink: Callable[[int, np.ndarray], None] | None = None
 
 
 def needs_precheck(location: Location, nbytes: int) -> bool:
@@ -503,12 +508,32 @@ def row_reads(location: Location, path: str, manifest: Manifest, crcs: dict[str,
         pieces = _overlaps(read.wanted, span.rows.start, span.rows.stop)
         if not pieces:
             continue
-        if pieces == [(span.rows.start, span.rows.stop)]:
+        if read.sink is None and pieces == [(span.rows.start, span.rows.stop)]:
             rows = slice(read.offset + span.rows.start, read.offset + span.rows.stop)
             yield functools.partial(_read_chunk, location, manifest, where, span.blob,
                                     span.chunk, read.dest[rows], span.padding, span.crc)
         else:
             yield functools.partial(_read_pieces, location, manifest, where, span, read, pieces)
+
+
+_SCRATCH_BYTES = 4 << 20  # the largest chunk buffer an I/O thread keeps for its next chunk
+_scratch_of = threading.local()
+
+
+def _scratch(nbytes: int) -> np.ndarray:
+    """``nbytes`` of uint8 for one chunk read on this thread: this thread's buffer when the
+    chunk fits in :data:`_SCRATCH_BYTES` (its pages already mapped and likely in cache), else a
+    new one. It starts one byte past an aligned address, so a chunk is read into it through
+    the page cache, never with O_DIRECT (:func:`~caffe2ckpt.fs.localio.read_into` reads only
+    aligned buffers directly): the copy out of it then finds the chunk in the CPU's cache. Read
+    directly and then copied, a 1 GiB ``mod`` reshard took 1.5-1.7x as long. At most
+    :data:`_SCRATCH_BYTES` stays held per I/O thread."""
+    if nbytes > _SCRATCH_BYTES:
+        return np.empty(nbytes, np.uint8)
+    held = getattr(_scratch_of, "buffer", None)
+    if held is None:
+        held = _scratch_of.buffer = np.empty(_SCRATCH_BYTES + 1, np.uint8)[1:]
+    return held[:nbytes]
 
 
 def _overlaps(wanted: list[tuple[int, int]], start: int, stop: int) -> list[tuple[int, int]]:
@@ -526,9 +551,13 @@ def _overlaps(wanted: list[tuple[int, int]], start: int, stop: int) -> list[tupl
 def _read_pieces(location: Location, manifest: Manifest, where: str, span: _Span, read: RowRead,
                  pieces: list[tuple[int, int]]) -> None:
     """Read one chunk into a buffer of its own, checked, and copy rows ``pieces`` (array rows)
-    into ``read``'s destination."""
+    into ``read``'s destination (or give the chunk's rows to its sink)."""
     count = span.rows.stop - span.rows.start
-    buffer = np.empty((count, span.row_bytes), np.uint8)
+    buffer = _scratch(count * span.row_bytes).reshape(count, span.row_bytes)
     _read_chunk(location, manifest, where, span.blob, span.chunk, buffer, span.padding, span.crc)
+    if read.sink is not None:
+        read.sink(span.rows.start, buffer)
+        return
+    assert read.dest is not None
     for a, b in pieces:
         read.dest[read.offset + a:read.offset + b] = buffer[a - span.rows.start:b - span.rows.start]

@@ -15,14 +15,17 @@ the old group stores whole: :func:`~caffe2ckpt.store.groupread.row_reads`, the r
 plus the rest of the first and last chunk), else into a buffer of their own and copied (a
 differential save's blob is rebuilt from its chain for those rows only; a small packed blob is
 read whole). Rows an old node holds every k-th of (to or from a ``mod`` split that does not
-line up) come out of that node's whole blob, read once per process however many new nodes
-take rows of it. Every byte read is checked as any restore checks it.
+line up) are copied out of each chunk of that node's array as the chunk is read, into a buffer
+of its own, to every new node of the call taking rows of it: each chunk read once, by the I/O
+threads, with no copy of the whole blob. When the nodes of one process are restored by calls
+sharing their reads (a session's), or the old array is not stored whole, that node's whole
+blob is read once per process instead, and the rows copied out of it. Every byte read is
+checked as any restore checks it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -41,9 +44,7 @@ from caffe2ckpt.units import nodes_text
 if TYPE_CHECKING:
     from caffe2ckpt.store.protocol import CheckpointStore
 
-__all__ = ["WINDOW_BYTES", "read_shares", "saved_layout", "shared_names"]
-
-WINDOW_BYTES = 16 << 20  # what a window of an old node's rows holds when they are scattered
+__all__ = ["read_shares", "saved_layout", "shared_names"]
 
 
 def saved_layout(records: dict[str, CommitRecord]) -> SavedLayout | None:
@@ -95,7 +96,7 @@ def read_shares(store: CheckpointStore, records: dict[str, CommitRecord], order:
     """
     owned = shared is None  # nobody else takes what this call reads: its last user may keep it
     reader = _Reshard(store, records, list(order), partition, shared or SharedReads())
-    reader.streams = owned  # rows every k-th: streamed to this call's nodes, else read whole
+    reader.streams = owned  # rows every k-th: copied to this call's nodes chunk by chunk
     wanted = list(order) if nodes is None else list(nodes)
     blobs = reader.blobs(names)
     out: dict[str, dict[str, np.ndarray]] = {node: {} for node in wanted}
@@ -121,7 +122,7 @@ class _Reshard:
                  order: list[str], partition: str, shared: SharedReads) -> None:
         self.store, self.records, self.order, self.partition = store, records, order, partition
         self.shared = shared
-        self.streams = False  # strided rows of an old array: read in windows (else whole)
+        self.streams = False  # strided rows of an old array: scattered as each chunk is read
         self.record = next(iter(records.values()))
         layout = saved_layout(records)
         self.layouts = {node: r.layout for node, r in records.items()}
@@ -206,6 +207,7 @@ class _Reshard:
             raise self.damage(self.old[0], name, str(exc)) from exc
         total = sum(len(r) for r in sources)
         copies: list[tuple[str, np.ndarray, range, range]] = []
+        scattered: dict[str, list[tuple[np.ndarray, range, range]]] = {}
         for node in wanted:
             target = new_rows(self.partition, self.order.index(node), len(self.order), total)
             dest = destination(self.store.location, (len(target), *first.shape[1:]),
@@ -215,46 +217,39 @@ class _Reshard:
                 pair = overlap(source, target)
                 if pair is None:
                     continue
-                if pair[0].step == 1 and pair[1].step == 1 and self._readable(old, info):
+                if not self._readable(old, info):
+                    copies.append((old, dest, *pair))
+                elif pair[0].step == 1 and pair[1].step == 1:
                     direct.extend(self._direct(old, info, dest, *pair))
+                elif self.streams:
+                    scattered.setdefault(old, []).append((_flat(dest), *pair))
                 else:
                     copies.append((old, dest, *pair))
+        for old, jobs in scattered.items():
+            direct.extend(self._scatter(old, name, jobs))
 
         def finish() -> None:
-            streamed = {old: [c for c in copies if c[0] == old] for old, info in zip(
-                self.old, infos) if self.streams and self._readable(old, info)}
             for old, dest, src, dst in copies:
-                if old not in streamed:
-                    dest[_slice(dst)] = self._rows(old, name, src)
-            for old, jobs in streamed.items():
-                self._scatter(old, name, [(dest, src, dst) for _, dest, src, dst in jobs])
+                dest[_slice(dst)] = self._rows(old, name, src)
             if first.order == "F":
                 for node in wanted:
                     out[node][name] = np.asfortranarray(out[node][name])
         return finish
 
     def _scatter(self, node: str, name: str, jobs: list[tuple[np.ndarray, range, range]]
-                 ) -> None:
-        """Copy, for each job ``(dest, src, dst)``, old node ``node``'s rows ``src`` of blob
-        ``name`` to rows ``dst`` of ``dest``, reading that node's array once, a window of
-        :data:`WINDOW_BYTES` at a time (the next read while this one's rows are copied, the
-        jobs' copies at once)."""
-        if not jobs:
-            return
-        record, manifest = self.records[node], self.manifest(node)
-        info = manifest.stored_blobs[name]
+                 ) -> list[Callable[[], Any]]:
+        """The reads that copy, for each job ``(dest, src, dst)``, old node ``node``'s rows
+        ``src`` of blob ``name`` to rows ``dst`` of ``dest`` (its rows as bytes): each chunk
+        holding any is read once, into a buffer of its own, and its rows copied to every job
+        taking some (on the I/O thread that read it, while the chunk is in the CPU's cache)."""
         low = min(src.start for _, src, _ in jobs)
         high = max(src[-1] + 1 for _, src, _ in jobs)
-        step = max(1, WINDOW_BYTES // max(1, info.nbytes // max(1, info.shape[0])))
-        windows = [(a, min(high, a + step)) for a in range(low, high, step)]
-        with ThreadPoolExecutor(1) as ahead:
-            reading = ahead.submit(load_rows, self.store, record, name, *windows[0], manifest)
-            for index, (start, stop) in enumerate(windows):
-                window = reading.result()
-                if index + 1 < len(windows):
-                    reading = ahead.submit(load_rows, self.store, record, name,
-                                           *windows[index + 1], manifest)
-                list(pool().map(lambda job: _copy_rows(job, window, start, stop), jobs))
+
+        def sink(start: int, rows: np.ndarray) -> None:
+            for job in jobs:
+                _copy_rows(job, rows, start, start + len(rows))
+        return self._reads(node, name, RowRead(self.manifest(node).stored_blobs[name], None, 0,
+                                               [(low, high)], sink))
 
     def _rows(self, node: str, name: str, rows: range) -> np.ndarray:
         """Rows ``rows`` of old node ``node``'s blob ``name``: consecutive ones read alone
@@ -286,17 +281,20 @@ class _Reshard:
 
     def _direct(self, node: str, info: BlobInfo, dest: np.ndarray, src: range,
                 dst: range) -> list[Callable[[], Any]]:
+        stored = self.manifest(node).stored_blobs[info.name]
+        return self._reads(node, info.name, RowRead(stored, _flat(dest), dst.start - src.start,
+                                                    [(src.start, src.stop)]))
+
+    def _reads(self, node: str, name: str, read: RowRead) -> list[Callable[[], Any]]:
+        """The chunk reads of ``read`` (of old node ``node``'s own array of blob ``name``),
+        with its ``zarr.json`` checked."""
         record, manifest = self.records[node], self.manifest(node)
-        stored = manifest.stored_blobs[info.name]
-        flat = dest.reshape(dest.shape[0], -1).view(np.uint8)
-        location = self.store.location
+        path = manifest.stored_blobs[name].path
         crcs = self.store.chunk_crcs(record, manifest)
-        files = {f"{stored.path}/{GROUP_FILE}"}
+        files = {f"{path}/{GROUP_FILE}"}
         metadata = {f: d for f, d in record.metadata.items() if f in files}
-        read = RowRead(stored, flat, dst.start - src.start, [(src.start, src.stop)])
-        return list(row_reads(location, self.store.group_path(record), manifest,
-                              {stored.path: crcs[stored.path]},  # type: ignore[index]
-                              [read], metadata))
+        return list(row_reads(self.store.location, self.store.group_path(record), manifest,
+                              {path: crcs[path]}, [read], metadata))  # type: ignore[index]
 
 
 def _copy_rows(job: tuple[np.ndarray, range, range], window: np.ndarray, start: int,
@@ -309,6 +307,11 @@ def _copy_rows(job: tuple[np.ndarray, range, range], window: np.ndarray, start: 
     if first < last:
         dest[_slice(dst[first:last])] = window[_slice(range(
             src[first] - start, src[last - 1] - start + 1, src.step))]
+
+
+def _flat(dest: np.ndarray) -> np.ndarray:
+    """``dest`` (C order) as rows of bytes."""
+    return dest.reshape(dest.shape[0], -1).view(np.uint8)
 
 
 def _slice(rows: range) -> slice:

@@ -326,6 +326,42 @@ def test_a_delta_save_on_s3_sends_few_requests_and_no_listing(s3, monkeypatch):
     assert changed + packed <= up <= changed + packed + 16 << 10, (up, calls)
 
 
+def test_an_elastic_restore_on_s3_lists_only_the_history_and_reads_each_chunk_once(
+        s3, monkeypatch):
+    """A save of 2 nodes restored on 4 (``mod``: each new node takes every other row of one old
+    shard) and its replicated weights: the only listings are the prefix's history (the run log
+    and the records, once each; a same-topology restore lists records once), none of the old
+    groups; each chunk of the table is read once, and the other GETs are a few per old node
+    (its record, manifest and metadata) and the history's."""
+    import numpy as np
+
+    from caffe2ckpt import Layout, StepCheckpointManager
+
+    options, bucket = s3
+    url, layout = f"s3://{bucket}/elastic", Layout(rows=["emb"], replicated=["w"],
+                                                   partition="mod")
+    table = np.random.default_rng(0).random((32768, 64), dtype=np.float32)  # 4 chunks of 2 MiB
+    weights = np.arange(1 << 16, dtype=np.float32)
+    old, new = ["old_0", "old_1"], [f"new_{k}" for k in range(4)]
+    with StepCheckpointManager(url, nodes=old, layout=layout, storage_options=options,
+                               handle_preemption=False) as mgr:
+        mgr.save(0, {node: {"emb": table[k::2], "w": weights} for k, node in enumerate(old)})
+    with StepCheckpointManager(url, nodes=new, layout=layout, storage_options=options,
+                               handle_preemption=False) as mgr, monkeypatch.context() as patch:
+        calls = count_requests(patch)
+        out = mgr.restore(0)
+    for k, node in enumerate(new):
+        assert out[node]["emb"].tobytes() == table[k::4].tobytes(), node
+        assert out[node]["w"].tobytes() == weights.tobytes(), node
+    lists = sorted(key for op, key, _n in calls if op.startswith("List"))
+    assert lists == ["elastic/_commits/", "elastic/_runs/"], calls
+    chunks = [key for op, key, _n in calls if op == "GetObject" and "/emb/c." in key]
+    assert len(chunks) == len(set(chunks)) == 4, chunks
+    others = [(op, key) for op, key, _n in calls if not op.startswith("List")
+              and key not in chunks]
+    assert len(others) <= 8 * len(old), calls
+
+
 # -- a prefix behind fsspec's DirFileSystem (review of e4d82ae, D7) --------------------------------
 
 
