@@ -165,11 +165,12 @@ def _read(location: Location, path: str, manifest: Manifest, crcs: dict[str, tup
     files = _Files(path, manifest, [info for info in wanted if info.path is not None],
                    with_packed, crcs)
     least = _prechecked(location, files)
-    checked = [] if least is None else list(files.spans(least))
-    if checked:  # before anything that large is allocated, or populated
+    checked = iter(()) if least is None else files.spans(least)  # lazy: a claim may be huge
+    first = next(checked, None)
+    if first is not None:  # before anything that large is allocated, or populated
         sizes = location.sizes_under(path)  # object stores: one listing, not a HEAD per file
         _run_bounded(functools.partial(_check_size, location, manifest, where, span, sizes)
-                     for span in checked)
+                     for span in itertools.chain([first], checked))
     arrays, flats = _destinations(location, manifest, wanted, with_packed)
     owners = manifest.metadata_files()
     _run_bounded(itertools.chain(

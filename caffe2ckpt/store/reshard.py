@@ -18,8 +18,9 @@ read whole). Rows an old node holds every k-th of (to or from a ``mod`` split th
 line up) are copied out of each chunk of that node's array as the chunk is read, into a buffer
 of its own, to every new node of the call taking rows of it: each chunk read once, by the I/O
 threads, with no copy of the whole blob. When the nodes of one process are restored by calls
-sharing their reads (a session's), or the old array is not stored whole, that node's whole
-blob is read once per process instead, and the rows copied out of it. Every byte read is
+sharing their reads (a session's), or the old array cannot be read in place (packed, rebuilt
+from a differential chain, Fortran order, big-endian or not numeric), that node's whole blob is
+read once per process instead, and the rows copied out of it. Every byte read is
 checked as any restore checks it.
 """
 

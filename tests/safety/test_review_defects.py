@@ -64,14 +64,15 @@ from tests.strace import FD_PATH, call_paths, trace_events
 # =================================================================================================
 
 
-def craft_many_chunk_manifest(prefix: str, node: str, epoch: int, chunks: int) -> None:
+def craft_many_chunk_manifest(prefix: str, node: str, epoch: int, chunks: int,
+                              rows: int = 1) -> None:
     """FORMAT-SPECIFIC (manifest and record formats 2 and 3): rewrite the committed checkpoint
     of ``node`` at ``epoch`` (the first save of that epoch, at ``<prefix>/<node>.<epoch>``,
-    holding one blob ``"blob"`` of ``chunks`` uint8 elements stored as its own Zarr array) so that
-    its manifest claims ``chunks`` one-row chunks (``chunk_rows=1``, one CRC each: in the
-    manifest in format 2, in the record in format 3) and its commit record vouches for the
-    rewritten metadata (SHA-256 digests), as a crafted checkpoint would. The data files are left
-    as they are, so the very first chunk is already missing or wrong.
+    holding one blob ``"blob"`` of uint8 elements stored as its own Zarr array) so that its
+    manifest claims ``chunks`` chunks of ``rows`` rows (a blob of ``chunks * rows`` bytes; one
+    CRC each: in the manifest in format 2, in the record in format 3) and its commit record
+    vouches for the rewritten metadata (SHA-256 digests), as a crafted checkpoint would. The
+    data files are left as they are, so the very first chunk is already missing or wrong.
 
     It reads and writes files with fsspec only; it imports nothing of caffe2ckpt."""
     import hashlib
@@ -81,13 +82,13 @@ def craft_many_chunk_manifest(prefix: str, node: str, epoch: int, chunks: int) -
     meta = json.loads(fs.cat_file(f"{group}/zarr.json"))
     manifest = meta["attributes"]["caffe2ckpt"]
     entry = manifest["arrays"]["blob"]
-    assert entry["shape"] == [chunks], entry  # the blob the test saved
-    entry["chunk_rows"] = 1
+    entry["shape"], entry["chunk_rows"] = [chunks * rows], rows
     if "crc32c" in entry:  # manifest format 2
         entry["crc32c"] = [0] * chunks
     array_meta_path = f"{group}/{entry['path']}/zarr.json"
     array_meta = json.loads(fs.cat_file(array_meta_path))
-    array_meta["chunk_grid"]["configuration"]["chunk_shape"] = [1]
+    array_meta["shape"] = [chunks * rows]
+    array_meta["chunk_grid"]["configuration"]["chunk_shape"] = [rows]
     new_group = json.dumps(meta).encode()
     new_array = json.dumps(array_meta).encode()
     fs.pipe_file(f"{group}/zarr.json", new_group)
@@ -99,6 +100,8 @@ def craft_many_chunk_manifest(prefix: str, node: str, epoch: int, chunks: int) -
     record["metadata"][f"{entry['path']}/zarr.json"] = hashlib.sha256(new_array).hexdigest()
     if "crcs" in record:  # record format 3
         record["crcs"][entry["path"]] = [0] * chunks
+    if "nbytes" in record:
+        record["nbytes"] = chunks * rows
     fs.pipe_file(record_path, json.dumps(record).encode())
 
 
@@ -691,10 +694,10 @@ HOSTILE = textwrap.dedent('''
                             StepCheckpointManager, Task, epoch_limiter)
     from caffe2ckpt.cli import main
     from tests.safety.test_review_defects import craft_many_chunk_manifest
-    prefix, chunks, what = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    prefix, chunks, what, rows = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
     with StepCheckpointManager(prefix, handle_preemption=False) as mgr:
-        mgr.save(0, {"trainer_0": {"blob": np.zeros(chunks, np.uint8)}})
-    craft_many_chunk_manifest(prefix, "trainer_0", 0, chunks)
+        mgr.save(0, {"trainer_0": {"blob": np.zeros(chunks if rows == 1 else 3 << 20, np.uint8)}})
+    craft_many_chunk_manifest(prefix, "trainer_0", 0, chunks, rows)
     with Job(name="hostile") as job:
         with Node("trainer_0"):
             with job.init_group:
@@ -728,9 +731,22 @@ def test_8_a_manifest_claiming_a_million_chunks_fails_fast_and_small(prefix, wha
     restore report the damage (CheckpointCorruptedError / exit 1) within 5 s and without
     hundreds of MB. Run in a subprocess (so memory:// works the same) watched from here: killed
     at 5 s or 1 GB."""
+    _fails_fast_and_small(prefix, what, CHUNKS, 1)
+
+
+@pytest.mark.parametrize("prefix", ["memory", "local"], indirect=True)
+def test_8b_a_manifest_claiming_terabytes_fails_fast_and_small(prefix):
+    """As test 8, for a claim large enough that chunk sizes are checked before anything is
+    allocated: 4 million chunks of 2 MiB (8 TiB). The sizes are checked one chunk file at a time,
+    stopping at the first wrong one, never listing every claimed chunk first (1a73f0b did: 14 s
+    and 1.9 GB for 5 million)."""
+    _fails_fast_and_small(prefix, "restore", 1 << 22, 2 << 20)
+
+
+def _fails_fast_and_small(prefix: str, what: str, chunks: int, rows: int) -> None:
     psutil = pytest.importorskip("psutil")
     repo = Path(__file__).resolve().parents[2]
-    proc = subprocess.Popen([sys.executable, "-c", HOSTILE, prefix, str(CHUNKS), what],
+    proc = subprocess.Popen([sys.executable, "-c", HOSTILE, prefix, str(chunks), what, str(rows)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=repo,
                             env={**os.environ, "PYTHONPATH": str(repo)})
     lines: list[str] = []
