@@ -117,9 +117,8 @@ def save_nodes(save: Save, nodes: Sequence[str] | None) -> list[str]:
 
 def checked_manifest(store: CheckpointStore, record: CommitRecord) -> Manifest:
     """The manifest of a committed node checkpoint after the library checked its record, group
-    metadata digests and every array's metadata (``load_node`` with no blobs)."""
-    store.load_node(record, names=[])
-    return store.manifest(record)
+    metadata digests and every array's metadata."""
+    return store.check_metadata(record)
 
 
 def leftover_bytes(location: Location, item: Leftover) -> int | None:

@@ -66,7 +66,7 @@ from caffe2ckpt.store.layout import (
     parse_group_name,
     save_generation,
 )
-from caffe2ckpt.store.manifest import Manifest
+from caffe2ckpt.store.manifest import PACKED_ARRAY, Manifest
 from caffe2ckpt.store.shared import SharedReads
 from caffe2ckpt.store.records import (
     CommitRecord,
@@ -387,15 +387,17 @@ class CheckpointStore:
                 blob=GROUP_FILE) from exc
 
     def load_node(self, record: CommitRecord, names: list[str] | None = None,
-                  shared: SharedReads | None = None) -> dict[str, np.ndarray]:
+                  shared: SharedReads | None = None, manifest: Manifest | None = None
+                  ) -> dict[str, np.ndarray]:
         """Read and verify the blobs (only ``names`` if given) of the group ``record`` commits,
         and the replicated blobs of the node that another node of its save wrote (read from
         that node's save; once per ``shared``, each caller getting a copy of its own).
+        ``manifest``: the group's, as :meth:`manifest` read it already.
 
         Raises:
             CheckpointCorruptedError: the group is damaged (names node, epoch and blob).
         """
-        manifest = self.manifest(record)
+        manifest = manifest or self.manifest(record)
         layout = record.layout
         lent = layout.written_by if layout is not None else {}
         wanted = [*manifest.blobs, *lent] if names is None else list(names)
@@ -403,7 +405,7 @@ class CheckpointStore:
                     if layout is not None and n in layout.replicated
                     and (n in manifest.blobs or n in lent)}
         out = self.read_own(record, manifest, [n for n in wanted if n not in replicas])
-        out.update(self._read_replicas(record, replicas, shared or SharedReads()))
+        out.update(self._read_replicas(record, manifest, replicas, shared or SharedReads()))
         return out
 
     def writer_record(self, record: CommitRecord, node: str, name: str) -> CommitRecord:
@@ -425,33 +427,48 @@ class CheckpointStore:
                 blob=name)
         return writer
 
-    def _read_replicas(self, record: CommitRecord, replicas: dict[str, str],
+    def _read_replicas(self, record: CommitRecord, manifest: Manifest, replicas: dict[str, str],
                        shared: SharedReads) -> dict[str, np.ndarray]:
         """The replicated blobs ``replicas`` of ``record``'s node (blob -> the node of its save
         that wrote it: this one, or another), each read once per ``shared`` (as the writer's
-        record says) and copied."""
+        record says) and copied. ``manifest``: ``record``'s."""
         out = {}
         for name, node in replicas.items():
             value = shared.get((self.location.url, record.save_id, node, name),
-                               lambda n=name, w=node: self._replica(record, w, n))
+                               lambda n=name, w=node: self._replica(record, manifest, w, n))
             out[name] = value.copy()
         return out
 
-    def _replica(self, record: CommitRecord, node: str, name: str) -> np.ndarray:
-        """Blob ``name`` of ``record``'s save as node ``node``, which wrote it, saved it."""
-        writer = record if node == record.node else self.writer_record(record, node, name)
+    def _replica(self, record: CommitRecord, manifest: Manifest, node: str, name: str
+                 ) -> np.ndarray:
+        """Blob ``name`` of ``record``'s save (whose manifest is ``manifest``) as node
+        ``node``, which wrote it, saved it."""
+        if node == record.node:
+            return self.read_own(record, manifest, [name])[name]
+        writer = self.writer_record(record, node, name)
         return self.read_own(writer, self.manifest(writer), [name])[name]
+
+    def check_metadata(self, record: CommitRecord) -> Manifest:
+        """The manifest of the group ``record`` commits, once every metadata file of the group
+        (each array's ``zarr.json``, overlays' included) has the digest the record gives.
+
+        Raises:
+            CheckpointCorruptedError: one is missing or changed (names node, epoch and file).
+        """
+        manifest = self.manifest(record)
+        read_node(self.location, self.group_path(record), manifest,
+                  self.chunk_crcs(record, manifest), [],
+                  metadata={f: d for f, d in record.metadata.items() if f != GROUP_FILE})
+        return manifest
 
     def read_own(self, record: CommitRecord, manifest: Manifest,
                  wanted: list[str]) -> dict[str, np.ndarray]:
         """The blobs ``wanted`` of ``record``'s own group (and the chains of a differential
-        save)."""
-        metadata = {name: digest for name, digest in record.metadata.items()
-                    if name != GROUP_FILE}  # checked by manifest()
-        chained = [n for n in wanted if n in manifest.inherited]
-        if chained:  # the own group's overlays are read with their chains
-            overlays = {f"{i.path}/{GROUP_FILE}" for i in manifest.delta_arrays()}
-            metadata = {k: v for k, v in metadata.items() if k not in overlays}
+        save), with the metadata files of the arrays they are read from checked."""
+        stored = manifest.stored_blobs
+        files = {f"{stored[n].path or PACKED_ARRAY}/{GROUP_FILE}" for n in wanted if n in stored}
+        metadata = {f: d for f, d in record.metadata.items() if f in files}
+        chained = [n for n in wanted if n in manifest.inherited]  # their overlays: read_chained
         out = read_node(self.location, self.group_path(record), manifest,
                         self.chunk_crcs(record, manifest), wanted, metadata=metadata)
         if chained:

@@ -193,7 +193,8 @@ class _Reshard:
         into: its rows are copied out)."""
         record = self.records[node]
         return self.shared.get((self.store.location.url, record.save_id, node, name),
-                               lambda: self.store.load_node(record, [name])[name])
+                               lambda: self.store.load_node(record, [name],
+                                                            manifest=self.manifest(node))[name])
 
     def split(self, name: str, wanted: list[str], out: dict[str, dict[str, np.ndarray]],
               direct: list[Callable[[], Any]]) -> Callable[[], None]:
