@@ -11,6 +11,10 @@ matches:
 - **replicated**: every node holds the same value (data-parallel weights).
 - **local**: anything else; it belongs to its node and cannot be moved to another node count.
 
+The blobs :func:`~caffe2ckpt.job.epoch_limiter` adds (``epoch_limiter.<i>/...``, on one node)
+are replicated unless a pattern matches them first, so a job with an epoch limit can change its
+node count without declaring them.
+
 Every node's rows of a ``rows`` blob, in global row numbers, are a Python :class:`range`
 (``range(start, stop)`` or ``range(k, total, N)``), so what one old node gives one new node
 is the intersection of two arithmetic progressions (:func:`overlap`).
@@ -30,6 +34,9 @@ __all__ = ["PARTITIONS", "Layout", "SavedLayout", "new_rows", "old_rows", "overl
 
 PARTITIONS = ("range", "mod")
 ROWS, REPLICATED, LOCAL = "rows", "replicated", "local"
+# Blobs the library itself adds to a job's workspace (epoch_limiter's count and stop flag, on
+# one node): replicated unless one of the layout's patterns matches them.
+LIBRARY_REPLICATED = ("epoch_limiter.*",)
 
 
 def _patterns(value: Any, field: str) -> tuple[str, ...]:
@@ -53,7 +60,8 @@ class Layout:
             consecutive rows) or ``"mod"`` (node k of N holds the rows r with r % N == k).
 
     Blobs matching neither are local to their node: a save holding one can be restored only on
-    the nodes that saved it.
+    the nodes that saved it; but ``epoch_limiter``'s blobs (``epoch_limiter.<i>/...``) are
+    replicated unless a pattern matches them.
     """
 
     rows: Sequence[str] = ()
@@ -74,7 +82,11 @@ class Layout:
         if row is not None and same is not None:
             raise JobDefinitionError(f"blob {name!r} matches both rows pattern {row!r} and "
                                      f"replicated pattern {same!r} of the layout")
-        return ROWS if row is not None else REPLICATED if same is not None else LOCAL
+        if row is not None:
+            return ROWS
+        if same is not None or any(fnmatchcase(name, p) for p in LIBRARY_REPLICATED):
+            return REPLICATED
+        return LOCAL
 
     def saved(self, order: Sequence[str], names: Iterable[str],
               written_by: dict[str, str] | None = None) -> SavedLayout:
@@ -147,8 +159,8 @@ def _names(data: dict[str, Any], key: str) -> tuple[str, ...]:
 
 def new_rows(partition: str, index: int, count: int, total: int) -> range:
     """The global rows node ``index`` of ``count`` holds of a ``total``-row blob, split anew:
-    ``range`` splits evenly (the first ``total % count`` nodes one row more), ``mod`` takes
-    every ``count``-th row."""
+    ``range`` splits evenly (rows ``index * total // count`` to ``(index + 1) * total //
+    count``: sizes differ by one row at most), ``mod`` takes every ``count``-th row."""
     if partition == "mod":
         return range(index, total, count)
     return range(index * total // count, (index + 1) * total // count)

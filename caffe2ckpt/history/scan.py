@@ -149,9 +149,17 @@ def elastic_steps(found: PrefixScan, nodes: Iterable[str]) -> dict[int, Save]:
     from on another node count: that of the family (of other nodes) whose newest save carries a
     layout and is of the newest run among such families; empty when there is none."""
     own = frozenset(nodes)
-    families = [f for f in found.families.values() if f.nodes != own and f.newest is not None
-                and all(r.layout is not None for r in f.newest.records.values())]
+    others = [f for f in found.families.values() if f.nodes != own and f.newest is not None]
+    families = [f for f in others
+                if all(r.layout is not None for r in f.newest.records.values())]  # type: ignore[union-attr]
     if not families:
+        if others:
+            newest = max(others, key=lambda f: f.newest.generation)  # type: ignore[union-attr]
+            logger.warning(
+                "not resuming nodes %s from epoch %d of nodes %s: that save has no layout, so "
+                "it can be restored only on those nodes (declare caffe2ckpt.Layout(...) when "
+                "saving to change the node count)", sorted(own), newest.newest.epoch,  # type: ignore[union-attr]
+                sorted(newest.nodes))
         return {}
     return max(families, key=lambda f: f.newest.generation).current()  # type: ignore[union-attr]
 

@@ -166,9 +166,10 @@ class _Reshard:
                "their nodes")
         return (f"epoch {self.record.epoch} under {self.store.location.display()!r} was saved "
                 f"by {nodes_text(len(self.old))} {self.old}; it cannot be restored on "
-                f"{nodes_text(len(self.order))} {self.order}: {how}. Declare how each blob is spread "
-                "when saving: caffe2ckpt.Layout(rows=[...]) for blobs split along axis 0 "
-                "across the nodes, replicated=[...] for blobs every node holds alike")
+                f"{nodes_text(len(self.order))} {self.order}: {how}. Declare how each blob is "
+                "spread when saving: caffe2ckpt.Layout(rows=[...]) for blobs split along axis 0 "
+                "across the nodes, replicated=[...] for blobs every node holds alike; or resume "
+                "on the nodes that saved it")
 
     def holder(self, name: str) -> str:
         """The old node that wrote the replicated blob ``name``."""

@@ -10,7 +10,7 @@ import numpy as np
 from caffe2ckpt import Job, Layout, Node, Task, epoch_limiter
 from caffe2ckpt.sharding import new_rows
 
-LAYOUT_BLOBS = {"rows": ["emb", "emb_*"], "replicated": ["w", "epoch_limiter.*"]}
+LAYOUT_BLOBS = {"rows": ["emb", "emb_*"], "replicated": ["w"]}  # epoch_limiter's: by default
 ROWS, COLS = 1000, 8
 
 

@@ -43,7 +43,8 @@ def test_a_local_blob_is_refused_naming_it_and_both_node_counts(prefix):
         assert np.array_equal(mgr.restore(0)["b"]["opt_state"], np.ones(3))
 
 
-def test_a_save_without_a_layout_is_refused_saying_so(prefix):
+def test_a_save_without_a_layout_is_not_resumed_on_other_nodes_and_a_warning_says_so(
+        prefix, caplog):
     with StepCheckpointManager(prefix, nodes=["a", "b"], handle_preemption=False) as mgr:
         mgr.save(0, {n: {"emb": np.zeros((4, 2))} for n in "ab"})
     with StepCheckpointManager(prefix, nodes=["x"], layout=Layout(rows=["emb"]),
@@ -51,6 +52,8 @@ def test_a_save_without_a_layout_is_refused_saying_so(prefix):
         assert mgr.all_steps() == []  # nothing of another node count to resume from
         with StepCheckpointManager(prefix, handle_preemption=False) as reader:
             assert reader.all_steps() == [0]
+    assert ("not resuming nodes ['x'] from epoch 0 of nodes ['a', 'b']: that save has no "
+            "layout") in caplog.text
 
 
 def test_saves_after_an_elastic_restore_continue_and_keep_the_old_family(prefix):
@@ -85,6 +88,9 @@ def test_layouts_are_checked_when_declared():
     assert Layout(rows="emb").rows == ("emb",)
     assert [Layout(rows=["emb_*"], replicated=["w?"]).kind(n) for n in ("emb_1", "w1", "x")] == [
         "rows", "replicated", "local"]
+    # epoch_limiter's blobs are replicated unless a pattern says otherwise
+    assert Layout().kind("epoch_limiter.0/epochs_done") == "replicated"
+    assert Layout(rows=["epoch*"]).kind("epoch_limiter.1/stop") == "rows"
 
 
 def test_overlap_is_the_intersection_of_two_splits():
@@ -132,7 +138,7 @@ def test_a_job_with_a_local_blob_is_refused_before_it_claims_the_prefix(prefix):
     cm = MultiNodeCheckpointManager(prefix, layout=Layout(rows=["emb"]))
     runs = sorted(cm.store.location.list_names(cm.store.location.path("_runs")))
     with pytest.raises(JobDefinitionError, match=r"saved by 2 nodes.*on 3 nodes.*blobs "
-                       r"\['epoch_limiter.0/epochs_done', 'w'\] are local"):
+                       r"\['w'\] are local.*or resume on the nodes that saved it"):
         JobRunner(build(3, 4), cm).train(LocalSession())
     assert sorted(cm.store.location.list_names(cm.store.location.path("_runs"))) == runs
 
