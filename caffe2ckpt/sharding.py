@@ -59,7 +59,9 @@ class Layout:
         partition: how ``rows`` blobs are split: ``"range"`` (node k holds a block of
             consecutive rows) or ``"mod"`` (node k of N holds the rows r with r % N == k).
 
-    Blobs matching neither are local to their node: a save holding one can be restored only on
+    A blob's kind is that of the pattern it matches (``fnmatch``, case-sensitive); a blob
+    matching both a ``rows`` and a ``replicated`` pattern is refused when it is saved. Blobs
+    matching neither are local to their node: a save holding one can be restored only on
     the nodes that saved it; but ``epoch_limiter``'s blobs (``epoch_limiter.<i>/...``) are
     replicated unless a pattern matches them.
     """

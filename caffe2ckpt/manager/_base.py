@@ -43,11 +43,11 @@ from caffe2ckpt.metadata import MetadataHandler, ZarrMetadataHandler
 from caffe2ckpt.naming import check_epoch, check_node_name, db_name
 from caffe2ckpt.policy import StepManagerOptions
 from caffe2ckpt.session import Session
-from caffe2ckpt.sharding import Layout
+from caffe2ckpt.sharding import ROWS, Layout
 from caffe2ckpt.store.layout import new_save_id
 from caffe2ckpt.store.protocol import CheckpointStore, SaveInfo
 from caffe2ckpt.store.records import CommitRecord, RecordRef, list_records
-from caffe2ckpt.store.replicas import check_replicas
+from caffe2ckpt.store.replicas import RowSpec, check_replicas, check_rows
 from caffe2ckpt.store.reshard import shared_names
 from caffe2ckpt.store.shared import SharedReads
 from caffe2ckpt.store.runs import Run
@@ -334,18 +334,23 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
             nodeops.load, store, save.records[file_node], self._names(node), True, shared),
             self._record_time(epoch), epoch=epoch)
 
-    def _check_replicas(self, session: Session, epoch: int) -> None:
-        """Each node's replicated blobs hold what their writers hold (one group: a digest of
-        each per node), before the save writes anything."""
+    def _check_layout(self, session: Session, epoch: int) -> None:
+        """Before the save writes anything: each node's replicated blobs hold what their writers
+        hold, and the rows blobs fit the layout (:mod:`~caffe2ckpt.store.replicas`; one group:
+        a digest of each replicated blob and the dtype and shape of each rows blob, per node)."""
         writers = self._writers()
-        if not writers:
+        rows = sorted({n for node in self._require_files() for n in self._names(node)
+                       if self._layout is not None and self._layout.kind(n) == ROWS})
+        if not writers and not rows:
             return
-        digests: dict[str, dict[str, str]] = {}
+        facts: dict[str, tuple[dict[str, str], dict[str, RowSpec]]] = {}
         session.run(self._group("checkpoint_replicas", lambda node, file_node: partial(
-            nodeops.replica_digests_of, [n for n in self._names(node) if n in writers]),
-            lambda node, file_node, result: digests.__setitem__(file_node, result),
+            nodeops.layout_facts_of, [n for n in self._names(node) if n in writers], rows),
+            lambda node, file_node, result: facts.__setitem__(file_node, result),
             epoch=epoch))
-        check_replicas(epoch, digests, writers)
+        check_replicas(epoch, {node: f[0] for node, f in facts.items()}, writers)
+        check_rows(epoch, {node: f[1] for node, f in facts.items()}, rows, self.file_nodes(),
+                   self._layout.partition)  # type: ignore[union-attr]
 
     def _writers(self) -> dict[str, str]:
         """Which node (by file name) writes each replicated blob of a save: the first in node
@@ -454,7 +459,7 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
         differential save (see :mod:`caffe2ckpt.store.delta`). With replicated blobs in the
         layout, every node's value of each is first compared with the one its writer will
         write (:mod:`~caffe2ckpt.store.replicas`): if they differ, nothing is written."""
-        self._check_replicas(session, epoch)
+        self._check_layout(session, epoch)
         into: dict[str, CommitRecord] = {}
         session.run(self._save_group(epoch, into, stop=stop, stop_conditions=stop_conditions,
                                      metrics=metrics, writer=writer, options=options))

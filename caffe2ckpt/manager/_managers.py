@@ -114,7 +114,8 @@ class CheckpointManager(BaseCheckpointManager):
 
     ``node_name`` names the files; the workspace saved and loaded is that of the node passed to
     ``init(nodes=[...])`` (default: ``node_name``). Same storage and commits as the multi-node
-    manager.
+    manager, and the same keyword arguments (``layout=`` among them: see
+    :class:`MultiNodeCheckpointManager`).
     """
 
     def __init__(

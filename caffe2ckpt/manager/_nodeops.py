@@ -22,6 +22,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
+
 from caffe2ckpt.background import BackgroundSaves
 from caffe2ckpt.errors import CheckpointNotFoundError, CheckpointWriteError, writing
 from caffe2ckpt.policy import StepManagerOptions
@@ -29,7 +31,7 @@ from caffe2ckpt.store.delta import DeltaTracker, DeltaWrite
 from caffe2ckpt.store.layout import group_name
 from caffe2ckpt.store.protocol import CheckpointStore, SaveInfo
 from caffe2ckpt.store.records import CommitRecord
-from caffe2ckpt.store.replicas import replica_digests
+from caffe2ckpt.store.replicas import RowSpec, replica_digests, row_specs
 from caffe2ckpt.store.reshard import read_shares
 from caffe2ckpt.store.shared import SharedReads
 from caffe2ckpt.workspace import Workspace
@@ -266,9 +268,12 @@ def load_share(store: CheckpointStore, records: dict[str, CommitRecord], order: 
     return Timed(None, data.ns)
 
 
-def replica_digests_of(names: Sequence[str], ws: Workspace) -> dict[str, str]:
-    """The digests of the node's replicated blobs ``names`` (compared before a save)."""
-    return replica_digests({n: ws[n] for n in names if n in ws})
+def layout_facts_of(replicated: Sequence[str], rows: Sequence[str], ws: Workspace
+                    ) -> tuple[dict[str, str], dict[str, RowSpec]]:
+    """What is compared across the nodes before a save: the digests of the node's replicated
+    blobs ``replicated`` and the dtype and shape of its rows blobs ``rows``."""
+    return (replica_digests({n: ws[n] for n in replicated if n in ws}),
+            row_specs({n: np.asarray(ws[n]) for n in rows if n in ws}))
 
 
 def given_names(names: Sequence[str], ws: Workspace) -> list[str]:

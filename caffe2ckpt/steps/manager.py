@@ -50,14 +50,14 @@ from caffe2ckpt.history.scan import elastic_steps, scan
 from caffe2ckpt.naming import check_epoch, check_node_name, get_ckpt_filename
 from caffe2ckpt.policy import StepManagerOptions, should_save
 from caffe2ckpt.preemption import PreemptionWatch
-from caffe2ckpt.sharding import Layout
+from caffe2ckpt.sharding import ROWS, Layout
 from caffe2ckpt.steps.abstract import AbstractCheckpointManager
 from caffe2ckpt.steps.hints import ChangedRows, check_hints
 from caffe2ckpt.store.delta import DeltaTracker, DeltaWrite
 from caffe2ckpt.store.layout import ROOT_METADATA, new_save_id
 from caffe2ckpt.store.protocol import CheckpointStore, SaveInfo
 from caffe2ckpt.store.records import CommitRecord
-from caffe2ckpt.store.replicas import check_replicas, replica_digests
+from caffe2ckpt.store.replicas import check_replicas, check_rows, replica_digests, row_specs
 from caffe2ckpt.store.reshard import read_shares
 from caffe2ckpt.store.shared import SharedReads
 from caffe2ckpt.store.zarrgroup import DEFAULT_PACK_THRESHOLD
@@ -395,7 +395,8 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
         every node holding it holds the same value.
 
         Raises:
-            InvalidBlobError: nodes hold different values of a replicated blob (nothing is
+            InvalidBlobError: nodes hold different values of a replicated blob, or a rows blob
+                does not fit the layout (:mod:`~caffe2ckpt.store.replicas`; nothing is
                 written).
         """
         if self._layout is None:
@@ -404,6 +405,9 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
         if writers:
             check_replicas(step, {n: replica_digests({k: v for k, v in b.items() if k in writers})
                                   for n, b in blobs.items()}, writers)
+        rows = sorted({n for b in blobs.values() for n in b if self._layout.kind(n) == ROWS})
+        check_rows(step, {n: row_specs({k: v for k, v in b.items() if k in rows})
+                          for n, b in blobs.items()}, rows, order, self._layout.partition)
         return writers
 
     def _save_node(self, step: int, node: str, blobs: dict[str, np.ndarray],

@@ -1,20 +1,29 @@
-"""Replicated blobs (:class:`caffe2ckpt.Layout`'s ``replicated``) are written once per save, by
-the first node holding them; the others' records name that node. So a save whose nodes hold
-different values of one would keep only the writer's: before anything is written, every
-holder's value must be the writer's (compared by the xxh3-128 of its bytes in stored form, with
-its dtype and shape), else the save fails naming the blob and the nodes."""
+"""What a layout (:class:`caffe2ckpt.Layout`) requires of a save's blobs, checked before anything
+is written, so that no save is committed that another node count could not restore.
+
+Replicated blobs are written once per save, by the first node holding them; the others'
+records name that node. So a save whose nodes hold different values of one would keep only the
+writer's: every holder's value must be the writer's (compared by the xxh3-128 of its bytes in
+stored form, with its dtype and shape), else the save fails naming the blob and the nodes.
+
+A ``rows`` blob must be held by every node of the save, with an axis 0, and with one dtype, row
+shape and memory order on all of them; with ``partition="mod"`` the nodes' row counts must be a
+``mod`` split of their total (node k of N holding the rows r with r % N == k)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from caffe2ckpt.errors import InvalidBlobError
+from caffe2ckpt.sharding import old_rows
 from caffe2ckpt.store.delta import stored_digest
 from caffe2ckpt.store.zarrgroup import stored_form
 
-__all__ = ["check_replicas", "replica_digests"]
+__all__ = ["RowSpec", "check_replicas", "check_rows", "replica_digests", "row_specs"]
+
+RowSpec = tuple[str, tuple[int, ...], str]  # dtype, shape, memory order ("C" or "F")
 
 
 def replica_digests(blobs: Mapping[str, np.ndarray]) -> dict[str, str]:
@@ -40,3 +49,49 @@ def check_replicas(epoch: int, digests: Mapping[str, Mapping[str, str]],
                 f"cannot save epoch {epoch}: replicated blob {name!r} differs between node "
                 f"{writer!r} and nodes {differ} (a replicated blob is written once, by "
                 f"{writer!r}, for every node holding it: nothing was written)")
+
+
+def row_specs(blobs: Mapping[str, np.ndarray]) -> dict[str, RowSpec]:
+    """Each blob's dtype, shape and memory order, as its manifest will give them."""
+    return {name: (arr.dtype.str, tuple(arr.shape),
+                   "C" if arr.flags.c_contiguous or not arr.flags.f_contiguous else "F")
+            for name, arr in blobs.items()}
+
+
+def check_rows(epoch: int, specs: Mapping[str, Mapping[str, RowSpec]], names: Sequence[str],
+               order: Sequence[str], partition: str) -> None:
+    """The ``rows`` blobs ``names`` as the nodes ``order`` hold them (``specs``: node -> blob ->
+    :func:`row_specs`) fit the layout (see the module docstring).
+
+    Raises:
+        InvalidBlobError: one does not, naming the blob and the nodes (nothing was written).
+    """
+    for name in names:
+        held = {node: specs.get(node, {}).get(name) for node in order}
+        problem = _rows_problem(held, partition)
+        if problem:
+            raise InvalidBlobError(f"cannot save epoch {epoch}: rows blob {name!r} {problem} (a "
+                                   "rows blob is split along axis 0 across every node of the "
+                                   "job: nothing was written)")
+
+
+def _rows_problem(held: Mapping[str, RowSpec | None], partition: str) -> str | None:
+    missing = [node for node, spec in held.items() if spec is None]
+    if missing:
+        return f"is not held by nodes {missing}"
+    specs = {node: spec for node, spec in held.items() if spec is not None}
+    flat = [node for node, (_, shape, _) in specs.items() if not shape]
+    if flat:
+        return f"has no axis 0 on nodes {flat} (declare a single value replicated)"
+    first, (dtype, shape, memory) = next(iter(specs.items()))
+    differ = [node for node, (d, s, m) in specs.items() if (d, s[1:], m) != (dtype, shape[1:],
+                                                                           memory)]
+    if differ:
+        return (f"holds rows of another dtype, row shape or memory order on nodes {differ} than "
+                f"on node {first!r} ({dtype}, rows of shape {shape[1:]}, {memory} order)")
+    if partition == "mod":
+        try:
+            old_rows("mod", [s[0] for _, s, _ in specs.values()])
+        except ValueError as exc:
+            return f"cannot be partition='mod' (node k of N holding the rows r % N == k): {exc}"
+    return None

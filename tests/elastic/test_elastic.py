@@ -225,6 +225,58 @@ def test_a_replicated_blob_is_written_once_and_read_once(prefix):
         assert np.array_equal(mgr.restore(0, nodes=["c"])["c"]["w"], weights)
 
 
+ROWS_MISFITS = {  # layout, each node's blobs, the refusal
+    "no axis 0": (Layout(rows=["x"]), {"a": {"x": np.zeros(3)}, "b": {"x": np.float64(1)}},
+                  r"rows blob 'x' has no axis 0 on nodes \['b'\]"),
+    "row shapes": (Layout(rows=["x"]), {"a": {"x": np.zeros((3, 2))}, "b": {"x": np.zeros((3, 3))}},
+                   r"rows blob 'x' holds rows of another dtype, row shape or memory order on "
+                   r"nodes \['b'\] than on node 'a' \(<f8, rows of shape \(2,\), C order\)"),
+    "dtypes": (Layout(rows=["x"]), {"a": {"x": np.zeros(3)}, "b": {"x": np.zeros(3, np.int64)}},
+               r"rows blob 'x' holds rows of another dtype"),
+    "mod split": (Layout(rows=["x"], partition="mod"),
+                  {f"n{k}": {"x": np.zeros((n, 2))} for k, n in enumerate([10, 3, 3, 3])},
+                  r"rows blob 'x' cannot be partition='mod' .*row counts \[10, 3, 3, 3\] "
+                  r"are not a mod split of 19 rows"),
+    "held by some": (Layout(rows=["x*"]), {"a": {"x1": np.zeros(3)}, "b": {"x2": np.zeros(3)}},
+                     r"rows blob 'x1' is not held by nodes \['b'\]"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ROWS_MISFITS))
+def test_rows_blobs_no_node_count_could_restore_are_refused_before_anything_is_written(
+        tmp_path, case):
+    """A save whose rows blobs do not fit its layout would be committed and then refused, as
+    damage, by every restore on another node count: it is refused when saved instead."""
+    from caffe2ckpt import InvalidBlobError
+
+    layout_, items, message = ROWS_MISFITS[case]
+    with StepCheckpointManager(str(tmp_path / "ckpt"), nodes=list(items), layout=layout_,
+                               handle_preemption=False) as mgr:
+        with pytest.raises(InvalidBlobError, match=r"cannot save epoch 0: " + message +
+                           r".*nothing was written"):
+            mgr.save(0, items)
+        location = mgr._store.location
+        assert not location.list_names(location.path("_commits"))
+        assert mgr.all_steps() == []
+
+
+def test_a_job_whose_rows_blobs_differ_in_row_shape_commits_nothing(tmp_path, caplog):
+    from caffe2ckpt import Job, Node, Task, epoch_limiter
+
+    with Job(name="misfit") as job:
+        for k in range(2):
+            with Node(f"trainer_{k}"):
+                with job.init_group:
+                    Task(lambda ws, k=k: ws.__setitem__("emb", np.zeros((4, 2 + k))), name="init")
+        epoch_limiter(job, 2)
+    runner = JobRunner(job, MultiNodeCheckpointManager(str(tmp_path / "job"),
+                                                       layout=Layout(rows=["emb"])))
+    runner.train(LocalSession())
+    assert runner.saved_epochs == []
+    assert "rows blob 'emb' holds rows of another dtype, row shape or memory order on nodes " \
+        "['trainer_1']" in caplog.text
+
+
 def test_nodes_that_disagree_on_a_replicated_blob_write_nothing(prefix):
     from caffe2ckpt import InvalidBlobError, Job, Node, Task
 
