@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 __all__ = [
     "CheckpointCorruptedError",
@@ -121,7 +122,18 @@ def writing(what: str, epoch: int | None = None) -> Iterator[None]:
 
 
 class CheckpointFencedError(CheckpointWriteError):
-    """A newer run claimed the checkpoint prefix; this run must stop saving there."""
+    """A newer run claimed the checkpoint prefix; this run must stop saving there.
+
+    Attributes:
+        newer_writer: what the newer run recorded about itself when it claimed the prefix (a
+            Prefect run records ``flow_run_id`` and ``run_count``), or None when its entry
+            cannot be read.
+    """
+
+    def __init__(self, *args: object, newer_writer: dict[str, Any] | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.newer_writer = newer_writer
 
 
 class InvalidBlobError(CheckpointError, ValueError):

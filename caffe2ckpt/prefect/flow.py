@@ -14,10 +14,12 @@ import signal
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from prefect.exceptions import Abort
 from prefect.runtime import flow_run
 
 from caffe2ckpt.errors import (
     CheckpointError,
+    CheckpointFencedError,
     InvalidLocationError,
     JobDefinitionError,
     JobPreemptedError,
@@ -137,11 +139,15 @@ def run_job(
     Prefect, which ends the run *Cancelled* (a cancellation) or *Crashed* (anything else; the
     crash-retry automation resumes it from that epoch) instead of retrying it in this process.
 
+    An attempt fenced by a newer attempt of the same flow run ends without a state of its own
+    (see "Retries and crashes" in the docs).
+
     Returns:
         The final epoch.
 
     Raises:
         AttemptLimitExceeded: the attempt cap is reached.
+        prefect.exceptions.Abort: a newer attempt of this flow run took over the prefix.
     """
     attempt = flow_run.run_count
     if max_attempts is not None and attempt > max_attempts:
@@ -160,6 +166,33 @@ def run_job(
         if _prefect_handles_sigterm():
             signal.raise_signal(signal.SIGTERM)  # Prefect's handler raises TerminationSignal
         raise
+    except CheckpointFencedError as exc:
+        _stop_if_superseded(exc, attempt, checkpoint_manager.url)
+        raise
+
+
+def _stop_if_superseded(exc: CheckpointFencedError, attempt: int, url: str) -> None:
+    """End this attempt without a state of its own if a newer attempt of the *same* flow run
+    took over the prefix.
+
+    Prefect can run two attempts of one flow run at once: a killed run is reported *Crashed*
+    twice (by the process runner and again by the worker), and when the second report lands
+    after the crash-retry automation has started the next attempt, it crashes that attempt's
+    state under it and the automation starts yet another. The newest attempt owns the flow
+    run's state; an older one that proposed *Failed* would fail the run (or, with flow
+    ``retries``, retry and fence the newest in turn). :class:`prefect.exceptions.Abort` ends
+    the flow body without proposing a state.
+    """
+    newer = exc.newer_writer or {}
+    count = newer.get("run_count")
+    if str(newer.get("flow_run_id")) != str(flow_run.id) or not isinstance(count, int) \
+            or count <= attempt:
+        return
+    logger.warning("attempt %d of flow run %s stops without a state: attempt %d of the same "
+                   "flow run took over %r and now owns the run's state", attempt, flow_run.id,
+                   count, url)
+    raise Abort(f"attempt {attempt} of flow run {flow_run.id} was superseded by attempt "
+                f"{count}") from exc
 
 
 def _claim_and_sweep() -> None:

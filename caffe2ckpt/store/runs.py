@@ -341,7 +341,8 @@ def check_fence(location: Location, generation: int, doing: str,
             f"{where!r} (if it is a stray file, move it out of {location.display(RUNS_DIR)!r})")
     raise CheckpointFencedError(
         f"a newer run of nodes {list(newer.nodes)} took over checkpoint prefix {where!r} (run "
-        f"{newer.generation}, writer {newer.writer}); run {generation} must not {doing} there")
+        f"{newer.generation}, writer {newer.writer}); run {generation} must not {doing} there",
+        newer_writer=dict(newer.writer))
 
 
 def mark_committed(location: Location, generation: int, epoch: int, save_id: str) -> None:

@@ -4,6 +4,7 @@ the failure demo kept out of every deployment's parameters."""
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -12,6 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 from prefect import flow
+from prefect.client.schemas.objects import StateType
+from prefect.exceptions import Abort
 from prefect.flows import load_flow_from_entrypoint
 from prefect.runtime import flow_run
 from prefect.settings import PREFECT_API_URL
@@ -98,6 +101,49 @@ def test_a_retry_keeps_the_start_and_the_stop_of_its_run(tmp_path):
     assert [writer(s)["run_count"] for s in saves] == [2, 2, 1, 1, 1]
     assert saves[2].parent == (1, saves[3].generation)  # the second run went back to 1 once
     assert_uninterrupted(url, 4, tmp_path)
+
+
+@pytest.mark.parametrize("same_flow_run", [True, False], ids=["newer-attempt", "other-run"])
+def test_an_attempt_fenced_by_a_newer_attempt_of_its_flow_run_ends_without_a_state(
+        tmp_path, client, caplog, same_flow_run):
+    """Prefect can run two attempts of one flow run at once: a killed run is reported Crashed
+    twice, and a second report that lands after the crash-retry automation started the next
+    attempt crashes it under it, so the automation starts a third. The older attempt, fenced
+    by the newer one, must not fail the run nor retry in process (and fence the newer in
+    turn). A claim by another flow run is a real conflict: that attempt fails and retries."""
+    url, seen = str(tmp_path / "ckpt"), {}
+
+    @flow(name="overtaken", retries=1, retry_delay_seconds=0)
+    def overtaken() -> int:
+        seen.setdefault("run", flow_run.id)
+        writer = {"flow_run_id": flow_run.id if same_flow_run else "another-flow-run",
+                  "run_count": flow_run.run_count + 1}
+        job = build_job(6)
+        epoch_fn = job.epoch_group.tasks[0].fn
+
+        def newer_attempt_claims(ws):  # during epoch 2, once
+            if int(ws["epoch"]) == 1 and not seen.get("claimed"):
+                seen["claimed"] = True
+                newer = MultiNodeCheckpointManager(url)
+                newer.set_params(NODES)
+                newer.claim(writer)
+            return epoch_fn(ws)
+        job.epoch_group.tasks[0].fn = newer_attempt_claims
+        return run_job(job, MultiNodeCheckpointManager(url))
+
+    caplog.set_level(logging.WARNING, logger="caffe2ckpt")
+    if same_flow_run:
+        with pytest.raises(Abort, match="superseded by attempt 2"):
+            overtaken()
+        run = client.read_flow_run(seen["run"])
+        assert run.run_count == 1 and run.state.type == StateType.RUNNING  # the newer's to end
+        assert [s.epoch for s in lineage(url)] == [1, 0]
+        assert "attempt 1 of flow run" in caplog.text and "stops without a state" in caplog.text
+    else:
+        assert overtaken() == 6  # attempt 1 fenced and failed; attempt 2 claimed anew
+        run = client.read_flow_run(seen["run"])
+        assert run.run_count == 2 and run.state.type == StateType.COMPLETED
+        assert "stops without a state" not in caplog.text
 
 
 def test_command_line_options_and_the_failure_demo(tmp_path):
