@@ -295,15 +295,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("materialize", "write an epoch as plain Zarr groups, an array per blob "
                                "(deltas resolved)")
-    p.add_argument("--epoch", metavar="E", type=_epoch, required=True, help="the epoch")
+    p.add_argument("--epoch", metavar="E", type=_epoch, help="the epoch (required)")
     p.add_argument("dest", metavar="DEST", help="where to write <node>.<epoch> groups")
-    nodes(p, "only this node")
+    nodes(p, "only this node (with --consolidate: the job holding it; all its nodes are "
+             "written)")
     p.add_argument("--dest-storage-options", metavar="JSON", type=_storage_options,
                    help="fsspec options for DEST as a JSON object (default: none)")
     p.add_argument("--consolidate", action="store_true",
                    help="one global group DEST/consolidated.<epoch>: each blob split by rows "
                         "as one array, each replicated blob once, local blobs under <node>/ "
-                        "(the layout the save was made with)")
+                        "(the layout the save was made with); always every node of the save")
     return parser
 
 
@@ -356,6 +357,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _argument_problem(args: argparse.Namespace, extra: list[str]) -> str | None:
     """What is wrong with the arguments that argparse cannot tell (None: nothing)."""
+    if args.command == "materialize" and args.epoch is None:
+        return _materialize_epoch_problem(args, extra)
     if extra:  # named with its command, not after the whole program's usage
         hint = (f": an epoch is given as --epoch {extra[0]}"
                 if extra[0].isdigit() and args.command in ("show", "verify") else "")
@@ -365,6 +368,15 @@ def _argument_problem(args: argparse.Namespace, extra: list[str]) -> str | None:
     if args.command == "gc" and args.metric and args.keep_best is None:
         return "--metric is only used with --keep-best N"
     return None
+
+
+def _materialize_epoch_problem(args: argparse.Namespace, extra: list[str]) -> str:
+    """materialize without --epoch: if the epoch was given where DEST goes, say how to give it."""
+    if args.dest.isdigit() and len(extra) == 1:
+        return (f"an epoch is given as --epoch {args.dest}: caffe2ckpt materialize "
+                f"{args.prefix} --epoch {args.dest} {extra[0]}")
+    return "the following argument is required: --epoch E" + (
+        f" (and unrecognized arguments: {' '.join(extra)})" if extra else "")
 
 
 def _run(args: argparse.Namespace) -> tuple[dict, int] | int:

@@ -138,6 +138,18 @@ def leftover_doc(location: Location, item: Leftover) -> Document:
             "save_id": item.save_id}
 
 
+def layout_doc(records: Sequence[CommitRecord]) -> Document | None:
+    """How a save's blobs are spread over its nodes, as its records store the layout: the
+    partition, the nodes in the job's order, the ``rows`` and ``replicated`` blobs (every other
+    blob is local to its node); None for a save made without a layout."""
+    layouts = [r.layout for r in records if r.layout is not None]
+    if not layouts:
+        return None
+    return {"partition": layouts[0].partition, "order": list(layouts[0].order),
+            "rows": sorted({n for lay in layouts for n in lay.rows}),
+            "replicated": sorted({n for lay in layouts for n in lay.replicated})}
+
+
 def save_kind(records: Sequence[CommitRecord], location: Location) -> Document:
     """Whether a save is whole (``full``) or differential (``delta``: it builds on older
     groups), the bytes of data it wrote and, for a delta, the groups it needs per node."""

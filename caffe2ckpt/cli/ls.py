@@ -14,6 +14,7 @@ from caffe2ckpt.cli._context import (
     committed_epochs,
     group_bytes,
     json_metrics,
+    layout_doc,
     leftover_doc,
     open_prefix,
     save_kind,
@@ -48,6 +49,7 @@ def _row(epoch: int, state: str, save_id: str, records: list[CommitRecord], loca
         "writer": records[0].writer if records else {}, "node_workers": node_workers(records),
         "stop": any(r.stop for r in records), "save_ids": [save_id],
         "paths": {r.node: location.display(r.group) for r in records},
+        "layout": layout_doc(records),
         **save_kind(records, location),
         **({"error": error} if error else {}),
     }

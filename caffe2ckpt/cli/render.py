@@ -117,7 +117,9 @@ def render_ls(doc: dict[str, Any]) -> str:
             state += f" (missing {', '.join(e['missing_nodes'])})"
         if e.get("error"):
             state += f": {e['error']}"
-        rows.append([e["epoch"], ",".join(e["nodes"]), *_sizes(e), metrics_text(e["metrics"]),
+        layout = e.get("layout")
+        nodes = ",".join(e["nodes"]) + (f" ({layout['partition']})" if layout else "")
+        rows.append([e["epoch"], nodes, *_sizes(e), metrics_text(e["metrics"]),
                      human_time(e["created"]), writer_text(e["writer"], e.get("node_workers")),
                      state])
     if rows:
@@ -172,6 +174,8 @@ def render_show(doc: dict[str, Any]) -> str:
     out = [(f"{doc['prefix']} epoch {doc['epoch']}: nodes {', '.join(doc['nodes'])}; "
            f"{plural(len(blobs), 'blob')}, {human_bytes(sum(b['bytes'] for b in blobs))}{kind}; "
            f"checksums {check}")]
+    if doc.get("layout"):
+        out.append(layout_text(doc["layout"]))
     rows = []
     for b in blobs:
         if b["storage"] == "array":
@@ -182,14 +186,29 @@ def render_show(doc: dict[str, Any]) -> str:
             storage = chain_text(b)
         state = {"recorded": "crc32c recorded", "ok": "ok", "bad": "BAD",
                  "error": "READ ERROR"}[b["checksum"]]
-        rows.append([b["node"], b["name"], b["dtype"], shape_text(b["shape"]),
+        kind = [b["kind"]] if doc.get("layout") else []
+        rows.append([b["node"], b["name"], *kind, b["dtype"], shape_text(b["shape"]),
                      human_bytes(b["bytes"]), storage, state])
     if rows:
-        out += ["", table(["NODE", "BLOB", "DTYPE", "SHAPE", "BYTES", "STORAGE", "CHECKSUM"],
-                          rows, right=["BYTES"])]
+        kind = ["KIND"] if doc.get("layout") else []
+        out += ["", table(["NODE", "BLOB", *kind, "DTYPE", "SHAPE", "BYTES", "STORAGE",
+                           "CHECKSUM"], rows, right=["BYTES"])]
     for problem in doc["problems"]:
         out.append(f"{problem['node']}: {problem['error']}")
     return "\n".join(out)
+
+
+def layout_text(layout: dict[str, Any]) -> str:
+    """``"layout: mod over 4 nodes (t0, t1, t2, t3); rows: emb; replicated: w; other blobs
+    local"``."""
+    def names(key: str) -> str:
+        shown = layout[key][:5]
+        more = len(layout[key]) - len(shown)
+        return ", ".join(shown) + (f" and {more} more" if more else "") if shown else "none"
+    order = layout["order"]
+    return (f"layout: {layout['partition']} over {plural(len(order), 'node')} "
+            f"({', '.join(order)}); rows: {names('rows')}; replicated: {names('replicated')}; "
+            "other blobs local")
 
 
 def chain_text(blob: dict[str, Any]) -> str:

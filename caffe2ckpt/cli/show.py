@@ -15,6 +15,7 @@ from caffe2ckpt.cli._context import (
     checked_manifest,
     group_epoch,
     json_metrics,
+    layout_doc,
     open_prefix,
     require_save,
     save_kind,
@@ -83,8 +84,14 @@ def cmd_show(ctx: Context, args: argparse.Namespace) -> tuple[Document, int]:
                 entry.update(storage="packed", offset=info.offset)
             blobs.append(entry)
     ctx.progress.close()
+    layout = layout_doc(list(save.records.values()))
+    if layout is not None:
+        kinds = {**dict.fromkeys(layout["rows"], "rows"),
+                 **dict.fromkeys(layout["replicated"], "replicated")}
+        for entry in blobs:
+            entry["kind"] = kinds.get(entry["name"], "local")
     doc = {"prefix": store.location.display(), "epoch": epoch, "nodes": nodes,
-           "save_id": save.save_id, "superseded": found.is_superseded(save),
+           "save_id": save.save_id, "superseded": found.is_superseded(save), "layout": layout,
            "paths": {n: store.where(save.records[n]) for n in nodes},
            "verified": bool(args.verify), "blobs": blobs, "problems": problems,
            "metrics": json_metrics(save.metrics),

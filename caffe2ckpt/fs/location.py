@@ -143,8 +143,21 @@ def _resolve(url: str, storage_options: dict[str, Any] | None,
         if is_credentials_error(exc):
             raise translate(url, exc) from exc
         raise InvalidLocationError(
-            f"cannot open checkpoint prefix {url!r}: {type(exc).__name__}: {exc}") from exc
+            f"cannot open checkpoint prefix {url!r}: {type(exc).__name__}: {exc}"
+            f"{_install_hint(url, exc)}") from exc
     return _see_through(url, fs, path)
+
+
+# the extras that bring a scheme's filesystem package
+_EXTRAS = {"s3": "s3", "s3a": "s3"}
+
+
+def _install_hint(url: str, exc: Exception) -> str:
+    """For a missing filesystem package that an extra of caffe2ckpt brings: how to install it."""
+    extra = _EXTRAS.get(url.partition("://")[0].lower()) if "://" in url else None
+    if extra is None or not isinstance(exc, ImportError):
+        return ""
+    return f' (pip install "caffe2ckpt[{extra}]")'
 
 
 def _see_through(url: str, fs: Any, path: str) -> tuple[Any, str]:

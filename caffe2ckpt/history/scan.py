@@ -22,7 +22,7 @@ from caffe2ckpt.store.records import CommitRecord, RecordRef, list_records
 from caffe2ckpt.units import epochs_summary
 
 __all__ = ["Family", "PartialSave", "PrefixScan", "elastic_steps", "family_history",
-           "newest_save", "require_save", "scan"]
+           "newest_save", "require_save", "scan", "warn_if_left_behind"]
 
 logger = logging.getLogger(__name__)
 
@@ -125,11 +125,14 @@ class PrefixScan:
         return [*(s for s in current if s is not None), *superseded]
 
     def save_at(self, epoch: int, nodes: Iterable[str] = ()) -> Save | None:
-        """The save ``epoch`` means for ``nodes``: the first of :meth:`saves_at` that holds
-        every one of them (without ``nodes``: the one :meth:`current` gives, else the newest
-        superseded one); None if there is none."""
-        wanted = set(nodes)
-        return next((s for s in self.saves_at(epoch) if wanted <= set(s.records)), None)
+        """The save ``epoch`` means for ``nodes``: the first of :meth:`saves_at` made by
+        exactly those nodes, else the first that holds every one of them (two jobs with
+        overlapping node names: ``[t0, t1]`` reaches the two-node job's save even when a
+        four-node job's comes first); without ``nodes``, the one :meth:`current` gives, else the
+        newest superseded one. None if there is none."""
+        wanted, saves = set(nodes), self.saves_at(epoch)
+        exact = next((s for s in saves if wanted and set(s.records) == wanted), None)
+        return exact or next((s for s in saves if wanted <= set(s.records)), None)
 
     def newest_epoch(self, nodes: Iterable[str] = ()) -> int | None:
         """The newest lineage epoch of the families holding every one of ``nodes`` (never a
@@ -162,6 +165,25 @@ def elastic_steps(found: PrefixScan, nodes: Iterable[str]) -> dict[int, Save]:
                 sorted(newest.nodes))
         return {}
     return max(families, key=lambda f: f.newest.generation).current()  # type: ignore[union-attr]
+
+
+def warn_if_left_behind(found: PrefixScan, own: Save) -> None:
+    """Log a WARNING when the job whose newest save is ``own`` resumes from it although another
+    node count saved (with a layout) in a later run: a job changes its node count only while
+    its nodes have saved nothing under the prefix, so scaling 4 -> 2 -> 4 takes the 4-node job
+    back to its own newest epoch."""
+    family = own.nodes
+    newer = [f.newest for f in found.families.values()
+             if f.nodes != family and f.newest is not None
+             and f.newest.generation > own.generation
+             and all(r.layout is not None for r in f.newest.records.values())]
+    other = max(newer, key=lambda s: s.generation, default=None)  # type: ignore[union-attr]
+    if other is not None:
+        logger.warning(
+            "nodes %s resume from their own newest epoch %d, not from epoch %d that nodes %s "
+            "saved later: a job changes its node count only while its own nodes have saved "
+            "nothing under the prefix", sorted(family), own.epoch, other.epoch,
+            sorted(other.nodes))
 
 
 def require_save(found: PrefixScan, store: CheckpointStore, epoch: int,

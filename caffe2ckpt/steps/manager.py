@@ -46,7 +46,7 @@ from caffe2ckpt.fs import strictjson
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.history.current import CurrentRun
 from caffe2ckpt.history.lineage import Save
-from caffe2ckpt.history.scan import elastic_steps, scan
+from caffe2ckpt.history.scan import elastic_steps, scan, warn_if_left_behind
 from caffe2ckpt.naming import check_epoch, check_node_name, get_ckpt_filename
 from caffe2ckpt.policy import StepManagerOptions, should_save
 from caffe2ckpt.preemption import PreemptionWatch
@@ -177,9 +177,14 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
         earlier step and saved from there) are not listed, restored or kept."""
         if self._current is not None:
             self._current.forget()
-            self._current.family()
+            own = self._current.family().newest
             if self._elastic:
-                self._others = elastic_steps(scan(self._store), self._current.nodes)
+                found = scan(self._store)
+                if own is None:
+                    self._others = elastic_steps(found, self._current.nodes)
+                else:  # its own lineage counts (see _steps)
+                    self._others = {}
+                    warn_if_left_behind(found, own)
         else:
             self._others = scan(self._store).current()
 

@@ -98,8 +98,9 @@ def materialize(url: str, epoch: int, dest: str, *, nodes: Sequence[str] | None 
         CheckpointNotFoundError: the epoch, or a node, is not committed there.
         CheckpointCorruptedError: the epoch is damaged (what was written of that node is
             removed again).
-        FileExistsError: ``<dest>/<node>.<epoch>`` exists already (checked before anything is
-            read; never overwritten).
+        FileExistsError: ``<dest>/<node>.<epoch>`` (with ``consolidate``:
+            ``<dest>/consolidated.<epoch>``) exists already (checked before anything is read;
+            never overwritten).
     """
     store = CheckpointStore(Location(url, storage_options))
     save = _save(store, epoch, nodes or ())

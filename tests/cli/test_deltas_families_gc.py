@@ -289,6 +289,28 @@ def test_show_diff_and_verify_select_the_save_by_node(prefix, capsys):
             "trainer_1; solo_0") in err
 
 
+@pytest.mark.parametrize("smaller_first", [True, False])
+def test_the_exact_node_set_reaches_a_smaller_job_with_overlapping_node_names(
+        prefix, tmp_path, capsys, smaller_first):
+    """Two jobs saved epoch 4: four nodes t0-t3 and two nodes t0, t1, in either order.
+    --node t0 --node t1 means the two-node job's save, whichever job ran last; the four-node
+    job's is reached through a node only it has, or all four."""
+    four, two = ["t0", "t1", "t2", "t3"], ["t0", "t1"]
+    jobs = [(two, 2.0), (four, 4.0)]
+    for nodes, value in jobs if smaller_first else jobs[::-1]:
+        with StepCheckpointManager(prefix, nodes=nodes, handle_preemption=False) as mgr:
+            mgr.save(4, {n: {"w": np.full(3, value)} for n in nodes})
+    for wanted, value in ((two, 2.0), (["t0", "t2"], 4.0), (four, 4.0)):
+        argv = [a for n in wanted for a in ("--node", n)]
+        doc = run_json(capsys, "show", prefix, "--epoch", 4, *argv)
+        assert doc["nodes"] == wanted, (wanted, doc["nodes"])
+        dest = tmp_path / "-".join(wanted)
+        written = caffe2ckpt.materialize(prefix, 4, str(dest), nodes=wanted)
+        assert len(written) == len(wanted)
+        group = zarr.open_group(f"{dest}/t0.4", mode="r")
+        assert group["w"][:].tolist() == [value] * 3, wanted
+
+
 # -- D6: a failed record delete leaves no retire note; gc reports and removes stale ones ----------
 
 

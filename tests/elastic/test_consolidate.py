@@ -69,6 +69,27 @@ def test_the_command_line_consolidates(tmp_path):
     assert np.array_equal(zarr.open_group(doc["groups"][0], mode="r")["emb"][...], table)
 
 
+def test_ls_and_show_print_the_layout(tmp_path):
+    """A new user found no command that said how a save's blobs are spread over its nodes."""
+    url = str(tmp_path / "ckpt")
+    save(url, np.ones((300, 4), np.float32), "mod", False, nodes="ab", epochs=1)
+
+    def cli(*argv: str) -> str:
+        return subprocess.run([sys.executable, "-m", "caffe2ckpt.cli", *argv, url],
+                              capture_output=True, text=True, check=True).stdout
+    assert "a,b (mod)" in cli("ls")
+    shown = cli("show")
+    assert ("layout: mod over 2 nodes (a, b); rows: emb; replicated: w; other blobs local"
+            in shown), shown
+    doc = json.loads(cli("show", "--json"))
+    assert doc["layout"] == {"partition": "mod", "order": ["a", "b"], "rows": ["emb"],
+                             "replicated": ["w"]}
+    assert {(b["node"], b["name"]): b["kind"] for b in doc["blobs"]} == {
+        ("a", "emb"): "rows", ("a", "w"): "replicated", ("a", "opt"): "local",
+        ("b", "emb"): "rows", ("b", "opt"): "local"}  # w is written once, by a
+    assert json.loads(cli("ls", "--json"))["epochs"][0]["layout"] == doc["layout"]
+
+
 def test_consolidation_streams(tmp_path):
     """A 96 MiB table saved by 4 nodes, consolidated holding at most 64 MiB + one 16 MiB
     chunk (numpy reports its arrays to tracemalloc)."""

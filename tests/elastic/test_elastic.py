@@ -56,7 +56,7 @@ def test_a_save_without_a_layout_is_not_resumed_on_other_nodes_and_a_warning_say
             "layout") in caplog.text
 
 
-def test_saves_after_an_elastic_restore_continue_and_keep_the_old_family(prefix):
+def test_saves_after_an_elastic_restore_continue_and_keep_the_old_family(prefix, caplog):
     layout = Layout(rows=["emb"], replicated=["w"])
     old = {f"t{k}": {"emb": np.full((5, 2), k, np.int32), "w": np.arange(3)} for k in range(4)}
     with StepCheckpointManager(prefix, nodes=list(old), layout=layout,
@@ -76,6 +76,9 @@ def test_saves_after_an_elastic_restore_continue_and_keep_the_old_family(prefix)
                                handle_preemption=False) as mgr:
         assert mgr.all_steps() == [2]  # the old family's newest save, kept
         assert np.array_equal(mgr.restore(2)["t3"]["emb"], old["t3"]["emb"])
+    # going back to 4 nodes goes back to their own step, and says so
+    assert ("nodes ['t0', 't1', 't2', 't3'] resume from their own newest epoch 2, not from "
+            "epoch 4 that nodes ['u0', 'u1'] saved later") in caplog.text
 
 
 def test_layouts_are_checked_when_declared():
@@ -130,6 +133,12 @@ def test_a_job_saved_by_4_nodes_resumes_on_2_and_on_8(prefix, partition, caplog)
             assert ws["emb"].tobytes() == share(table, partition, k, m).tobytes()
             assert np.array_equal(ws["w"], weights)
         caplog.clear()
+    runner = JobRunner(build(4, 9, partition),  # 4 -> 2 -> 8 -> 4: back to its own epoch 3
+                       MultiNodeCheckpointManager(prefix, layout=layout(partition)))
+    runner.train(LocalSession())
+    assert runner.resumed_from == 3
+    assert ("resume from their own newest epoch 3, not from epoch 7 that nodes "
+            "['trainer_0', 'trainer_1', 'trainer_2', 'trainer_3', 'trainer_4'") in caplog.text
 
 
 def test_a_job_with_a_local_blob_is_refused_before_it_claims_the_prefix(prefix):

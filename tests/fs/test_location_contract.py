@@ -9,6 +9,8 @@ from __future__ import annotations
 import errno
 import os
 import pickle
+import subprocess
+import sys
 import time
 
 import pytest
@@ -326,3 +328,17 @@ def test_urls_no_one_means_are_refused_saying_what_was_meant(url, message):
 @pytest.mark.parametrize("url", ["C:/data/run", "relative/run", "/tmp/a:/b"])
 def test_paths_that_only_look_like_urls_stay_local_paths(url):
     assert isinstance(Location(url), LocalLocation)
+
+
+def test_a_missing_s3_package_names_the_extra_that_installs_it():
+    """Without s3fs, an s3:// prefix is refused with fsspec's reason and the pip command (in a
+    fresh interpreter in which importing s3fs fails, as on a machine without it)."""
+    code = ("import sys; sys.modules['s3fs'] = None\n"
+            "from caffe2ckpt.errors import InvalidLocationError\n"
+            "from caffe2ckpt.fs.location import Location\n"
+            "try:\n    Location('s3://bucket/run')\n"
+            "except InvalidLocationError as exc:\n    print(exc)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert "'s3://bucket/run'" in out and 's3fs' in out, out
+    assert 'pip install "caffe2ckpt[s3]"' in out, out
