@@ -37,7 +37,8 @@ Memory (``--memory-epochs`` saves on fresh local prefixes, traced with ``tracema
 numpy reports its arrays to): what a manager holds between differential saves beyond the
 workspace (``compare`` and ``hints``: the row digests), and what an ``async`` differential save
 holds while it writes in the background (the most, from ``save()`` until
-``wait_until_finished()``), against the bytes that save writes.
+``wait_until_finished()``), against the bytes that save writes; and what a restore of the
+newest ``compare`` epoch holds beyond the blobs it returns.
 """
 
 from __future__ import annotations
@@ -305,8 +306,27 @@ def measure_memory(args, base: str, work_rows: int, epochs: int) -> list[dict[st
         out.append({"mode": mode, "large": large, "held": max(held),
                     "peak": max(p["extra"] for p in peaks),
                     "peak_over_written": max(p["extra"] / p["written"] for p in peaks),
-                    "written": statistics.median(p["written"] for p in peaks)})
+                    "written": statistics.median(p["written"] for p in peaks),
+                    **(restore_memory(url) if mode == "compare" else {})})
     return out
+
+
+def restore_memory(url: str) -> dict[str, float]:
+    """The most a restore of the prefix's newest (differential) epoch holds beyond the blobs it
+    returns, traced."""
+    gc.collect()
+    tracemalloc.start()
+    try:
+        mgr = StepCheckpointManager(url, handle_preemption=False)
+        before, _ = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        restored = mgr.restore(mgr.latest_step())[NODE]
+        _, peak = tracemalloc.get_traced_memory()
+        mgr.close()
+    finally:
+        tracemalloc.stop()
+    returned = sum(a.nbytes for a in restored.values())
+    return {"restore_extra": peak - before - returned, "restore_returned": returned}
 
 
 def report(args, saves, restores, run: Run, full_bytes: int, memory) -> None:
@@ -371,6 +391,11 @@ def report_memory(memory) -> None:
                 f"{'within' if m['peak'] <= limit else 'OVER'} ({limit / mib:.1f} MiB) |"
                 if asynchronous else "| | |")
         print(f"| {m['mode']} | {m['held'] / mib:.2f} MiB | {m['held'] / m['large']:.4f} | {tail}")
+    for m in memory:
+        if "restore_extra" in m:
+            print(f"\nrestoring the newest epoch ({m['mode']}, a delta) holds at most "
+                  f"{m['restore_extra'] / (1 << 20):.1f} MiB beyond the "
+                  f"{m['restore_returned'] / (1 << 20):.1f} MiB it returns")
 
 
 def main(argv: list[str] | None = None) -> int:

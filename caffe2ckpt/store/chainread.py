@@ -4,10 +4,12 @@ For each such blob the save's commit record gives its chain (:mod:`caffe2ckpt.st
 the older groups that hold rows of it, oldest first; the save's own group comes last. Each
 group holds the blob whole, or a *span* (consecutive rows) and/or a *row overlay* (row ids and
 values) of it. A row's value is the one of the newest group holding it. So the blob is built
-newest group first, each row written once: an overlay's rows not yet written are applied, a
-span's or whole copy's rows not yet written are read straight from their chunks into their
-place (a chunk holding rows already written is read into a buffer of its own and only the rows
-still missing copied). Every row must be written by some group, else the chain is damaged.
+in two rounds. First each row is read from the newest span or whole copy holding it, straight
+from its chunk into its place (a chunk holding rows a newer span gave is read into a buffer of
+its own and only its other rows copied); every row must be in some span or whole copy, else the
+chain is damaged. Then each row that an overlay newer than that span holds is copied into place
+from the newest such overlay, as the overlay's chunk is read into the I/O thread's buffer: no
+copy of an overlay is held, and the rounds never write a row in the wrong order.
 
 Every group's ``zarr.json`` must have the digest the record gives and say it is the save the
 record names; every array read is checked as any restore checks it (metadata digests, chunk
@@ -19,6 +21,7 @@ epoch, blob and the group, never wrong data.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -59,6 +62,7 @@ class _Source:
     crcs: dict[str, tuple[int, ...]]
     metadata: dict[str, str]  # relative metadata file -> SHA-256 (those the record names)
     reads: list[RowRead] = field(default_factory=list)  # rows to read straight into place
+    late: list[RowRead] = field(default_factory=list)  # overlay rows, once ``reads`` are done
     whole: set[str] = field(default_factory=set)  # blobs it holds whole, to read as they are
     overlays: set[str] = field(default_factory=set)  # blobs whose overlay to read
 
@@ -89,25 +93,47 @@ def read_chained(store: CheckpointStore, record: CommitRecord, manifest: Manifes
                  names: list[str], window: tuple[int, int] | None = None
                  ) -> dict[str, np.ndarray]:
     """Rebuild the blobs ``names`` of ``record``'s differential save (whose verified manifest
-    is ``manifest``): every group's manifest, then every overlay and packed copy needed, then
-    every span and whole array (straight into place), each group once however many blobs it
-    holds; then the overlays are applied and each blob's digest checked.
+    is ``manifest``): every group's manifest; then every span and whole array, straight into
+    place, on a thread of its own while the packed copies and the overlays' row ids are read
+    and the overlays planned; then the overlays' chunks holding rows to copy; each group once
+    per round however many blobs it holds; then each blob's digest is checked.
 
     With ``window`` (``[start, stop)`` rows along axis 0), only those rows of each blob are
     read and rebuilt: every chunk and manifest read is checked as ever, but the blob's digest,
     which covers all its rows, is checked only when the window is the whole blob."""
     reader = _Reader(store, record, manifest)
     direct, builds = _plan(reader, names, window)
-    fetched = reader.fetch()  # small: packed copies, overlays' row ids
-    for build in builds:
-        build.plan_overlays(fetched)
-    reader.read_in_place()  # spans, whole arrays, overlays' values: one round, disk kept busy
+    with _in_background(reader.read_in_place):  # spans and whole arrays, straight into place
+        fetched = reader.fetch()  # small: packed copies, overlays' row ids
+        for build in builds:
+            build.plan_overlays(fetched)
     for build in builds:
         build.copy_packed(fetched)
-    run_reads([call for build in builds for call in build.apply()])
+    reader.read_in_place(late=True)  # the overlays' live rows, copied into place as read
     out = {name: fetched[(id(part.source), name)] for name, part in direct.items()}
     out.update({build.name: build.finish() for build in builds})
     return out
+
+
+@contextmanager
+def _in_background(call: Callable[[], None]) -> Iterator[None]:
+    """Run ``call()`` on a thread of its own while the body runs; at the end (also when the
+    body fails) wait for it, then raise its failure unless the body's is raised."""
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread
+            failure.append(exc)
+    thread = threading.Thread(target=run, name="caffe2ckpt-read", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        thread.join()
+    if failure:
+        raise failure[0]
 
 
 def _plan(reader: _Reader, names: list[str], window: tuple[int, int] | None
@@ -250,29 +276,32 @@ class _Reader:
                             for n in names})
         return out
 
-    def read_in_place(self) -> None:
-        """Every row read asked for (spans and whole arrays straight into place, or the live
-        rows of overlays), all groups at once; then none is pending."""
+    def read_in_place(self, late: bool = False) -> None:
+        """Every row read asked for (spans and whole arrays straight into place; with
+        ``late``, the live rows of overlays), all groups at once; then none is pending."""
         location = self.store.location
         calls: list[Callable[[], Any]] = []
         for source in self._all_sources():
-            if not source.reads:
+            reads = source.late if late else source.reads
+            if not reads:
                 continue
-            paths = {read.info.path for read in source.reads}
-            crcs = self._crcs(source, paths, source.reads[0].info.name)  # type: ignore[arg-type]
+            paths = {read.info.path for read in reads}
+            crcs = self._crcs(source, paths, reads[0].info.name)  # type: ignore[arg-type]
             calls.extend(row_reads(location, location.path(source.group), source.manifest,
-                                   crcs, source.reads, _files(source, paths)))  # type: ignore[arg-type]
-            source.reads = []
+                                   crcs, reads, _files(source, paths)))  # type: ignore[arg-type]
+            if late:
+                source.late = []
+            else:
+                source.reads = []
         with self.naming_this_save():
             run_reads(calls)
 
-    def precheck(self, name: str, parts: list[_Part],
-                 arrays: list[tuple[_Source, BlobInfo]] = ()) -> None:
-        """Before a large array is allocated: the chunk files of the arrays it is read from
-        (the spans and whole copies of ``parts``, and ``arrays``) are there and of their sizes
-        (a crafted manifest's claim costs no memory)."""
+    def precheck(self, name: str, parts: list[_Part]) -> None:
+        """Before a large blob is allocated: the chunk files of the arrays it is read from
+        (the spans and whole copies of ``parts``) are there and of their sizes (a crafted
+        manifest's claim costs no memory)."""
         wanted = [(p.source, i) for p in parts for i in (p.whole, p.span and p.span[1])
-                  if i and i.path] + list(arrays)
+                  if i and i.path]
         location = self.store.location
         with self.naming_this_save():
             for source, info in wanted:
@@ -310,9 +339,9 @@ def _files(source: _Source, paths: set[str]) -> dict[str, str]:
 class _Build:
     """One blob built from its chain (newest part first, see the module docstring): each row
     is read once, straight into place, from the newest span or whole copy holding it; then
-    the overlays are applied, newest first, each row at most once and only where no newer span
-    holds it. Every row must be in some span or whole copy, checked before anything is
-    allocated."""
+    the overlays' rows are copied in (:class:`_Scatter`), each row from one overlay at most:
+    the newest holding it, where it is newer than that span. Every row must be in some span or
+    whole copy, checked before anything is allocated."""
 
     def __init__(self, reader: _Reader, name: str, parts: list[_Part],
                  window: tuple[int, int] | None = None) -> None:
@@ -371,11 +400,11 @@ class _Build:
     def plan_overlays(self, fetched: dict[tuple[int, str], Any]) -> None:
         """Given each overlay's row ids, newest first: the rows it gives (no newer span, whole
         copy or overlay holds them: each row is taken from one overlay at most), and the reads
-        of those rows' values (the chunks holding them)."""
+        of the chunks holding their values, for the second round (copied into place as read).
+        Nothing is allocated: a crafted overlay costs reads, checked chunk by chunk."""
         starts = np.array([start for start, _, _ in self.dense])
         ages = np.array([age for _, _, age in self.dense])
         taken = np.zeros(self.hi - self.lo, bool)
-        self.overlays = []
         for age, part in enumerate(self.parts):
             if not part.needs_overlay:
                 continue
@@ -389,22 +418,10 @@ class _Build:
             if not take.any():
                 continue
             taken[ids[take] - self.lo] = True
-            runs = _runs(live)  # few: the rows of the parts no newer span holds
+            runs = _runs(take)
             info = part.overlay[1]  # type: ignore[index]
-            if needs_precheck(self.reader.store.location, info.nbytes):
-                self.reader.precheck(self.name, [], [(part.source, info)])
-            dtype, shape = stored_spec(info)
-            values = destination(self.reader.store.location, shape, dtype)
-            flat = values.reshape(shape[0], -1).view(np.uint8)
-            part.source.reads.append(RowRead(info, flat, 0, runs))
-            self.overlays.append((ids[take] - self.lo, flat, take))
-
-    def apply(self) -> list[Callable[[], None]]:
-        """Once every read is done: the calls that write the overlays' rows into place (their
-        rows are disjoint: run them in any order, at once)."""
-        rows = _as_rows(self.flat)
-        return [lambda i=ids, v=values, t=take: rows.__setitem__(i, _as_rows(v)[t])
-                for ids, values, take in self.overlays]
+            part.source.late.append(RowRead(info, None, 0, runs, sink=_Scatter(
+                _as_rows(self.flat), np.flatnonzero(take), ids[take] - self.lo)))
 
     def finish(self) -> np.ndarray:
         """The blob (its window's rows), once its digest is the one recorded at save time
@@ -425,6 +442,20 @@ class _Build:
         if ids.ndim != 1 or ids.size and (ids[0] < 0 or ids[-1] >= self.rows
                                           or np.any(ids[1:] <= ids[:-1])):
             raise self.reader.damage(self.name, group, "its row overlay does not fit the blob")
+
+
+class _Scatter:
+    """Copies an overlay's taken rows into place as each chunk of its values is read: value
+    row ``taken[i]`` is row ``rows[i]`` of the blob (``taken`` ascending; rows disjoint from
+    any other overlay's, so chunks may land in any order, on any thread)."""
+
+    def __init__(self, dest: np.ndarray, taken: np.ndarray, rows: np.ndarray) -> None:
+        self.dest, self.taken, self.rows = dest, taken, rows
+
+    def __call__(self, first: int, chunk: np.ndarray) -> None:
+        lo, hi = np.searchsorted(self.taken, (first, first + chunk.shape[0]))
+        if hi > lo:
+            self.dest[self.rows[lo:hi]] = _as_rows(chunk)[self.taken[lo:hi] - first]
 
 
 def _minus(interval: tuple[int, int], covered: list[tuple[int, int]]) -> list[tuple[int, int]]:
