@@ -425,5 +425,8 @@ class CurrentRun:
 
 
 def _same(read: CommitRecord | str, record: CommitRecord) -> bool:
-    """Whether ``read`` is ``record`` (compared as stored: a NaN metric equals itself)."""
-    return isinstance(read, CommitRecord) and read.to_dict() == record.to_dict()
+    """Whether ``read`` is ``record`` (compared as stored: a NaN metric equals itself). Equal
+    fields settle it at once; only records that differ there (a NaN metric) are compared as
+    stored, which costs a deep copy of each."""
+    return isinstance(read, CommitRecord) and (read == record
+                                               or read.to_dict() == record.to_dict())
