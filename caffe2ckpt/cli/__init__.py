@@ -373,8 +373,8 @@ def _argument_problem(args: argparse.Namespace, extra: list[str]) -> str | None:
 def _materialize_epoch_problem(args: argparse.Namespace, extra: list[str]) -> str:
     """materialize without --epoch: if the epoch was given where DEST goes, say how to give it."""
     if args.dest.isdigit() and len(extra) == 1:
-        return (f"an epoch is given as --epoch {args.dest}: caffe2ckpt materialize "
-                f"{args.prefix} --epoch {args.dest} {extra[0]}")
+        return (f"the epoch is given as --epoch {args.dest}, e.g. caffe2ckpt materialize PREFIX "
+                f"--epoch {args.dest} DEST")
     return "the following argument is required: --epoch E" + (
         f" (and unrecognized arguments: {' '.join(extra)})" if extra else "")
 

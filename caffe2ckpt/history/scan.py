@@ -22,7 +22,7 @@ from caffe2ckpt.store.records import CommitRecord, RecordRef, list_records
 from caffe2ckpt.units import epochs_summary
 
 __all__ = ["Family", "PartialSave", "PrefixScan", "elastic_steps", "family_history",
-           "newest_save", "require_save", "scan", "warn_if_left_behind"]
+           "LeftBehindWarning", "left_behind", "newest_save", "require_save", "scan"]
 
 logger = logging.getLogger(__name__)
 
@@ -125,14 +125,15 @@ class PrefixScan:
         return [*(s for s in current if s is not None), *superseded]
 
     def save_at(self, epoch: int, nodes: Iterable[str] = ()) -> Save | None:
-        """The save ``epoch`` means for ``nodes``: the first of :meth:`saves_at` made by
-        exactly those nodes, else the first that holds every one of them (two jobs with
-        overlapping node names: ``[t0, t1]`` reaches the two-node job's save even when a
-        four-node job's comes first); without ``nodes``, the one :meth:`current` gives, else the
-        newest superseded one. None if there is none."""
-        wanted, saves = set(nodes), self.saves_at(epoch)
-        exact = next((s for s in saves if wanted and set(s.records) == wanted), None)
-        return exact or next((s for s in saves if wanted <= set(s.records)), None)
+        """The save ``epoch`` means for ``nodes``, in :meth:`saves_at`'s order: a lineage save
+        before a superseded one and, among either, one made by exactly those nodes before one
+        that holds them with others (two jobs with overlapping node names: ``[t0, t1]`` reaches
+        the two-node job's save even when a four-node job's comes first); without ``nodes``,
+        the one :meth:`current` gives, else the newest superseded one. None if there is none."""
+        wanted = set(nodes)
+        held = [s for s in self.saves_at(epoch) if wanted <= set(s.records)]
+        return min(held, key=lambda s: (self.is_superseded(s), set(s.records) != wanted),
+                   default=None)  # min keeps the first of equals: saves_at's order
 
     def newest_epoch(self, nodes: Iterable[str] = ()) -> int | None:
         """The newest lineage epoch of the families holding every one of ``nodes`` (never a
@@ -147,14 +148,19 @@ class PrefixScan:
                          + (" (superseded)" if self.is_superseded(s) else "") for s in saves)
 
 
+def _with_layout(families: Iterable[Family]) -> list[Family]:
+    """The families whose newest save carries a layout (and could be resumed elsewhere)."""
+    return [f for f in families if f.newest is not None
+            and all(r.layout is not None for r in f.newest.records.values())]
+
+
 def elastic_steps(found: PrefixScan, nodes: Iterable[str]) -> dict[int, Save]:
     """The lineage, by epoch, that a job on ``nodes`` whose nodes have saved nothing resumes
     from on another node count: that of the family (of other nodes) whose newest save carries a
     layout and is of the newest run among such families; empty when there is none."""
     own = frozenset(nodes)
     others = [f for f in found.families.values() if f.nodes != own and f.newest is not None]
-    families = [f for f in others
-                if all(r.layout is not None for r in f.newest.records.values())]  # type: ignore[union-attr]
+    families = _with_layout(others)
     if not families:
         if others:
             newest = max(others, key=lambda f: f.newest.generation)  # type: ignore[union-attr]
@@ -167,22 +173,43 @@ def elastic_steps(found: PrefixScan, nodes: Iterable[str]) -> dict[int, Save]:
     return max(families, key=lambda f: f.newest.generation).current()  # type: ignore[union-attr]
 
 
-def warn_if_left_behind(found: PrefixScan, own: Save) -> None:
-    """Log a WARNING when the job whose newest save is ``own`` resumes from it although another
-    node count saved (with a layout) in a later run: a job changes its node count only while
-    its nodes have saved nothing under the prefix, so scaling 4 -> 2 -> 4 takes the 4-node job
-    back to its own newest epoch."""
-    family = own.nodes
-    newer = [f.newest for f in found.families.values()
-             if f.nodes != family and f.newest is not None
-             and f.newest.generation > own.generation
-             and all(r.layout is not None for r in f.newest.records.values())]
-    other = max(newer, key=lambda s: s.generation, default=None)  # type: ignore[union-attr]
-    if other is not None:
+def left_behind(store: CheckpointStore, own: Save, found: PrefixScan | None = None
+                ) -> Save | None:
+    """The newest save of another node set (with a layout) made in a later run than ``own``,
+    the newest save of a job that resumes from it: a job changes its node count only while its
+    nodes have saved nothing under the prefix, so scaling 4 -> 2 -> 4 takes the 4-node job back
+    to its own newest epoch. None if there is none. Without ``found`` (a reading of the
+    prefix), one listing of the run log answers when no later run exists; only then are the
+    records read."""
+    if found is None:
+        if max(runs.listing(store.location).numbers, default=0) <= own.generation:
+            return None
+        found = scan(store)
+    newer = [s for f in _with_layout(found.families.values())
+             if f.nodes != own.nodes and (s := f.newest) is not None
+             and s.generation > own.generation]
+    return max(newer, key=lambda s: s.generation, default=None)
+
+
+class LeftBehindWarning:
+    """Warns when a job resumes from its own newest save although another node count saved
+    later (:func:`left_behind`), once per such save: a manager keeps one."""
+
+    def __init__(self) -> None:
+        self._warned: str | None = None  # the save of another node count last warned of
+
+    def check(self, store: CheckpointStore, own: Save | None,
+              found: PrefixScan | None = None) -> None:
+        if own is None:
+            return
+        other = left_behind(store, own, found)
+        if other is None or other.save_id == self._warned:
+            return
+        self._warned = other.save_id
         logger.warning(
             "nodes %s resume from their own newest epoch %d, not from epoch %d that nodes %s "
             "saved later: a job changes its node count only while its own nodes have saved "
-            "nothing under the prefix", sorted(family), own.epoch, other.epoch,
+            "nothing under the prefix", sorted(own.nodes), own.epoch, other.epoch,
             sorted(other.nodes))
 
 

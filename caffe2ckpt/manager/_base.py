@@ -34,7 +34,7 @@ from caffe2ckpt.errors import (
 from caffe2ckpt.fs.location import Location, resolve_source
 from caffe2ckpt.history.current import CurrentRun
 from caffe2ckpt.history.lineage import Save
-from caffe2ckpt.history.scan import elastic_steps, scan, warn_if_left_behind
+from caffe2ckpt.history.scan import LeftBehindWarning, elastic_steps, scan
 from caffe2ckpt.job import Node, Task, TaskGroup
 from caffe2ckpt.manager import _nodeops as nodeops
 from caffe2ckpt.manager._async import AsyncSaving
@@ -112,6 +112,7 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
         self._param_nodes: list[str] = []
         self._runs: dict[tuple[str, frozenset[str]], CurrentRun] = {}
         self._attempt: tuple[int, str] | None = None  # the last save begun: epoch, save id
+        self._left_behind = LeftBehindWarning()  # a resume says what it does not resume from
         self._init_async(async_save)
 
     # -- properties ------------------------------------------------------------------------------
@@ -526,9 +527,7 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
         if elastic and (user_epoch is None or user_epoch in elastic):
             return max(elastic) if user_epoch is None else user_epoch
         if self._layout is not None and user_epoch is None:
-            own = self.current().newest()
-            if own is not None:
-                warn_if_left_behind(scan(self._store), own)
+            self._left_behind.check(self._store, self.current().newest())
         return self._metadata_handler.last_epoch(user_epoch=user_epoch)
 
     def _set_params(self, node_names: list[str], path_prefix: str | None,

@@ -183,10 +183,10 @@ def _stop_if_superseded(exc: CheckpointFencedError, attempt: int, url: str) -> N
     ``retries``, retry and fence the newest in turn). :class:`prefect.exceptions.Abort` ends
     the flow body without proposing a state.
     """
-    newer = exc.newer_writer or {}
+    newer, run = exc.newer_writer or {}, flow_run.id
     count = newer.get("run_count")
-    if str(newer.get("flow_run_id")) != str(flow_run.id) or not isinstance(count, int) \
-            or count <= attempt:
+    if run is None or str(newer.get("flow_run_id")) != str(run) \
+            or not isinstance(count, int) or count <= attempt:
         return
     logger.warning("attempt %d of flow run %s stops without a state: attempt %d of the same "
                    "flow run took over %r and now owns the run's state", attempt, flow_run.id,

@@ -46,7 +46,7 @@ from caffe2ckpt.fs import strictjson
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.history.current import CurrentRun
 from caffe2ckpt.history.lineage import Save
-from caffe2ckpt.history.scan import elastic_steps, scan, warn_if_left_behind
+from caffe2ckpt.history.scan import LeftBehindWarning, elastic_steps, scan
 from caffe2ckpt.naming import check_epoch, check_node_name, get_ckpt_filename
 from caffe2ckpt.policy import StepManagerOptions, should_save
 from caffe2ckpt.preemption import PreemptionWatch
@@ -155,6 +155,7 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
         self._last_save_time: float | None = None
         self._protected: set[int] = set()
         self._others: dict[int, Save] = {}  # without ``nodes`` and before a save: every family
+        self._left_behind = LeftBehindWarning()
         self._trackers: dict[str, DeltaTracker] = {}  # delta_saves: each node's state
         if metadata is not None:
             self._write_root_metadata(dict(metadata))
@@ -180,11 +181,8 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
             own = self._current.family().newest
             if self._elastic:
                 found = scan(self._store)
-                if own is None:
-                    self._others = elastic_steps(found, self._current.nodes)
-                else:  # its own lineage counts (see _steps)
-                    self._others = {}
-                    warn_if_left_behind(found, own)
+                self._others = elastic_steps(found, self._current.nodes)
+                self._left_behind.check(self._store, own, found)  # own steps count: _steps
         else:
             self._others = scan(self._store).current()
 

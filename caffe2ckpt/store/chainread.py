@@ -109,29 +109,36 @@ def read_chained(store: CheckpointStore, record: CommitRecord, manifest: Manifes
             build.plan_overlays(fetched)
     for build in builds:
         build.copy_packed(fetched)
-    reader.read_in_place(late=True)  # the overlays' live rows, copied into place as read
+    reader.read_in_place(threading.Event(), "late")  # overlays' rows, copied in as read
     out = {name: fetched[(id(part.source), name)] for name, part in direct.items()}
     out.update({build.name: build.finish() for build in builds})
     return out
 
 
 @contextmanager
-def _in_background(call: Callable[[], None]) -> Iterator[None]:
-    """Run ``call()`` on a thread of its own while the body runs; at the end (also when the
-    body fails) wait for it, then raise its failure unless the body's is raised."""
-    failure: list[BaseException] = []
+def _in_background(call: Callable[[threading.Event], None]) -> Iterator[None]:
+    """Run ``call(stop)`` on a thread of its own while the body runs, then wait for it and
+    raise its failure. If the body fails, ``stop`` is set (``call`` starts nothing more), the
+    thread is waited for (nothing keeps writing into the caller's arrays) and the body's
+    failure is raised, with the thread's as a note."""
+    stop, failure = threading.Event(), []
 
     def run() -> None:
         try:
-            call()
+            call(stop)
         except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread
             failure.append(exc)
     thread = threading.Thread(target=run, name="caffe2ckpt-read", daemon=True)
     thread.start()
     try:
         yield
-    finally:
+    except BaseException as exc:
+        stop.set()
         thread.join()
+        if failure:
+            exc.add_note(f"meanwhile the reads in place failed too: {failure[0]!r}")
+        raise
+    thread.join()
     if failure:
         raise failure[0]
 
@@ -276,25 +283,23 @@ class _Reader:
                             for n in names})
         return out
 
-    def read_in_place(self, late: bool = False) -> None:
-        """Every row read asked for (spans and whole arrays straight into place; with
-        ``late``, the live rows of overlays), all groups at once; then none is pending."""
+    def read_in_place(self, stop: threading.Event, which: str = "reads") -> None:
+        """Every row read asked for in ``which`` of each source (``reads``: spans and whole
+        arrays straight into place; ``late``: the live rows of overlays), all groups at once;
+        then none is pending. Once ``stop`` is set no further read is started."""
         location = self.store.location
         calls: list[Callable[[], Any]] = []
         for source in self._all_sources():
-            reads = source.late if late else source.reads
+            reads = getattr(source, which)
             if not reads:
                 continue
             paths = {read.info.path for read in reads}
             crcs = self._crcs(source, paths, reads[0].info.name)  # type: ignore[arg-type]
             calls.extend(row_reads(location, location.path(source.group), source.manifest,
                                    crcs, reads, _files(source, paths)))  # type: ignore[arg-type]
-            if late:
-                source.late = []
-            else:
-                source.reads = []
+            setattr(source, which, [])
         with self.naming_this_save():
-            run_reads(calls)
+            run_reads(call for call in calls if not stop.is_set())
 
     def precheck(self, name: str, parts: list[_Part]) -> None:
         """Before a large blob is allocated: the chunk files of the arrays it is read from

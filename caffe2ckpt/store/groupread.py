@@ -521,16 +521,18 @@ _SCRATCH_BYTES = 4 << 20  # the largest chunk buffer an I/O thread keeps for its
 _scratch_of = threading.local()
 
 
-def _scratch(nbytes: int) -> np.ndarray:
+def _scratch(nbytes: int, local: bool) -> np.ndarray:
     """``nbytes`` of uint8 for one chunk read on this thread: this thread's buffer when the
     chunk fits in :data:`_SCRATCH_BYTES` (its pages already mapped and likely in cache), else a
     new one. It starts one byte past an aligned address, so a chunk is read into it through
     the page cache, never with O_DIRECT (:func:`~caffe2ckpt.fs.localio.read_into` reads only
     aligned buffers directly): the copy out of it then finds the chunk in the CPU's cache. Read
     directly and then copied, a 1 GiB ``mod`` reshard took 1.5-1.7x as long. At most
-    :data:`_SCRATCH_BYTES` stays held per I/O thread."""
+    :data:`_SCRATCH_BYTES` stays held per I/O thread. A larger chunk (an object store's) gets
+    a buffer of its own, as a restore's destination would (:func:`_copy_target` off the local
+    disk)."""
     if nbytes > _SCRATCH_BYTES:
-        return np.empty(nbytes, np.uint8)
+        return np.empty(nbytes, np.uint8) if local else _copy_target((nbytes,), np.dtype(np.uint8))
     held = getattr(_scratch_of, "buffer", None)
     if held is None:
         held = _scratch_of.buffer = np.empty(_SCRATCH_BYTES + 1, np.uint8)[1:]
@@ -554,7 +556,7 @@ def _read_pieces(location: Location, manifest: Manifest, where: str, span: _Span
     """Read one chunk into a buffer of its own, checked, and copy rows ``pieces`` (array rows)
     into ``read``'s destination (or give the chunk's rows to its sink)."""
     count = span.rows.stop - span.rows.start
-    buffer = _scratch(count * span.row_bytes).reshape(count, span.row_bytes)
+    buffer = _scratch(count * span.row_bytes, location.is_local).reshape(count, span.row_bytes)
     _read_chunk(location, manifest, where, span.blob, span.chunk, buffer, span.padding, span.crc)
     if read.sink is not None:
         read.sink(span.rows.start, buffer)

@@ -554,9 +554,9 @@ def test_diff_of_identical_epochs_and_of_damaged_data(tree, capsys):
     (["show", "P", "999"], "caffe2ckpt show: error: unrecognized arguments: 999: an epoch is "
                            "given as --epoch 999"),
     (["ls", "P", "--bogus"], "caffe2ckpt ls: error: unrecognized arguments: --bogus"),
-    (["materialize", "P", "0", "D"],
-     "materialize: error: an epoch is given as --epoch 0: caffe2ckpt materialize "
-     "memory://wrong-args --epoch 0 D"),
+    (["materialize", "P", "0", "D", "--consolidate"],
+     "materialize: error: the epoch is given as --epoch 0, e.g. caffe2ckpt materialize PREFIX "
+     "--epoch 0 DEST"),
     (["materialize", "P", "D"], "the following argument is required: --epoch E"),
 ])
 def test_wrong_arguments_exit_2_with_a_message(memory_fs, capsys, argv, message):

@@ -311,6 +311,23 @@ def test_the_exact_node_set_reaches_a_smaller_job_with_overlapping_node_names(
         assert group["w"][:].tolist() == [value] * 3, wanted
 
 
+def test_a_lineage_save_goes_before_a_superseded_save_of_exactly_the_nodes(prefix, capsys):
+    """t0, t1 save epochs 0-4, then go back to 3 (their epoch 4 is superseded); then t0-t3
+    save epoch 4. --node t0 --node t1 --epoch 4 means the four-node job's current save, not
+    the two-node job's abandoned one (which it no longer lists)."""
+    two, four = ["t0", "t1"], ["t0", "t1", "t2", "t3"]
+    with StepCheckpointManager(prefix, nodes=two, handle_preemption=False) as mgr:
+        for step in range(5):
+            mgr.save(step, {n: {"w": np.full(3, 2.0)} for n in two})
+        mgr.save(3, {n: {"w": np.full(3, 2.0)} for n in two}, force=True)
+        assert mgr.all_steps() == [0, 1, 2, 3]
+    with StepCheckpointManager(prefix, nodes=four, handle_preemption=False) as mgr:
+        mgr.save(4, {n: {"w": np.full(3, 4.0)} for n in four})
+    doc = run_json(capsys, "show", prefix, "--epoch", 4, "--node", "t0", "--node", "t1")
+    assert doc["nodes"] == two and doc["superseded"] is False
+    assert scan(CheckpointStore(Location(prefix))).save_at(4, two).nodes == frozenset(four)
+
+
 # -- D6: a failed record delete leaves no retire note; gc reports and removes stale ones ----------
 
 

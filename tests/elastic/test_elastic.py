@@ -76,9 +76,17 @@ def test_saves_after_an_elastic_restore_continue_and_keep_the_old_family(prefix,
                                handle_preemption=False) as mgr:
         assert mgr.all_steps() == [2]  # the old family's newest save, kept
         assert np.array_equal(mgr.restore(2)["t3"]["emb"], old["t3"]["emb"])
-    # going back to 4 nodes goes back to their own step, and says so
-    assert ("nodes ['t0', 't1', 't2', 't3'] resume from their own newest epoch 2, not from "
-            "epoch 4 that nodes ['u0', 'u1'] saved later") in caplog.text
+    # going back to 4 nodes goes back to their own step, and says so, once per manager
+    warning = ("nodes ['t0', 't1', 't2', 't3'] resume from their own newest epoch 2, not from "
+               "epoch 4 that nodes ['u0', 'u1'] saved later")
+    assert caplog.text.count(warning) == 1
+    with StepCheckpointManager(prefix, nodes=list(old), layout=layout,
+                               handle_preemption=False) as mgr:
+        for _ in range(3):
+            mgr.all_steps(read=True)
+        assert caplog.text.count(warning) == 2
+        mgr.delete(2)  # with none of its own, it lists the other node count's steps again
+        assert mgr.all_steps() == [4]
 
 
 def test_layouts_are_checked_when_declared():
@@ -133,12 +141,15 @@ def test_a_job_saved_by_4_nodes_resumes_on_2_and_on_8(prefix, partition, caplog)
             assert ws["emb"].tobytes() == share(table, partition, k, m).tobytes()
             assert np.array_equal(ws["w"], weights)
         caplog.clear()
-    runner = JobRunner(build(4, 9, partition),  # 4 -> 2 -> 8 -> 4: back to its own epoch 3
-                       MultiNodeCheckpointManager(prefix, layout=layout(partition)))
+    cm = MultiNodeCheckpointManager(prefix, layout=layout(partition))
+    cm.set_params([f"trainer_{k}" for k in range(4)])
+    assert cm.get_resume_from_epoch_id() == 3  # as plan_run asks before the runner does
+    runner = JobRunner(build(4, 9, partition), cm)  # 4 -> 2 -> 8 -> 4: back to its own epoch 3
     runner.train(LocalSession())
     assert runner.resumed_from == 3
-    assert ("resume from their own newest epoch 3, not from epoch 7 that nodes "
-            "['trainer_0', 'trainer_1', 'trainer_2', 'trainer_3', 'trainer_4'") in caplog.text
+    assert caplog.text.count("resume from their own newest epoch 3, not from epoch 7 that nodes "
+                             "['trainer_0', 'trainer_1', 'trainer_2', 'trainer_3', "
+                             "'trainer_4'") == 1
 
 
 def test_a_job_with_a_local_blob_is_refused_before_it_claims_the_prefix(prefix):
