@@ -125,15 +125,15 @@ class CheckpointFencedError(CheckpointWriteError):
     """A newer run claimed the checkpoint prefix; this run must stop saving there.
 
     Attributes:
-        newer_writer: what the newer run recorded about itself when it claimed the prefix (a
-            Prefect run records ``flow_run_id`` and ``run_count``), or None when its entry
-            cannot be read.
+        newer_writers: what each newer run of the family recorded about itself when it claimed
+            the prefix, oldest first (a Prefect run records ``flow_run_id`` and
+            ``run_count``); empty when the first such entry cannot be read.
     """
 
-    def __init__(self, *args: object, newer_writer: dict[str, Any] | None = None,
+    def __init__(self, *args: object, newer_writers: list[dict[str, Any]] | None = None,
                  **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.newer_writer = newer_writer
+        self.newer_writers = list(newer_writers or ())
 
 
 class InvalidBlobError(CheckpointError, ValueError):

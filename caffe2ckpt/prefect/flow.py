@@ -183,10 +183,11 @@ def _stop_if_superseded(exc: CheckpointFencedError, attempt: int, url: str) -> N
     ``retries``, retry and fence the newest in turn). :class:`prefect.exceptions.Abort` ends
     the flow body without proposing a state.
     """
-    newer, run = exc.newer_writer or {}, flow_run.id
-    count = newer.get("run_count")
-    if run is None or str(newer.get("flow_run_id")) != str(run) \
-            or not isinstance(count, int) or count <= attempt:
+    run = flow_run.id
+    counts = [w.get("run_count") for w in exc.newer_writers
+              if run is not None and str(w.get("flow_run_id")) == str(run)]
+    count = max((c for c in counts if isinstance(c, int)), default=0)
+    if count <= attempt:
         return
     logger.warning("attempt %d of flow run %s stops without a state: attempt %d of the same "
                    "flow run took over %r and now owns the run's state", attempt, flow_run.id,

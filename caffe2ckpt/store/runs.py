@@ -342,7 +342,21 @@ def check_fence(location: Location, generation: int, doing: str,
     raise CheckpointFencedError(
         f"a newer run of nodes {list(newer.nodes)} took over checkpoint prefix {where!r} (run "
         f"{newer.generation}, writer {newer.writer}); run {generation} must not {doing} there",
-        newer_writer=dict(newer.writer))
+        newer_writers=_writers_from(location, newer, nodes))
+
+
+def _writers_from(location: Location, first: Run, nodes: Collection[str] | None
+                  ) -> list[dict[str, Any]]:
+    """The writers of ``first`` and of every later run of its family (an unreadable entry
+    ends the list): who may have taken over, for a fenced run to tell apart."""
+    out, run = [dict(first.writer)], first
+    for _ in range(MAX_GENERATION):
+        later = fenced_by(location, run.generation, nodes)
+        if not isinstance(later, Run):
+            break
+        out.append(dict(later.writer))
+        run = later
+    return out
 
 
 def mark_committed(location: Location, generation: int, epoch: int, save_id: str) -> None:

@@ -103,30 +103,34 @@ def test_a_retry_keeps_the_start_and_the_stop_of_its_run(tmp_path):
     assert_uninterrupted(url, 4, tmp_path)
 
 
-@pytest.mark.parametrize("same_flow_run", [True, False], ids=["newer-attempt", "other-run"])
+@pytest.mark.parametrize("claims", [("same",), ("other",), ("other", "same")],
+                         ids=["newer-attempt", "other-run", "other-run-then-newer-attempt"])
 def test_an_attempt_fenced_by_a_newer_attempt_of_its_flow_run_ends_without_a_state(
-        tmp_path, client, caplog, same_flow_run):
+        tmp_path, client, caplog, claims):
     """Prefect can run two attempts of one flow run at once: a killed run is reported Crashed
     twice, and a second report that lands after the crash-retry automation started the next
     attempt crashes it under it, so the automation starts a third. The older attempt, fenced
     by the newer one, must not fail the run nor retry in process (and fence the newer in
-    turn). A claim by another flow run is a real conflict: that attempt fails and retries."""
+    turn), also when another job claimed the prefix in between. A claim by another flow run
+    alone is a real conflict: that attempt fails and retries."""
     url, seen = str(tmp_path / "ckpt"), {}
+    same_flow_run = "same" in claims
 
     @flow(name="overtaken", retries=1, retry_delay_seconds=0)
     def overtaken() -> int:
         seen.setdefault("run", flow_run.id)
-        writer = {"flow_run_id": flow_run.id if same_flow_run else "another-flow-run",
-                  "run_count": flow_run.run_count + 1}
+        writers = {"same": {"flow_run_id": flow_run.id, "run_count": flow_run.run_count + 1},
+                   "other": {"flow_run_id": "another-flow-run", "run_count": 1}}
         job = build_job(6)
         epoch_fn = job.epoch_group.tasks[0].fn
 
         def newer_attempt_claims(ws):  # during epoch 2, once
             if int(ws["epoch"]) == 1 and not seen.get("claimed"):
                 seen["claimed"] = True
-                newer = MultiNodeCheckpointManager(url)
-                newer.set_params(NODES)
-                newer.claim(writer)
+                for claim in claims:
+                    newer = MultiNodeCheckpointManager(url)
+                    newer.set_params(NODES)
+                    newer.claim(writers[claim])
             return epoch_fn(ws)
         job.epoch_group.tasks[0].fn = newer_attempt_claims
         return run_job(job, MultiNodeCheckpointManager(url))
