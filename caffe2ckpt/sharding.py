@@ -90,6 +90,10 @@ class Layout:
             return REPLICATED
         return LOCAL
 
+    def rows_among(self, names: Iterable[str]) -> list[str]:
+        """The blobs of ``names`` split by rows, sorted and each once."""
+        return sorted({name for name in names if self.kind(name) == ROWS})
+
     def saved(self, order: Sequence[str], names: Iterable[str],
               written_by: dict[str, str] | None = None) -> SavedLayout:
         """What one node's record stores: the save's node order, which of its blobs

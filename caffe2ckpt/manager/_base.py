@@ -43,7 +43,7 @@ from caffe2ckpt.metadata import MetadataHandler, ZarrMetadataHandler
 from caffe2ckpt.naming import check_epoch, check_node_name, db_name
 from caffe2ckpt.policy import StepManagerOptions
 from caffe2ckpt.session import Session
-from caffe2ckpt.sharding import ROWS, Layout
+from caffe2ckpt.sharding import Layout
 from caffe2ckpt.store.layout import new_save_id
 from caffe2ckpt.store.protocol import CheckpointStore, SaveInfo
 from caffe2ckpt.store.records import CommitRecord, RecordRef, list_records
@@ -340,8 +340,8 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
         hold, and the rows blobs fit the layout (:mod:`~caffe2ckpt.store.replicas`; one group:
         a digest of each replicated blob and the dtype and shape of each rows blob, per node)."""
         writers = self._writers()
-        rows = sorted({n for node in self._require_files() for n in self._names(node)
-                       if self._layout is not None and self._layout.kind(n) == ROWS})
+        rows = [] if self._layout is None else self._layout.rows_among(
+            n for node in self._require_files() for n in self._names(node))
         if not writers and not rows:
             return
         facts: dict[str, tuple[dict[str, str], dict[str, RowSpec]]] = {}

@@ -50,7 +50,7 @@ from caffe2ckpt.history.scan import LeftBehindWarning, elastic_steps, scan
 from caffe2ckpt.naming import check_epoch, check_node_name, get_ckpt_filename
 from caffe2ckpt.policy import StepManagerOptions, should_save
 from caffe2ckpt.preemption import PreemptionWatch
-from caffe2ckpt.sharding import ROWS, Layout
+from caffe2ckpt.sharding import Layout
 from caffe2ckpt.steps.abstract import AbstractCheckpointManager
 from caffe2ckpt.steps.hints import ChangedRows, check_hints
 from caffe2ckpt.store.delta import DeltaTracker, DeltaWrite
@@ -408,7 +408,7 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
         if writers:
             check_replicas(step, {n: replica_digests({k: v for k, v in b.items() if k in writers})
                                   for n, b in blobs.items()}, writers)
-        rows = sorted({n for b in blobs.values() for n in b if self._layout.kind(n) == ROWS})
+        rows = self._layout.rows_among(n for b in blobs.values() for n in b)
         check_rows(step, {n: row_specs({k: v for k, v in b.items() if k in rows})
                           for n, b in blobs.items()}, rows, order, self._layout.partition)
         return writers
