@@ -2,7 +2,8 @@
 and :class:`StepCheckpointManager`, its implementation over caffe2ckpt's prefixes."""
 
 from caffe2ckpt.steps.abstract import AbstractCheckpointManager
-from caffe2ckpt.steps.manager import BlobMetadata, RootMetadata, StepCheckpointManager, StepMetadata
+from caffe2ckpt.steps.manager import StepCheckpointManager
+from caffe2ckpt.steps.metadata import BlobMetadata, RootMetadata, StepMetadata
 
 __all__ = ["AbstractCheckpointManager", "BlobMetadata", "RootMetadata", "StepCheckpointManager",
            "StepMetadata"]

@@ -17,13 +17,11 @@ Example:
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,17 +30,14 @@ import numpy as np
 from caffe2ckpt import events
 from caffe2ckpt.background import BackgroundSaves, ClosedOnExit
 from caffe2ckpt.errors import (
-    CheckpointCorruptedError,
     CheckpointError,
     CheckpointFencedError,
     CheckpointNotFoundError,
     CheckpointWriteError,
     InvalidLocationError,
     JobDefinitionError,
-    StorageCredentialsError,
     writing,
 )
-from caffe2ckpt.fs import strictjson
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.history.current import CurrentRun
 from caffe2ckpt.history.lineage import Save
@@ -53,54 +48,26 @@ from caffe2ckpt.preemption import PreemptionWatch
 from caffe2ckpt.sharding import Layout
 from caffe2ckpt.steps.abstract import AbstractCheckpointManager
 from caffe2ckpt.steps.hints import ChangedRows, check_hints
+from caffe2ckpt.steps.items import Items, check_items, read_nodes, split_replicas
+from caffe2ckpt.steps.metadata import (
+    BlobMetadata,
+    RootMetadata,
+    StepMetadata,
+    read_root_metadata,
+    step_metadata,
+    write_root_metadata,
+)
 from caffe2ckpt.store.delta import DeltaTracker, DeltaWrite
-from caffe2ckpt.store.layout import ROOT_METADATA, new_save_id
+from caffe2ckpt.store.layout import new_save_id
 from caffe2ckpt.store.protocol import CheckpointStore, SaveInfo
 from caffe2ckpt.store.records import CommitRecord
-from caffe2ckpt.store.replicas import check_replicas, check_rows, replica_digests, row_specs
 from caffe2ckpt.store.reshard import read_shares
-from caffe2ckpt.store.shared import SharedReads
 from caffe2ckpt.store.zarrgroup import DEFAULT_PACK_THRESHOLD
 from caffe2ckpt.units import nodes_text
-from caffe2ckpt.workspace import as_blob
 
-__all__ = ["BlobMetadata", "RootMetadata", "StepCheckpointManager", "StepMetadata"]
+__all__ = ["StepCheckpointManager"]
 
 logger = logging.getLogger(__name__)
-
-Items = Mapping[str, Mapping[str, Any]]  # {node: {blob name: array}}
-
-
-@dataclass(frozen=True)
-class BlobMetadata:
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class StepMetadata:
-    """What the commit records of a step say (no data is read)."""
-
-    step: int
-    nodes: list[str]
-    nbytes: int
-    metrics: dict[str, float]
-    created: float
-    writer: dict[str, Any]
-    stop: bool
-    kind: str = "full"  # "delta": a differential save (it builds on older saves)
-    bytes_written: int = 0  # the bytes of data its save wrote (nbytes unless a delta)
-
-
-@dataclass(frozen=True)
-class RootMetadata:
-    """The prefix as a whole: its committed steps and the custom metadata given at creation."""
-
-    directory: str  # the prefix as given
-    steps: list[int]
-    custom: dict[str, Any] = field(default_factory=dict)
-
 
 class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
     """Save, list, restore and retire steps under ``directory`` (any fsspec URL or local path).
@@ -158,7 +125,7 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
         self._left_behind = LeftBehindWarning()
         self._trackers: dict[str, DeltaTracker] = {}  # delta_saves: each node's state
         if metadata is not None:
-            self._write_root_metadata(dict(metadata))
+            write_root_metadata(self._store.location, dict(metadata))
         self.reload()
         self._watch = PreemptionWatch().__enter__() if handle_preemption else None
 
@@ -308,7 +275,7 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
         returned as data.
         """
         step = check_epoch(step)
-        blobs = self._check_items(step, items)
+        blobs = check_items(step, items, self._nodes)
         check_hints(step, blobs, changed_rows, self.options)
         for node, hints in (changed_rows or {}).items():  # kept until a save takes them
             for blob, rows in hints.items():
@@ -323,7 +290,7 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
                   metrics: Mapping[str, float] | None) -> bool:
         """Write and commit ``blobs`` as ``step`` (or start writing them in the background)."""
         order = tuple(self._nodes or blobs)
-        writers, held, blobs = self._split_replicas(step, order, blobs)
+        writers, held, blobs = split_replicas(self._layout, step, order, blobs)
         values = {str(k): float(v) for k, v in (metrics or {}).items()}
         current = self._run_of(sorted(blobs))
         with writing(f"claiming {self._store.location.display()!r} to save step {step}",
@@ -380,39 +347,6 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
             self._current = CurrentRun(self._store, nodes, steady=True)
         return self._current
 
-    def _split_replicas(self, step: int, order: tuple[str, ...],
-                        blobs: dict[str, dict[str, np.ndarray]]) -> tuple[
-                            dict[str, str], dict[str, list[str]], dict[str, dict[str, np.ndarray]]]:
-        """The writer of each replicated blob (checked before anything is written), each
-        node's blob names, and what each node writes (its blobs less the replicated ones
-        another node writes)."""
-        writers = self._replicas(step, order, blobs)
-        held = {node: list(b) for node, b in blobs.items()}
-        return writers, held, {node: {n: a for n, a in b.items()
-                                      if writers.get(n, node) == node}
-                               for node, b in blobs.items()}
-
-    def _replicas(self, step: int, order: Sequence[str],
-                  blobs: dict[str, dict[str, np.ndarray]]) -> dict[str, str]:
-        """Which node writes each replicated blob (the first in ``order`` holding it), once
-        every node holding it holds the same value.
-
-        Raises:
-            InvalidBlobError: nodes hold different values of a replicated blob, or a rows blob
-                does not fit the layout (:mod:`~caffe2ckpt.store.replicas`; nothing is
-                written).
-        """
-        if self._layout is None:
-            return {}
-        writers = self._layout.writers(order, {n: list(b) for n, b in blobs.items()})
-        if writers:
-            check_replicas(step, {n: replica_digests({k: v for k, v in b.items() if k in writers})
-                                  for n, b in blobs.items()}, writers)
-        rows = self._layout.rows_among(n for b in blobs.values() for n in b)
-        check_rows(step, {n: row_specs({k: v for k, v in b.items() if k in rows})
-                          for n, b in blobs.items()}, rows, order, self._layout.partition)
-        return writers
-
     def _save_node(self, step: int, node: str, blobs: dict[str, np.ndarray],
                    info: SaveInfo, plan: DeltaWrite, held: list[str]) -> CommitRecord:
         where = self._store.location.display(get_ckpt_filename(node, step))
@@ -429,22 +363,6 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
         if tracker is not None:
             tracker.committed(plan)
         return record
-
-    def _check_items(self, step: int, items: Items) -> dict[str, dict[str, np.ndarray]]:
-        if not isinstance(items, Mapping) or not items:
-            raise InvalidLocationError(f"save({step}): items must be a non-empty mapping "
-                                       f"{{node: {{blob: array}}}}, got {type(items).__name__}")
-        blobs = {}
-        for node, node_blobs in items.items():
-            check_node_name(node)
-            if not isinstance(node_blobs, Mapping):
-                raise InvalidLocationError(f"save({step}): node {node!r} must map blob names to "
-                                           f"arrays, got {type(node_blobs).__name__}")
-            blobs[node] = {name: as_blob(name, value) for name, value in node_blobs.items()}
-        if self._nodes is not None and set(blobs) != set(self._nodes):
-            raise InvalidLocationError(f"save({step}): this manager saves nodes {self._nodes}, "
-                                       f"got {sorted(blobs)}")
-        return blobs
 
     def _committed(self, current: CurrentRun, save: Save) -> None:
         """``save`` is committed: the run learns of it and retention runs. A retention that
@@ -479,7 +397,7 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
             self._resumed(info, "elastic")
             return out
         with events.reporting_damage(self._url, info.epoch, found_by="restore"):
-            out = self._read_nodes(info, nodes, blobs)
+            out = read_nodes(self._store, info, nodes, blobs)
         self._protected = {info.epoch}
         current = self._run_of(sorted(info.nodes))
         newest = current.newest()
@@ -520,26 +438,6 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
                     f"no committed step under {self._store.location.display()!r}")
         return step
 
-    def _read_nodes(self, info: Save, nodes: Sequence[str] | None,
-                    blobs: Sequence[str] | None) -> dict[str, dict[str, np.ndarray]]:
-        """``info``'s nodes (or ``nodes``), all blobs or ``blobs``, as its nodes saved them."""
-        wanted = sorted(info.records) if nodes is None else [str(n) for n in nodes]
-        where = self._store.location.display()
-        unknown = sorted(set(wanted) - set(info.records))
-        if unknown:
-            raise CheckpointNotFoundError(f"step {info.epoch} under {where!r} has no nodes "
-                                          f"{unknown}; it has {sorted(info.records)}")
-        out = {}
-        shared = SharedReads()  # a replicated blob one node wrote: read once for all
-        for node in wanted:
-            out[node] = self._store.load_node(info.records[node],
-                                              None if blobs is None else list(blobs), shared)
-            missing = [b for b in blobs or () if b not in out[node]]
-            if missing:
-                raise CheckpointNotFoundError(
-                    f"step {info.epoch} of node {node!r} under {where!r} has no blobs {missing}")
-        return out
-
     def _restore_elastic(self, info: Save, nodes: Sequence[str] | None,
                          blobs: Sequence[str] | None) -> dict[str, dict[str, np.ndarray]]:
         """``info`` (saved by other nodes) split anew over this manager's nodes; saves from
@@ -570,48 +468,12 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
         """:class:`StepMetadata` of ``step``, or with no step the :class:`RootMetadata`."""
         if step is None:
             return RootMetadata(directory=self._store.location.url, steps=self.all_steps(),
-                                custom=self._read_root_metadata())
-        info = self._step(step)
-        records = info.records.values()
-        return StepMetadata(step=info.epoch, nodes=sorted(info.records), nbytes=info.nbytes,
-                            metrics=info.metrics, created=info.created,
-                            writer=dict(info.first.writer), stop=info.stop,
-                            kind="delta" if any(r.delta for r in records) else "full",
-                            bytes_written=sum(r.bytes_written for r in records))
+                                custom=read_root_metadata(self._store.location))
+        return step_metadata(self._step(step))
 
     def metrics(self, step: int) -> dict[str, float] | None:
         """The metrics saved with ``step`` (None if it has none)."""
         return self._step(step).metrics or None
-
-    def _write_root_metadata(self, custom: dict[str, Any]) -> None:
-        try:  # stored as strict JSON (no NaN), of a size readers accept
-            data = strictjson.check_size(json.dumps(custom, sort_keys=True, default=str,
-                                                    allow_nan=False).encode(), "root metadata")
-        except ValueError as exc:
-            raise JobDefinitionError(f"cannot store root metadata {custom!r:.200}: {exc}") from exc
-        try:
-            self._store.location.create_exclusive(self._store.location.path(ROOT_METADATA), data)
-        except FileExistsError:
-            try:
-                stored = self._read_root_metadata()
-            except CheckpointCorruptedError:
-                stored = None
-            if stored != json.loads(data):
-                logger.warning("%s already has other root metadata; keeping it",
-                               self._store.location.display(ROOT_METADATA))
-
-    def _read_root_metadata(self) -> dict[str, Any]:
-        location = self._store.location
-        try:
-            return location.read_created_json(location.path(ROOT_METADATA))
-        except CheckpointNotFoundError:
-            return {}
-        except StorageCredentialsError:  # a ValueError, but the store refused: not damage
-            raise
-        except ValueError as exc:
-            raise CheckpointCorruptedError(
-                f"root metadata {location.display(ROOT_METADATA)!r} is unreadable: {exc}",
-                blob=ROOT_METADATA) from exc
 
     # -- deleting, waiting, closing --------------------------------------------------------------
 

@@ -1,0 +1,109 @@
+"""What :class:`~caffe2ckpt.steps.StepCheckpointManager` tells about its steps and its prefix
+without reading data: a blob's, a step's and the prefix's metadata, and the custom root
+metadata stored once in ``_metadata.json``."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from caffe2ckpt.errors import (
+    CheckpointCorruptedError,
+    CheckpointNotFoundError,
+    JobDefinitionError,
+    StorageCredentialsError,
+)
+from caffe2ckpt.fs import strictjson
+from caffe2ckpt.fs.location import Location
+from caffe2ckpt.history.lineage import Save
+from caffe2ckpt.store.layout import ROOT_METADATA
+
+__all__ = ["BlobMetadata", "RootMetadata", "StepMetadata", "read_root_metadata", "step_metadata",
+           "write_root_metadata"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BlobMetadata:
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class StepMetadata:
+    """What the commit records of a step say (no data is read)."""
+
+    step: int
+    nodes: list[str]
+    nbytes: int
+    metrics: dict[str, float]
+    created: float
+    writer: dict[str, Any]
+    stop: bool
+    kind: str = "full"  # "delta": a differential save (it builds on older saves)
+    bytes_written: int = 0  # the bytes of data its save wrote (nbytes unless a delta)
+
+
+@dataclass(frozen=True)
+class RootMetadata:
+    """The prefix as a whole: its committed steps and the custom metadata given at creation."""
+
+    directory: str  # the prefix as given
+    steps: list[int]
+    custom: dict[str, Any] = field(default_factory=dict)
+
+
+def step_metadata(info: Save) -> StepMetadata:
+    """The :class:`StepMetadata` of the committed save ``info``, from its records."""
+    records = info.records.values()
+    return StepMetadata(step=info.epoch, nodes=sorted(info.records), nbytes=info.nbytes,
+                        metrics=info.metrics, created=info.created,
+                        writer=dict(info.first.writer), stop=info.stop,
+                        kind="delta" if any(r.delta for r in records) else "full",
+                        bytes_written=sum(r.bytes_written for r in records))
+
+
+def write_root_metadata(location: Location, custom: dict[str, Any]) -> None:
+    """Store ``custom`` as the prefix's root metadata, once: metadata already there is kept
+    (a WARNING when it differs).
+
+    Raises:
+        JobDefinitionError: ``custom`` is not strict JSON of a size readers accept.
+    """
+    try:  # stored as strict JSON (no NaN), of a size readers accept
+        data = strictjson.check_size(json.dumps(custom, sort_keys=True, default=str,
+                                                allow_nan=False).encode(), "root metadata")
+    except ValueError as exc:
+        raise JobDefinitionError(f"cannot store root metadata {custom!r:.200}: {exc}") from exc
+    try:
+        location.create_exclusive(location.path(ROOT_METADATA), data)
+    except FileExistsError:
+        try:
+            stored = read_root_metadata(location)
+        except CheckpointCorruptedError:
+            stored = None
+        if stored != json.loads(data):
+            logger.warning("%s already has other root metadata; keeping it",
+                           location.display(ROOT_METADATA))
+
+
+def read_root_metadata(location: Location) -> dict[str, Any]:
+    """The prefix's root metadata ({} when none was stored).
+
+    Raises:
+        CheckpointCorruptedError: it is there but unreadable.
+    """
+    try:
+        return location.read_created_json(location.path(ROOT_METADATA))
+    except CheckpointNotFoundError:
+        return {}
+    except StorageCredentialsError:  # a ValueError, but the store refused: not damage
+        raise
+    except ValueError as exc:
+        raise CheckpointCorruptedError(
+            f"root metadata {location.display(ROOT_METADATA)!r} is unreadable: {exc}",
+            blob=ROOT_METADATA) from exc
