@@ -1,6 +1,6 @@
-"""Elastic epochs: a save of N nodes restored on M, against a restore of the same save by the
-nodes that made it, in one run (paired, alternating, cold); what each reads against what it
-needs; what a save writes with its replicated weights written once; a consolidation.
+"""Elastic epochs: a save of N nodes restored on M, against restores of saves by the nodes that
+restore them, in one run (paired, alternating, cold); what each reads against what it needs;
+what a save writes with its replicated weights written once; a consolidation.
 
     python benchmarks/bench_reshard.py                     # 1 GiB table + 64 MiB weights, local
     python benchmarks/bench_reshard.py --server seaweedfs  # on S3: requests counted
@@ -8,13 +8,15 @@ needs; what a save writes with its replicated weights written once; a consolidat
 
 The job: a float32 ``emb`` table of ``--rows`` x 64 split by rows over the nodes
 (``caffe2ckpt.Layout(rows=["emb"], replicated=["w"])``, ``--partition range`` and ``mod``) and
-dense weights ``w`` (``--weights-mib``) that every node holds. Each old node count N (2, 4)
-saves once per partition. Then, for each (N, M) in 4->2, 2->4, 4->8 and 4->4 (the last with
-other node names: split anew, the same rows):
+dense weights ``w`` (``--weights-mib``) that every node holds. Each node count (2, 4, 8) saves
+once per partition. Then, for each (N, M) in 4->2, 2->4, 4->8 and 4->4 (the last with other
+node names: split anew, the same rows):
 
 - **restore time**: all M new nodes restored in one process (one ``restore()`` call) against
-  all N old nodes restored by their own manager, page cache dropped before each (when
-  permitted), alternating, ``--repeat`` times: medians, and the ratio of medians;
+  two same-topology restores: the N-node save by its own N nodes (N -> N), and the M-node save
+  by its own M nodes (M -> M: the same arrays returned as the elastic restore, each of the M
+  nodes with its copy of the weights, nothing resharded). Page cache dropped before each
+  (when permitted), alternating, ``--repeat`` times: medians, and the ratios of medians;
 - **bytes read / bytes needed** by one process restoring all M nodes (needed: the table once,
   the weights once), and the most any one new node reads alone (a Dask worker holding one
   node) against its share (its rows of the table and the weights): chunk bytes as read
@@ -142,21 +144,30 @@ def check(job: Job, partition: str, out: dict, nodes: list[str]) -> None:
 
 
 def measure_pair(job: Job, partition: str, n: int, m: int, repeat: int, wire) -> dict:
+    """Cold restores, alternating: the N-node save by its own nodes ("same"), the M-node save
+    by its own nodes ("target": what M nodes restore when nothing is resharded; the same as
+    "same" when M == N) and the N-node save by M new nodes ("elastic")."""
     old = [f"old_{k}" for k in range(n)]
     new = [f"new_{k}" for k in range(m)]
-    times: dict[str, list[float]] = {"same": [], "elastic": []}
+    kinds = {"same": (n, old), "target": (m, [f"old_{k}" for k in range(m)]),
+             "elastic": (n, new)}
+    if m == n:
+        del kinds["target"]
+    times: dict[str, list[float]] = {kind: [] for kind in kinds}
     row: dict = {}
     for turn in range(repeat):
-        for kind in ("same", "elastic")[::1 - 2 * (turn % 2)]:
-            result = restore(job, partition, n, old if kind == "same" else new, wire)
+        for kind in list(kinds)[::1 - 2 * (turn % 2)]:
+            saved_by, nodes = kinds[kind]
+            result = restore(job, partition, saved_by, nodes, wire)
             times[kind].append(result["seconds"])
             if kind == "elastic":
                 check(job, partition, result["out"], new)
                 row.update(read=result["read"], requests=result["requests"],
                            lists=result["lists"])
-            else:
+            elif kind == "same":
                 row.update(same_requests=result["requests"])
             del result
+    times.setdefault("target", times["same"])
     table_bytes, w_bytes = job.table.nbytes, job.weights.nbytes
     row["needed"] = table_bytes + w_bytes
     worst = 0.0
@@ -165,8 +176,7 @@ def measure_pair(job: Job, partition: str, n: int, m: int, repeat: int, wire) ->
         share = len(new_rows(partition, k, m, len(job.table))) * 64 * 4 + w_bytes
         worst = max(worst, alone["read"] / share)
         del alone
-    row.update(same=statistics.median(times["same"]), elastic=statistics.median(times["elastic"]),
-               worst_alone=worst)
+    row.update({kind: statistics.median(t) for kind, t in times.items()}, worst_alone=worst)
     return row
 
 
@@ -176,13 +186,15 @@ def report(args, results, writes, consolidation, where: str) -> None:
           f"{args.weights_mib} MiB replicated weights, on {where}, {args.repeat} cold restores "
           "each (medians)")
     s3 = results and results[0][3].get("requests") is not None
-    print("\n| partition | N -> M | same-topology restore s | elastic restore s | ratio | bytes "
-          "read / needed (one process) | worst node alone: read / its share |"
+    print("\n| partition | N -> M | N -> N restore s | M -> M restore s | elastic N -> M "
+          "restore s | ratio to N -> N | ratio to M -> M | bytes read / needed (one process) | "
+          "worst node alone: read / its share |"
           + (" requests (elastic / same) | LIST |" if s3 else ""))
-    print("|---|---|---|---|---|---|---|" + ("---|---|" if s3 else ""))
+    print("|---|---|---|---|---|---|---|---|---|" + ("---|---|" if s3 else ""))
     for partition, n, m, row in results:
-        line = (f"| {partition} | {n} -> {m} | {row['same']:.3f} | {row['elastic']:.3f} | "
-                f"{row['elastic'] / row['same']:.2f}x | {row['read'] / row['needed']:.3f} | "
+        line = (f"| {partition} | {n} -> {m} | {row['same']:.3f} | {row['target']:.3f} | "
+                f"{row['elastic']:.3f} | {row['elastic'] / row['same']:.2f}x | "
+                f"{row['elastic'] / row['target']:.2f}x | {row['read'] / row['needed']:.3f} | "
                 f"{row['worst_alone']:.3f} |")
         if s3:
             line += f" {row['requests']} / {row['same_requests']} | {row['lists']} |"
@@ -229,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         results = []
         for partition in partitions:
             layout = Layout(rows=["emb"], replicated=["w"], partition=partition)
-            for n in (2, 4):
+            for n in sorted({k for pair in PAIRS for k in pair}):
                 job.save(partition, n, layout)
             for n, m in PAIRS:
                 results.append((partition, n, m, measure_pair(job, partition, n, m,
