@@ -20,6 +20,7 @@ Sessions are measured interleaved, so load changes hit all alike.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import os
 import shutil
@@ -28,7 +29,9 @@ import sys
 import tempfile
 import time
 
-os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="bench-dask-"))
+if "PREFECT_HOME" not in os.environ:  # a Prefect home of its own, removed when it exits
+    os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="bench-dask-prefect-")
+    atexit.register(shutil.rmtree, os.environ["PREFECT_HOME"], ignore_errors=True)
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
@@ -182,8 +185,11 @@ def main() -> int:
     args = parser.parse_args()
     if args.smoke:
         args.mib, args.nodes, args.repeats, args.pairs, args.epochs = 4, [2], 1, 1, 10
+    made = args.dir is None
     args.dir = args.dir or tempfile.mkdtemp(prefix="bench-dask-")
     os.makedirs(args.dir, exist_ok=True)
+    if made:
+        atexit.register(shutil.rmtree, args.dir, ignore_errors=True)
     from importlib.metadata import version
 
     print(f"# python {' '.join(sys.argv)}\n# {os.cpu_count()} CPUs, Python "

@@ -27,13 +27,17 @@ and heartbeats off with each epoch inside its parent task run ``epoch N`` (the d
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import resource
+import shutil
 import statistics
 import tempfile
 import time
 
-os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="bench-prefect-"))
+if "PREFECT_HOME" not in os.environ:  # a Prefect home of its own, removed when it exits
+    os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="bench-prefect-")
+    atexit.register(shutil.rmtree, os.environ["PREFECT_HOME"], ignore_errors=True)
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")

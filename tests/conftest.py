@@ -4,13 +4,17 @@ see tests/s3server.py)."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 import uuid
 import zlib
 
-# Never touch a developer's ~/.prefect or their server, and keep Prefect quiet and offline.
+# Never touch a developer's ~/.prefect or their server, and keep Prefect quiet and offline (one
+# home per pytest process, removed when it exits).
 os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="caffe2ckpt-prefect-home-")
+atexit.register(shutil.rmtree, os.environ["PREFECT_HOME"], ignore_errors=True)
 os.environ.pop("PREFECT_API_URL", None)
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")

@@ -140,7 +140,8 @@ def start(key: str, secret: str, *, restricted: dict[str, list[str]] | None = No
     ports = dict(zip(_PORT_FLAGS, _free_ports(len(_PORT_FLAGS)), strict=True))
     admin = _admin_port(list(ports.values()))
     ports.update({"admin.port": admin, "admin.port.grpc": admin + _GRPC_OFFSET})
-    argv = [weed_binary(), "mini", f"-dir={directory}/data", f"-bucket={READY_BUCKET}",
+    # -logdir: its glog files beside its data (by default they pile up in the temp folder)
+    argv = [weed_binary(), f"-logdir={directory}", "mini", f"-dir={directory}/data", f"-bucket={READY_BUCKET}",
             "-ip=127.0.0.1", "-ip.bind=127.0.0.1", *_FLAGS,
             f"-s3.localSocket={directory}/s3.sock", f"-filer.localSocket={directory}/filer.sock",
             f"-s3.config={_identities(directory, key, secret, restricted or {})}",

@@ -75,7 +75,7 @@ def test_an_evaluation_runs_on_every_second_committed_epoch(tmp_path, client):
     try:
         assert train() == 5  # commits epochs 0-5: 2 and 4 run the deployment
         runs = poll(lambda: client.read_flow_runs(deployment_filter=runs_of),
-                    lambda rs: len(rs) >= 2, timeout=60)
+                    lambda rs: len(rs) >= 2, timeout=120)
     finally:
         client.delete_automation(automation_id)
     assert sorted(int(r.parameters["epoch"]) for r in runs) == [2, 4]
@@ -147,7 +147,7 @@ def test_damage_found_at_restore_sends_a_notification(tmp_path, webhook, client)
             with pytest.raises(CheckpointCorruptedError):
                 mgr.restore(0)
         EventsWorker.drain_all(timeout=10)
-        bodies = poll(lambda: list(webhook.bodies), bool, timeout=60)
+        bodies = poll(lambda: list(webhook.bodies), bool, timeout=120)
     finally:
         client.delete_automation(automation_id)
     assert len(bodies) == 1, bodies
@@ -174,7 +174,7 @@ def test_a_failed_save_can_mark_its_flow_run_failed(tmp_path, client):
                             "message": "disk full"})
         EventsWorker.drain_all(timeout=10)
         after = poll(lambda: client.read_flow_run(run.id),
-                     lambda r: r.state.type == StateType.FAILED, timeout=60)
+                     lambda r: r.state.type == StateType.FAILED, timeout=120)
     finally:
         client.delete_automation(automation_id)
     assert after.state.type == StateType.FAILED, after.state
@@ -216,9 +216,9 @@ def test_a_metric_crossing_a_threshold_runs_a_deployment(tmp_path, client):
     try:
         steps(0, 4)
         poll(lambda: (epochs(first), epochs(every)), lambda got: got == ([3], [0, 1]),
-             timeout=60)
+             timeout=120)
         steps(4, len(LOSSES))
-        poll(lambda: epochs(every), lambda got: got == [0, 1, 9], timeout=60)
+        poll(lambda: epochs(every), lambda got: got == [0, 1, 9], timeout=120)
         EventsWorker.drain_all(timeout=10)
         time.sleep(2)  # the later events had time to (wrongly) act too
         assert (epochs(first), epochs(every)) == ([3], [0, 1, 9])
