@@ -154,15 +154,18 @@ def _with_layout(families: Iterable[Family]) -> list[Family]:
             and all(r.layout is not None for r in f.newest.records.values())]
 
 
-def elastic_steps(found: PrefixScan, nodes: Iterable[str]) -> dict[int, Save]:
+def elastic_steps(found: PrefixScan, nodes: Iterable[str], *, warn: bool = True
+                  ) -> dict[int, Save]:
     """The lineage, by epoch, that a job on ``nodes`` whose nodes have saved nothing resumes
     from on another node count: that of the family (of other nodes) whose newest save carries a
-    layout and is of the newest run among such families; empty when there is none."""
+    layout and is of the newest run among such families; empty when there is none (with
+    ``warn``, a WARNING then names the newest save of another node count that has no layout).
+    """
     own = frozenset(nodes)
     others = [f for f in found.families.values() if f.nodes != own and f.newest is not None]
     families = _with_layout(others)
     if not families:
-        if others:
+        if others and warn:
             newest = max(others, key=lambda f: f.newest.generation)  # type: ignore[union-attr]
             logger.warning(
                 "not resuming nodes %s from epoch %d of nodes %s: that save has no layout, so "

@@ -148,7 +148,8 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
             own = self._current.family().newest
             if self._elastic:
                 found = scan(self._store)
-                self._others = elastic_steps(found, self._current.nodes)
+                # listed only while this manager's nodes have no step: warn only then
+                self._others = elastic_steps(found, self._current.nodes, warn=own is None)
                 self._left_behind.check(self._store, own, found)  # own steps count: _steps
         else:
             self._others = scan(self._store).current()

@@ -56,6 +56,20 @@ def test_a_save_without_a_layout_is_not_resumed_on_other_nodes_and_a_warning_say
             "layout") in caplog.text
 
 
+def test_no_warning_about_another_node_count_once_the_nodes_have_steps_of_their_own(
+        prefix, caplog):
+    with StepCheckpointManager(prefix, nodes=["a", "b"], handle_preemption=False) as mgr:
+        mgr.save(0, {n: {"emb": np.zeros((4, 2))} for n in "ab"})  # no layout
+    with StepCheckpointManager(prefix, nodes=["x"], layout=Layout(rows=["emb"]),
+                               handle_preemption=False) as mgr:
+        mgr.save(1, {"x": {"emb": np.ones((8, 2))}})
+    caplog.clear()
+    with StepCheckpointManager(prefix, nodes=["x"], layout=Layout(rows=["emb"]),
+                               handle_preemption=False) as mgr:
+        assert mgr.all_steps() == [1]  # its own: nothing of another node count is looked at
+    assert "not resuming" not in caplog.text
+
+
 def test_saves_after_an_elastic_restore_continue_and_keep_the_old_family(prefix, caplog):
     layout = Layout(rows=["emb"], replicated=["w"])
     old = {f"t{k}": {"emb": np.full((5, 2), k, np.int32), "w": np.arange(3)} for k in range(4)}
