@@ -354,7 +354,8 @@ class CurrentRun:
     def retain(self, options: StepManagerOptions | None,
                protect: Collection[int] = ()) -> list[Save]:
         """Apply ``options``' retention to the lineage; return the saves removed. Nothing is
-        removed unless the saves the plan keeps still stand (read again once if not).
+        removed unless the saves the plan keeps and deletes still stand as the view holds them
+        (read again once if not: :meth:`_stands`).
 
         Raises:
             CheckpointFencedError: a newer run claimed the prefix (this run removes nothing
@@ -365,7 +366,8 @@ class CurrentRun:
         family = self.family()
         plan = plan_retention(family, options, protect)
         if plan.delete and not self._stands(family, plan):
-            logger.info("a save retention keeps under %s is gone: reading the prefix again",
+            logger.info("a save retention keeps or deletes under %s changed (removed or damaged "
+                        "since it was read): reading the prefix again",
                         self.store.location.display())
             self.forget()
             family = self.family()
@@ -390,14 +392,18 @@ class CurrentRun:
         return self._counted
 
     def _stands(self, family: Family, plan: RetentionPlan) -> bool:
-        """Whether the lineage saves ``plan`` keeps newer than the oldest lineage save it
-        deletes (at least the newest save) are still committed: a view may hold a save someone
-        else removed or damaged, and deleting on its account could leave no checkpoint."""
+        """Whether the view ``plan`` was made on still holds where it matters (one small read
+        per node and save): the lineage saves it keeps newer than the oldest lineage save it
+        deletes (at least the newest save), and the saves it deletes, are still committed as
+        the view holds them. A view may hold a save someone else removed or damaged since:
+        deleting on a kept save's account could leave no checkpoint, and a save whose record
+        was damaged is no longer this plan's to delete (a reading now would not list it: the
+        damage stays for ``ls`` to report and ``gc`` to weigh)."""
         oldest = min((s.epoch for s in plan.delete if s in family.lineage), default=None)
         kept = [s for s, _ in plan.keep if oldest is not None and s.epoch > oldest]
         if family.newest is not None and family.newest not in kept:
             kept.append(family.newest)
-        return all(self._still_committed(s) for s in kept)
+        return all(self._still_committed(s) for s in [*kept, *plan.delete])
 
     def _still_committed(self, save: Save) -> bool:
         """Whether every record of ``save`` is still there and reads as it did (one small read

@@ -8,6 +8,7 @@ import errno
 import itertools
 import math
 
+import fsspec
 import numpy as np
 import pytest
 from faultfs import FaultyFileSystem
@@ -381,3 +382,23 @@ def test_retention_never_deletes_another_jobs_nodes(prefix):
     assert lineage(store, ["other_0"]) == [0, 1, 2, 3]
     for e in range(4):
         assert np.array_equal(load(store, "other_0", e)["w"], np.full(4, float(e)))
+
+
+def test_retention_on_a_kept_view_leaves_a_record_damaged_since_to_be_reported(prefix):
+    """A step manager keeps its view of the lineage between saves; a record of a step it would
+    delete that was damaged since is no longer a committed save: retention reads the prefix
+    again instead of deleting it, so ``ls`` still reports the damage (found by the model check,
+    seed 7091)."""
+    fs, root = fsspec.core.url_to_fs(prefix)
+    with StepCheckpointManager(prefix, nodes=["a"], options=StepManagerOptions(max_to_keep=1),
+                               handle_preemption=False) as mgr:
+        mgr.save(0, {"a": {"w": np.zeros(3)}})
+        [record] = [p for p in fs.ls(f"{root}/_commits", detail=False)
+                    if p.rpartition("/")[2].startswith("000000000000.a.")]
+        fs.pipe_file(record, b"{}")  # damaged under the manager's kept view
+        mgr.save(1, {"a": {"w": np.ones(3)}})
+        assert mgr.all_steps() == [1]
+    assert fs.exists(record)
+    found = scan(CheckpointStore(Location(prefix)))
+    assert [ref.epoch for ref, _ in found.unreadable] == [0]
+    assert np.array_equal(load(CheckpointStore(Location(prefix)), "a", 1)["w"], np.ones(3))
