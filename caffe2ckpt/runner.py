@@ -306,12 +306,14 @@ class JobRunner:
                 automatic: bool) -> tuple[int, bool, tuple[int, int]]:
         """Load the checkpoint to resume from; return (epoch loaded, whether the job is done,
         the loaded save as (epoch, generation)). An automatically chosen epoch that fails to
-        load falls back along the lineage (never to a superseded epoch)."""
+        load falls back along the lineage (never to a superseded epoch): the lineage of the
+        saves of another node count, when the job resumes those."""
         nodes = self.job.nodes_to_checkpoint()
         candidates: Iterable[int] = [epoch]
         if automatic:
             candidates = itertools.chain(candidates,
-                                         (s.epoch for s in cm.lineage() if s.epoch < epoch))
+                                         (s.epoch for s in cm.fallback_lineage()
+                                          if s.epoch < epoch))
         failures: list[str] = []
         for candidate in candidates:
             self._notify(session, "loading", candidate)

@@ -273,6 +273,16 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
         read until the first save is asked for)."""
         yield from self.current().lineage()
 
+    def fallback_lineage(self) -> Iterator[Save]:
+        """The saves an automatic resume falls back along, newest first: the current lineage,
+        or, while this job's nodes have saved nothing and it resumes saves of another node
+        count (:meth:`elastic_saves`), those saves' lineage."""
+        elastic = self.elastic_saves()
+        if not elastic:
+            yield from self.lineage()
+            return
+        yield from (elastic[epoch] for epoch in sorted(elastic, reverse=True))
+
     # -- Caffe2 API ------------------------------------------------------------------------------
 
     def _init(self, files: dict[str, str], retrieve_from_epoch: int | None,

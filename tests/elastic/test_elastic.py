@@ -166,6 +166,29 @@ def test_a_job_saved_by_4_nodes_resumes_on_2_and_on_8(prefix, partition, caplog)
                              "'trainer_4'") == 1
 
 
+@pytest.mark.parametrize("partition", ["range", "mod"])
+def test_an_elastic_resume_falls_back_past_a_damaged_newest_epoch(tmp_path, partition):
+    """As a resume on the same nodes does: epoch 3 of the 4-node job is damaged, so the job
+    resumed on 2 nodes starts from epoch 2, bit-exact."""
+    url = str(tmp_path / "ckpt")
+    JobRunner(build(4, 3, partition), MultiNodeCheckpointManager(url, layout=layout(
+        partition))).train(LocalSession())
+    chunk = sorted(p for p in (tmp_path / "ckpt" / "trainer_1.3").rglob("c*") if p.is_file())[0]
+    data = bytearray(chunk.read_bytes())
+    data[0] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    session = LocalSession()
+    runner = JobRunner(build(2, 5, partition), MultiNodeCheckpointManager(url, layout=layout(
+        partition)))
+    runner.train(session)
+    assert runner.resumed_from == 2
+    table, weights = reference(5)
+    for k in range(2):
+        ws = session.workspace(f"trainer_{k}")
+        assert ws["emb"].tobytes() == share(table, partition, k, 2).tobytes()
+        assert np.array_equal(ws["w"], weights)
+
+
 def test_a_job_with_a_local_blob_is_refused_before_it_claims_the_prefix(prefix):
     JobRunner(build(2, 2), MultiNodeCheckpointManager(prefix, layout=Layout(rows=["emb"]))
               ).train(LocalSession())
