@@ -30,7 +30,7 @@ from typing import Any
 
 from caffe2ckpt.errors import JobDefinitionError
 
-__all__ = ["PARTITIONS", "Layout", "SavedLayout", "new_rows", "old_rows", "overlap"]
+__all__ = ["PARTITIONS", "Layout", "SavedLayout", "new_rows", "old_rows", "orders_of", "overlap"]
 
 PARTITIONS = ("range", "mod")
 ROWS, REPLICATED, LOCAL = "rows", "replicated", "local"
@@ -210,3 +210,11 @@ def overlap(src: range, dst: range) -> tuple[range, range] | None:
     by_src, by_dst = step // src.step, step // dst.step
     return (range(first_src, first_src + count * by_src, by_src),
             range(first_dst, first_dst + count * by_dst, by_dst))
+
+
+def orders_of(shards: Sequence[tuple[tuple[int, ...], str]]) -> set[str]:
+    """The memory orders (``"C"``, ``"F"``) that the shards ``(shape, order)`` of one rows
+    blob say anything about: an array with at most one axis longer than 1 (a shard of 0 or 1
+    rows, say) is laid out alike in both orders, so its stored order does not count."""
+    return {order for shape, order in shards if sum(1 for n in shape if n > 1) > 1}
+

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from caffe2ckpt.errors import InvalidBlobError
-from caffe2ckpt.sharding import old_rows
+from caffe2ckpt.sharding import old_rows, orders_of
 from caffe2ckpt.store.delta import stored_digest
 from caffe2ckpt.store.zarrgroup import stored_form
 
@@ -83,12 +83,16 @@ def _rows_problem(held: Mapping[str, RowSpec | None], partition: str) -> str | N
     flat = [node for node, (_, shape, _) in specs.items() if not shape]
     if flat:
         return f"has no axis 0 on nodes {flat} (declare a single value replicated)"
-    first, (dtype, shape, memory) = next(iter(specs.items()))
-    differ = [node for node, (d, s, m) in specs.items() if (d, s[1:], m) != (dtype, shape[1:],
-                                                                           memory)]
+    first, (dtype, shape, _) = next(iter(specs.items()))
+    differ = [node for node, (d, s, _) in specs.items() if (d, s[1:]) != (dtype, shape[1:])]
     if differ:
-        return (f"holds rows of another dtype, row shape or memory order on nodes {differ} than "
-                f"on node {first!r} ({dtype}, rows of shape {shape[1:]}, {memory} order)")
+        return (f"holds rows of another dtype or row shape on nodes {differ} than on node "
+                f"{first!r} ({dtype}, rows of shape {shape[1:]})")
+    if len(orders_of([(s, m) for _, s, m in specs.values()])) > 1:
+        by_order = {m: [n for n, (_, s, o) in specs.items() if o == m and orders_of([(s, o)])]
+                    for m in "CF"}
+        return (f"is held in C order on nodes {by_order['C']} and in Fortran order on nodes "
+                f"{by_order['F']}")
     if partition == "mod":
         try:
             old_rows("mod", [s[0] for _, s, _ in specs.values()])

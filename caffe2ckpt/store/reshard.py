@@ -33,7 +33,16 @@ import numpy as np
 
 from caffe2ckpt.errors import CheckpointCorruptedError, JobDefinitionError
 from caffe2ckpt.fs.iopool import pool
-from caffe2ckpt.sharding import LOCAL, REPLICATED, ROWS, SavedLayout, new_rows, old_rows, overlap
+from caffe2ckpt.sharding import (
+    LOCAL,
+    REPLICATED,
+    ROWS,
+    SavedLayout,
+    new_rows,
+    old_rows,
+    orders_of,
+    overlap,
+)
 from caffe2ckpt.store.groupread import RowRead, destination, row_reads, run_reads
 from caffe2ckpt.store.manifest import BlobInfo, Manifest
 from caffe2ckpt.store.records import CommitRecord
@@ -204,6 +213,10 @@ class _Reshard:
         reads ran."""
         infos = [self._row_info(node, name) for node in self.old]
         first = infos[0]
+        orders = orders_of([(i.shape, i.order) for i in infos])
+        if len(orders) > 1:
+            raise self.damage(self.old[0], name, "its nodes hold their rows in both C and "
+                              "Fortran order")
         try:
             sources = old_rows(self.old_partition, [i.shape[0] for i in infos])
         except ValueError as exc:
@@ -234,7 +247,7 @@ class _Reshard:
         def finish() -> None:
             for old, dest, src, dst in copies:
                 dest[_slice(dst)] = self._rows(old, name, src)
-            if first.order == "F":
+            if orders == {"F"}:
                 for node in wanted:
                     out[node][name] = np.asfortranarray(out[node][name])
         return finish
@@ -268,8 +281,7 @@ class _Reshard:
             raise self.damage(node, name, "its layout splits it by rows, but that node "
                               "holds no such blob with rows")
         first = self.manifest(self.old[0]).blobs.get(name)
-        if first is not None and (info.dtype, info.shape[1:], info.order) != (
-                first.dtype, first.shape[1:], first.order):
+        if first is not None and (info.dtype, info.shape[1:]) != (first.dtype, first.shape[1:]):
             raise self.damage(node, name, f"its rows ({info.dtype}, {info.shape}) do not fit "
                               f"those of node {self.old[0]!r} ({first.dtype}, {first.shape})")
         return info

@@ -286,8 +286,12 @@ ROWS_MISFITS = {  # layout, each node's blobs, the refusal
     "no axis 0": (Layout(rows=["x"]), {"a": {"x": np.zeros(3)}, "b": {"x": np.float64(1)}},
                   r"rows blob 'x' has no axis 0 on nodes \['b'\]"),
     "row shapes": (Layout(rows=["x"]), {"a": {"x": np.zeros((3, 2))}, "b": {"x": np.zeros((3, 3))}},
-                   r"rows blob 'x' holds rows of another dtype, row shape or memory order on "
-                   r"nodes \['b'\] than on node 'a' \(<f8, rows of shape \(2,\), C order\)"),
+                   r"rows blob 'x' holds rows of another dtype or row shape on nodes \['b'\] "
+                   r"than on node 'a' \(<f8, rows of shape \(2,\)\)"),
+    "orders": (Layout(rows=["x"]), {"a": {"x": np.zeros((3, 2))},
+                                    "b": {"x": np.asfortranarray(np.zeros((3, 2)))}},
+               r"rows blob 'x' is held in C order on nodes \['a'\] and in Fortran order on "
+               r"nodes \['b'\]"),
     "dtypes": (Layout(rows=["x"]), {"a": {"x": np.zeros(3)}, "b": {"x": np.zeros(3, np.int64)}},
                r"rows blob 'x' holds rows of another dtype"),
     "mod split": (Layout(rows=["x"], partition="mod"),
@@ -330,7 +334,7 @@ def test_a_job_whose_rows_blobs_differ_in_row_shape_commits_nothing(tmp_path, ca
                                                        layout=Layout(rows=["emb"])))
     runner.train(LocalSession())
     assert runner.saved_epochs == []
-    assert "rows blob 'emb' holds rows of another dtype, row shape or memory order on nodes " \
+    assert "rows blob 'emb' holds rows of another dtype or row shape on nodes " \
         "['trainer_1']" in caplog.text
 
 
@@ -365,3 +369,26 @@ def test_nodes_that_disagree_on_a_replicated_blob_write_nothing(prefix):
         replicated=["w", "epoch_limiter.*"])))
     runner.train(LocalSession())
     assert runner.saved_epochs == [0, 1]  # epoch 2: trainer_1 drifted, nothing written for it
+
+
+@pytest.mark.parametrize("sizes", [(4, 1), (5, 0), (1, 4)])
+def test_fortran_ordered_shards_of_0_or_1_rows_fit_the_others(prefix, sizes):
+    """A shard of 0 or 1 rows is laid out alike in C and Fortran order: it fits Fortran-ordered
+    shards of the other nodes, and every node count restores the table in Fortran order."""
+    table = np.arange(sum(sizes) * 3, dtype=np.float32).reshape(-1, 3)
+    cut = sizes[0]
+    items = {"a": {"emb": np.asfortranarray(table[:cut])},
+             "b": {"emb": np.asfortranarray(table[cut:])}}
+    with StepCheckpointManager(prefix, nodes=["a", "b"], layout=Layout(rows=["emb"]),
+                               handle_preemption=False) as mgr:
+        mgr.save(0, items)
+    for m in (1, 3):
+        nodes = [f"n{k}" for k in range(m)]
+        with StepCheckpointManager(prefix, nodes=nodes, layout=Layout(rows=["emb"]),
+                                   handle_preemption=False) as mgr:
+            got = mgr.restore(0)
+        for k, node in enumerate(nodes):
+            expected = share(table, "range", k, m)
+            assert np.array_equal(got[node]["emb"], expected)
+            assert got[node]["emb"].flags.f_contiguous
+
