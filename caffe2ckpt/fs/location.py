@@ -506,5 +506,12 @@ def _incomplete(exc: ValueError, *, waited: bool) -> ValueError:
 
 
 def subdirectories(names: list[str]) -> list[str]:
-    """The directories of relative paths ``names``, deepest first."""
-    return sorted({posixpath.dirname(n) for n in names if "/" in n}, key=lambda d: -d.count("/"))
+    """The directories of relative paths ``names`` and the directories above them, deepest
+    first."""
+    dirs = set()
+    for name in names:
+        parent = posixpath.dirname(name)
+        while parent:
+            dirs.add(parent)
+            parent = posixpath.dirname(parent)
+    return sorted(dirs, key=lambda d: -d.count("/"))

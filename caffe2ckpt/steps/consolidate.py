@@ -32,7 +32,7 @@ from caffe2ckpt.store.groupread import destination
 from caffe2ckpt.store.protocol import CheckpointStore
 from caffe2ckpt.store.reshard import saved_layout
 from caffe2ckpt.store.rowread import load_rows
-from caffe2ckpt.store.zarrgroup import PLAIN_GROUP_KEY, write_plain_group
+from caffe2ckpt.store.zarrgroup import PLAIN_GROUP_KEY, remove_plain_groups, write_plain_group
 
 __all__ = ["CONSOLIDATED", "write_consolidated"]
 
@@ -77,12 +77,16 @@ def write_consolidated(store: CheckpointStore, save: Save, dest: str, *,
     attributes = {PLAIN_GROUP_KEY: plan.describe()}
     write_plain_group(out, root, attributes, plan.global_blobs())
     written = [out.display(CONSOLIDATED.format(epoch=save.epoch))]
-    for node in plan.order:
-        local = plan.local(node)
-        if local:
-            write_plain_group(out, f"{root}/{node}", {PLAIN_GROUP_KEY: {"node": node}},
-                              plan.local_blobs(node, local))
-            written.append(out.display(f"{CONSOLIDATED.format(epoch=save.epoch)}/{node}"))
+    try:
+        for node in plan.order:
+            local = plan.local(node)
+            if local:
+                write_plain_group(out, f"{root}/{node}", {PLAIN_GROUP_KEY: {"node": node}},
+                                  plan.local_blobs(node, local))
+                written.append(out.display(f"{CONSOLIDATED.format(epoch=save.epoch)}/{node}"))
+    except BaseException:
+        remove_plain_groups(out, [root])  # the group this call created, with what it holds
+        raise
     return written
 
 

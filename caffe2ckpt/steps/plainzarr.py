@@ -50,6 +50,7 @@ from caffe2ckpt.store.zarrgroup import (
     PLAIN_GROUP_KEY,
     epoch_store,
     plan_group,
+    remove_plain_groups,
     write_plain_group,
 )
 
@@ -119,8 +120,15 @@ def write_plain(store: CheckpointStore, save: Save, dest: str, *,
     for path in paths.values():
         if out.exists(out.path(path)):
             raise _exists(out, path)
-    return [_materialize_node(store, save.records[node], out, path)
-            for node, path in paths.items()]
+    done: list[str] = []
+    try:
+        for node, path in paths.items():
+            done.append(_materialize_node(store, save.records[node], out, path))
+    except BaseException:
+        remove_plain_groups(out, [out.path(paths[node]) for node in list(paths)[:len(done)]])
+        raise
+    return done
+
 
 
 def _exists(out: Location, path: str) -> FileExistsError:

@@ -411,6 +411,18 @@ def write_plain_group(location: Location, root: str, attributes: dict[str, Any],
         raise
 
 
+def remove_plain_groups(location: Location, roots: list[str]) -> None:
+    """Remove the plain groups ``roots`` that one call wrote whole before a later part of it
+    failed (best effort: a group that cannot be removed is named in a WARNING), so that the
+    call leaves nothing behind."""
+    for root in roots:
+        try:
+            location.remove(root)
+        except Exception as exc:  # noqa: BLE001 - the failure that stopped the call matters
+            logger.warning("cannot remove %s, written before the call failed: %s (delete it)",
+                           location.display(root), exc)
+
+
 def _write_plain_arrays(location: Location, root: str, batches: Iterable[dict[str, np.ndarray]],
                         batch: localio.SyncBatch | None, written: list[str]) -> None:
     """The arrays of :func:`write_plain_group`: every chunk, made durable, then every array's
@@ -426,7 +438,6 @@ def _write_plain_arrays(location: Location, root: str, batches: Iterable[dict[st
         batch = location.sync_batch()
         if batch is not None:
             batch.add_dirs([f"{root}/{path}" for path, _ in metadata])
-        written.extend(f"{path}/{GROUP_FILE}" for path, _ in metadata)
         _wait_all([_pool().submit(location.write_file, f"{root}/{path}/{GROUP_FILE}", [data],
                                   batch=batch) for path, data in metadata])
         location.make_durable(batch, [], _pool())
@@ -478,6 +489,8 @@ def _write_plain_array(location: Location, root: str, name: str, arr: np.ndarray
     path, files = blob_path(name), {}
     array = _plain_array(files, name, arr)
     metadata = files.pop(GROUP_FILE).to_bytes()
+    # named before anything is written: a failure from here on removes it and its directory
+    writes.paths.append(f"{path}/{GROUP_FILE}")
     if location.is_local:
         location.makedirs(f"{root}/{path}", batch=batch)
         if batch is not None:  # its new entries: the chunks

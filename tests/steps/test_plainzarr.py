@@ -150,6 +150,29 @@ def test_a_damaged_epoch_leaves_nothing_at_the_destination(tmp_path):
     assert not (dest / "n0.0").exists()  # blob "a" was written first: it went again
 
 
+@pytest.mark.parametrize("consolidate", [False, True])
+def test_a_damaged_node_leaves_nothing_of_any_node_and_a_repaired_epoch_materializes(
+        tmp_path, consolidate):
+    """Node b's damage is found after node a's group (or the consolidated arrays) were written:
+    all of it goes again, empty directories included, so the same DEST takes the epoch once it
+    is repaired."""
+    prefix, dest = str(tmp_path / "ckpt"), tmp_path / "plain"
+    with StepCheckpointManager(prefix, nodes=["a", "b"], layout=caffe2ckpt.Layout(
+            rows=["emb"], replicated=["w"]), handle_preemption=False) as mgr:
+        mgr.save(0, {n: {"emb": np.full((3000, 4), k, np.float32), "w": np.ones(2)}
+                     for k, n in enumerate("ab")})
+    chunk = max(p for p in (tmp_path / "ckpt" / "b.0").rglob("*")
+                if p.is_file() and p.name != "zarr.json")
+    good = chunk.read_bytes()
+    chunk.write_bytes(good[:10] + bytes([good[10] ^ 1]) + good[11:])
+    with pytest.raises(CheckpointCorruptedError):
+        caffe2ckpt.materialize(prefix, 0, str(dest), consolidate=consolidate)
+    assert not dest.exists() or list(dest.iterdir()) == []
+    chunk.write_bytes(good)
+    written = caffe2ckpt.materialize(prefix, 0, str(dest), consolidate=consolidate)
+    assert len(written) == (1 if consolidate else 2)
+
+
 def test_an_existing_destination_is_a_usage_error_before_anything_is_read(tmp_path, capsys):
     """Issue 34 item 5.2: it exited 4 ("storage failed"). Now exit 2 naming the destination,
     and nothing is read: a damaged epoch is not even noticed."""
