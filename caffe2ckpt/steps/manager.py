@@ -53,6 +53,8 @@ from caffe2ckpt.steps.metadata import (
     BlobMetadata,
     RootMetadata,
     StepMetadata,
+    as_metadata,
+    blob_metadata,
     read_root_metadata,
     step_metadata,
     write_root_metadata,
@@ -61,7 +63,7 @@ from caffe2ckpt.store.delta import DeltaTracker, DeltaWrite
 from caffe2ckpt.store.layout import new_save_id
 from caffe2ckpt.store.protocol import CheckpointStore, SaveInfo
 from caffe2ckpt.store.records import CommitRecord
-from caffe2ckpt.store.reshard import read_shares
+from caffe2ckpt.store.reshard import read_shares, share_infos
 from caffe2ckpt.store.zarrgroup import DEFAULT_PACK_THRESHOLD
 from caffe2ckpt.units import nodes_text
 
@@ -459,11 +461,15 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
         return out
 
     def item_metadata(self, step: int) -> dict[str, dict[str, BlobMetadata]]:
-        """``{node: {blob: BlobMetadata(dtype, shape, nbytes)}}`` from the manifests only."""
+        """``{node: {blob: BlobMetadata(dtype, shape, nbytes)}}`` of what :meth:`restore`
+        returns for ``step``, from the manifests only: replicated blobs on every node holding
+        them, and a step of another node count split anew over this manager's nodes."""
         info = self._step(step)
-        return {node: {name: BlobMetadata(b.dtype, tuple(b.shape), b.nbytes)
-                       for name, b in self._store.manifest(record).blobs.items()}
-                for node, record in sorted(info.records.items())}
+        if self._elastic and info.nodes != frozenset(self._nodes):  # type: ignore[arg-type]
+            shares = share_infos(self._store, info.records, self._nodes,  # type: ignore[arg-type]
+                                 self._layout.partition)  # type: ignore[union-attr]
+            return {node: as_metadata(blobs) for node, blobs in shares.items()}
+        return blob_metadata(self._store, info)
 
     def metadata(self, step: int | None = None) -> StepMetadata | RootMetadata:
         """:class:`StepMetadata` of ``step``, or with no step the :class:`RootMetadata`."""

@@ -19,9 +19,11 @@ from caffe2ckpt.fs import strictjson
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.history.lineage import Save
 from caffe2ckpt.store.layout import ROOT_METADATA
+from caffe2ckpt.store.manifest import BlobInfo
+from caffe2ckpt.store.protocol import CheckpointStore
 
-__all__ = ["BlobMetadata", "RootMetadata", "StepMetadata", "read_root_metadata", "step_metadata",
-           "write_root_metadata"]
+__all__ = ["BlobMetadata", "RootMetadata", "StepMetadata", "as_metadata", "blob_metadata",
+           "read_root_metadata", "step_metadata", "write_root_metadata"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +41,7 @@ class StepMetadata:
 
     step: int
     nodes: list[str]
-    nbytes: int
+    nbytes: int  # its blobs' bytes, a replicated blob once (a restore gives each node a copy)
     metrics: dict[str, float]
     created: float
     writer: dict[str, Any]
@@ -65,6 +67,31 @@ def step_metadata(info: Save) -> StepMetadata:
                         writer=dict(info.first.writer), stop=info.stop,
                         kind="delta" if any(r.delta for r in records) else "full",
                         bytes_written=sum(r.bytes_written for r in records))
+
+
+def blob_metadata(store: CheckpointStore, info: Save) -> dict[str, dict[str, BlobMetadata]]:
+    """Every node's blobs of the committed save ``info`` as a restore by its own nodes gives
+    them, from the manifests only: a node's own blobs and the replicated blobs another node
+    wrote for it."""
+    manifests: dict[str, dict[str, BlobInfo]] = {}
+
+    def blobs(node: str) -> dict[str, BlobInfo]:
+        if node not in manifests:
+            manifests[node] = store.manifest(info.records[node]).blobs
+        return manifests[node]
+
+    out = {}
+    for node, record in sorted(info.records.items()):
+        lent = record.layout.written_by if record.layout is not None else {}
+        held = {**{name: blobs(writer)[name] for name, writer in lent.items()}, **blobs(node)}
+        out[node] = as_metadata(held)
+    return out
+
+
+def as_metadata(blobs: dict[str, BlobInfo]) -> dict[str, BlobMetadata]:
+    """``blobs`` as :class:`BlobMetadata`, by name in order."""
+    return {name: BlobMetadata(b.dtype, tuple(b.shape), b.nbytes)
+            for name, b in sorted(blobs.items())}
 
 
 def write_root_metadata(location: Location, custom: dict[str, Any]) -> None:

@@ -54,7 +54,7 @@ from caffe2ckpt.units import nodes_text
 if TYPE_CHECKING:
     from caffe2ckpt.store.protocol import CheckpointStore
 
-__all__ = ["read_shares", "saved_layout", "shared_names"]
+__all__ = ["read_shares", "saved_layout", "share_infos", "shared_names"]
 
 
 def saved_layout(records: dict[str, CommitRecord]) -> SavedLayout | None:
@@ -87,6 +87,30 @@ def shared_names(store: CheckpointStore, records: dict[str, CommitRecord],
     kinds = reader.blobs(None)
     return {node: sorted(n for n, k in kinds.items()
                          if k == ROWS or node in reader.receivers(n)) for node in order}
+
+
+def share_infos(store: CheckpointStore, records: dict[str, CommitRecord], order: Sequence[str],
+                partition: str) -> dict[str, dict[str, BlobInfo]]:
+    """What :func:`read_shares` returns, from the manifests only: each new node's blobs (of
+    the nodes ``order`` split by ``partition``) with their dtype, shape and memory order.
+
+    Raises:
+        JobDefinitionError: the save holds local blobs (or has no layout).
+    """
+    reader = _Reshard(store, records, list(order), partition, SharedReads())
+    out: dict[str, dict[str, BlobInfo]] = {node: {} for node in order}
+    for name, kind in reader.blobs(None).items():
+        if kind != ROWS:
+            info = reader.manifest(reader.holder(name)).blobs[name]
+            for node in reader.receivers(name):
+                out[node][name] = info
+            continue
+        infos = [reader._row_info(node, name) for node in reader.old]
+        total = sum(info.shape[0] for info in infos)
+        for k, node in enumerate(order):
+            rows = len(new_rows(partition, k, len(order), total))
+            out[node][name] = infos[0]._replace(shape=(rows, *infos[0].shape[1:]))
+    return out
 
 
 def read_shares(store: CheckpointStore, records: dict[str, CommitRecord], order: Sequence[str],

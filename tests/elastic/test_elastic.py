@@ -20,6 +20,7 @@ from caffe2ckpt import (
     StepManagerOptions,
 )
 from caffe2ckpt.sharding import new_rows
+from caffe2ckpt.steps import BlobMetadata
 from tests.elastic.elasticjob import build, layout, reference, share
 
 COUNTS = (1, 2, 3, 4, 8)
@@ -391,4 +392,22 @@ def test_fortran_ordered_shards_of_0_or_1_rows_fit_the_others(prefix, sizes):
             expected = share(table, "range", k, m)
             assert np.array_equal(got[node]["emb"], expected)
             assert got[node]["emb"].flags.f_contiguous
+
+
+@pytest.mark.parametrize("partition", ["range", "mod"])
+def test_item_metadata_describes_what_restore_returns(prefix, partition):
+    """Replicated blobs on every node holding them (not only on the node that wrote them), and
+    a step of another node count as this manager's nodes restore it."""
+    layout_ = Layout(rows=["emb"], replicated=["w"], partition=partition)
+    items = {f"a{k}": {"emb": np.full((25, 4), k, np.float32), "w": np.arange(3.0)}
+             for k in range(4)}
+    for nodes, saves in ((list(items), True), (["b0", "b1", "b2"], False)):
+        with StepCheckpointManager(prefix, nodes=nodes, layout=layout_,
+                                   handle_preemption=False) as mgr:
+            if saves:
+                mgr.save(0, items)
+            got = mgr.restore(0)
+            assert mgr.item_metadata(0) == {
+                node: {name: BlobMetadata(a.dtype.str, a.shape, a.nbytes) for name, a in b.items()}
+                for node, b in got.items()}
 
