@@ -56,6 +56,9 @@ def check_rows(where: str, name: str, rows: Any, arr: np.ndarray) -> np.ndarray:
     if ids.size and not np.issubdtype(ids.dtype, np.integer):
         raise InvalidBlobError(f"{where}, blob {name!r}: changed rows must be integers, got "
                                f"dtype {ids.dtype}")
+    if ids.size and not arr.ndim:
+        raise InvalidBlobError(f"{where}, blob {name!r}: it is a single value (0-d), which has "
+                               "no rows to name: give no rows for it (it is compared whole)")
     length = arr.shape[0] if arr.ndim else 0
     if ids.size and not (0 <= ids.min() and ids.max() < length):
         raise InvalidBlobError(f"{where}, blob {name!r}: changed rows must be from 0 to "

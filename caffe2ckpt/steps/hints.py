@@ -34,6 +34,10 @@ def check_hints(step: int, blobs: dict[str, dict[str, np.ndarray]],
         raise JobDefinitionError(
             f"save({step}, changed_rows=...): hints are used only with "
             "StepManagerOptions(delta_saves=True, delta_detection='hints')")
+    if not isinstance(changed_rows, Mapping):
+        raise InvalidLocationError(
+            f"save({step}, changed_rows=...): changed_rows must map node names to "
+            f"{{blob: row ids}}, got {type(changed_rows).__name__}")
     for node, hints in changed_rows.items():
         unknown = sorted(set(hints) - set(blobs.get(node, {}))) if isinstance(
             hints, Mapping) else None

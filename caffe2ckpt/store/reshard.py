@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from caffe2ckpt.errors import CheckpointCorruptedError, JobDefinitionError
+from caffe2ckpt.errors import CheckpointCorruptedError, CheckpointNotFoundError, JobDefinitionError
 from caffe2ckpt.fs.iopool import pool
 from caffe2ckpt.sharding import (
     LOCAL,
@@ -186,8 +186,9 @@ class _Reshard:
                     kinds[name] = LOCAL if kinds.get(name, kind) != kind else kind
         missing = sorted(set(names or ()) - set(kinds))
         if missing:
-            raise JobDefinitionError(f"epoch {self.record.epoch} under "
-                                     f"{self.store.location.display()!r} has no blobs {missing}")
+            raise CheckpointNotFoundError(f"epoch {self.record.epoch} under "
+                                          f"{self.store.location.display()!r} has no blobs "
+                                          f"{missing}")
         local = sorted(n for n, k in kinds.items() if k == LOCAL)
         if local:
             raise JobDefinitionError(self._refusal(local))

@@ -411,3 +411,17 @@ def test_item_metadata_describes_what_restore_returns(prefix, partition):
                 node: {name: BlobMetadata(a.dtype.str, a.shape, a.nbytes) for name, a in b.items()}
                 for node, b in got.items()}
 
+
+def test_a_missing_blob_is_not_found_whoever_saved_the_step(prefix):
+    from caffe2ckpt import CheckpointNotFoundError
+
+    layout_ = Layout(rows=["emb"])
+    with StepCheckpointManager(prefix, nodes=["a", "b"], layout=layout_,
+                               handle_preemption=False) as mgr:
+        mgr.save(0, {n: {"emb": np.zeros((4, 2))} for n in "ab"})
+    for nodes in (["a", "b"], ["c"]):
+        with StepCheckpointManager(prefix, nodes=nodes, layout=layout_,
+                                   handle_preemption=False) as mgr:
+            with pytest.raises(CheckpointNotFoundError, match=r"has no blobs \['nope'\]"):
+                mgr.restore(0, blobs=["nope"])
+

@@ -278,6 +278,10 @@ def test_bad_hints_are_refused_before_anything_is_written(prefix):
             mgr.save(1, {"n0": {"t": table}}, changed_rows={"n0": {"t": [ROWS]}})
         with pytest.raises(InvalidBlobError, match="integers"):
             mgr.save(1, {"n0": {"t": table}}, changed_rows={"n0": {"t": [0.5]}})
+        with pytest.raises(InvalidLocationError, match="must map node names.*got list"):
+            mgr.save(1, {"n0": {"t": table}}, changed_rows=["n0"])
+        with pytest.raises(InvalidBlobError, match=r"blob 's': it is a single value \(0-d\)"):
+            mgr.save(1, {"n0": {"t": table, "s": np.float32(1)}}, changed_rows={"n0": {"s": [0]}})
         assert mgr.all_steps() == [0]
 
 
