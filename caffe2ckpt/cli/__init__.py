@@ -396,7 +396,9 @@ def _run(args: argparse.Namespace) -> tuple[dict, int] | int:
     except (CheckpointNotFoundError, FileNotFoundError) as exc:
         return _fail(args, str(exc) or repr(exc), EXIT_NOT_FOUND)
     except (CheckpointError, OSError) as exc:
-        return _fail(args, f"{args.prefix}: {exc or type(exc).__name__}", EXIT_IO)
+        # an OSError naming its file (the prefix's, or materialize's DEST) needs no prefix
+        where = "" if getattr(exc, "filename", None) else f"{args.prefix}: "
+        return _fail(args, f"{where}{exc or type(exc).__name__}", EXIT_IO)
     except KeyboardInterrupt:
         return _fail(args, "interrupted", 130)
     finally:

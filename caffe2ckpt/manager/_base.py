@@ -359,9 +359,10 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
             nodeops.layout_facts_of, [n for n in self._names(node) if n in writers], rows),
             lambda node, file_node, result: facts.__setitem__(file_node, result),
             epoch=epoch))
-        check_replicas(epoch, {node: f[0] for node, f in facts.items()}, writers)
+        where = self._store.location.display()
+        check_replicas(epoch, {node: f[0] for node, f in facts.items()}, writers, where)
         check_rows(epoch, {node: f[1] for node, f in facts.items()}, rows, self.file_nodes(),
-                   self._layout.partition)  # type: ignore[union-attr]
+                   self._layout.partition, where)  # type: ignore[union-attr]
 
     def _writers(self) -> dict[str, str]:
         """Which node (by file name) writes each replicated blob of a save: the first in node

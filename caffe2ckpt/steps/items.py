@@ -47,19 +47,19 @@ def check_items(step: int, items: Items, nodes: Sequence[str] | None) -> Blobs:
     return blobs
 
 
-def split_replicas(layout: Layout | None, step: int, order: Sequence[str], blobs: Blobs
-                   ) -> tuple[dict[str, str], dict[str, list[str]], Blobs]:
+def split_replicas(layout: Layout | None, step: int, order: Sequence[str], blobs: Blobs,
+                   where: str) -> tuple[dict[str, str], dict[str, list[str]], Blobs]:
     """The writer of each replicated blob (checked before anything is written), each node's
     blob names, and what each node writes (its blobs less the replicated ones another node
-    writes)."""
-    writers = _replicas(layout, step, order, blobs)
+    writes); ``where`` is the prefix, for the refusals."""
+    writers = _replicas(layout, step, order, blobs, where)
     held = {node: list(b) for node, b in blobs.items()}
     return writers, held, {node: {n: a for n, a in b.items() if writers.get(n, node) == node}
                            for node, b in blobs.items()}
 
 
-def _replicas(layout: Layout | None, step: int, order: Sequence[str], blobs: Blobs
-              ) -> dict[str, str]:
+def _replicas(layout: Layout | None, step: int, order: Sequence[str], blobs: Blobs,
+              where: str) -> dict[str, str]:
     """Which node writes each replicated blob (the first in ``order`` holding it), once every
     node holding it holds the same value.
 
@@ -72,10 +72,10 @@ def _replicas(layout: Layout | None, step: int, order: Sequence[str], blobs: Blo
     writers = layout.writers(order, {n: list(b) for n, b in blobs.items()})
     if writers:
         check_replicas(step, {n: replica_digests({k: v for k, v in b.items() if k in writers})
-                              for n, b in blobs.items()}, writers)
+                              for n, b in blobs.items()}, writers, where)
     rows = layout.rows_among(n for b in blobs.values() for n in b)
     check_rows(step, {n: row_specs({k: v for k, v in b.items() if k in rows})
-                      for n, b in blobs.items()}, rows, order, layout.partition)
+                      for n, b in blobs.items()}, rows, order, layout.partition, where)
     return writers
 
 

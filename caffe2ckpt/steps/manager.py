@@ -293,7 +293,8 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
                   metrics: Mapping[str, float] | None) -> bool:
         """Write and commit ``blobs`` as ``step`` (or start writing them in the background)."""
         order = tuple(self._nodes or blobs)
-        writers, held, blobs = split_replicas(self._layout, step, order, blobs)
+        writers, held, blobs = split_replicas(self._layout, step, order, blobs,
+                                              self._store.location.display())
         values = {str(k): float(v) for k, v in (metrics or {}).items()}
         current = self._run_of(sorted(blobs))
         with writing(f"claiming {self._store.location.display()!r} to save step {step}",

@@ -34,7 +34,7 @@ def replica_digests(blobs: Mapping[str, np.ndarray]) -> dict[str, str]:
 
 
 def check_replicas(epoch: int, digests: Mapping[str, Mapping[str, str]],
-                   writers: Mapping[str, str]) -> None:
+                   writers: Mapping[str, str], where: str) -> None:
     """``digests`` (node -> blob -> :func:`replica_digests`) agree with each blob's writer
     (``writers``: blob -> node).
 
@@ -46,9 +46,9 @@ def check_replicas(epoch: int, digests: Mapping[str, Mapping[str, str]],
                         if name in held and held[name] != digests[writer][name])
         if differ:
             raise InvalidBlobError(
-                f"cannot save epoch {epoch}: replicated blob {name!r} differs between node "
-                f"{writer!r} and nodes {differ} (a replicated blob is written once, by "
-                f"{writer!r}, for every node holding it: nothing was written)")
+                f"cannot save epoch {epoch} under {where!r}: replicated blob {name!r} differs "
+                f"between node {writer!r} and nodes {differ} (a replicated blob is written "
+                f"once, by {writer!r}, for every node holding it: nothing was written)")
 
 
 def row_specs(blobs: Mapping[str, np.ndarray]) -> dict[str, RowSpec]:
@@ -59,7 +59,7 @@ def row_specs(blobs: Mapping[str, np.ndarray]) -> dict[str, RowSpec]:
 
 
 def check_rows(epoch: int, specs: Mapping[str, Mapping[str, RowSpec]], names: Sequence[str],
-               order: Sequence[str], partition: str) -> None:
+               order: Sequence[str], partition: str, where: str) -> None:
     """The ``rows`` blobs ``names`` as the nodes ``order`` hold them (``specs``: node -> blob ->
     :func:`row_specs`) fit the layout (see the module docstring).
 
@@ -70,7 +70,8 @@ def check_rows(epoch: int, specs: Mapping[str, Mapping[str, RowSpec]], names: Se
         held = {node: specs.get(node, {}).get(name) for node in order}
         problem = _rows_problem(held, partition)
         if problem:
-            raise InvalidBlobError(f"cannot save epoch {epoch}: rows blob {name!r} {problem} (a "
+            raise InvalidBlobError(f"cannot save epoch {epoch} under {where!r}: rows blob "
+                                   f"{name!r} {problem} (a "
                                    "rows blob is split along axis 0 across every node of the "
                                    "job: nothing was written)")
 

@@ -188,3 +188,15 @@ def test_an_existing_destination_is_a_usage_error_before_anything_is_read(tmp_pa
     assert captured.err == (f"caffe2ckpt materialize: error: {dest}/n0.0 exists already: "
                             "materialize never overwrites; choose another DEST (or delete "
                             "that group)\n")
+
+
+def test_a_destination_that_cannot_be_written_is_named_alone(tmp_path, capsys):
+    """A DEST below a file: exit 4 (storage failed) naming that path, not the source prefix."""
+    prefix, blocker = str(tmp_path / "ckpt"), tmp_path / "afile"
+    save(prefix, {"a": np.ones(4)})
+    blocker.write_text("")
+    capsys.readouterr()
+    assert cli_main(["materialize", prefix, "--epoch", "0", str(blocker / "plain")]) == 4
+    err = capsys.readouterr().err
+    assert err.startswith("caffe2ckpt materialize: error: [Errno 20] Not a directory"), err
+    assert str(blocker) in err and prefix not in err
