@@ -409,13 +409,23 @@ def _check_metadata(location: Location, manifest: Manifest, where: str, file: st
         )
 
 
+def _holding(manifest: Manifest, blob: str) -> str:
+    """For the packed array, the blobs it holds (the names a user knows), as a parenthesis."""
+    if blob != PACKED_ARRAY or not manifest.packed:
+        return ""
+    names = [b.name for b in manifest.packed]
+    shown = ", ".join(repr(n) for n in names[:8]) + (f" and {len(names) - 8} more"
+                                                     if len(names) > 8 else "")
+    return f" (the small blobs packed together: {shown})"
+
+
 def _read_chunk(location: Location, manifest: Manifest, where: str, blob: str, chunk: str,
                 out: np.ndarray, padding: int, expected: int) -> None:
     def corrupted(msg: str) -> CheckpointCorruptedError:
         return CheckpointCorruptedError(
-            f"{where}: blob {blob!r}, chunk {location.display(chunk)!r}: {msg}",
-            node=manifest.node, epoch=manifest.epoch, blob=blob,
-        )
+            f"{where}: blob {blob!r}{_holding(manifest, blob)}, chunk "
+            f"{location.display(chunk)!r}: {msg}", node=manifest.node, epoch=manifest.epoch,
+            blob=blob)
 
     flat = out.reshape(-1)
     try:

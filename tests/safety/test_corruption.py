@@ -20,6 +20,7 @@ from caffe2ckpt import (
     JobRunner,
     LocalSession,
     MultiNodeCheckpointManager,
+    StepCheckpointManager,
 )
 from caffe2ckpt.example import build_job
 from caffe2ckpt.fs.location import Location
@@ -383,3 +384,20 @@ def test_a_chunk_from_another_save_is_detected(prefix, memory_fs):
         load_node(stores["a"], "n", 3)
     assert (info.value.node, info.value.epoch, info.value.blob) == ("n", 3, "w")
     assert load_node(stores["b"], "n", 3)["w"][0] == 2.0
+
+
+def test_damage_in_the_packed_array_names_the_blobs_packed_there(tmp_path):
+    """Small blobs share one packed array: its damage names them, the names a user knows."""
+    prefix = str(tmp_path / "ckpt")
+    with StepCheckpointManager(prefix, handle_preemption=False) as mgr:
+        mgr.save(0, {"n0": {"lr": np.float32(0.1), "step": np.int64(7), "big": np.ones(1 << 18)}})
+    chunk = tmp_path / "ckpt" / "n0.0" / "_packed" / "c.0"
+    data = bytearray(chunk.read_bytes())
+    data[0] ^= 1
+    chunk.write_bytes(bytes(data))
+    with StepCheckpointManager(prefix, handle_preemption=False) as mgr:
+        with pytest.raises(CheckpointCorruptedError) as caught:
+            mgr.restore(0)
+    assert caught.value.blob == "_packed"
+    assert "blob '_packed' (the small blobs packed together: 'lr', 'step'), chunk" in str(
+        caught.value)
