@@ -210,8 +210,9 @@ def _stale_notes(store: CheckpointStore, now: float,
     for ref in retired.standing(store.location):
         if wanted is None or ref.node in wanted:
             path = retired.note_path(ref)
-            yield Leftover(STALE_NOTE, path, _age(store, store.location.path(path), now),
-                           ref.save_id, retired=ref)
+            age = _age(store, store.location.path(path), now)
+            if age is not None:
+                yield Leftover(STALE_NOTE, path, age, ref.save_id, retired=ref)
 
 
 def _forget_stale(location: Location, ref: RecordRef) -> bool:
@@ -232,7 +233,8 @@ def _unfinished_removals(store: CheckpointStore, found: PrefixScan,
     for ref, groups in retired.unfinished(store.location):
         left = sorted(g for g, i in groups.items()
                       if g not in found.referenced and not _has_record(store, g, i))
-        age = min((_save_age(store, g, now) for g in left), default=math.inf)
+        age = min((a for g in left if (a := _save_age(store, g, now)) is not None),
+                  default=math.inf)
         yield Leftover("unfinished removal", ", ".join(left), age, ref.save_id,
                        retired=ref, groups=tuple((g, groups[g]) for g in left))
 
@@ -284,26 +286,32 @@ class Leftover:
         return tuple(r.ref for r in self.records)
 
 
-def _age(store: CheckpointStore, path: str, now: float) -> float:
-    """Seconds since anything under ``path`` was written (inf if the filesystem cannot say)."""
+def _age(store: CheckpointStore, path: str, now: float) -> float | None:
+    """Seconds since anything under ``path`` was written (inf if the filesystem cannot say);
+    None when nothing is there any more (gone since it was listed: a create or removal that
+    finished meanwhile, not a leftover)."""
     fs = store.location.fs
     try:
         infos = fs.find(path, detail=True) or {path: fs.info(path)}
     except FileNotFoundError:
-        return math.inf
-    times = []
+        return None
+    times, seen = [], False
     for file in infos:
         try:
             stamp = store.location.modified(file)
         except CheckpointNotFoundError:
             continue
+        seen = True
         if stamp is not None:
             times.append(stamp)
+    if not seen:
+        return None
     return now - max(times) if times else math.inf
 
 
-def _save_age(store: CheckpointStore, group: str, now: float) -> float:
-    """Seconds since the save of ``group`` started: its ``zarr.json`` is its first object."""
+def _save_age(store: CheckpointStore, group: str, now: float) -> float | None:
+    """Seconds since the save of ``group`` started: its ``zarr.json`` is its first object
+    (None: the group is gone, see :func:`_age`)."""
     try:
         stamp = store.location.modified(f"{store.location.path(group)}/{GROUP_FILE}")
     except CheckpointNotFoundError:
@@ -360,7 +368,9 @@ def _group_leftovers(store: CheckpointStore, found: PrefixScan, now: float,
         if save_id in keep:
             continue
         kind = "uncommitted save" if isinstance(manifest, Manifest) else "unidentified data"
-        yield Leftover(kind, name, _save_age(store, name, now), save_id)
+        age = _save_age(store, name, now)
+        if age is not None:
+            yield Leftover(kind, name, age, save_id)
 
 
 def _partial_leftovers(found: PrefixScan, now: float, keep: set[str],
@@ -384,7 +394,9 @@ def _temporaries(store: CheckpointStore, directory: str, now: float) -> Iterator
     for name in location.list_names(location.path(directory) if directory else location.root):
         if name.startswith(TEMPORARY_PREFIX):
             path = f"{directory}/{name}" if directory else name
-            yield Leftover("temporary file", path, _age(store, location.path(path), now))
+            age = _age(store, location.path(path), now)
+            if age is not None:
+                yield Leftover("temporary file", path, age)
 
 
 def _staged_leftovers(store: CheckpointStore, now: float,
@@ -395,7 +407,9 @@ def _staged_leftovers(store: CheckpointStore, now: float,
         if parsed is None or (wanted and parsed.node not in wanted):
             continue
         path = f"{LEGACY_STAGING_DIR}/{name}"
-        yield Leftover("staged copy", path, _age(store, location.path(path), now))
+        age = _age(store, location.path(path), now)
+        if age is not None:
+            yield Leftover("staged copy", path, age)
 
 
 def find_leftovers(store: CheckpointStore, found: PrefixScan, *, min_age: float = 3600.0,
