@@ -32,7 +32,13 @@ from caffe2ckpt.store.groupread import destination
 from caffe2ckpt.store.protocol import CheckpointStore
 from caffe2ckpt.store.reshard import saved_layout
 from caffe2ckpt.store.rowread import load_rows
-from caffe2ckpt.store.zarrgroup import PLAIN_GROUP_KEY, remove_plain_groups, write_plain_group
+from caffe2ckpt.store.zarrgroup import (
+    PLAIN_GROUP_KEY,
+    mark_complete,
+    remove_plain_groups,
+    taken_error,
+    write_plain_group,
+)
 
 __all__ = ["CONSOLIDATED", "write_consolidated"]
 
@@ -71,11 +77,10 @@ def write_consolidated(store: CheckpointStore, save: Save, dest: str, *,
     out = Location(dest, dest_storage_options)
     root = out.path(CONSOLIDATED.format(epoch=save.epoch))
     if out.exists(root):
-        raise FileExistsError(f"{out.display(CONSOLIDATED.format(epoch=save.epoch))} exists "
-                              "already: materialize never overwrites; choose another DEST")
+        raise taken_error(out, root)
     plan = _Consolidation(store, save)
     attributes = {PLAIN_GROUP_KEY: plan.describe()}
-    write_plain_group(out, root, attributes, plan.global_blobs())
+    write_plain_group(out, root, attributes, plan.global_blobs(), complete=False)
     written = [out.display(CONSOLIDATED.format(epoch=save.epoch))]
     try:
         for node in plan.order:
@@ -84,6 +89,7 @@ def write_consolidated(store: CheckpointStore, save: Save, dest: str, *,
                 write_plain_group(out, f"{root}/{node}", {PLAIN_GROUP_KEY: {"node": node}},
                                   plan.local_blobs(node, local))
                 written.append(out.display(f"{CONSOLIDATED.format(epoch=save.epoch)}/{node}"))
+        mark_complete(out, root, attributes)  # the last step: the nodes' groups are in it
     except BaseException:
         remove_plain_groups(out, [root])  # the group this call created, with what it holds
         raise

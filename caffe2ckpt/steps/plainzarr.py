@@ -51,6 +51,7 @@ from caffe2ckpt.store.zarrgroup import (
     epoch_store,
     plan_group,
     remove_plain_groups,
+    taken_error,
     write_plain_group,
 )
 
@@ -119,7 +120,7 @@ def write_plain(store: CheckpointStore, save: Save, dest: str, *,
     paths = {node: group_name(node, save.epoch) for node in sorted(nodes or save.records)}
     for path in paths.values():
         if out.exists(out.path(path)):
-            raise _exists(out, path)
+            raise taken_error(out, out.path(path))
     done: list[str] = []
     try:
         for node, path in paths.items():
@@ -128,12 +129,6 @@ def write_plain(store: CheckpointStore, save: Save, dest: str, *,
         remove_plain_groups(out, [out.path(paths[node]) for node in list(paths)[:len(done)]])
         raise
     return done
-
-
-
-def _exists(out: Location, path: str) -> FileExistsError:
-    return FileExistsError(f"{out.display(path)} exists already: materialize never overwrites; "
-                           "choose another DEST (or delete that group)")
 
 
 def _materialize_node(store: CheckpointStore, record: CommitRecord, out: Location,
@@ -158,7 +153,7 @@ def _materialize_node(store: CheckpointStore, record: CommitRecord, out: Locatio
     try:
         write_plain_group(out, out.path(path), {PLAIN_GROUP_KEY: source}, units())
     except FileExistsError:  # taken since it was checked
-        raise _exists(out, path) from None
+        raise taken_error(out, out.path(path)) from None
     return out.display(path)
 
 

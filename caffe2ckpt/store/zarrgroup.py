@@ -54,6 +54,7 @@ from zarr.codecs import BytesCodec, Crc32cCodec, TransposeCodec
 
 from caffe2ckpt.errors import (
     CheckpointCorruptedError,
+    CheckpointError,
     InvalidBlobError,
 )
 from caffe2ckpt.fs import localio, strictjson
@@ -78,7 +79,8 @@ from caffe2ckpt.store.packing import Packed
 
 __all__ = ["ATTRS_KEY", "CRC_BYTES", "DEFAULT_PACK_THRESHOLD", "GROUP_FILE", "PLAIN_BLOB_KEY",
            "PLAIN_GROUP_KEY", "DeltaLayout", "GroupPlan", "epoch_store", "parse_manifest",
-           "plan_group", "stored_form", "write_arrays", "write_plain_group"]
+           "is_complete", "mark_complete", "plan_group", "remove_plain_groups", "stored_form",
+           "taken_error", "write_arrays", "write_plain_group"]
 
 ATTRS_KEY = "caffe2ckpt"
 GROUP_FILE = "zarr.json"
@@ -379,8 +381,46 @@ PLAIN_GROUP_KEY = "caffe2ckpt_materialized"  # a plain group's attribute: where 
 PLAIN_BLOB_KEY = "caffe2ckpt_blob"  # each of its arrays': the blob's exact name, dtype, order
 
 
+def _group_json(attributes: dict[str, Any]) -> bytes:
+    return json.dumps({"attributes": attributes, "zarr_format": 3,
+                       "node_type": "group"}).encode()
+
+
+def mark_complete(location: Location, root: str, attributes: dict[str, Any]) -> None:
+    """Rewrite the ``zarr.json`` of the plain group ``root`` (written by
+    :func:`write_plain_group` with ``complete=False``) with ``attributes`` saying it is complete
+    (``complete: true`` beside the source), once everything in it is durable."""
+    location.replace_file(f"{root}/{GROUP_FILE}", _group_json(_completed(attributes, True)))
+
+
+def is_complete(location: Location, root: str) -> bool:
+    """Whether the plain group ``root`` says it was finished (a group without the mark, or
+    whose ``zarr.json`` cannot be read, was stopped part way: a killed materialize)."""
+    try:
+        attributes = json.loads(location.read_bytes(f"{root}/{GROUP_FILE}"))["attributes"]
+        return attributes[PLAIN_GROUP_KEY].get("complete", True) is True
+    except (CheckpointError, OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def taken_error(location: Location, root: str) -> FileExistsError:
+    """The refusal to write the plain group ``root`` where one exists already (never
+    overwritten), saying whether that one is unfinished (:func:`is_complete`)."""
+    shown = location.display(root)
+    if is_complete(location, root):
+        return FileExistsError(f"{shown} exists already: materialize never overwrites; choose "
+                               "another DEST (or delete that group)")
+    return FileExistsError(f"{shown} exists already but is unfinished (a materialize stopped "
+                           "part way, e.g. killed): delete it and run materialize again")
+
+
+def _completed(attributes: dict[str, Any], complete: bool) -> dict[str, Any]:
+    return {**attributes, PLAIN_GROUP_KEY: {**attributes[PLAIN_GROUP_KEY], "complete": complete}}
+
+
 def write_plain_group(location: Location, root: str, attributes: dict[str, Any],
-                      batches: Iterable[dict[str, np.ndarray]]) -> None:
+                      batches: Iterable[dict[str, np.ndarray]], *,
+                      complete: bool = True) -> None:
     """Write an ordinary Zarr v3 group at ``root`` for readers that know nothing of caffe2ckpt:
     its ``zarr.json`` (holding ``attributes``) is created exclusively first (``FileExistsError``
     if the path is taken: nothing is changed then), then every blob of ``batches`` becomes an
@@ -389,12 +429,15 @@ def write_plain_group(location: Location, root: str, attributes: dict[str, Any],
     held. As in :func:`write_group`, each array's ``zarr.json`` is written once every chunk is
     durable. If anything fails after the group was created (a batch that cannot be read
     included), the files this call wrote are removed again (best effort) and the error raised.
+    The group's ``attributes[PLAIN_GROUP_KEY]`` say ``complete: false`` until the last step,
+    which rewrites them with ``complete: true`` (:func:`mark_complete`; with ``complete=False``
+    the caller does, once what it writes inside the group is done too): a group a kill
+    stopped part way says so (:func:`is_complete`).
     """
     batch = location.sync_batch()
     try:
-        location.create_group(root, GROUP_FILE, json.dumps(
-            {"attributes": attributes, "zarr_format": 3, "node_type": "group"}).encode(),
-            batch=batch)
+        location.create_group(root, GROUP_FILE, _group_json(_completed(attributes, False)),
+                              batch=batch)
     except BaseException:
         if batch is not None:
             batch.close()
@@ -402,6 +445,8 @@ def write_plain_group(location: Location, root: str, attributes: dict[str, Any],
     written = [GROUP_FILE]
     try:
         _write_plain_arrays(location, root, batches, batch, written)
+        if complete:
+            mark_complete(location, root, attributes)
     except BaseException:
         try:
             location.remove_files(root, written)

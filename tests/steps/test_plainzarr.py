@@ -4,6 +4,9 @@ with plain ``zarr`` alone."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
 import tracemalloc
 import uuid
 
@@ -200,3 +203,37 @@ def test_a_destination_that_cannot_be_written_is_named_alone(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("caffe2ckpt materialize: error: [Errno 20] Not a directory"), err
     assert str(blocker) in err and prefix not in err
+
+
+KILLED_AT_THE_LAST_STEP = """
+import os, sys
+import caffe2ckpt
+from caffe2ckpt.steps import consolidate
+from caffe2ckpt.store import zarrgroup
+def killed(*args, **kwargs):
+    os._exit(9)  # as a SIGKILL would: no clean-up runs
+zarrgroup.mark_complete = consolidate.mark_complete = killed
+caffe2ckpt.materialize(sys.argv[1], 0, sys.argv[2], consolidate=sys.argv[3] == "1")
+"""
+
+
+@pytest.mark.parametrize("consolidate", [False, True])
+def test_a_group_a_kill_stopped_says_it_is_unfinished(tmp_path, consolidate):
+    """Killed before its last step, a materialized group keeps ``complete: false``; the next
+    materialize to that DEST refuses it as unfinished, and runs once it is deleted."""
+    prefix, dest = str(tmp_path / "ckpt"), tmp_path / "plain"
+    with StepCheckpointManager(prefix, nodes=["a", "b"], layout=caffe2ckpt.Layout(
+            rows=["emb"]), handle_preemption=False) as mgr:
+        mgr.save(0, {n: {"emb": np.full((30, 4), k, np.float32), "own": np.ones(2)}
+                     for k, n in enumerate("ab")})
+    child = subprocess.run([sys.executable, "-c", KILLED_AT_THE_LAST_STEP, prefix, str(dest),
+                            "1" if consolidate else "0"], capture_output=True, text=True)
+    assert child.returncode == 9, child.stderr
+    group = dest / ("consolidated.0" if consolidate else "a.0")
+    assert zarr.open_group(str(group), mode="r").attrs["caffe2ckpt_materialized"][
+        "complete"] is False
+    with pytest.raises(FileExistsError, match="exists already but is unfinished"):
+        caffe2ckpt.materialize(prefix, 0, str(dest), consolidate=consolidate)
+    shutil.rmtree(group)
+    caffe2ckpt.materialize(prefix, 0, str(dest), consolidate=consolidate)
+    assert zarr.open_group(str(group), mode="r").attrs["caffe2ckpt_materialized"]["complete"]
