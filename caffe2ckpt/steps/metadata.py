@@ -80,11 +80,20 @@ def blob_metadata(store: CheckpointStore, info: Save) -> dict[str, dict[str, Blo
             manifests[node] = store.manifest(info.records[node]).blobs
         return manifests[node]
 
+    def lent(node: str, name: str, writer: str) -> BlobInfo:
+        found = blobs(writer).get(name) if writer in info.records else None
+        if found is None:
+            raise CheckpointCorruptedError(
+                f"epoch {info.epoch} under {store.location.display()!r}: node {node!r}'s "
+                f"record says node {writer!r} wrote its replicated blob {name!r}, which that "
+                "node's checkpoint does not hold", node=node, epoch=info.epoch, blob=name)
+        return found
+
     out = {}
     for node, record in sorted(info.records.items()):
-        lent = record.layout.written_by if record.layout is not None else {}
-        held = {**{name: blobs(writer)[name] for name, writer in lent.items()}, **blobs(node)}
-        out[node] = as_metadata(held)
+        borrowed = record.layout.written_by if record.layout is not None else {}
+        out[node] = as_metadata({**{name: lent(node, name, writer)
+                                    for name, writer in borrowed.items()}, **blobs(node)})
     return out
 
 

@@ -394,8 +394,9 @@ def mark_complete(location: Location, root: str, attributes: dict[str, Any]) -> 
 
 
 def is_complete(location: Location, root: str) -> bool:
-    """Whether the plain group ``root`` says it was finished (a group without the mark, or
-    whose ``zarr.json`` cannot be read, was stopped part way: a killed materialize)."""
+    """Whether the plain group ``root`` says it was finished: not when its mark says
+    ``complete: false`` (stopped part way, e.g. a killed materialize) or its ``zarr.json``
+    cannot be read; a group written before the mark existed (none there) counts as finished."""
     try:
         attributes = json.loads(location.read_bytes(f"{root}/{GROUP_FILE}"))["attributes"]
         return attributes[PLAIN_GROUP_KEY].get("complete", True) is True
