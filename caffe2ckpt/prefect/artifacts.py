@@ -37,6 +37,7 @@ import contextvars
 import hashlib
 import json
 import logging
+import math
 import re
 import threading
 import time
@@ -310,13 +311,33 @@ class CheckpointArtifacts:
         if key in self._ids:
             return self._ids[key]
         with get_client(sync_client=True) as client:
-            found = client.read_artifacts(artifact_filter=ArtifactFilter(
-                key=ArtifactFilterKey(any_=[key]),
-                flow_run_id=ArtifactFilterFlowRunId(any_=[UUID(flow_run.id)]),
-            ))
+            found = self._of_this_run(client, key)
         if found:
             self._ids[key] = found[0].id
         return self._ids.get(key)
+
+    @staticmethod
+    def _of_this_run(client: Any, key: str) -> list[Any]:
+        """This flow run's artifacts ``key``, oldest first."""
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(
+            key=ArtifactFilterKey(any_=[key]),
+            flow_run_id=ArtifactFilterFlowRunId(any_=[UUID(flow_run.id)]),
+        ))
+        return sorted(found, key=lambda a: a.created.timestamp() if a.created else math.inf)
+
+    def _only(self, client: Any, key: str, created: UUID) -> UUID:
+        """The one artifact ``key`` of this flow run once ``created`` was made: a create that
+        Prefect's client sent again after its answer was lost (a slow server) makes a second
+        one, so the oldest is kept and the others deleted (best effort)."""
+        found = self._of_this_run(client, key)
+        if len(found) <= 1:
+            return created
+        for extra in found[1:]:
+            try:
+                client.delete_artifact(extra.id)
+            except Exception as exc:  # noqa: BLE001 - a duplicate left is only a duplicate
+                logger.warning("could not delete a duplicate of artifact %s: %s", key, exc)
+        return found[0].id
 
     def _create_or_update(self, event: RunEvent, *, final: bool) -> None:
         """Upload all three artifacts now, creating the ones this flow run does not have."""
@@ -349,7 +370,7 @@ class CheckpointArtifacts:
                 artifact_id = self._existing(key)
                 with get_client(sync_client=True) as client:
                     if artifact_id is None:
-                        self._ids[key] = creators[what](key)
+                        self._ids[key] = self._only(client, key, creators[what](key))
                         if metadata:
                             client.update_artifact(self._ids[key],
                                                    ArtifactUpdate(metadata_=metadata))

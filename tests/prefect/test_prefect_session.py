@@ -163,6 +163,29 @@ def test_retry_resumes_from_last_committed_epoch_bit_identical(tmp_path, client)
     assert marked == {("marker resumed", "2"), ("marker failed", "3")}, marked
 
 
+def test_a_create_sent_twice_leaves_one_artifact_per_key(tmp_path, client, monkeypatch):
+    """Prefect's client sends a create again when its answer is lost (a slow server under
+    load): the run keeps one table artifact, the oldest, and updates that one."""
+    from caffe2ckpt.prefect import artifacts as module
+
+    real = module.create_table_artifact
+
+    def twice(*args, **kwargs):
+        real(*args, **kwargs)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(module, "create_table_artifact", twice)
+    url = str(tmp_path / "ckpt")
+
+    @flow(name="duplicated")
+    def duplicated() -> str:
+        JobRunner(build_job(2), MultiNodeCheckpointManager(url)).train(PrefectSession())
+        return flow_run.id
+
+    run_id = duplicated()
+    rows = read_table(client, run_id, key_of("regression", "checkpoints", url))
+    assert [r["epoch"] for r in rows] == [0, 1, 2]
+
+
 @pytest.mark.parametrize(("name", "shown"), [
     ("crimson-otter", "crimson-otter"),
     ("evil|name](javascript:alert(1))", "evil\\|name\\](javascript:alert(1))"),
