@@ -84,19 +84,28 @@ def _rows_problem(held: Mapping[str, RowSpec | None], partition: str) -> str | N
     flat = [node for node, (_, shape, _) in specs.items() if not shape]
     if flat:
         return f"has no axis 0 on nodes {flat} (declare a single value replicated)"
-    first, (dtype, shape, _) = next(iter(specs.items()))
-    differ = [node for node, (d, s, _) in specs.items() if (d, s[1:]) != (dtype, shape[1:])]
-    if differ:
-        return (f"holds rows of another dtype or row shape on nodes {differ} than on node "
-                f"{first!r} ({dtype}, rows of shape {shape[1:]})")
-    if len(orders_of([(s, m) for _, s, m in specs.values()])) > 1:
-        by_order = {m: [n for n, (_, s, o) in specs.items() if o == m and orders_of([(s, o)])]
-                    for m in "CF"}
-        return (f"is held in C order on nodes {by_order['C']} and in Fortran order on nodes "
-                f"{by_order['F']}")
+    problem = _rows_shape_problem(specs)
+    if problem:
+        return problem
     if partition == "mod":
         try:
             old_rows("mod", [s[0] for _, s, _ in specs.values()])
         except ValueError as exc:
             return f"cannot be partition='mod' (node k of N holding the rows r % N == k): {exc}"
     return None
+
+
+def _rows_shape_problem(specs: Mapping[str, RowSpec]) -> str | None:
+    """Whether the nodes' shards of one rows blob differ in dtype, row shape or (where it
+    means something: :func:`~caffe2ckpt.sharding.orders_of`) memory order."""
+    first, (dtype, shape, _) = next(iter(specs.items()))
+    differ = [node for node, (d, s, _) in specs.items() if (d, s[1:]) != (dtype, shape[1:])]
+    if differ:
+        return (f"holds rows of another dtype or row shape on nodes {differ} than on node "
+                f"{first!r} ({dtype}, rows of shape {shape[1:]})")
+    if len(orders_of([(s, m) for _, s, m in specs.values()])) < 2:
+        return None
+    by_order = {m: [n for n, (_, s, o) in specs.items() if o == m and orders_of([(s, o)])]
+                for m in "CF"}
+    return (f"is held in C order on nodes {by_order['C']} and in Fortran order on nodes "
+            f"{by_order['F']}")

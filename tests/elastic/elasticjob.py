@@ -58,3 +58,14 @@ def build(num_nodes: int, epochs: int, partition: str = "range") -> Job:
                 Task(train, name="train")
         epoch_limiter(job, epochs)
     return job
+
+
+def assert_holds_reference(session, partition: str, count: int, epochs: int) -> None:
+    """Each of the ``count`` nodes ``trainer_k`` of ``session`` holds its share of the table
+    after ``epochs`` epochs, bit-exact, and the weights."""
+    table, weights = reference(epochs)
+    for k in range(count):
+        ws = session.workspace(f"trainer_{k}")
+        assert ws["emb"].tobytes() == share(table, partition, k, count).tobytes()
+        assert np.array_equal(ws["w"], weights)
+

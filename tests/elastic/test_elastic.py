@@ -21,7 +21,7 @@ from caffe2ckpt import (
 )
 from caffe2ckpt.sharding import new_rows
 from caffe2ckpt.steps import BlobMetadata
-from tests.elastic.elasticjob import build, layout, reference, share
+from tests.elastic.elasticjob import assert_holds_reference, build, layout, share
 
 COUNTS = (1, 2, 3, 4, 8)
 
@@ -150,11 +150,7 @@ def test_a_job_saved_by_4_nodes_resumes_on_2_and_on_8(prefix, partition, caplog)
         saved_by = 4 if m == 2 else 2
         assert runner.resumed_from == epochs - 2
         assert f"saved by {saved_by} nodes, on {m} nodes" in caplog.text
-        table, weights = reference(epochs)
-        for k in range(m):
-            ws = session.workspace(f"trainer_{k}")
-            assert ws["emb"].tobytes() == share(table, partition, k, m).tobytes()
-            assert np.array_equal(ws["w"], weights)
+        assert_holds_reference(session, partition, m, epochs)
         caplog.clear()
     cm = MultiNodeCheckpointManager(prefix, layout=layout(partition))
     cm.set_params([f"trainer_{k}" for k in range(4)])
@@ -183,11 +179,7 @@ def test_an_elastic_resume_falls_back_past_a_damaged_newest_epoch(tmp_path, part
         partition)))
     runner.train(session)
     assert runner.resumed_from == 2
-    table, weights = reference(5)
-    for k in range(2):
-        ws = session.workspace(f"trainer_{k}")
-        assert ws["emb"].tobytes() == share(table, partition, k, 2).tobytes()
-        assert np.array_equal(ws["w"], weights)
+    assert_holds_reference(session, partition, 2, 5)
 
 
 def test_a_job_with_a_local_blob_is_refused_before_it_claims_the_prefix(prefix):
