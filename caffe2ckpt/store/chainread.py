@@ -93,9 +93,9 @@ def read_chained(store: CheckpointStore, record: CommitRecord, manifest: Manifes
                  names: list[str], window: tuple[int, int] | None = None
                  ) -> dict[str, np.ndarray]:
     """Rebuild the blobs ``names`` of ``record``'s differential save (whose verified manifest
-    is ``manifest``): every group's manifest; then every span and whole array, straight into
-    place, on a thread of its own while the packed copies and the overlays' row ids are read
-    and the overlays planned; then the overlays' chunks holding rows to copy; each group once
+    is ``manifest``): every group's manifest; the packed copies and the overlays' row ids
+    (small); then every span and whole array, straight into place, on a thread of its own while
+    the overlays are planned; then the overlays' chunks holding rows to copy; each group once
     per round however many blobs it holds; then each blob's digest is checked.
 
     With ``window`` (``[start, stop)`` rows along axis 0), only those rows of each blob are
@@ -103,9 +103,9 @@ def read_chained(store: CheckpointStore, record: CommitRecord, manifest: Manifes
     which covers all its rows, is checked only when the window is the whole blob."""
     reader = _Reader(store, record, manifest)
     direct, builds = _plan(reader, names, window)
+    fetched = reader.fetch()  # small: packed copies, overlays' row ids
     with _in_background(reader.read_in_place):  # spans and whole arrays, straight into place
-        fetched = reader.fetch()  # small: packed copies, overlays' row ids
-        for build in builds:
+        for build in builds:  # planned meanwhile, on this thread
             build.plan_overlays(fetched)
     for build in builds:
         build.copy_packed(fetched)
@@ -415,18 +415,20 @@ class _Build:
                 continue
             ids = fetched[(id(part.source), self.name)]
             self._check(part.source.group, ids)
-            inside = (ids >= self.lo) & (ids < self.hi)  # ascending ids: one run
-            live = np.zeros(ids.shape, bool)
-            live[inside] = ages[np.searchsorted(starts, ids[inside], side="right") - 1] > age
-            take = live.copy()
-            take[inside] &= ~taken[ids[inside] - self.lo]
+            first, stop = np.searchsorted(ids, (self.lo, self.hi))  # ascending: one run inside
+            rows = ids[first:stop] - self.lo
+            # the age of the span or whole copy each row is read from: the newest holding it
+            held = np.diff(np.searchsorted(rows, starts - self.lo), append=rows.size)
+            take = np.repeat(ages, held) > age
+            take &= ~taken[rows]
             if not take.any():
                 continue
-            taken[ids[take] - self.lo] = True
-            runs = _runs(take)
+            given = rows[take]
+            taken[given] = True
             info = part.overlay[1]  # type: ignore[index]
-            part.source.late.append(RowRead(info, None, 0, runs, sink=_Scatter(
-                _as_rows(self.flat), np.flatnonzero(take), ids[take] - self.lo)))
+            values = np.flatnonzero(take) + first  # the overlay's value rows given
+            part.source.late.append(RowRead(info, None, 0, _chunks(values, info.chunk_rows),
+                                            sink=_Scatter(_as_rows(self.flat), values, given)))
 
     def finish(self) -> np.ndarray:
         """The blob (its window's rows), once its digest is the one recorded at save time
@@ -459,8 +461,14 @@ class _Scatter:
 
     def __call__(self, first: int, chunk: np.ndarray) -> None:
         lo, hi = np.searchsorted(self.taken, (first, first + chunk.shape[0]))
-        if hi > lo:
-            self.dest[self.rows[lo:hi]] = _as_rows(chunk)[self.taken[lo:hi] - first]
+        if hi <= lo:
+            return
+        start, stop = int(self.taken[lo]) - first, int(self.taken[hi - 1]) - first + 1
+        values = _as_rows(chunk)
+        # rows taken one after another (most, in young overlays): a view, not a gathered copy
+        values = values[start:stop] if stop - start == hi - lo else values[
+            self.taken[lo:hi] - first]
+        self.dest[self.rows[lo:hi]] = values
 
 
 def _minus(interval: tuple[int, int], covered: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -489,12 +497,12 @@ def _union(covered: list[tuple[int, int]], interval: tuple[int, int]) -> list[tu
     return out
 
 
-def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
-    """The runs of True in ``mask``, as ``[start, stop)`` (sorted)."""
-    if not mask.size:
-        return []
-    edges = np.flatnonzero(np.diff(np.concatenate(([False], mask, [False])).astype(np.int8)))
-    return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2])]
+def _chunks(rows: np.ndarray, chunk_rows: int) -> list[tuple[int, int]]:
+    """The chunks of ``chunk_rows`` rows holding ``rows`` (ascending), as ``[start, stop)`` row
+    intervals (sorted, disjoint): what a :class:`RowRead` with a sink reads."""
+    chunks = rows // chunk_rows
+    chunks = chunks[np.flatnonzero(np.diff(chunks, prepend=-1))]  # ascending: each once
+    return [(int(c) * chunk_rows, (int(c) + 1) * chunk_rows) for c in chunks]
 
 
 def _as_rows(flat: np.ndarray) -> np.ndarray:
