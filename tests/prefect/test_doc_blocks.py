@@ -153,16 +153,18 @@ def test_the_deployment_block_runs_in_order(tmp_path):
     """The "Scheduled deployments" block of docs/prefect.md, top to bottom, from a copy of the
     repo's prefect.yaml and flows/, with a server of its own on a free port for 4200: the server
     starts, the deployment run completes, and the last line stops the worker and then the
-    server."""
+    server (whose output goes to a log file, not to ``--background``'s unread pipes)."""
     block = doc_blocks("bash")["docs/prefect.md > Scheduled deployments #1"]
-    assert "prefect worker start" in block and block.rstrip().endswith("# when you are done")
+    assert "prefect worker start" in block and block.rstrip().endswith("then the server")
     shutil.copy(REPO / "prefect.yaml", tmp_path)
     env = _block_env(tmp_path, own_server=True)
     code, text, leftovers = _run_block(block.replace("4200", str(free_port())), tmp_path, env,
-                                       logs=["scratch/worker.log"])
+                                       logs=["scratch/worker.log", "scratch/server.log"])
     assert code == 0, f"the block exited {code}:\n{text}"
     assert "Flow run finished successfully in 'Completed'" in text, text
-    assert "Server stopped!" in text and not leftovers, (leftovers, text)
+    assert "Worker '" in text and "' stopped!" in text, text  # kill %2: the worker, in its log
+    assert re.search(r"Terminated +prefect server start", text), text  # kill %1: the server
+    assert not leftovers, (leftovers, text)
     assert _resume_epoch(tmp_path / "checkpoints" / "regression") == 2  # epochs_per_run=2
 
 
