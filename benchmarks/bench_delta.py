@@ -153,10 +153,6 @@ def _record(mgr: StepCheckpointManager, step: int):
     return mgr._step(step).records[NODE]  # what the save wrote, as its record says
 
 
-def _record(mgr: StepCheckpointManager, step: int):
-    return mgr._step(step).records[NODE]  # what the save wrote, as its record says
-
-
 KEEP = 3  # max_to_keep of every prefix: 100 whole epochs of 256 MiB would not fit a disk
 
 
