@@ -25,7 +25,10 @@ os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
 import fsspec
 import pytest
 
+from tests import prefectdb
 from tests.s3server import KINDS, s3_params
+
+prefectdb.claim_folder()  # in the controller: its workers share one migrated Prefect database
 
 # Test modules whose `prefix` tests also run on S3 (moto and SeaweedFS, see tests/s3server.py):
 # the storage, resume, corruption and fencing sets. Other modules get memory and local prefixes.

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 import time
+from pathlib import Path
+from unittest import mock
 from uuid import UUID
 
 import pytest
@@ -17,16 +20,29 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 from prefect.client.orchestration import get_client  # noqa: E402
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId  # noqa: E402
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings  # noqa: E402
+import prefect.testing.utilities  # noqa: E402
 from prefect.testing.utilities import prefect_test_harness  # noqa: E402
 
 import caffe2ckpt.prefect  # noqa: E402,F401  (before prefect: routes caffe2ckpt logs)
+from tests import prefectdb  # noqa: E402
+
+
+def _seeded_mkdtemp(*args, **kwargs) -> str:
+    """The harness's database folder (``mkdtemp``), holding a copy of the migrated template."""
+    folder = tempfile.mkdtemp(*args, **kwargs)
+    prefectdb.seed(Path(folder) / "prefect-test.db")
+    return folder
 
 
 @pytest.fixture(scope="session", autouse=True)
 def prefect_server():
-    with prefect_test_harness(server_startup_timeout=120):
-        with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-            yield
+    """The harness's server (on a copy of the session's migrated database), and this worker's
+    ``PREFECT_HOME`` seeded too, for the temporary servers of the flows tests run."""
+    prefectdb.seed_home(Path(os.environ["PREFECT_HOME"]))
+    with mock.patch.object(prefect.testing.utilities, "mkdtemp", _seeded_mkdtemp):
+        with prefect_test_harness(server_startup_timeout=120):
+            with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+                yield
 
 
 @pytest.fixture

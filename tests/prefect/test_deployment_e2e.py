@@ -25,13 +25,15 @@ from caffe2ckpt.fs.location import Location
 from caffe2ckpt.prefect import artifact_key
 from caffe2ckpt.store.protocol import CheckpointStore
 from caffe2ckpt.store.records import list_records, read_record
+from tests import prefectdb
 from tests.procs import free_port, stop_tree
 from tests.stores import load, newest_epoch, records_at
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
-EPOCHS = 20  # the kill comes after epoch 3: the first attempt cannot finish first
+EPOCHS = 10  # the kill comes after epoch 3: the first attempt cannot finish first
+NIGHTLY_EPOCHS = 4  # the scheduled run's epochs_per_run (prefect.yaml's 10, made shorter)
 
 
 def wait_for(check, timeout: float, what: str):
@@ -55,7 +57,8 @@ def wait_for(check, timeout: float, what: str):
 def server(tmp_path):
     """A real Prefect server on 127.0.0.1, stopped by PID at the end."""
     port = free_port()
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"),
+    home = prefectdb.seed_home(tmp_path / "prefect-home")
+    env = {**os.environ, "PREFECT_HOME": str(home),
            "PREFECT_API_URL": f"http://127.0.0.1:{port}/api", "PWD": str(REPO),
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1",
            "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_LOGGING_LEVEL": "INFO"}
@@ -94,12 +97,14 @@ def post(api: str, path: str, body: dict) -> list:
 
 def scheduled_soon(tmp_path: Path, checkpoint_url: Path, seconds: float) -> tuple[Path, datetime]:
     """The repo's prefect.yaml with the nightly deployment's schedule moved to ``seconds`` from
-    now (one run: the next one is a day later) and its checkpoints in ``checkpoint_url``."""
+    now (one run: the next one is a day later), :data:`NIGHTLY_EPOCHS` epochs per run and its
+    checkpoints in ``checkpoint_url``."""
     config = yaml.safe_load((REPO / "prefect.yaml").read_text())
     nightly = next(d for d in config["deployments"] if d["name"] == "nightly")
     at = datetime.now(timezone.utc) + timedelta(seconds=seconds)
     nightly["schedules"] = [{"interval": 86400, "anchor_date": at.isoformat(), "timezone": "UTC"}]
     nightly["parameters"]["checkpoint_url"] = str(checkpoint_url)
+    nightly["parameters"]["epochs_per_run"] = NIGHTLY_EPOCHS
     path = tmp_path / "prefect.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path, at
@@ -166,8 +171,8 @@ def test_deploy_kill_and_automatic_retry(server, tmp_path):
     assert "auto-scheduled" in scheduled["tags"]
     assert abs(datetime.fromisoformat(scheduled["expected_start_time"]) - schedule_at) < timedelta(seconds=1)
     sched_store = CheckpointStore(Location(str(tmp_path / "scheduled")))
-    # a first night from scratch: nightly's epochs_per_run (10) epochs, of its epochs (100)
-    assert newest_epoch(sched_store, ["trainer_0", "trainer_1"]) == 10
+    # a first night from scratch: the deployment's epochs_per_run epochs, of its epochs (100)
+    assert newest_epoch(sched_store, ["trainer_0", "trainer_1"]) == NIGHTLY_EPOCHS
 
     assert run["run_count"] >= 2  # the same flow run, retried in a new process
     store = CheckpointStore(location)

@@ -24,6 +24,7 @@ from prefect.settings import PREFECT_API_URL
 
 from caffe2ckpt import JobRunner, LocalSession, MultiNodeCheckpointManager
 from caffe2ckpt.example import build_job
+from tests import prefectdb
 from tests.procs import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -242,7 +243,7 @@ def _block_env(tmp_path: Path, own_server: bool = False) -> dict[str, str]:
     venv_bin = str(Path(sys.executable).parent)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     (tmp_path / "scratch").mkdir(exist_ok=True)
-    env.update(PREFECT_HOME=str(tmp_path / "home"), PATH=f"{venv_bin}:{env.get('PATH', '')}",
+    env.update(PREFECT_HOME=str(prefectdb.seed_home(tmp_path / "home")), PATH=f"{venv_bin}:{env.get('PATH', '')}",
                PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO), TMPDIR=str(tmp_path / "scratch"))
     if not own_server:
         env["PREFECT_API_URL"] = PREFECT_API_URL.value()

@@ -23,17 +23,21 @@ import pytest
 
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.store.records import list_records
+from tests import prefectdb
 from tests.procs import stop_tree
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
-SECOND_EPOCHS = 100
+SECOND_EPOCHS = 40
 FINAL = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
 AT_DEATH = 3.0  #: seconds: how soon after the kill a killed run must end
 
 
 def start(tmp_path: Path, ckpt: Path, epochs: int, log: str) -> subprocess.Popen:
+    """The example flow on a temporary server whose database starts migrated (killed_flow.py
+    starts on a fresh one, as a user's first run)."""
+    prefectdb.seed_home(tmp_path / "home")
     return run_script(tmp_path, log, REPO / "flows/regression.py", "--checkpoint-url", str(ckpt),
                       "--epochs", str(epochs))
 

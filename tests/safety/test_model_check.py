@@ -115,10 +115,11 @@ Runs share no manager unless an operation says ``"reuse"``: ``"new"`` keeps a ne
 Package bugs the model check found are replayed by ``test_a_sequence_that_found_a_bug``
 (:data:`FOUND_BUGS`, each fixed since).
 
-Default (CI): 36 seeds x 30 operations on memory://, 4 seeds x 30 on a local folder and 2 seeds
-x 15 on s3:// per S3 server (moto and SeaweedFS, tests/s3server.py; marked slow): the
-module takes 60 s under ``-n 2`` on the 2-core machine at load 2-4, 80 s at load 7, 125 s at
-load 12 (other work). A longer run is one command (200 x 60 memory, 10 x 60 local, 4 x 30 S3;
+Default (CI): 24 seeds x 30 operations on memory://, 4 seeds x 30 on a local folder, 12
+differential sequences x 30 (``delta_options``) and 1 seed x 15 on s3:// per S3 server (moto and
+SeaweedFS, tests/s3server.py; marked slow): the module takes 183 s under ``-n 2`` on a quiet
+2-core machine whose Python runs 10 million additions in 2-3 s (2026-12-06; CI ran 36 memory and
+16 differential seeds until then). A longer run is one command (200 x 60 memory, 10 x 60 local, 4 x 30 S3;
 8-10 minutes at load 8-14)::
 
     CAFFE2CKPT_MODEL_CHECK_SEEDS=200 CAFFE2CKPT_MODEL_CHECK_LOCAL_SEEDS=10 \\
@@ -189,13 +190,13 @@ from caffe2ckpt.sharding import new_rows
 from caffe2ckpt.store.protocol import CheckpointStore
 from tests.s3server import KINDS
 
-SEEDS = int(os.environ.get("CAFFE2CKPT_MODEL_CHECK_SEEDS", "36"))
+SEEDS = int(os.environ.get("CAFFE2CKPT_MODEL_CHECK_SEEDS", "24"))
 LOCAL_SEEDS = int(os.environ.get("CAFFE2CKPT_MODEL_CHECK_LOCAL_SEEDS", "4"))
 FIRST_SEED = int(os.environ.get("CAFFE2CKPT_MODEL_CHECK_FIRST_SEED", "0"))
 OPS = int(os.environ.get("CAFFE2CKPT_MODEL_CHECK_OPS", "30"))
 S3_SEEDS = int(os.environ.get("CAFFE2CKPT_MODEL_CHECK_S3_SEEDS", "1"))
 S3_OPS = int(os.environ.get("CAFFE2CKPT_MODEL_CHECK_S3_OPS", "15"))
-DELTA_SEEDS = int(os.environ.get("CAFFE2CKPT_MODEL_CHECK_DELTA_SEEDS", "16"))
+DELTA_SEEDS = int(os.environ.get("CAFFE2CKPT_MODEL_CHECK_DELTA_SEEDS", "12"))
 
 FAMILIES: dict[str, tuple[str, ...]] = {"A": ("trainer_0", "trainer_1"), "B": ("solo_0",)}
 COUNT = "epoch_limiter.0/epochs_done"  # epoch_limiter's checkpointed count (on the first node)
