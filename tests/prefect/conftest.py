@@ -17,10 +17,10 @@ import pytest
 os.environ["PREFECT_SERVER_SERVICES_EVENT_PERSISTER_ENABLED"] = "false"
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
+import prefect.testing.utilities  # noqa: E402
 from prefect.client.orchestration import get_client  # noqa: E402
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId  # noqa: E402
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings  # noqa: E402
-import prefect.testing.utilities  # noqa: E402
 from prefect.testing.utilities import prefect_test_harness  # noqa: E402
 
 import caffe2ckpt.prefect  # noqa: E402,F401  (before prefect: routes caffe2ckpt logs)
@@ -39,10 +39,10 @@ def prefect_server():
     """The harness's server (on a copy of the session's migrated database), and this worker's
     ``PREFECT_HOME`` seeded too, for the temporary servers of the flows tests run."""
     prefectdb.seed_home(Path(os.environ["PREFECT_HOME"]))
-    with mock.patch.object(prefect.testing.utilities, "mkdtemp", _seeded_mkdtemp):
-        with prefect_test_harness(server_startup_timeout=120):
-            with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-                yield
+    with (mock.patch.object(prefect.testing.utilities, "mkdtemp", _seeded_mkdtemp),
+          prefect_test_harness(server_startup_timeout=120),
+          temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None})):
+        yield
 
 
 @pytest.fixture

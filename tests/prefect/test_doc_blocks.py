@@ -243,8 +243,9 @@ def _block_env(tmp_path: Path, own_server: bool = False) -> dict[str, str]:
     venv_bin = str(Path(sys.executable).parent)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     (tmp_path / "scratch").mkdir(exist_ok=True)
-    env.update(PREFECT_HOME=str(prefectdb.seed_home(tmp_path / "home")), PATH=f"{venv_bin}:{env.get('PATH', '')}",
-               PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO), TMPDIR=str(tmp_path / "scratch"))
+    env.update(PREFECT_HOME=str(prefectdb.seed_home(tmp_path / "home")),
+               PATH=f"{venv_bin}:{env.get('PATH', '')}", PYTHONUNBUFFERED="1",
+               PYTHONPATH=str(REPO), TMPDIR=str(tmp_path / "scratch"))
     if not own_server:
         env["PREFECT_API_URL"] = PREFECT_API_URL.value()
     return env

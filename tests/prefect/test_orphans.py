@@ -1,7 +1,7 @@
 """``kill -9`` of a flow on caffe2ckpt's temporary Prefect server (``python flows/regression.py``):
 within seconds its flow run is *Crashed*, ending at the kill (not at the next run, which would
 show a run of 12 s as 55 s), with its unfinished task runs, and named as ours even if they never
-started; then the server goes too, silently. The next run of the flow, a successful one of 100
+started; then the server goes too, silently. The next run of the flow, a successful one of 40
 epochs, logs no error (no telemetry, database-lock or flush errors) and leaves every one of its
 task runs recorded as finished."""
 

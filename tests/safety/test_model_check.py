@@ -118,9 +118,9 @@ Package bugs the model check found are replayed by ``test_a_sequence_that_found_
 Default (CI): 24 seeds x 30 operations on memory://, 4 seeds x 30 on a local folder, 12
 differential sequences x 30 (``delta_options``) and 1 seed x 15 on s3:// per S3 server (moto and
 SeaweedFS, tests/s3server.py; marked slow): the module takes 183 s under ``-n 2`` on a quiet
-2-core machine whose Python runs 10 million additions in 2-3 s (2026-12-06; CI ran 36 memory and
-16 differential seeds until then). A longer run is one command (200 x 60 memory, 10 x 60 local, 4 x 30 S3;
-8-10 minutes at load 8-14)::
+2-core machine whose Python runs 10 million additions in 2-3 s (2026-12-06; CI ran 36 memory
+and 16 differential seeds until then). A longer run is one command (200 x 60 memory, 10 x 60
+local, 4 x 30 S3; 8-10 minutes at load 8-14 on a faster machine)::
 
     CAFFE2CKPT_MODEL_CHECK_SEEDS=200 CAFFE2CKPT_MODEL_CHECK_LOCAL_SEEDS=10 \\
     CAFFE2CKPT_MODEL_CHECK_OPS=60 CAFFE2CKPT_MODEL_CHECK_S3_SEEDS=4 \\
