@@ -40,7 +40,7 @@ import fsspec
 import numpy as np
 import pytest
 
-from caffe2ckpt import CheckpointCorruptedError, StepCheckpointManager
+from caffe2ckpt import CheckpointCorruptedError, CheckpointNotFoundError, StepCheckpointManager
 from tests.faultfs import FaultyFileSystem
 
 SECONDS = 20  # generous for a loaded 2-core machine; 1aeae9c needed 16-54 s (the review)
@@ -192,3 +192,25 @@ def test_a_crafted_claim_costs_file_operations_for_a_few_chunks_not_all(memory_f
     assert (info.value.node, info.value.epoch, info.value.blob) == ("n", 3, "w")
     chunk_ops = [op for op in fs.log if "/n.3/w/c." in op[2]]
     assert len(chunk_ops) <= 300, f"{len(chunk_ops)} operations on chunk files"
+
+
+@pytest.mark.parametrize("bad", [[True], [0, -1], [2**32], ["1"], [1.0], [None], "x"], ids=repr)
+def test_a_record_whose_checksums_are_not_32_bit_ints_is_unreadable(memory_fs, caplog, bad):
+    """A commit record whose chunk checksums are anything but a list of unsigned 32-bit ints
+    (checked at C speed: a record may list millions) is unreadable, and the log says which
+    record and why; the step is not restored."""
+    prefix = "memory://crcs"
+    with StepCheckpointManager(prefix, handle_preemption=False) as mgr:
+        mgr.save(0, {"n": {"w": np.arange(100_000.0)}})
+
+    def edit(manifest: dict, record: dict) -> int:
+        (path,) = record["crcs"]
+        record["crcs"][path] = bad
+        return 0
+
+    recommit(prefix, "n", 0, edit)
+    with pytest.raises(CheckpointNotFoundError, match="step 0 is not committed"), \
+            StepCheckpointManager(prefix, nodes=["n"], handle_preemption=False) as mgr:
+        mgr.restore(0)
+    assert "_commits/000000000000.n." in caplog.text, caplog.text
+    assert "chunk checksums must be a list of 32-bit ints" in caplog.text, caplog.text
