@@ -44,9 +44,12 @@ def template(timeout: float = 300) -> Path | None:
         return ready if ready.exists() else None
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update(PREFECT_HOME=str(folder / "making"), DO_NOT_TRACK="1")
-    done = subprocess.run([sys.executable, "-m", "prefect", "server", "database", "upgrade",
-                           "-y"], env=env, capture_output=True, timeout=timeout, check=False)
-    if done.returncode != 0:
+    try:
+        done = subprocess.run([sys.executable, "-m", "prefect", "server", "database", "upgrade",
+                               "-y"], env=env, capture_output=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        done = subprocess.CompletedProcess([], 1, b"", f"timed out after {timeout} s".encode())
+    if done.returncode != 0:  # the waiters stop waiting
         failed.write_bytes(done.stdout + done.stderr)
         return None
     os.rename(folder / "making" / "prefect.db", ready)  # whole, or not there: waiters poll it
