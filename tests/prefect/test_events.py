@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from fsspec.implementations.local import LocalFileSystem
 from prefect import flow
+from prefect.client.orchestration import get_client
 from prefect.runtime import flow_run
 from prefect.settings import PREFECT_API_URL
 
@@ -36,17 +37,21 @@ def related(event, role: str) -> list[str]:
 
 def test_a_retried_job_run_sends_its_commits_and_its_resume(tmp_path):
     url = str(tmp_path / "ckpt")
+    attempts: list[int] = []  # the run_count each attempt saw
 
     @flow(name="evented", retries=1, retry_delay_seconds=0)
-    def evented() -> str:
-        job = build_job(4, fail_at_epoch=3 if flow_run.run_count == 1 else None)
+    def evented() -> None:
+        job = build_job(4, fail_at_epoch=None if attempts else 3)  # the first attempt fails
+        attempts.append(flow_run.run_count)
         cm = MultiNodeCheckpointManager(url, metadata_handler=ZarrMetadataHandler())
         run_job(job, cm, session=PrefectSession(artifacts=False),
                 options=StepManagerOptions(max_to_keep=10))  # retention counts what is kept
-        return flow_run.id
 
     with event_feed() as feed:
-        run_id = evented()
+        state = evented(return_state=True)
+        run_id = str(state.state_details.flow_run_id)
+        assert state.is_completed(), (attempts, _state_history(run_id))
+        assert attempts == [1, 2], (attempts, _state_history(run_id))
         committed = feed.wait_for(COMMITTED, lambda es: len(es) >= 5)
         resumed = feed.wait_for(RESUMED)
     assert [e.payload["epoch"] for e in committed] == [0, 1, 2, 3, 4]
@@ -65,6 +70,13 @@ def test_a_retried_job_run_sends_its_commits_and_its_resume(tmp_path):
     assert [(e.payload["epoch"], e.payload["reason"]) for e in resumed] == [(2, "retry")]
     assert resumed[0].payload["saved_by"] == resumed[0].payload["nodes"] == 2
     assert related(resumed[0], "flow-run") == [f"prefect.flow-run.{run_id}"]
+
+
+def _state_history(flow_run_id: str) -> list[tuple[str, str | None, str]]:
+    """The flow run's states as the server recorded them (what a failure of the test shows)."""
+    with get_client(sync_client=True) as client:
+        return [(s.name, s.message, s.timestamp.isoformat())
+                for s in client.read_flow_run_states(flow_run_id)]
 
 
 def _big(value: float) -> dict[str, dict[str, np.ndarray]]:
@@ -97,7 +109,8 @@ def test_failures_damage_and_gc_are_sent_from_flows_and_the_command_line(tmp_pat
         damaged = feed.wait_for(DAMAGED)
         resumed = feed.wait_for(RESUMED)
         cli = [sys.executable, "-m", "caffe2ckpt.cli"]
-        out = subprocess.run([*cli, "verify", url], env=env, capture_output=True, text=True, check=False)
+        out = subprocess.run([*cli, "verify", url], env=env, capture_output=True, text=True,
+                             check=False)
         assert out.returncode == 1 and out.stderr == "", out.stderr
         verified = feed.wait_for(DAMAGED, lambda es: len(es) >= 2)
         clean = str(tmp_path / "clean")
