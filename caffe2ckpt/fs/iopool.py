@@ -6,16 +6,25 @@ budget (:func:`set_io_threads`), since their threads share its cores and disks: 
 one disk, two worker processes saving 256 MiB each at once took about 5% longer with 8 threads
 each than with 4 (or 2) each, while one process saved as fast with 4 threads as with 8 (measured
 with ``benchmarks/bench_dask.py``; see docs/performance.md).
+
+Small reads that wait on nothing else (commit records, group manifests: many at once when a
+prefix is scanned or a chain of groups is opened) go to a second pool, :func:`read_pool`, whose
+threads are started once per process instead of once per call. A task of either pool must never
+wait on a task of the same pool (that could take every thread and wait forever); a read-pool task
+may wait on chunk I/O. After a ``fork`` the child starts pools of its own.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["IO_THREADS", "check_io_threads", "io_threads", "pool", "set_io_threads"]
+__all__ = ["IO_THREADS", "READ_THREADS", "check_io_threads", "io_threads", "pool", "read_pool",
+           "set_io_threads"]
 
 IO_THREADS = 8
+READ_THREADS = 16
 _threads = IO_THREADS
 
 
@@ -41,6 +50,20 @@ def _pool_of(threads: int) -> ThreadPoolExecutor:
 def pool() -> ThreadPoolExecutor:
     """This process's chunk I/O threads."""
     return _pool_of(_threads)
+
+
+@functools.lru_cache(maxsize=1)
+def read_pool() -> ThreadPoolExecutor:
+    """This process's threads for small independent reads (records, manifests)."""
+    return ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="caffe2ckpt-read")
+
+
+def _forget_pools() -> None:  # a forked child has none of its parent's threads
+    _pool_of.cache_clear()
+    read_pool.cache_clear()
+
+
+os.register_at_fork(after_in_child=_forget_pools)
 
 
 def io_threads() -> int:

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from caffe2ckpt.errors import CheckpointCorruptedError, CheckpointError, CheckpointNotFoundError
+from caffe2ckpt.fs.iopool import read_pool
 from caffe2ckpt.history.lineage import History, Save
 from caffe2ckpt.store import runs
 from caffe2ckpt.store.layout import COMMITS_DIR, save_generation
@@ -340,8 +340,7 @@ def _newer_record(store: CheckpointStore, save: Save, generations: set[int]) -> 
 def _read_all(store: CheckpointStore, refs: Sequence[RecordRef]) -> list[CommitRecord | str]:
     if len(refs) < 8:
         return [store.read_or_reason(r) for r in refs]
-    with ThreadPoolExecutor(max_workers=16) as pool:
-        return list(pool.map(store.read_or_reason, refs))
+    return list(read_pool().map(store.read_or_reason, refs))
 
 
 def scan(store: CheckpointStore, nodes: Iterable[str] | None = None) -> PrefixScan:

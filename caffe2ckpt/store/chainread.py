@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from caffe2ckpt.errors import CheckpointCorruptedError
+from caffe2ckpt.fs.iopool import read_pool
 from caffe2ckpt.store.chains import ChainGroup
 from caffe2ckpt.store.delta import stored_digest
 from caffe2ckpt.store.groupread import (
@@ -233,8 +234,7 @@ class _Reader:
         missing = [i for i in chain if i not in self._sources]
         if not missing:
             return
-        with ThreadPoolExecutor(max_workers=min(len(missing), 16)) as threads:
-            manifests = list(threads.map(lambda i: self._source(self._groups[i]), missing))
+        manifests = list(read_pool().map(lambda i: self._source(self._groups[i]), missing))
         for index, manifest in zip(missing, manifests):
             group = self._groups[index]
             self._sources[index] = _Source(group.group, manifest, group.crcs, group.metadata)
@@ -254,8 +254,8 @@ class _Reader:
         out: dict[tuple[int, str], Any] = {}
         if not calls:
             return out
-        with ThreadPoolExecutor(max_workers=len(calls)) as threads:
-            futures = [threads.submit(fn, source) for source, fn in calls]
+        futures = [read_pool().submit(fn, source) for source, fn in calls]
+        wait(futures)  # every read ends before any failure is raised
         for future in futures:  # the first failure, in chain order, is raised
             out.update(future.result())
         return out
