@@ -52,6 +52,15 @@ def in_flow_run() -> bool:
     return FlowRunContext.get() is not None
 
 
+def _deployment_id(run: Any) -> str | None:
+    """The deployment of the flow run ``run`` (a subflow's: its parent run's), as
+    ``prefect.runtime.deployment.id`` gives it, without the request to the API that it sends
+    (with a new client) on every call in a top-level run of no deployment."""
+    if run.deployment_id is not None:
+        return str(run.deployment_id)
+    return deployment.id if run.parent_task_run_id is not None else None
+
+
 @task(retries=0, cache_policy=NO_CACHE, persist_result=False, task_run_name="{label}")
 def _run_node(label: str, run_node: RunNode, node: str, steps: list[Step],
               workspace_type: WorkspaceType) -> list[Any]:
@@ -127,7 +136,8 @@ class PrefectSession:
 
     def writer_info(self) -> dict[str, Any]:
         """The flow run (id, name, attempt) and deployment that are writing checkpoints."""
-        if not in_flow_run():
+        context = FlowRunContext.get()
+        if context is None:
             return {**self._local.writer_info(), "session": "prefect"}
         return {
             **self._local.writer_info(),
@@ -136,7 +146,7 @@ class PrefectSession:
             "flow_run_name": flow_run.name,
             "flow_name": flow_run.flow_name,
             "run_count": flow_run.run_count,
-            "deployment_id": deployment.id,
+            "deployment_id": _deployment_id(context.flow_run),
             "host": socket.gethostname(),
             "pid": os.getpid(),
         }

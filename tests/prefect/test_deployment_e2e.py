@@ -181,6 +181,7 @@ def test_deploy_kill_and_automatic_retry(server, tmp_path):
     last = records_at(store, nodes, EPOCHS)
     assert last["trainer_0"].writer["flow_run_id"] == run_id
     assert last["trainer_0"].writer["run_count"] >= 2
+    assert last["trainer_0"].writer["deployment_id"] == run["deployment_id"] is not None
 
     reference = LocalSession()
     JobRunner(build_job(EPOCHS), MultiNodeCheckpointManager(str(tmp_path / "ref"))).train(reference)

@@ -36,10 +36,12 @@ from caffe2ckpt.prefect.table import (
     run_link,
     writer_cell,
 )
+from caffe2ckpt.store.protocol import CheckpointStore
 from caffe2ckpt.store.records import CommitRecord
 from caffe2ckpt.units import epochs_text
 from tests.jobs import EXPECTED_TOTALS, Counter, fetch, make_job
 from tests.prefect.conftest import finished_task_runs, poll
+from tests.stores import records_at
 
 # The Prefect layer does not depend on the filesystem (tests/test_*.py cover memory, local, S3).
 ON_LOCAL_DISK = pytest.mark.parametrize("prefix", ["local"], indirect=True)
@@ -67,6 +69,9 @@ def test_caffe2_job_through_prefect_with_named_task_runs(prefix, client):
 
     final, run_id = pipeline()
     assert final == 4 and fetch(session, "trainer_0", total) == 145
+    writer = records_at(CheckpointStore(Location(prefix)), ["trainer_0"], 4)["trainer_0"].writer
+    assert (writer["session"], writer["flow_run_id"], writer["flow_name"], writer["run_count"],
+            writer["deployment_id"]) == ("prefect", run_id, "pipeline", 1, None), writer
     expected = (["init_group[trainer_0] e0", "checkpoint_init[trainer_0] e0"]
                 + [f"checkpoint_save[trainer_0] e{e}" for e in range(5)]
                 + [f"epoch_group[trainer_0] e{e}" for e in range(1, 5)]
@@ -79,6 +84,28 @@ def test_caffe2_job_through_prefect_with_named_task_runs(prefix, client):
         final, _ = pipeline(resume_from=epoch)
         assert final == 4 and fetch(session, "trainer_0", total) == 145
     assert counter.init_calls == 1
+
+
+def test_epochs_send_no_request_to_read_their_flow_run(tmp_path, monkeypatch):
+    """Each epoch's writer information (flow run, attempt, deployment) comes from the flow run's
+    context: ``prefect.runtime.deployment.id`` read in a run of no deployment asked the API for
+    the run, with a new client, at every epoch (20 epochs: 23 requests, a third of the flow's
+    CPU). What is left is one request per run (the sweep for orphaned runs)."""
+    import prefect.runtime.deployment
+    import prefect.runtime.flow_run
+
+    requests = []
+    read = prefect.runtime.flow_run._get_flow_run
+
+    async def counted(run_id):
+        requests.append(run_id)
+        return await read(run_id)
+
+    for module in (prefect.runtime.deployment, prefect.runtime.flow_run):
+        monkeypatch.setattr(module, "_get_flow_run", counted)
+    cm = MultiNodeCheckpointManager(str(tmp_path / "ckpt"))
+    flow(name="no-reads")(lambda: run_job(build_job(6), cm, session=PrefectSession()))()
+    assert len(requests) <= 1, requests
 
 
 @ON_LOCAL_DISK
