@@ -1,20 +1,22 @@
 """Screenshots of caffe2ckpt's artifacts in the Prefect UI, taken by headless Chromium.
 
-    python docs/ui/screenshots.py [--out docs/ui] [--epochs 12]
+    python docs/ui/screenshots.py [--out docs/ui] [--epochs 12] [--prefect-home DIR]
 
 Starts a real ``prefect server`` (with its UI) on a free port of 127.0.0.1 with a home of its
-own, runs the example's failure demo against it (``flows/regression.py --fail-at-epoch``:
-attempt 1 fails, attempt 2 resumes, so the summary says why attempt 2 ran and its chart marks
-both) in a temporary folder, checkpointing to the relative ``checkpoints/regression`` so that
-no machine's temporary path shows in the pages, then opens the
-flow run's summary, checkpoints and progress artifact pages in Chromium and saves a PNG of each
-(``summary.png``, ``checkpoints.png``, ``progress.png``) in ``--out``; then registers the
-Checkpoint Storage block type, saves one such block, and saves the Event Feed (``events.png``:
-the run's ``caffe2ckpt.epoch.committed`` events) and the block's page in the UI's Blocks
-section (``blocks.png``: its URL shown, its storage options masked, the secret nowhere). It checks what the
-browser rendered, not what was sent: the summary page must show the chart (an ``<img>`` whose
-source is an SVG data URL and whose alt text starts with ``caffe2ckpt-chart``), the table page
-a table whose first row is the newest epoch, the progress page the epoch against the target.
+own (``--prefect-home``: that folder, kept, so the next run's server finds its database
+migrated and starts sooner), runs the example's failure demo against it
+(``flows/regression.py --fail-at-epoch``: attempt 1 fails, attempt 2 resumes, so the summary
+says why attempt 2 ran and its chart marks both) in a temporary folder, checkpointing to the
+relative ``checkpoints/regression`` so that no machine's temporary path shows in the pages,
+then opens the flow run's summary, checkpoints and progress artifact pages in Chromium and
+saves a PNG of each (``summary.png``, ``checkpoints.png``, ``progress.png``) in ``--out``; then
+registers the Checkpoint Storage block type, saves one such block, and saves the Event Feed
+(``events.png``: the run's ``caffe2ckpt.epoch.committed`` events) and the block's page in the
+UI's Blocks section (``blocks.png``: its URL shown, its storage options masked, the secret
+nowhere). It checks what the browser rendered, not what was sent: the summary page must show
+the chart (an ``<img>`` whose source is an SVG data URL and whose alt text starts with
+``caffe2ckpt-chart``), the table page a table whose first row is the newest epoch, the progress
+page the epoch against the target.
 Exits 1 naming what is missing, 2 when no Chromium is found (``--chromium PATH`` or one of
 ``chromium``, ``chromium-browser``, ``google-chrome`` on PATH; Debian: ``apt-get install
 chromium``). ``tests/prefect/test_ui_screenshots.py`` runs it.
@@ -93,12 +95,13 @@ class Browser:
 
 
 @contextlib.contextmanager
-def prefect_server(work: Path) -> Iterator[tuple[str, dict[str, str]]]:
-    """A real ``prefect server`` on a free port of 127.0.0.1 with its home in ``work``: yields
-    its API URL and the environment that points a flow at it; stopped at the end."""
+def prefect_server(work: Path, home: Path) -> Iterator[tuple[str, dict[str, str]]]:
+    """A real ``prefect server`` on a free port of 127.0.0.1 with its home in ``home`` and its
+    log in ``work``: yields its API URL and the environment that points a flow at it; stopped
+    at the end."""
     port = free_port()
     api_url = f"http://127.0.0.1:{port}/api"
-    env = {**os.environ, "PREFECT_HOME": str(work / "home"), "PREFECT_API_URL": api_url,
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": api_url,
            "PREFECT_UI_API_URL": api_url, "PREFECT_UI_URL": f"http://127.0.0.1:{port}",
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1"}
     with open(work / "server.log", "wb") as log:
@@ -143,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "ui")
     parser.add_argument("--epochs", type=int, default=12)
     parser.add_argument("--chromium", default=None, metavar="PATH")
+    parser.add_argument("--prefect-home", type=Path, default=None, metavar="DIR",
+                        help="the server's home, kept (default: a temporary one)")
     args = parser.parse_args(argv)
     chromium = args.chromium or next(filter(None, map(shutil.which, BROWSERS)), None)
     if chromium is None:
@@ -152,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="caffe2ckpt-ui-") as tmp:
         work = Path(tmp)
-        with prefect_server(work) as (api_url, env):
+        with prefect_server(work, args.prefect_home or work / "home") as (api_url, env):
             run = subprocess.run(
                 [sys.executable, str(REPO / "flows" / "regression.py"), "--checkpoint-url",
                  CHECKPOINTS, "--epochs", str(args.epochs), "--fail-at-epoch",

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import prefectdb
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
@@ -25,8 +27,10 @@ def test_the_artifact_pages_render_the_chart_the_table_and_the_progress(tmp_path
     if not any(shutil.which(b) for b in BROWSERS):
         pytest.skip(f"no Chromium on this machine (none of {', '.join(BROWSERS)} on PATH; "
                     "Debian: apt-get install chromium, which .ci/run tries)")
-    out = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path), "--epochs", "6"],
-                         capture_output=True, text=True, timeout=600)
+    home = prefectdb.seed_home(tmp_path / "home")  # the server starts on a migrated database
+    out = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path), "--epochs", "6",
+                          "--prefect-home", str(home)], capture_output=True, text=True,
+                         timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     for kind in ("summary", "checkpoints", "progress", "events", "blocks"):
         png = (tmp_path / f"{kind}.png").read_bytes()
