@@ -172,15 +172,15 @@ def test_the_deployment_block_runs_in_order(tmp_path):
 @pytest.mark.slow
 def test_the_resuming_block_runs_in_order(tmp_path):
     """The "Try resuming" block of docs/getting-started.md, as written, against the harness's
-    server: the planned failure is retried and resumes from epoch 6, the later lines continue to
-    20 and 25, going back to 8 ends at 10, and the plain example trains without Prefect."""
+    server: the planned failure is retried and resumes from epoch 4, the later lines continue to
+    12 and 15, going back to 6 ends at 8, and the plain example trains without Prefect."""
     block = doc_blocks("bash")["docs/getting-started.md > Try resuming #1"]
     code, text, leftovers = _run_block(block, tmp_path, _block_env(tmp_path))
     assert code == 0 and not leftovers, f"the block exited {code} ({leftovers}):\n{text}"
-    assert "Resuming from epoch 6" in text, text
+    assert "Resuming from epoch 4" in text, text
     assert [line for line in text.splitlines() if line.startswith("final epoch:")] == [
-        "final epoch: 12", "final epoch: 20", "final epoch: 25", "final epoch: 10"], text
-    assert _resume_epoch(tmp_path / "checkpoints" / "demo") == 10
+        "final epoch: 8", "final epoch: 12", "final epoch: 15", "final epoch: 8"], text
+    assert _resume_epoch(tmp_path / "checkpoints" / "demo") == 8
     assert _resume_epoch(tmp_path / "checkpoints" / "plain") == 10
 
 
