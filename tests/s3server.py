@@ -87,6 +87,7 @@ def start(kind: str = "moto") -> S3Server:
     Raises:
         RuntimeError: SeaweedFS did not start (never a skip: it installs with pip).
     """
+    _one_botocore_loader()
     if kind == "seaweedfs":
         from tests import seaweedfs
 
@@ -95,6 +96,18 @@ def start(kind: str = "moto") -> S3Server:
     if kind != "moto":
         raise ValueError(f"unknown S3 server kind {kind!r} (use one of {KINDS})")
     return _start_moto()
+
+
+def _one_botocore_loader() -> None:
+    """Every botocore session of this process reads its service descriptions through one loader
+    (which keeps what it parsed): each new s3fs filesystem starts a session, and parsing S3's
+    description (JSON files) again for each took about 0.1 s of CPU, 94 s in all over a run of
+    the suite. The descriptions are static files, the same for every session."""
+    import botocore.session
+
+    if not hasattr(botocore.session.create_loader, "cache_info"):
+        botocore.session.create_loader = functools.lru_cache(maxsize=None)(
+            botocore.session.create_loader)
 
 
 def _start_moto() -> S3Server:
