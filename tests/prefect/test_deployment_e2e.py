@@ -34,6 +34,8 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 EPOCHS = 10  # the kill comes after epoch 3: the first attempt cannot finish first
 NIGHTLY_EPOCHS = 4  # the scheduled run's epochs_per_run (prefect.yaml's 10, made shorter)
+# one client for the test's many polls (httpx.get makes a client, and a TLS context, per call)
+HTTP = httpx.Client()
 
 
 def wait_for(check, timeout: float, what: str):
@@ -79,7 +81,7 @@ def server(tmp_path):
 
 
 def _healthy(api: str) -> bool:
-    return httpx.get(f"{api}/health", timeout=2).status_code == 200
+    return HTTP.get(f"{api}/health", timeout=2).status_code == 200
 
 
 def prefect(env, *args: str) -> str:
@@ -90,7 +92,7 @@ def prefect(env, *args: str) -> str:
 
 
 def post(api: str, path: str, body: dict) -> list:
-    response = httpx.post(f"{api}{path}", json=body, timeout=30)
+    response = HTTP.post(f"{api}{path}", json=body, timeout=30)
     response.raise_for_status()
     return response.json()
 
@@ -158,7 +160,7 @@ def test_deploy_kill_and_automatic_retry(server, tmp_path):
         os.kill(victim, signal.SIGKILL)
 
         def final_state():
-            run = httpx.get(f"{api}/flow_runs/{run_id}", timeout=30).json()
+            run = HTTP.get(f"{api}/flow_runs/{run_id}", timeout=30).json()
             return run if run["state_type"] == "COMPLETED" else None
 
         run = wait_for(final_state, 240, "the retried flow run to complete")
