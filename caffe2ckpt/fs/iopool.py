@@ -18,10 +18,14 @@ from __future__ import annotations
 
 import functools
 import os
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import TypeVar
 
 __all__ = ["IO_THREADS", "READ_THREADS", "check_io_threads", "io_threads", "pool", "read_pool",
-           "set_io_threads"]
+           "results", "set_io_threads"]
+
+T = TypeVar("T")
 
 IO_THREADS = 8
 READ_THREADS = 16
@@ -42,7 +46,7 @@ def set_io_threads(count: int) -> None:
     _threads = check_io_threads(count)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _pool_of(threads: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="caffe2ckpt-io")
 
@@ -69,3 +73,10 @@ os.register_at_fork(after_in_child=_forget_pools)
 def io_threads() -> int:
     """How many threads :func:`pool` has."""
     return _threads
+
+
+def results(futures: Sequence[Future[T]]) -> list[T]:
+    """Every future's result, in order, once all have ended (no thread still works for the
+    caller when it gets the answer); the first failure, in order, is raised."""
+    wait(futures)
+    return [future.result() for future in futures]

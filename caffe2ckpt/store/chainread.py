@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -31,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from caffe2ckpt.errors import CheckpointCorruptedError
-from caffe2ckpt.fs.iopool import read_pool
+from caffe2ckpt.fs.iopool import read_pool, results
 from caffe2ckpt.store.chains import ChainGroup
 from caffe2ckpt.store.delta import stored_digest
 from caffe2ckpt.store.groupread import (
@@ -254,10 +253,8 @@ class _Reader:
         out: dict[tuple[int, str], Any] = {}
         if not calls:
             return out
-        futures = [read_pool().submit(fn, source) for source, fn in calls]
-        wait(futures)  # every read ends before any failure is raised
-        for future in futures:  # the first failure, in chain order, is raised
-            out.update(future.result())
+        for part in results([read_pool().submit(fn, source) for source, fn in calls]):
+            out.update(part)  # (the first failure, in chain order, is raised)
         return out
 
     def _fetch_one(self, source: _Source) -> dict[tuple[int, str], Any]:

@@ -40,13 +40,12 @@ import logging
 import math
 import threading
 from collections.abc import Callable
-from concurrent.futures import wait
 from dataclasses import dataclass, field
 
 import numpy as np
 import xxhash
 
-from caffe2ckpt.fs.iopool import pool
+from caffe2ckpt.fs.iopool import pool, results
 from caffe2ckpt.fs.localio import DIRECT_ALIGN
 from caffe2ckpt.policy import StepManagerOptions
 from caffe2ckpt.store.chains import ChainGroup, DeltaRecord
@@ -331,10 +330,7 @@ class _Planner:
 def _on_threads(calls: list[Callable[[], None]]) -> None:
     """Run ``calls`` on the I/O threads (numpy releases the GIL in them), raising the first
     failure once all have ended."""
-    futures = [pool().submit(call) for call in calls]
-    wait(futures)
-    for future in futures:
-        future.result()
+    results([pool().submit(call) for call in calls])
 
 
 def _info(arr: np.ndarray) -> Info:

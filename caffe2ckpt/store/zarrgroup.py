@@ -59,10 +59,11 @@ from caffe2ckpt.errors import (
 )
 from caffe2ckpt.fs import localio, strictjson
 from caffe2ckpt.fs.iopool import pool as _pool
+from caffe2ckpt.fs.iopool import results
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.naming import blob_path
-from caffe2ckpt.store.chains import overlay_paths, span_path
 from caffe2ckpt.store import manifest as manifest_rules
+from caffe2ckpt.store.chains import overlay_paths, span_path
 from caffe2ckpt.store.manifest import (
     CHUNK_BYTES,
     FINE_CHUNK_BYTES,
@@ -77,10 +78,26 @@ from caffe2ckpt.store.manifest import (
 )
 from caffe2ckpt.store.packing import Packed
 
-__all__ = ["ATTRS_KEY", "CRC_BYTES", "DEFAULT_PACK_THRESHOLD", "GROUP_FILE", "PLAIN_BLOB_KEY",
-           "PLAIN_GROUP_KEY", "DeltaLayout", "GroupPlan", "epoch_store", "parse_manifest",
-           "is_complete", "mark_complete", "plan_group", "remove_plain_groups", "stored_form",
-           "taken_error", "write_arrays", "write_plain_group"]
+__all__ = [
+    "ATTRS_KEY",
+    "CRC_BYTES",
+    "DEFAULT_PACK_THRESHOLD",
+    "GROUP_FILE",
+    "PLAIN_BLOB_KEY",
+    "PLAIN_GROUP_KEY",
+    "DeltaLayout",
+    "GroupPlan",
+    "epoch_store",
+    "is_complete",
+    "mark_complete",
+    "parse_manifest",
+    "plan_group",
+    "remove_plain_groups",
+    "stored_form",
+    "taken_error",
+    "write_arrays",
+    "write_plain_group",
+]
 
 ATTRS_KEY = "caffe2ckpt"
 GROUP_FILE = "zarr.json"
@@ -94,14 +111,6 @@ DEFAULT_PACK_THRESHOLD = 1 << 20
 CRC_BYTES = 4  # every chunk file ends with the CRC32C of its bytes
 
 logger = logging.getLogger(__name__)
-
-
-def _wait_all(futures: list[Future[Any]]) -> None:
-    """Wait for every future (no thread keeps writing after we return), then raise the first
-    failure."""
-    wait(futures)
-    for future in futures:
-        future.result()
 
 
 @functools.lru_cache(maxsize=64)
@@ -326,7 +335,7 @@ def write_arrays(location: Location, root: str, plan: GroupPlan,
             future = _pool().submit(_write_chunk, location, f"{root}/{array.path}/{key}",
                                     array.data, rows, padding, batch)
             chunks.append((array.path, future))
-    _wait_all([*futures, *(f for _, f in chunks)])
+    results([*futures, *(f for _, f in chunks)])
     crcs: dict[str, list[int]] = {}
     for path, future in chunks:
         crcs.setdefault(path, []).append(future.result())
@@ -365,7 +374,7 @@ def write_group(location: Location, root: str, plan: GroupPlan) -> dict[str, tup
         batch = location.sync_batch()
         if batch is not None:
             batch.add_dirs([f"{root}/{array.path}" for array in plan.arrays])
-        _wait_all([_pool().submit(location.write_file, f"{root}/{array.path}/{GROUP_FILE}",
+        results([_pool().submit(location.write_file, f"{root}/{array.path}/{GROUP_FILE}",
                                   [array.metadata], batch=batch) for array in plan.arrays])
         location.make_durable(batch, [], _pool())
     except BaseException:
@@ -484,7 +493,7 @@ def _write_plain_arrays(location: Location, root: str, batches: Iterable[dict[st
         batch = location.sync_batch()
         if batch is not None:
             batch.add_dirs([f"{root}/{path}" for path, _ in metadata])
-        _wait_all([_pool().submit(location.write_file, f"{root}/{path}/{GROUP_FILE}", [data],
+        results([_pool().submit(location.write_file, f"{root}/{path}/{GROUP_FILE}", [data],
                                   batch=batch) for path, data in metadata])
         location.make_durable(batch, [], _pool())
     except BaseException:
@@ -523,7 +532,7 @@ class _Writes:
         self._pending.clear()
         self._nbytes = 0
         if raising:
-            _wait_all(futures)
+            results(futures)
         else:
             wait(futures)
 
