@@ -16,7 +16,8 @@ node names: split anew, the same rows):
   two same-topology restores: the N-node save by its own N nodes (N -> N), and the M-node save
   by its own M nodes (M -> M: the same arrays returned as the elastic restore, each of the M
   nodes with its copy of the weights, nothing resharded). Page cache dropped before each
-  (when permitted), alternating, ``--repeat`` times: medians, and the ratios of medians;
+  (when permitted), alternating, ``--repeat`` times: medians of the times, and of each
+  repeat's ratios (its three restores run back to back, so the disk's drift cancels);
 - **bytes read / bytes needed** by one process restoring all M nodes (needed: the table once,
   the weights once), and the most any one new node reads alone (a Dask worker holding one
   node) against its share (its rows of the table and the weights): chunk bytes as read
@@ -177,6 +178,9 @@ def measure_pair(job: Job, partition: str, n: int, m: int, repeat: int, wire) ->
         worst = max(worst, alone["read"] / share)
         del alone
     row.update({kind: statistics.median(t) for kind, t in times.items()}, worst_alone=worst)
+    # each repeat's restores ran back to back: the median of their ratios cancels the disk's drift
+    row["ratios"] = {kind: statistics.median(e / b for e, b in zip(times["elastic"], times[kind]))
+                     for kind in ("same", "target")}
     return row
 
 
@@ -184,7 +188,7 @@ def report(args, results, writes, consolidation, where: str) -> None:
     table_mib = args.rows * 256 / 2**20
     print(f"\n## Elastic restores: table {args.rows:,} x 64 float32 ({table_mib:.0f} MiB) + "
           f"{args.weights_mib} MiB replicated weights, on {where}, {args.repeat} cold restores "
-          "each (medians)")
+          "each (medians; a ratio is the median of each repeat's ratio)")
     s3 = results and results[0][3].get("requests") is not None
     print("\n| partition | N -> M | N -> N restore s | M -> M restore s | elastic N -> M "
           "restore s | ratio to N -> N | ratio to M -> M | bytes read / needed (one process) | "
@@ -193,8 +197,8 @@ def report(args, results, writes, consolidation, where: str) -> None:
     print("|---|---|---|---|---|---|---|---|---|" + ("---|---|" if s3 else ""))
     for partition, n, m, row in results:
         line = (f"| {partition} | {n} -> {m} | {row['same']:.3f} | {row['target']:.3f} | "
-                f"{row['elastic']:.3f} | {row['elastic'] / row['same']:.2f}x | "
-                f"{row['elastic'] / row['target']:.2f}x | {row['read'] / row['needed']:.3f} | "
+                f"{row['elastic']:.3f} | {row['ratios']['same']:.2f}x | "
+                f"{row['ratios']['target']:.2f}x | {row['read'] / row['needed']:.3f} | "
                 f"{row['worst_alone']:.3f} |")
         if s3:
             line += f" {row['requests']} / {row['same_requests']} | {row['lists']} |"
@@ -215,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=1 << 22, help="table rows (x 64 float32)")
     parser.add_argument("--weights-mib", type=int, default=64)
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--partition", choices=["range", "mod", "both"], default="both")
     parser.add_argument("--dir", default=None, help="where to write (local; default: temp dir)")
     parser.add_argument("--server", choices=["moto", "seaweedfs"], default=None)
