@@ -71,6 +71,7 @@ class CurrentRun:
         self._resolved: Save | None = None  # the last save a decision gave (for _vouch only)
         self._resuming = False  # inside resuming()
         self._leaves: list[Save] = []  # what the held run supersedes when it first commits
+        self._marked = False  # the held run's first commit is marked in the run log
         self._steady = steady  # the view is kept until forget(), run or not
 
     # -- runs ------------------------------------------------------------------------------------
@@ -95,6 +96,7 @@ class CurrentRun:
             run = self._claim(parent, writer)
             self._vouch(newest, run.generation)  # failing twice: the claim fails
         self.run, self._next_parent, self._last_epoch, self._last_save = run, _UNSET, None, None
+        self._marked = False
         self._leaves = self._left_behind(parent) if newest is None and run.generation > 1 else []
         return run
 
@@ -216,6 +218,7 @@ class CurrentRun:
     def _mark(self, save: Save) -> None:
         try:
             runs.mark_committed(self.store.location, save.generation, save.epoch, save.save_id)
+            self._marked = True
         except OSError as exc:  # its committed save says the same while it stands
             logger.warning("cannot mark run %d of %s as committed: %s", save.generation,
                            self.store.location.display(), exc)
@@ -422,10 +425,14 @@ class CurrentRun:
         return removed
 
     def _references(self, family: Family) -> References | None:
-        """What the family's records need, from the view, when this run holds the family
-        (no other writer can add a record that needs its groups: a differential save builds
-        only on saves of its own run); else None (read again at each removal)."""
-        if self.run is None:
+        """What the family's records need, from the view, once this run holds the family and
+        has taken over its history (its first commit marked in the run log): from then on no
+        other writer can add a current record that needs its groups (a differential save builds
+        only on saves of its own run, and a record an overtaken run writes late is superseded).
+        Else None: read again at each removal. Until this run commits, what it would supersede
+        stays current, a late record of the run it overtook included, and that record may
+        build on a save removed here."""
+        if self.run is None or not self._marked:
             return None
         return References(r for s in family.saves() for r in s.records.values())
 

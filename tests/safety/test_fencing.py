@@ -13,9 +13,11 @@ from fsspec import AbstractFileSystem
 from caffe2ckpt import (
     CheckpointCorruptedError,
     CheckpointFencedError,
+    CheckpointWriteError,
     JobRunner,
     LocalSession,
     MultiNodeCheckpointManager,
+    StepManagerOptions,
 )
 from caffe2ckpt.example import build_job
 from caffe2ckpt.metadata import ZarrMetadataHandler
@@ -147,10 +149,50 @@ def test_a_late_record_of_an_overtaken_run_is_superseded(prefix, monkeypatch):
         assert mgr.all_steps() == [1, 2] and mgr.restore(2)["n"]["w"].tolist() == [222.0] * 4
 
 
+def test_a_late_differential_record_keeps_its_chain_until_the_new_run_commits(prefix,
+                                                                              monkeypatch):
+    """Manager A (differential saves) passes its fence check for step 2 and stalls; manager B
+    claims the prefix (its save fails before it commits) and lists the steps; A wakes and
+    commits step 2, built on step 1. B has not committed, so A's step 2 is current. B deletes
+    step 1: the groups step 2 builds on stay (B's listing, read before A's record, does not
+    know of it) and step 2 restores bit-exact (review of e4d82ae, residual suspicion 1)."""
+    opts = StepManagerOptions(delta_saves=True, delta_min_bytes=1 << 10)
+    table = np.random.default_rng(0).random((4096, 16), dtype=np.float32)
+    a = StepCheckpointManager(prefix, options=opts, handle_preemption=False)
+    b = StepCheckpointManager(prefix, handle_preemption=False)
+    for step in (0, 1):
+        table[step * 7] += 1
+        a.save(step, {"n": {"t": table}})
+    table[100] += 1
+    original, listed = runs.check_fence, []
+
+    def b_claims_after_the_check(location, generation, doing, *family):
+        original(location, generation, doing, *family)
+        if "epoch 2" in doing and not listed:
+            with monkeypatch.context() as patch:
+                patch.setattr(b._store, "save_node", _raise_eio)
+                with pytest.raises(CheckpointWriteError):
+                    b.save(2, {"n": {"t": np.zeros_like(table)}})
+            listed.append(b.all_steps())
+    monkeypatch.setattr(runs, "check_fence", b_claims_after_the_check)
+    assert a.save(2, {"n": {"t": table}})
+    monkeypatch.setattr(runs, "check_fence", original)
+    assert listed == [[0, 1]] and a._step(2).records["n"].delta is not None
+    b.delete(1)
+    with StepCheckpointManager(prefix, handle_preemption=False) as reader:
+        assert reader.all_steps() == [0, 2]
+        assert reader.restore(2)["n"]["t"].tobytes() == table.tobytes()
+    a.close()
+    b.close()
+
+
+def _raise_eio(*args, **kwargs):
+    raise OSError(errno.EIO, "injected: the save fails after its claim")
+
+
 def test_a_save_that_cannot_claim_fails_instead_of_saving_unfenced(prefix):
     """Saving without a claim would commit epochs of no generation, which the lineage ranks
     below every claimed run's: a save must claim or fail (found by review)."""
-    from caffe2ckpt import CheckpointWriteError
     session, cm = saver(prefix)
     fs, root = fsspec.core.url_to_fs(prefix)
     fs.makedirs(f"{root}/_claims", exist_ok=True)
