@@ -298,8 +298,8 @@ def newest_save(store: CheckpointStore, nodes: Iterable[str]) -> Save | None:
 def _hinted(store: CheckpointStore, family: frozenset[str]) -> Save | None:
     """The save the family's hint names, if the hint holds: the run vouching for it is the
     family's newest run and is either the save's own run or one that started from that save
-    (its run log entry says so), every node's record of the save is there, and neither run has
-    a record of a newer save (records decide; a hint only shortcuts)."""
+    (its run log entry says so), every node's record of the save is there, and no run as new
+    as the save's has a record of a newer save (records decide; a hint only shortcuts)."""
     hint = store.read_hint(sorted(family))
     if hint is None:
         return None
@@ -322,19 +322,23 @@ def _hinted(store: CheckpointStore, family: frozenset[str]) -> Save | None:
         except CheckpointError:
             return None
     save = Save(epoch, save_id, records)
-    if save.nodes != family or _newer_record(store, save, {generation, run}):
+    if save.nodes != family or _newer_record(store, save):
         return None
     return save
 
 
-def _newer_record(store: CheckpointStore, save: Save, generations: set[int]) -> bool:
-    """Whether a record of a save of the runs ``generations`` newer than ``save`` exists (a
-    later epoch, or the same epoch made later): one listing from ``save``'s epoch on."""
+def _newer_record(store: CheckpointStore, save: Save) -> bool:
+    """Whether a node of ``save`` has a record of a later epoch, or of the same epoch made
+    later, by ``save``'s run or a newer one: one listing from ``save``'s epoch on. Runs between
+    the save's and the one vouching for it count too: a run overtaken in the instant between
+    its fence check and its commit writes its record after the newer run vouched, and is the
+    family's head until that run commits (a record of an older run is never newer)."""
     names = store.location.list_names_after(store.location.path(COMMITS_DIR),
                                             f"{save.epoch:012d}")  # records of that epoch on
     refs = (RecordRef.parse(name) for name in names)
-    return any(ref is not None and ref.node in save.nodes and ref.generation in generations
-               and (ref.epoch, ref.save_id) > (save.epoch, save.save_id) for ref in refs)
+    here = (save.epoch, save.generation, save.save_id)
+    return any(ref is not None and ref.node in save.nodes and ref.generation >= save.generation
+               and (ref.epoch, ref.generation, ref.save_id) > here for ref in refs)
 
 
 def _read_all(store: CheckpointStore, refs: Sequence[RecordRef]) -> list[CommitRecord | str]:

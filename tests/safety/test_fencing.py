@@ -153,9 +153,11 @@ def test_a_late_differential_record_keeps_its_chain_until_the_new_run_commits(pr
                                                                               monkeypatch):
     """Manager A (differential saves) passes its fence check for step 2 and stalls; manager B
     claims the prefix (its save fails before it commits) and lists the steps; A wakes and
-    commits step 2, built on step 1. B has not committed, so A's step 2 is current. B deletes
-    step 1: the groups step 2 builds on stay (B's listing, read before A's record, does not
-    know of it) and step 2 restores bit-exact (review of e4d82ae, residual suspicion 1)."""
+    commits step 2, built on step 1. B has not committed, so A's step 2 is current: the newest
+    (the hint B wrote when it claimed names step 1: a lookup must not trust it), and when B
+    deletes step 1 the groups step 2 builds on stay (B's listing, read before A's record, does
+    not know of it) and step 2 restores bit-exact (review of e4d82ae, residual suspicion 1;
+    the stale hint was found by the model check's late saves)."""
     opts = StepManagerOptions(delta_saves=True, delta_min_bytes=1 << 10)
     table = np.random.default_rng(0).random((4096, 16), dtype=np.float32)
     a = StepCheckpointManager(prefix, options=opts, handle_preemption=False)
@@ -178,12 +180,49 @@ def test_a_late_differential_record_keeps_its_chain_until_the_new_run_commits(pr
     assert a.save(2, {"n": {"t": table}})
     monkeypatch.setattr(runs, "check_fence", original)
     assert listed == [[0, 1]] and a._step(2).records["n"].delta is not None
+    handler = ZarrMetadataHandler()  # the hint B vouched for step 1 with is stale now
+    handler.set_params(db_prefix=prefix, db_type="zarr", node_names=["n"])
+    assert handler.last_epoch() == 2
     b.delete(1)
     with StepCheckpointManager(prefix, handle_preemption=False) as reader:
         assert reader.all_steps() == [0, 2]
         assert reader.restore(2)["n"]["t"].tobytes() == table.tobytes()
     a.close()
     b.close()
+
+
+def test_a_late_record_of_a_run_the_hint_does_not_name_is_still_the_newest(prefix, monkeypatch):
+    """Manager A saves steps 0 and 1; manager A2 (a new run, from step 1) passes its fence check
+    for step 2 and stalls; manager B claims from step 1 (its save fails before it commits) and
+    vouches for step 1 in the family's hint; A2's record lands. A2's run is the family's head
+    (B has not committed), so every lookup says step 2: the hint must not shortcut past a
+    record of a run between the hinted save's and B's (found by the model check's late saves)."""
+    a = StepCheckpointManager(prefix, handle_preemption=False)
+    for step in (0, 1):
+        a.save(step, {"n": {"w": np.full(4, float(step))}})
+    a2 = StepCheckpointManager(prefix, handle_preemption=False)
+    b = StepCheckpointManager(prefix, handle_preemption=False)
+    original, fired = runs.check_fence, []
+
+    def b_claims_after_the_check(location, generation, doing, *family):
+        original(location, generation, doing, *family)
+        if "epoch 2" in doing and not fired:
+            fired.append(generation)
+            with monkeypatch.context() as patch:
+                patch.setattr(b._store, "save_node", _raise_eio)
+                with pytest.raises(CheckpointWriteError):
+                    b.save(2, {"n": {"w": np.zeros(4)}})
+    monkeypatch.setattr(runs, "check_fence", b_claims_after_the_check)
+    assert a2.save(2, {"n": {"w": np.full(4, 2.0)}})
+    monkeypatch.setattr(runs, "check_fence", original)
+    assert fired and runs.list_runs(a2._store.location)[-1] > fired[0]  # B claimed after A2
+    handler = ZarrMetadataHandler()
+    handler.set_params(db_prefix=prefix, db_type="zarr", node_names=["n"])
+    assert handler.last_epoch() == 2
+    with StepCheckpointManager(prefix, handle_preemption=False) as reader:
+        assert reader.latest_step() == 2 and reader.restore()["n"]["w"].tolist() == [2.0] * 4
+    for mgr in (a, a2, b):
+        mgr.close()
 
 
 def _raise_eio(*args, **kwargs):

@@ -53,7 +53,14 @@ Each sequence (one seed) starts on an empty prefix and applies operations chosen
   written its family since it opened or last read; its own saves, restores and deletes keep
   it fresh) and then checks ``all_steps()``/``latest_step()`` after every act; a stale view's
   listing, and a ``save`` without force refused on account of it, are not predicted
-  (``restore()`` of the latest step is generated only on a fresh view);
+  (``restore()`` of the latest step is generated only on a fresh view). **Late saves**
+  (``late``, family A, a manager without retention): ``save(s, force=True)`` above every step
+  on disk whose last node passes its fence check and stalls there while the other slot's
+  manager is opened anew, claims the prefix by a save whose writes fail (it commits nothing)
+  and reads its view; then the record lands. That save is committed, a late record of an
+  overtaken run: the family's head until the newer run commits (superseded from then on). The
+  other manager then often deletes a lineage step through its stale view (most often the
+  newest before the late save: the step a differential late save builds on);
 * ``gc``: ``caffe2ckpt gc PREFIX --keep-last N [--keep-every K] --min-age 0 --yes --json``;
 * ``record``: a commit record under ``_commits/`` overwritten with garbage or deleted;
 * ``chunk``: one byte flipped in one chunk file (``<array>/c...``) of one node of a committed
@@ -142,6 +149,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import errno
 import io
 import json
 import math
@@ -170,6 +178,7 @@ from caffe2ckpt import (
     CheckpointError,
     CheckpointFencedError,
     CheckpointNotFoundError,
+    CheckpointWriteError,
     Job,
     JobPreemptedError,
     JobRunner,
@@ -187,6 +196,7 @@ from caffe2ckpt.fs.location import Location
 from caffe2ckpt.history.scan import scan
 from caffe2ckpt.metadata import ZarrMetadataHandler
 from caffe2ckpt.sharding import new_rows
+from caffe2ckpt.store import runs
 from caffe2ckpt.store.protocol import CheckpointStore
 from tests.s3server import KINDS
 
@@ -284,6 +294,10 @@ def workspace_blobs(session: LocalSession, fam: str) -> dict[str, dict[str, np.n
     """The checkpointed blobs of the family's workspaces (not the stop flag of the epoch)."""
     return {node: {name: np.asarray(value) for name, value in session.workspace(node).items()
                    if name in ("trace", "w", COUNT)} for node in FAMILIES[fam]}
+
+
+def _refuse(*args: Any, **kwargs: Any) -> None:
+    raise OSError(errno.EIO, "injected: every save of this manager fails")
 
 
 def _trace_of(blobs: dict[str, dict[str, Any]]) -> list[int] | None:
@@ -960,24 +974,92 @@ class Harness:
         start and newest save (refused with CheckpointFencedError if a newer run of the family
         has claimed since: its first node's group is left behind), else a new run starts from
         the restored step, or from the newest lineage step below it *on disk now*."""
+        if not self._steps_run(st, step):
+            self.model.leftovers.append(MSave(st.fam, step, st.run, (), False, state="fenced",  # type: ignore[arg-type]
+                                              damaged_node=FAMILIES[st.fam][0]))
+            return "fenced"
+        self._steps_commit(st, step, trace)
+        return "committed"
+
+    def _steps_run(self, st: StepsState, step: int) -> bool:
+        """The run a save of ``step`` belongs to (see :meth:`_steps_saved`), claimed in the
+        model if it is a new one; False: the run the manager holds is fenced."""
         model, fam = self.model, st.fam
         joins = st.run is not None and (st.run_parent is None or step > st.run_parent[0]) and (
             st.last is None or step > st.last)
-        if joins and not model.live(st.run):  # type: ignore[arg-type]
-            model.leftovers.append(MSave(fam, step, st.run, (), False, state="fenced",  # type: ignore[arg-type]
-                                         damaged_node=FAMILIES[fam][0]))
-            return "fenced"
-        if not joins:
-            parent = st.next_parent
-            if parent == UNSET or (parent is not None and parent[0] >= step):
-                below = [s for s in model.lineage(fam) if s.epoch < step]
-                parent = below[0].key if below else None
-            st.run, st.run_parent, st.last, st.next_parent = (
-                model.claim(fam, parent), parent, None, UNSET)
-        model.commit(fam, step, st.run, trace, stop=False)  # type: ignore[arg-type]
+        if joins:
+            return model.live(st.run)  # type: ignore[arg-type]
+        parent = st.next_parent
+        if parent == UNSET or (parent is not None and parent[0] >= step):
+            below = [s for s in model.lineage(fam) if s.epoch < step]
+            parent = below[0].key if below else None
+        st.run, st.run_parent, st.last, st.next_parent = (
+            model.claim(fam, parent), parent, None, UNSET)
+        return True
+
+    def _steps_commit(self, st: StepsState, step: int, trace: tuple[int, ...]) -> None:
+        self.model.commit(st.fam, step, st.run, trace, stop=False)  # type: ignore[arg-type]
         st.last = step
-        model.retain(fam, st.keep_last, st.keep_every, st.protected)
-        return "committed"
+        self.model.retain(st.fam, st.keep_last, st.keep_every, st.protected)
+
+    def _keep_late(self, st: StepsState, act: list[Any], token: int, what: str) -> None:
+        """``save(step, force=True)`` by a kept manager (no retention) whose last node passes
+        its fence check and stalls there while slot ``other``'s manager is opened anew, claims
+        the prefix by a save of ``other_step`` whose writes fail (it commits nothing) and reads
+        its view; then the save's record lands. It is committed: a late record of an overtaken
+        run, current until the newer run commits, superseded from then on."""
+        _, step, other, other_step, then_delete = act
+        fam, data = st.fam, (token,) * (step + 1)
+        if not self._steps_run(st, step):  # its run is fenced already: an ordinary refusal
+            with pytest.raises(CheckpointFencedError):
+                st.mgr.save(step, blobs_for(fam, data), force=True)
+            self.model.leftovers.append(MSave(fam, step, st.run, (), False, state="fenced",  # type: ignore[arg-type]
+                                              damaged_node=FAMILIES[fam][0]))
+            return
+        original, fired = runs.check_fence, []
+
+        def interleave(location, generation, doing, *family):
+            original(location, generation, doing, *family)
+            if not fired and f"commit epoch {step} of node {FAMILIES[fam][-1]!r}" in doing:
+                fired.append(generation)
+                self._claim_and_fail(fam, other, other_step, token + 50, what)
+        runs.check_fence = interleave
+        try:
+            did = st.mgr.save(step, blobs_for(fam, data), force=True)
+        finally:
+            runs.check_fence = original
+        self.expect(f"{what}: a late save({step}) stalled at its last fence check", (True, 1),
+                    (did, len(fired)))
+        self._steps_commit(st, step, data)
+        self._wrote(fam)  # after the other manager read its view: that view is stale now
+        if then_delete is not None:  # the other manager deletes through that stale view
+            self._steps_delete(self.kept[other], self.kept[other].mgr, then_delete,
+                               f"{what}: slot {other} after the late save")
+
+    def _claim_and_fail(self, fam: str, slot: str, step: int, token: int, what: str) -> None:
+        """Slot ``slot``'s manager, opened anew: ``save(step, force=True)`` claims a new run and
+        fails before writing anything (its store refuses every node's save); then
+        ``all_steps(read=True)``."""
+        if slot in self.kept:
+            self.kept[slot].mgr.close()
+        y = self.kept[slot] = StepsState(fam)
+        y.mgr = StepCheckpointManager(self.url, nodes=list(FAMILIES[fam]),
+                                      options=self._options({}), handle_preemption=False,
+                                      layout=LAYOUTS.get(fam))
+        y.mgr._store.save_node = _refuse  # an instance attribute: the late save is unaffected
+        try:
+            y.mgr.save(step, blobs_for(fam, (token,) * (step + 1)), force=True)
+        except CheckpointWriteError:
+            pass
+        else:
+            self.fail(f"{what}: slot {slot}'s save({step}) whose writes fail",
+                      "CheckpointWriteError", None)
+        finally:
+            del y.mgr._store.save_node
+        self._steps_run(y, step)
+        self.expect(f"{what}: slot {slot}'s all_steps(read=True) after its claim",
+                    sorted(s.epoch for s in self.model.lineage(fam)), y.mgr.all_steps(read=True))
+        y.read_at = self.writes[fam]
 
     def _steps_delete(self, st: StepsState, mgr: Any, step: int, what: str) -> bool:
         """``delete(step)``: the lineage save of the step on disk now (CheckpointNotFoundError
@@ -1159,6 +1241,9 @@ class Harness:
                                   "run of its family fenced", "CheckpointFencedError", did)
             elif kind == "delete":
                 self._steps_delete(st, mgr, act[1], what)
+            elif kind == "late":
+                self._keep_late(st, act, token + index + 1, what)
+                fresh = False  # another manager claimed in between
             else:  # pragma: no cover
                 raise AssertionError(act)
             if fresh:  # a fresh view lists the lineage: its own saves and deletes count
@@ -1433,12 +1518,20 @@ class Harness:
                     op["keep_last"] is None or rng.random() < 0.4) else None
         fresh = st is None or op.get("open") or st.read_at == self.writes[fam]
         acts: list[list[Any]] = []
+        retains = (op.get("keep_last") or op.get("keep_every")) if op.get("open") or st is None \
+            else (st.keep_last or st.keep_every)
         for _ in range(rng.randint(1, 3)):
             lineage = [s.epoch for s in model.lineage(fam)]
             newest = lineage[0] if lineage else None
             committed = sorted({s.epoch for s in model.committed(fam)})
             roll = rng.random()
-            if roll < 0.12:
+            if fam == "A" and not retains and rng.random() < 0.1:
+                step = min(MAX_EPOCH, (newest if newest is not None else -1) + rng.randint(1, 2))
+                then = (None if not lineage or rng.random() < 0.3
+                        else lineage[0] if rng.random() < 0.6 else rng.choice(lineage))
+                acts.append(["late", step, "A1" if slot == "A0" else "A0",
+                             rng.randint(0, (newest or 0) + 2), then])
+            elif roll < 0.12:
                 acts.append(["reload"])
                 fresh = True
             elif roll < 0.5 or not committed:  # above every step on disk
