@@ -975,8 +975,7 @@ class Harness:
         has claimed since: its first node's group is left behind), else a new run starts from
         the restored step, or from the newest lineage step below it *on disk now*."""
         if not self._steps_run(st, step):
-            self.model.leftovers.append(MSave(st.fam, step, st.run, (), False, state="fenced",  # type: ignore[arg-type]
-                                              damaged_node=FAMILIES[st.fam][0]))
+            self._steps_fenced(st, step)
             return "fenced"
         self._steps_commit(st, step, trace)
         return "committed"
@@ -997,6 +996,11 @@ class Harness:
             model.claim(fam, parent), parent, None, UNSET)
         return True
 
+    def _steps_fenced(self, st: StepsState, step: int) -> None:
+        """A save refused by the fence: its first node's group is a leftover."""
+        self.model.leftovers.append(MSave(st.fam, step, st.run, (), False, state="fenced",  # type: ignore[arg-type]
+                                          damaged_node=FAMILIES[st.fam][0]))
+
     def _steps_commit(self, st: StepsState, step: int, trace: tuple[int, ...]) -> None:
         self.model.commit(st.fam, step, st.run, trace, stop=False)  # type: ignore[arg-type]
         st.last = step
@@ -1011,11 +1015,13 @@ class Harness:
         _, step, other, other_step, then_delete = act
         fam, data = st.fam, (token,) * (step + 1)
         if not self._steps_run(st, step):  # its run is fenced already: an ordinary refusal
-            with pytest.raises(CheckpointFencedError):
+            try:
                 st.mgr.save(step, blobs_for(fam, data), force=True)
-            self.model.leftovers.append(MSave(fam, step, st.run, (), False, state="fenced",  # type: ignore[arg-type]
-                                              damaged_node=FAMILIES[fam][0]))
-            return
+            except CheckpointFencedError:
+                self._steps_fenced(st, step)
+                return
+            self.fail(f"{what}: save({step}) continues run {st.run}, which a newer run of its "
+                      "family fenced", "CheckpointFencedError", None)
         original, fired = runs.check_fence, []
 
         def interleave(location, generation, doing, *family):
