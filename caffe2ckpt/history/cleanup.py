@@ -348,8 +348,33 @@ class _Runs:
 def _group_leftovers(store: CheckpointStore, found: PrefixScan, now: float,
                      keep: set[str], wanted: set[str] | None,
                      retiring: set[str]) -> Iterator[Leftover]:
-    """Groups no readable record names (``keep``: save ids left for a person or a live run;
-    ``retiring``: groups of unfinished removals, listed as those)."""
+    """Groups no readable record names (``keep``: save ids left for a person, a record of
+    theirs being unreadable, which keeps the groups their differential chains read too: those
+    saves' own records may be gone; ``retiring``: groups of unfinished removals, listed as
+    those)."""
+    location = store.location
+    unnamed = list(_unnamed_groups(store, found, wanted, retiring))
+    chained = {group for _, m in unnamed if isinstance(m, Manifest) and m.save_id in keep
+               for inherited in m.inherited.values() for group in inherited.chain}
+    for name, manifest in unnamed:
+        if manifest == TOMBSTONE:  # a removal's replacement of its zarr.json cut short
+            if location.is_local:
+                yield from _temporaries(store, name, now)
+            continue
+        save_id = (manifest.save_id if isinstance(manifest, Manifest)
+                   else parse_group_name(name).save_id)  # type: ignore[union-attr]
+        if save_id in keep or name in chained:
+            continue
+        kind = "uncommitted save" if isinstance(manifest, Manifest) else "unidentified data"
+        age = _save_age(store, name, now)
+        if age is not None:
+            yield Leftover(kind, name, age, save_id)
+
+
+def _unnamed_groups(store: CheckpointStore, found: PrefixScan, wanted: set[str] | None,
+                    retiring: set[str]) -> Iterator[tuple[str, Manifest | str | None]]:
+    """The group directories no readable record names (of the nodes ``wanted``, and not being
+    removed: ``retiring``), each with what its ``zarr.json`` says (:func:`_identity`)."""
     location = store.location
     partial_groups = {r.group for p in found.partial for r in p.records.values()}
     for name in sorted(location.list_names(location.root)):
@@ -359,18 +384,7 @@ def _group_leftovers(store: CheckpointStore, found: PrefixScan, now: float,
                 or (wanted and parsed.node not in wanted)
                 or not location.fs.isdir(location.path(name))):
             continue
-        manifest = _identity(store, name)
-        if manifest == TOMBSTONE:  # a removal's replacement of its zarr.json cut short
-            if location.is_local:
-                yield from _temporaries(store, name, now)
-            continue
-        save_id = manifest.save_id if isinstance(manifest, Manifest) else parsed.save_id
-        if save_id in keep:
-            continue
-        kind = "uncommitted save" if isinstance(manifest, Manifest) else "unidentified data"
-        age = _save_age(store, name, now)
-        if age is not None:
-            yield Leftover(kind, name, age, save_id)
+        yield name, _identity(store, name)
 
 
 def _partial_leftovers(found: PrefixScan, now: float, keep: set[str],
@@ -416,7 +430,8 @@ def find_leftovers(store: CheckpointStore, found: PrefixScan, *, min_age: float 
                    nodes: Iterable[str] | None = None, live: bool = False) -> list[Leftover]:
     """What :func:`remove_leftovers` would remove: data no record references, older than
     ``min_age`` seconds. Only under a caffe2ckpt prefix (:func:`is_checkpoint_prefix`). Left
-    alone: a save one of whose records is unreadable (for a person to inspect), and every save
+    alone: a save one of whose records is unreadable (for a person to inspect, with the older
+    groups a differential save of it reads), and every save
     of a run no newer run of its family has overtaken (it may still be writing): with ``live``
     those are listed too, marked ``live`` (``ls`` shows them; nothing removes them). A removal
     that a kill cut short (its retire note: :mod:`caffe2ckpt.store.retired`) is finished

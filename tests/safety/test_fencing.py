@@ -25,6 +25,7 @@ from caffe2ckpt.steps import StepCheckpointManager
 from caffe2ckpt.store import runs
 from caffe2ckpt.store.layout import run_name
 from tests.faultfs import FaultyFileSystem
+from tests.s3server import on_one_s3_server
 from tests.stores import epochs_with_records, load, newest_epoch
 
 
@@ -149,6 +150,7 @@ def test_a_late_record_of_an_overtaken_run_is_superseded(prefix, monkeypatch):
         assert mgr.all_steps() == [1, 2] and mgr.restore(2)["n"]["w"].tolist() == [222.0] * 4
 
 
+@on_one_s3_server("moto")
 def test_a_late_differential_record_keeps_its_chain_until_the_new_run_commits(prefix,
                                                                               monkeypatch):
     """Manager A (differential saves) passes its fence check for step 2 and stalls; manager B
@@ -191,6 +193,7 @@ def test_a_late_differential_record_keeps_its_chain_until_the_new_run_commits(pr
     b.close()
 
 
+@on_one_s3_server("seaweedfs")
 def test_a_late_record_of_a_run_the_hint_does_not_name_is_still_the_newest(prefix, monkeypatch):
     """Manager A saves steps 0 and 1; manager A2 (a new run, from step 1) passes its fence check
     for step 2 and stalls; manager B claims from step 1 (its save fails before it commits) and

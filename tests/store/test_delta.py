@@ -36,9 +36,9 @@ from caffe2ckpt.store import runs
 from caffe2ckpt.store.delta import DeltaTracker, span_rows
 from caffe2ckpt.store.layout import new_save_id
 from caffe2ckpt.store.protocol import SaveInfo
-from caffe2ckpt.store.records import delete_record
+from caffe2ckpt.store.records import delete_record, record_path
 from tests.faultfs import FaultyFileSystem
-from tests.s3server import on_one_s3_server
+from tests.s3server import NOT_ON_S3, on_one_s3_server
 from tests.stores import gone, open_store, unreferenced_groups
 
 ROWS = 4096
@@ -346,6 +346,29 @@ def test_gc_keeps_every_chain_a_kept_step_needs_and_sweeps_the_rest(prefix, caps
     capsys.readouterr()
     assert check_all(prefix, states) == [7]
     assert unreferenced_groups(open_store(prefix)) == []
+
+
+@NOT_ON_S3
+def test_gc_leaves_a_damaged_record_with_the_chain_its_save_reads(prefix):
+    """A differential step whose record is damaged is not committed any more, and gc leaves its
+    group for a person to inspect: with it, the older groups its chain reads, whose own records
+    retention deleted (nothing else names them). Put the record back and the step restores
+    bit-exact (review of e4d82ae, residual suspicion 2: gc removed those groups)."""
+    model, states = Model(), {}
+    with StepCheckpointManager(prefix, options=options(max_to_keep=1),
+                               handle_preemption=False) as mgr:
+        save_steps(mgr, model, 3, states)  # retention keeps step 2, which builds on 0 and 1
+    store = open_store(prefix)
+    location = store.location
+    [record] = scan(store).records()
+    path = record_path(location, record.ref)
+    good = location.read_bytes(path)
+    location.fs.pipe_file(path, b"{damaged")
+    runs.claim(location, nodes=["n0"], parent=None)  # its run is over: gc may sweep its saves
+    assert cli_main(["gc", prefix, "--min-age", "0", "--yes"]) == 0
+    assert [gone(location, f"n0.{e}") for e in range(3)] == [False] * 3
+    location.fs.pipe_file(path, good)
+    assert check_all(prefix, states) == [2]
 
 
 @on_one_s3_server("seaweedfs")
