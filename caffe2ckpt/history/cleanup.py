@@ -431,11 +431,10 @@ def find_leftovers(store: CheckpointStore, found: PrefixScan, *, min_age: float 
     """What :func:`remove_leftovers` would remove: data no record references, older than
     ``min_age`` seconds. Only under a caffe2ckpt prefix (:func:`is_checkpoint_prefix`). Left
     alone: a save one of whose records is unreadable (for a person to inspect, with the older
-    groups a differential save of it reads), and every save
-    of a run no newer run of its family has overtaken (it may still be writing): with ``live``
-    those are listed too, marked ``live`` (``ls`` shows them; nothing removes them). A removal
-    that a kill cut short (its retire note: :mod:`caffe2ckpt.store.retired`) is finished
-    whatever the run."""
+    groups a differential save of it reads), and every save of a run no newer run of its
+    family has overtaken (it may still be writing): with ``live`` those are listed too, marked
+    ``live`` (``ls`` shows them; nothing removes them). A removal that a kill cut short (its
+    retire note: :mod:`caffe2ckpt.store.retired`) is finished whatever the run."""
     if not is_checkpoint_prefix(store):
         return []
     now = time.time()
