@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 
@@ -23,7 +24,7 @@ from caffe2ckpt.example import build_job
 from caffe2ckpt.metadata import ZarrMetadataHandler
 from caffe2ckpt.steps import StepCheckpointManager
 from caffe2ckpt.store import runs
-from caffe2ckpt.store.layout import run_name
+from caffe2ckpt.store.layout import run_name, save_generation
 from tests.faultfs import FaultyFileSystem
 from tests.s3server import on_one_s3_server
 from tests.stores import epochs_with_records, load, newest_epoch
@@ -150,16 +151,44 @@ def test_a_late_record_of_an_overtaken_run_is_superseded(prefix, monkeypatch):
         assert mgr.all_steps() == [1, 2] and mgr.restore(2)["n"]["w"].tolist() == [222.0] * 4
 
 
+@contextlib.contextmanager
+def _claimed_while_stalled(monkeypatch, other: StepCheckpointManager, step: int, items):
+    """Within: the first save of ``step`` stalls after its fence check while ``other`` claims
+    the prefix by a save of ``items`` whose writes fail (it commits nothing) and lists its steps;
+    yields ``[that listing]`` once it happened."""
+    original, listed = runs.check_fence, []
+
+    def stall(location, generation, doing, *family):
+        original(location, generation, doing, *family)
+        if f"epoch {step}" in doing and not listed:
+            with monkeypatch.context() as patch:
+                patch.setattr(other._store, "save_node", _raise_eio)
+                with pytest.raises(CheckpointWriteError):
+                    other.save(step, items)
+            listed.append(other.all_steps())
+    with monkeypatch.context() as patch:
+        patch.setattr(runs, "check_fence", stall)
+        yield listed
+
+
+def _raise_eio(*args, **kwargs):
+    raise OSError(errno.EIO, "injected: the save fails after its claim")
+
+
+def _last_epoch(prefix: str, nodes: list[str]) -> int | None:
+    handler = ZarrMetadataHandler()
+    handler.set_params(db_prefix=prefix, db_type="zarr", node_names=nodes)
+    return handler.last_epoch()
+
+
 @on_one_s3_server("moto")
 def test_a_late_differential_record_keeps_its_chain_until_the_new_run_commits(prefix,
                                                                               monkeypatch):
     """Manager A (differential saves) passes its fence check for step 2 and stalls; manager B
     claims the prefix (its save fails before it commits) and lists the steps; A wakes and
-    commits step 2, built on step 1. B has not committed, so A's step 2 is current: the newest
-    (the hint B wrote when it claimed names step 1: a lookup must not trust it), and when B
+    commits step 2, built on step 1. B has not committed, so A's step 2 is current, and when B
     deletes step 1 the groups step 2 builds on stay (B's listing, read before A's record, does
-    not know of it) and step 2 restores bit-exact (review of e4d82ae, residual suspicion 1;
-    the stale hint was found by the model check's late saves)."""
+    not know of it): step 2 restores bit-exact (review of e4d82ae, residual suspicion 1)."""
     opts = StepManagerOptions(delta_saves=True, delta_min_bytes=1 << 10)
     table = np.random.default_rng(0).random((4096, 16), dtype=np.float32)
     a = StepCheckpointManager(prefix, options=opts, handle_preemption=False)
@@ -168,23 +197,10 @@ def test_a_late_differential_record_keeps_its_chain_until_the_new_run_commits(pr
         table[step * 7] += 1
         a.save(step, {"n": {"t": table}})
     table[100] += 1
-    original, listed = runs.check_fence, []
-
-    def b_claims_after_the_check(location, generation, doing, *family):
-        original(location, generation, doing, *family)
-        if "epoch 2" in doing and not listed:
-            with monkeypatch.context() as patch:
-                patch.setattr(b._store, "save_node", _raise_eio)
-                with pytest.raises(CheckpointWriteError):
-                    b.save(2, {"n": {"t": np.zeros_like(table)}})
-            listed.append(b.all_steps())
-    monkeypatch.setattr(runs, "check_fence", b_claims_after_the_check)
-    assert a.save(2, {"n": {"t": table}})
-    monkeypatch.setattr(runs, "check_fence", original)
+    with _claimed_while_stalled(monkeypatch, b, 2, {"n": {"t": np.zeros_like(table)}}) as listed:
+        assert a.save(2, {"n": {"t": table}})
     assert listed == [[0, 1]] and a._step(2).records["n"].delta is not None
-    handler = ZarrMetadataHandler()  # the hint B vouched for step 1 with is stale now
-    handler.set_params(db_prefix=prefix, db_type="zarr", node_names=["n"])
-    assert handler.last_epoch() == 2
+    assert _last_epoch(prefix, ["n"]) == 2
     b.delete(1)
     with StepCheckpointManager(prefix, handle_preemption=False) as reader:
         assert reader.all_steps() == [0, 2]
@@ -205,31 +221,15 @@ def test_a_late_record_of_a_run_the_hint_does_not_name_is_still_the_newest(prefi
         a.save(step, {"n": {"w": np.full(4, float(step))}})
     a2 = StepCheckpointManager(prefix, handle_preemption=False)
     b = StepCheckpointManager(prefix, handle_preemption=False)
-    original, fired = runs.check_fence, []
-
-    def b_claims_after_the_check(location, generation, doing, *family):
-        original(location, generation, doing, *family)
-        if "epoch 2" in doing and not fired:
-            fired.append(generation)
-            with monkeypatch.context() as patch:
-                patch.setattr(b._store, "save_node", _raise_eio)
-                with pytest.raises(CheckpointWriteError):
-                    b.save(2, {"n": {"w": np.zeros(4)}})
-    monkeypatch.setattr(runs, "check_fence", b_claims_after_the_check)
-    assert a2.save(2, {"n": {"w": np.full(4, 2.0)}})
-    monkeypatch.setattr(runs, "check_fence", original)
-    assert fired and runs.list_runs(a2._store.location)[-1] > fired[0]  # B claimed after A2
-    handler = ZarrMetadataHandler()
-    handler.set_params(db_prefix=prefix, db_type="zarr", node_names=["n"])
-    assert handler.last_epoch() == 2
+    with _claimed_while_stalled(monkeypatch, b, 2, {"n": {"w": np.zeros(4)}}) as listed:
+        assert a2.save(2, {"n": {"w": np.full(4, 2.0)}})
+    late = save_generation(a2._step(2).save_id)
+    assert listed == [[0, 1]] and late < runs.list_runs(a2._store.location)[-1]  # B's is newer
+    assert _last_epoch(prefix, ["n"]) == 2
     with StepCheckpointManager(prefix, handle_preemption=False) as reader:
         assert reader.latest_step() == 2 and reader.restore()["n"]["w"].tolist() == [2.0] * 4
     for mgr in (a, a2, b):
         mgr.close()
-
-
-def _raise_eio(*args, **kwargs):
-    raise OSError(errno.EIO, "injected: the save fails after its claim")
 
 
 def test_a_save_that_cannot_claim_fails_instead_of_saving_unfenced(prefix):
