@@ -107,8 +107,9 @@ family's last run is fenced by a claim of a new run per family
 (``MultiNodeCheckpointManager.claim()``, parent the newest save, saving nothing: a run that
 commits nothing changes no history); ``caffe2ckpt gc PREFIX --min-age 0 --yes`` then deletes no
 save and removes every leftover (no run that wrote one is live now; saves with an unreadable
-record are left for a person, as documented); the full check ((a)-(d), plain zarr for every
-save, ``verify``'s exit code); and the **leak check** (:meth:`Harness.check_leaks`): every file
+record are left for a person, with the groups their differential chains read, as
+documented); the full check ((a)-(d), plain zarr for every save, ``verify``'s exit code); and
+the **leak check** (:meth:`Harness.check_leaks`): every file
 under the prefix is a record of a committed, superseded or damaged save (exactly those, one per
 node), a file of such a save's groups (each present: ``zarr.json`` and the arrays its manifest
 names), a run-log entry (exactly one per claim), a committed mark (exactly the runs that
@@ -1774,7 +1775,10 @@ class Harness:
         ``zarr.json`` and chunks ``c...``); a run-log entry
         (one per claim), a committed mark (one per run that committed), a hint (one per family
         at most); ``_metadata.json``; a tombstone (``<node>.<epoch>/zarr.json`` alone, an empty
-        group saying which save was removed). No ``.tmp-*`` anywhere, nothing else."""
+        group saying which save was removed). With differential saves, also a group a kept
+        save's records need (among the saves before it in its run: :meth:`pinnable`), and one
+        that the chains of a damaged save's manifest name (``gc`` leaves those with it for a
+        person to inspect). No ``.tmp-*`` anywhere, nothing else."""
         model = self.model
         fs, root = fsspec.core.url_to_fs(self.url)
         root = root.rstrip("/")
@@ -1821,6 +1825,9 @@ class Harness:
                     sorted(g for g, r in model.runs.items() if r.took_over), sorted(marks_seen))
         if len(hints) > len(model.families()):
             self.fail("leaks: hints (one per family at most)", model.families(), hints)
+        if pinned:  # gc leaves a damaged save's group with the groups its chains read
+            needed = needed | _chains_of(fs, root, groups, {k for k, s in kept.items()
+                                                            if s.state == "damaged"})
         found: list[tuple[int, int, str]] = []  # a list: a second group of one save is a leak
         for name, inside in sorted(groups.items()):
             parts = name.split(".")
@@ -1859,6 +1866,24 @@ class Harness:
                     sorted(found))
         self.expect("leaks: files no record, run or tombstone accounts for", [],
                     sorted(set(bad)))
+
+
+def _chains_of(fs: Any, root: str, groups: dict[str, list[str]],
+               saves: set[tuple[int, int]]) -> set[str]:
+    """The groups that the differential chains in the manifests of ``saves``' groups (keys
+    (epoch, generation)) name."""
+    out: set[str] = set()
+    for name, inside in groups.items():
+        parts = name.split(".")
+        if "zarr.json" not in inside or len(parts) not in (2, 3) or not parts[1].isdigit():
+            continue
+        manifest = json.loads(fs.cat_file(f"{root}/{name}/zarr.json")).get(
+            "attributes", {}).get("caffe2ckpt") or {}
+        save_id = str(manifest.get("save_id", ""))
+        if save_id.startswith("g") and (int(parts[1]), gen_of(save_id)) in saves:
+            out |= {group for entry in ((manifest.get("delta") or {}).get("blobs") or {}).values()
+                    for group in entry.get("chain", ())}
+    return out
 
 
 # =================================================================================================
