@@ -8,6 +8,7 @@ import logging
 import os
 import tempfile
 import time
+from collections.abc import Collection
 from pathlib import Path
 from unittest import mock
 from uuid import UUID
@@ -61,15 +62,17 @@ def poll(fetch, ready, timeout: float = 30.0):
         time.sleep(0.25)
 
 
-def finished_task_runs(client, flow_run_id, expected: int) -> list:
-    """The flow run's task runs once at least ``expected`` exist and every one is final. Prefect
-    records a task run from its events: the Pending event carries the default name
-    (``<task>-<key>``), later events the ``task_run_name``; counting rows alone can read a task
-    run between the two."""
+def finished_task_runs(client, flow_run_id, expected: int, names: Collection[str] = ()) -> list:
+    """The flow run's task runs once at least ``expected`` exist, every one is final and
+    ``names`` are among theirs. Prefect records a task run from its events: the Pending event
+    carries the default name (``<task>-<key>``), later events the ``task_run_name``; counting
+    rows alone can read a task run between the two, and under load the recorder was seen to
+    record a run final while its name was still the default (a flow of Dask actors' tasks)."""
     runs_filter = FlowRunFilter(id=FlowRunFilterId(any_=[UUID(str(flow_run_id))]))
     return poll(lambda: client.read_task_runs(flow_run_filter=runs_filter),
                 lambda runs: len(runs) >= expected and all(r.state and r.state.is_final()
-                                                           for r in runs))
+                                                           for r in runs)
+                and set(names) <= {r.name for r in runs})
 
 
 class Records(logging.Handler):

@@ -98,11 +98,13 @@ def test_async_saves_wait_in_the_actors_as_task_runs(tmp_path, dask_client, clie
     final, run_id = pipeline()
     assert final == 3
     assert newest_epoch(CheckpointStore(Location(url)), NODES) == 3
-    runs = finished_task_runs(client, run_id, 26)  # 2 init + 2 checkpoint_init + 6 epochs + 8 + 8
     # each save and each wait in its actor is its own task run, labelled with its epoch
-    for group in ("checkpoint_save", "checkpoint_wait"):
-        assert sorted(r.name for r in runs if r.name.startswith(group + "[")) == sorted(
-            f"{group}[{n}] e{e}" for e in range(4) for n in NODES)
+    expected = {group: sorted(f"{group}[{n}] e{e}" for e in range(4) for n in NODES)
+                for group in ("checkpoint_save", "checkpoint_wait")}
+    runs = finished_task_runs(client, run_id, 26,  # 2 init + 2 checkpoint_init + 6 epochs + 8 + 8
+                              names=[name for names in expected.values() for name in names])
+    for group, names in expected.items():
+        assert sorted(r.name for r in runs if r.name.startswith(group + "[")) == names
 
 
 def kill_at(epoch: int, node: str):
