@@ -147,10 +147,12 @@ def in_thread(fn, name: str) -> tuple[threading.Thread, dict]:
 
 
 def wait_for_record(fs, root: str, start: str, timeout: float = 30.0) -> str:
-    """The path of the record whose name starts with ``start``, once it exists."""
+    """The path of the record whose name starts with ``start``, once it exists. Each listing
+    is fresh: s3fs keeps the listings the job's own reads made, and one that began before the
+    record's write and ended after it hid the record for ever (SeaweedFS, once in a suite run)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        found = [p for p in fs.ls(f"{root}/_commits", detail=False)
+        found = [p for p in fs.ls(f"{root}/_commits", detail=False, refresh=True)
                  if os.path.basename(p).startswith(start)]
         if found:
             return found[0]
