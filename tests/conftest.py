@@ -41,12 +41,13 @@ S3_PREFIX_MODULES = frozenset({
 # Of those, the modules whose tests check logic above the storage layer (hostile and damaged
 # files, resume, history and gc rules, the Caffe2 contract, the reviews' defects): each test
 # runs on one S3 server, moto or SeaweedFS by its name, so every such module still runs on both
-# (about half its tests each) at half the cost. The storage, fencing, concurrency and delta
-# modules (and tests/store/test_s3.py, the location contract, lost answers) run every test on
-# both: where the two servers answer differently.
+# (about half its tests each) at half the cost; so does the delta module, whose requests on the
+# wire are tests/store/test_s3.py's (on both). The storage, fencing and concurrency modules (and
+# tests/store/test_s3.py, the location contract, lost answers) run every test on both: where the
+# two servers answer differently.
 ONE_S3_SERVER_MODULES = frozenset({"test_hostile", "test_corruption", "test_runner",
                                    "test_lineage", "test_contract", "test_review_defects",
-                                   "test_review_1aeae9c"})
+                                   "test_review_1aeae9c", "test_delta"})
 
 
 def one_s3_server(test_name: str) -> str:
