@@ -149,7 +149,8 @@ def in_thread(fn, name: str) -> tuple[threading.Thread, dict]:
 def wait_for_record(fs, root: str, start: str, timeout: float = 30.0) -> str:
     """The path of the record whose name starts with ``start``, once it exists. Each listing
     is fresh: s3fs keeps the listings the job's own reads made, and one that began before the
-    record's write and ended after it hid the record for ever (SeaweedFS, once in a suite run)."""
+    record's write and ended after it can hide the record until the timeout (the likely cause
+    of a 30 s wait on SeaweedFS, once in a suite run: not reproduced)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         found = [p for p in fs.ls(f"{root}/_commits", detail=False, refresh=True)
