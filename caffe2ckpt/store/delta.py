@@ -54,7 +54,7 @@ from caffe2ckpt.store.manifest import PACKED_ARRAY, BlobInfo, Inherited, Manifes
 from caffe2ckpt.store.records import CommitRecord, RecordRef
 from caffe2ckpt.store.rowhash import RowHasher, block_rows
 from caffe2ckpt.store.zarrgroup import GROUP_FILE, DeltaLayout, stored_form
-from caffe2ckpt.workspace import merge_rows
+from caffe2ckpt.workspace import merge_rows, sorted_unique
 
 __all__ = ["DeltaTracker", "DeltaWrite", "span_rows", "stored_digest"]
 
@@ -324,7 +324,7 @@ class _Planner:
             logger.warning("node %r, blob %r: %d changed row(s) were not in the changed-rows "
                            "hints (found by row digest and saved; check the hints)",
                            self.tracker.node, name, min(missed.size * per, count))
-        return np.union1d(found, hint)
+        return sorted_unique(np.concatenate([found, hint]))
 
 
 def _on_threads(calls: list[Callable[[], None]]) -> None:

@@ -37,6 +37,7 @@ from caffe2ckpt.store.delta import DeltaTracker, span_rows
 from caffe2ckpt.store.layout import new_save_id
 from caffe2ckpt.store.protocol import SaveInfo
 from caffe2ckpt.store.records import delete_record, record_path
+from caffe2ckpt.workspace import merge_rows
 from tests.faultfs import FaultyFileSystem
 from tests.s3server import NOT_ON_S3, on_one_s3_server
 from tests.stores import gone, open_store, unreferenced_groups
@@ -595,6 +596,21 @@ def test_hints_hold_their_union_not_one_array_per_call(tmp_path):
         finally:
             tracemalloc.stop()
     assert held < 2 << 20, held
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_hint_unions_are_what_numpy_unique_gives(seed):
+    """The hints' union (``merge_rows``, ``sorted_unique``) equals ``np.unique`` of everything
+    noted: unsorted ids, repeats, empty and single-id calls."""
+    rng = np.random.default_rng(seed)
+    held: dict[str, np.ndarray] = {}
+    noted = []
+    for size in rng.choice([0, 1, 2, 50, 3000], 5):
+        ids = rng.integers(0, 4000, size).astype(np.int64)
+        noted.append(ids)
+        merge_rows(held, "t", ids)
+        expected = np.unique(np.concatenate(noted))
+        assert held["t"].dtype == np.int64 and held["t"].tolist() == expected.tolist()
 
 
 def test_compare_keeps_row_digests_not_a_copy(tmp_path):
