@@ -78,7 +78,7 @@ def sorted_unique(ids: np.ndarray) -> np.ndarray:
     """``ids`` sorted, each once, in a new array: what ``np.unique`` gives, without its cost on
     integer ids (numpy 2.4, 52,428 int64 row ids: 12.5 ms against 1.2 ms; ``np.union1d`` of two
     such arrays 36 ms against 3 ms)."""
-    out = np.sort(ids)
+    out = np.sort(ids, axis=None)  # flattened, as np.unique
     if out.size > 1:
         keep = np.empty(out.size, bool)
         keep[0] = True
