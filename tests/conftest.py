@@ -95,8 +95,9 @@ def no_process_outlives_the_session():
             leftovers[p] = " ".join(p.cmdline())[:200]
         except psutil.Error:
             continue
-    leftovers = {p: cmd for p, cmd in leftovers.items()
-                 if "multiprocessing.resource_tracker" not in cmd}  # lives until exit, by design
+    leftovers = {p: cmd for p, cmd in leftovers.items()  # these two live until exit, by design
+                 if "multiprocessing.resource_tracker" not in cmd
+                 and "multiprocessing.forkserver" not in cmd}  # Dask's workers fork from it
     for p in leftovers:
         try:
             p.kill()

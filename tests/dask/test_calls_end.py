@@ -24,7 +24,7 @@ import pytest
 
 from caffe2ckpt import Task, TaskGroup, WorkspaceType
 from caffe2ckpt.errors import NodeLostError
-from tests.daskcluster import KEEP_NANNIES
+from tests.daskcluster import CLUSTER_CONFIG
 
 dask = pytest.importorskip("dask")
 distributed = pytest.importorskip("distributed")
@@ -95,7 +95,7 @@ def restarting_cluster() -> Iterator[distributed.SpecCluster]:
         "free": {"cls": distributed.Nanny, "options": {**common, "worker_port": 0}}}
     scheduler = {"cls": distributed.Scheduler,
                  "options": {"host": "127.0.0.1", "port": 0, "dashboard_address": ":0"}}
-    with dask.config.set(KEEP_NANNIES), distributed.SpecCluster(
+    with dask.config.set(CLUSTER_CONFIG), distributed.SpecCluster(
             workers=workers, scheduler=scheduler, silence_logs=40) as cluster:
         yield cluster
 
