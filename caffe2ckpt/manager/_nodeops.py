@@ -184,7 +184,7 @@ def save(store: CheckpointStore, node: str, file_node: str, epoch: int, names: S
         tracker = tracker_for(delta.key, file_node, delta.options)
         for blob, rows in hints.items():
             tracker.mark_changed(blob, rows)
-        plan = tracker.plan(delta.base, blobs, store.has_record)
+        plan = tracker.plan(delta.base, blobs, store.has_record, defer=background is None)
         blobs = plan.whole
 
     def write(snapshot: dict[str, Any]) -> Timed:

@@ -343,7 +343,8 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
         """What the save of ``node`` writes (everything, unless ``delta_saves``)."""
         if not self.options.delta_saves:
             return DeltaWrite(blobs, {}, {})
-        return self._tracker(node).plan(base, blobs, self._store.has_record)
+        return self._tracker(node).plan(base, blobs, self._store.has_record,
+                                        defer=self._background is None)
 
     def _run_of(self, nodes: list[str]) -> CurrentRun:
         """The run (and lineage view) of the family ``nodes``: this manager's family."""

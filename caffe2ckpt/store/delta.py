@@ -28,6 +28,10 @@ Row changes are found by digest: a block whose digest differs from the last save
 are found the same way, written, and reported (a WARNING naming node, blob and count), so a
 hint that misses rows can no longer commit an epoch that does not restore.
 
+A save that writes before it returns leaves what only its record and the next save need (the
+large blobs' xxh3-128, and the row digests of what it writes whole) to one I/O thread while its
+data is made durable (:meth:`DeltaWrite.start`), and waits for it before the record.
+
 The tracker moves on only once the save's record is written (:meth:`DeltaTracker.committed`,
 which only assigns what :meth:`DeltaWrite.seal` computed before the record was written, so it
 cannot fail): a failed save leaves it at the last save it wrote, and hints taken for it are
@@ -36,10 +40,12 @@ given back.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -132,9 +138,32 @@ class DeltaWrite:
     rows: dict[str, np.ndarray] = field(default_factory=dict)  # large blobs' block digests
     overlay_bytes: dict[str, int] = field(default_factory=dict)  # this save's, by blob
     sealed: _Saved | None = None  # what the tracker holds once the record is written
+    later: dict[str, tuple[int, int]] = field(default_factory=dict)  # blocks digested later
+    deferred: list[Callable[[], None]] = field(default_factory=list)  # what computes them
+    pending: Future[None] | None = None  # those calls, running
+
+    def start(self) -> None:
+        """Start computing what the plan left for later (:meth:`DeltaTracker.plan`'s
+        ``defer``) on one I/O thread: the save calls it once its data is written, while that
+        data is made durable (the processor is idle then, and the writes need the threads)."""
+        if self.deferred and self.pending is None:
+            self.pending = pool().submit(_run_all, self.deferred)
+
+    def settle(self) -> None:
+        """Finish what the plan left for later, raising its failure: before the record."""
+        self.start()
+        self.abandon()
+
+    def abandon(self) -> None:
+        """Wait for what the plan left for later, if it started, and drop the rest (on every
+        path that ends the save: nothing reads the workspace after the save returns)."""
+        pending, self.pending, self.deferred = self.pending, None, []
+        if pending is not None:
+            pending.result()
 
     def record(self, written: int) -> DeltaRecord | None:
-        """The record's description of this save (None: everything is whole)."""
+        """The record's description of this save (None: everything is whole); settles it."""
+        self.settle()
         if not self.links:
             return None
         groups: dict[str, _Link] = {}
@@ -155,6 +184,7 @@ class DeltaWrite:
     def seal(self, record: CommitRecord) -> None:
         """Compute, before ``record`` (this node's, for this plan) is written, what the tracker
         holds once it is: so nothing that runs after the commit can fail."""
+        self.settle()
         own = _own_links(record, self)
         links = {name: [*([] if name in self.whole else self.links.get(name, [])),
                         *own.get(name, [])] for name in self.infos}
@@ -182,40 +212,79 @@ class DeltaTracker:
             merge_rows(self._hints, blob, np.asarray(rows, np.int64))
 
     def plan(self, base: str | None, blobs: dict[str, np.ndarray],
-             stands: Callable[[RecordRef], bool]) -> DeltaWrite:
+             stands: Callable[[RecordRef], bool], defer: bool = False) -> DeltaWrite:
         """What a save of ``blobs`` writes if it builds on the save ``base`` (its save id;
         None: a new run's first save, written whole). ``stands(ref)`` says whether the record
         ``ref`` of the base is still there (someone may have deleted or damaged it): if not,
-        everything is written whole."""
+        everything is written whole. With ``defer`` (a save that writes before it returns),
+        what only the record and the next save need is left for later (:meth:`DeltaWrite.start`
+        runs it while the save's data is made durable, :meth:`DeltaWrite.settle` before the
+        record): the large blobs' xxh3, and the digests of the rows this save writes whole (its
+        span, with ``compare``; every row, when the save is whole)."""
         with self._lock:
             hints, self._hints = self._hints, {}
         try:
-            out = self._measure(blobs, hints)
             saved = self._saved
-            if (saved is None or base is None or saved.save_id != base
-                    or not stands(saved.ref(self.node))):
+            builds = saved is not None and base is not None and saved.save_id == base
+            later = self._later(blobs, saved if builds else None) if defer else {}
+            out = self._measure(blobs, hints, later, defer)
+            if not builds or not stands(saved.ref(self.node)):  # type: ignore[union-attr]
                 out.whole = dict(blobs)
                 return out
-            return _Planner(self, saved, blobs, out).plan()
+            return _Planner(self, saved, blobs, out).plan()  # type: ignore[arg-type]
         except BaseException:
             self._give_back(hints)
             raise
 
-    def _measure(self, blobs: dict[str, np.ndarray], hints: dict[str, np.ndarray]
-                 ) -> DeltaWrite:
-        """Every blob's digest and logical info, and the large blobs' block digests."""
-        digests, infos, rows = {}, {}, {}
+    def _later(self, blobs: dict[str, np.ndarray], saved: _Saved | None
+               ) -> dict[str, tuple[int, int]]:
+        """The blocks of each large blob whose digests the plan does not need: every one when
+        nothing is built on (the save is whole), else with ``compare`` those inside the span
+        the save writes whole (with hints, every block is checked against them)."""
+        later = {}
+        for name, arr in blobs.items():
+            if not self.eligible(arr):
+                continue
+            count = RowHasher.count(arr)
+            if saved is None:
+                later[name] = (0, count)
+            elif self.options.delta_detection == "compare":
+                later[name] = _span_blocks(arr, self.options.max_delta_chain + 1,
+                                           saved.depth + 1, count)
+        return later
+
+    def _measure(self, blobs: dict[str, np.ndarray], hints: dict[str, np.ndarray],
+                 later: dict[str, tuple[int, int]], defer: bool) -> DeltaWrite:
+        """Every blob's digest and logical info, and the large blobs' block digests but those
+        of ``later``; with ``defer``, the large blobs' digests and ``later``'s are left to the
+        plan's ``deferred`` calls."""
+        digests, infos, rows, deferred = {}, {}, {}, []
         for name, arr in blobs.items():
             stored = stored_form(arr)
-            digests[name], infos[name] = stored_digest(stored), _info(arr)
-            if self.eligible(arr):
-                rows[name] = self._hasher.digests(stored, _on_threads)
-        return DeltaWrite({}, infos, digests, hints=hints, rows=rows)
+            infos[name] = _info(arr)
+            if not self.eligible(arr):
+                digests[name] = stored_digest(stored)
+                continue
+            if defer:
+                deferred.append(lambda d=digests, n=name, s=stored: d.__setitem__(
+                    n, stored_digest(s)))
+            else:
+                digests[name] = stored_digest(stored)
+            out = rows[name] = np.empty(RowHasher.count(stored), np.uint64)
+            first, stop = later.get(name, (0, 0))
+            _on_threads([*self._hasher.calls(stored, out, 0, first),
+                         *self._hasher.calls(stored, out, stop, out.size)])
+            deferred += self._hasher.calls(stored, out, first, stop)
+        later = {name: span for name, span in later.items() if span[1] > span[0]}
+        return DeltaWrite({}, infos, digests, hints=hints, rows=rows, later=later,
+                          deferred=deferred)
 
     def failed(self, plan: DeltaWrite) -> None:
         """The save of ``plan`` was not committed (or its outcome is not known): its hints count
         for the next save, and after a failed differential save (its base may be gone) the next
         one is whole."""
+        with contextlib.suppress(BaseException):  # the save's failure is what is reported
+            plan.abandon()
         self._give_back(plan.hints)
         if plan.layout is not None:
             self._saved = None
@@ -308,7 +377,10 @@ class _Planner:
     def _changed(self, name: str, arr: np.ndarray, base_rows: np.ndarray) -> np.ndarray:
         """The rows of a large blob to write (int64, ascending): those of every block whose
         digest changed, and (hints) every hinted row."""
-        blocks = np.flatnonzero(self.out.rows[name] != base_rows)
+        digests = self.out.rows[name]
+        first, stop = self.out.later.get(name, (0, 0))  # inside the span: digested later
+        blocks = np.concatenate([np.flatnonzero(digests[:first] != base_rows[:first]),
+                                 stop + np.flatnonzero(digests[stop:] != base_rows[stop:])])
         count = arr.shape[0]
         per = block_rows(arr.nbytes // count)
         found = (blocks if per == 1 else
@@ -325,6 +397,19 @@ class _Planner:
                            "hints (found by row digest and saved; check the hints)",
                            self.tracker.node, name, min(missed.size * per, count))
         return sorted_unique(np.concatenate([found, hint]))
+
+
+def _span_blocks(arr: np.ndarray, parts: int, depth: int, count: int) -> tuple[int, int]:
+    """The blocks (of ``count``) that lie wholly inside the span a save at ``depth`` writes."""
+    rows = arr.shape[0]
+    per = block_rows(arr.nbytes // rows)
+    start, stop = span_rows(rows, arr.nbytes // rows, parts, depth)
+    return -(-start // per), count if stop == rows else stop // per
+
+
+def _run_all(calls: list[Callable[[], None]]) -> None:
+    for call in calls:
+        call()
 
 
 def _on_threads(calls: list[Callable[[], None]]) -> None:

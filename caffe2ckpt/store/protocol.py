@@ -174,6 +174,8 @@ class CheckpointStore:
                 delta.manifest = plan.manifest
             path = self._take_path(node, epoch, info.save_id, plan, batch)
             crcs = write_arrays(self.location, self.location.path(path), plan, batch)
+            if delta is not None:
+                delta.start()  # what its plan left for later, while the data is made durable
             self.location.make_durable(batch, [], pool())
         except BaseException:
             if batch is not None:

@@ -56,17 +56,32 @@ class RowHasher:
         """The digest (uint64) of every block of rows of ``stored`` (C-contiguous, at least
         one axis), in order: ``ceil(rows / block_rows)`` of them. ``run(calls)`` runs the
         calls of one batch of blocks each (numpy releases the GIL in them: give it threads)."""
+        out = np.empty(self.count(stored), np.uint64)
+        run(self.calls(stored, out, 0, out.size))
+        return out
+
+    @staticmethod
+    def count(stored: np.ndarray) -> int:
+        """How many blocks (digests) ``stored`` has."""
+        rows = stored.shape[0]
+        return -(-rows // block_rows(stored.nbytes // rows if rows else 0))
+
+    def calls(self, stored: np.ndarray, out: np.ndarray, first: int, stop: int
+              ) -> list[Callable[[], None]]:
+        """Calls that write the digests of blocks ``[first, stop)`` of ``stored`` into their
+        places in ``out`` (:meth:`count` digests), a batch of blocks each."""
         flat = stored.reshape(stored.shape[0], -1).view(np.uint8)
         rows, row_bytes = flat.shape
         per = block_rows(row_bytes)
-        whole = rows - rows % per
-        out = np.empty(-(-rows // per), np.uint64)
-        calls = list(self._batches(flat[:whole].reshape(whole // per, per * row_bytes),
-                                   out[:whole // per]))
-        if whole < rows:  # the last, shorter block
-            calls += self._batches(flat[whole:].reshape(1, -1), out[-1:])
-        run(calls)
-        return out
+        full = rows // per  # blocks of ``per`` rows; a shorter last one after them
+        calls: list[Callable[[], None]] = []
+        start, end = first, min(stop, full)
+        if start < end:
+            calls += self._batches(flat[start * per:end * per].reshape(end - start, per * row_bytes),
+                                   out[start:end])
+        if full * per < rows and first <= full < stop:  # the last, shorter block
+            calls += self._batches(flat[full * per:].reshape(1, -1), out[full:])
+        return calls
 
     def _batches(self, blocks: np.ndarray, out: np.ndarray) -> Iterator[Callable[[], None]]:
         """Calls that each write the digests of a batch of ``blocks`` (a 2-d uint8 array, one

@@ -613,6 +613,86 @@ def test_hint_unions_are_what_numpy_unique_gives(seed):
         assert held["t"].dtype == np.int64 and held["t"].tolist() == expected.tolist()
 
 
+@pytest.mark.parametrize("depth", [None, 0, 1, 4])
+def test_digests_left_for_later_are_the_ones_computed_at_once(depth):
+    """A synchronous save leaves what only its record and the next save need (the large blobs'
+    xxh3, the row digests of its span, of every row when it is whole) for while its data is
+    made durable: settled, they equal the ones computed at once (rows of 64, 12 and 4 bytes:
+    blocks of 1, 14 and 40 rows, a shorter last block, spans not on block edges)."""
+    from caffe2ckpt.store.delta import _Saved
+
+    tracker = DeltaTracker("n0", StepManagerOptions(delta_saves=True, delta_min_bytes=1024,
+                                                   max_delta_chain=4))
+    rng = np.random.default_rng(7)
+    blobs = {"t": rng.random((1001, 16), np.float32), "narrow": rng.random((2999, 3), np.float32),
+             "thin": rng.integers(0, 9, 5001).astype(np.int32), "small": np.arange(5)}
+    saved = None if depth is None else _Saved("s", "g", depth, {}, {}, {}, {})
+    later = tracker._later(blobs, saved)
+    assert sorted(later) == ["narrow", "t", "thin"] and all(b > a for a, b in later.values())
+    deferred = tracker._measure(blobs, {}, later, defer=True)
+    now = tracker._measure(blobs, {}, {}, defer=False)
+    assert sorted(deferred.digests) == ["small"] and deferred.deferred
+    deferred.settle()
+    assert deferred.digests == now.digests and not deferred.deferred
+    for name in ("t", "narrow", "thin"):
+        assert deferred.rows[name].tobytes() == now.rows[name].tobytes(), name
+
+
+@pytest.mark.parametrize("row_floats", [3, 16])
+def test_changes_beside_each_span_edge_are_found(tmp_path, row_floats):
+    """The span's row digests are left for later, so the rows just outside it (in a block that
+    straddles its edge, for narrow rows) must still be compared: at every depth, rows on both
+    sides of both edges change, and every step restores bit-exact."""
+    rows = 3001
+    table = np.zeros((rows, row_floats), np.float32)
+    opts = options(max_delta_chain=3)
+    with StepCheckpointManager(str(tmp_path), options=opts, handle_preemption=False) as mgr:
+        mgr.save(0, {"n0": {"t": table}})
+        expected = {0: table.copy()}
+        for step in range(1, 9):
+            start, stop = span_rows(rows, table.nbytes // rows, 4, step)
+            for row in (start - 1, start, stop - 1, stop):
+                if 0 <= row < rows:
+                    table[row] += step
+            mgr.save(step, {"n0": {"t": table}})
+            expected[step] = table.copy()
+    with reader(str(tmp_path)) as r:
+        for step, value in expected.items():
+            assert r.restore(step)["n0"]["t"].tobytes() == value.tobytes(), step
+
+
+def test_a_failure_of_what_a_save_left_for_later_fails_it_before_its_record(tmp_path,
+                                                                            monkeypatch):
+    """What a save computes while its data is made durable (the large blobs' xxh3 here) is
+    waited for before the record: if it fails, the save fails uncommitted, and the next save
+    (whole: its base may be gone) restores."""
+    from caffe2ckpt.store import delta
+
+    table = np.arange(ROWS * 64, dtype=np.float32).reshape(ROWS, 64)
+    original = delta.stored_digest
+
+    def failing(stored):
+        if stored.nbytes >= SMALL:
+            raise MemoryError("digest failed")
+        return original(stored)
+
+    with StepCheckpointManager(str(tmp_path), options=options(),
+                               handle_preemption=False) as mgr:
+        mgr.save(0, {"n0": {"t": table}})
+        table[7] += 1
+        monkeypatch.setattr(delta, "stored_digest", failing)
+        with pytest.raises(Exception, match="digest failed"):
+            mgr.save(1, {"n0": {"t": table}})
+        monkeypatch.setattr(delta, "stored_digest", original)
+        assert mgr.all_steps() == [0]
+        table[9] += 1
+        mgr.save(2, {"n0": {"t": table}})
+        assert mgr.all_steps() == [0, 2]
+    with reader(str(tmp_path)) as r:
+        assert np.array_equal(r.restore(2)["n0"]["t"], table)
+        assert r._step(2).records["n0"].delta is None  # whole
+
+
 def test_compare_keeps_row_digests_not_a_copy(tmp_path):
     """Issue 34 item 3: finding changed rows costs at most 5% of the large blobs' memory (8
     bytes per 160 bytes of rows), not a copy of them (on a local disk: memory:// would hold
