@@ -58,9 +58,13 @@ Each sequence (one seed) starts on an empty prefix and applies operations chosen
   on disk whose last node passes its fence check and stalls there while the other slot's
   manager is opened anew, claims the prefix by a save whose writes fail (it commits nothing)
   and reads its view; then the record lands. That save is committed, a late record of an
-  overtaken run: the family's head until the newer run commits (superseded from then on). The
-  other manager then often deletes a lineage step through its stale view (most often the
-  newest before the late save: the step a differential late save builds on);
+  overtaken run: the family's head until the newer run commits (superseded from then on). Half
+  the late saves follow a save of their own manager and carry its trace on (a few rows of
+  ``w`` change, so with delta options the late save is differential on it). The other manager
+  then often deletes a lineage step through its stale view (most often the newest before the
+  late save: the step a differential late save builds on). With the fix of 47ea84d undone
+  (removals before a new run's first commit used references listed before the late record),
+  5 of the 24 differential seeds 3000-3023 fail (3009 of CI's 12); before this shape, none did;
 * ``gc``: ``caffe2ckpt gc PREFIX --keep-last N [--keep-every K] --min-age 0 --yes --json``;
 * ``record``: a commit record under ``_commits/`` overwritten with garbage or deleted;
 * ``chunk``: one byte flipped in one chunk file (``<array>/c...``) of one node of a committed
@@ -1014,7 +1018,7 @@ class Harness:
         its view; then the save's record lands. It is committed: a late record of an overtaken
         run, current until the newer run commits, superseded from then on."""
         _, step, other, other_step, then_delete = act
-        fam, data = st.fam, (token,) * (step + 1)
+        fam, data = st.fam, self._carried(st, step, token)
         if not self._steps_run(st, step):  # its run is fenced already: an ordinary refusal
             try:
                 st.mgr.save(step, blobs_for(fam, data), force=True)
@@ -1042,6 +1046,16 @@ class Harness:
         if then_delete is not None:  # the other manager deletes through that stale view
             self._steps_delete(self.kept[other], self.kept[other].mgr, then_delete,
                                f"{what}: slot {other} after the late save")
+
+    def _carried(self, st: StepsState, step: int, token: int) -> tuple[int, ...]:
+        """The trace a save of ``step`` by ``st``'s manager holds: its last save's carried on
+        when that save is its family's newest (``w`` then differs in a few rows: with delta
+        options the save builds on it, differential), else a trace of its own."""
+        newest = self.model.newest(st.fam)
+        if (newest is None or newest.epoch != st.last or newest.gen != st.run
+                or step <= newest.epoch):
+            return (token,) * (step + 1)
+        return newest.trace + (token,) * (step - newest.epoch)
 
     def _claim_and_fail(self, fam: str, slot: str, step: int, token: int, what: str) -> None:
         """Slot ``slot``'s manager, opened anew: ``save(step, force=True)`` claims a new run and
@@ -1533,6 +1547,11 @@ class Harness:
             committed = sorted({s.epoch for s in model.committed(fam)})
             roll = rng.random()
             if fam == "A" and not retains and rng.random() < 0.1:
+                if rng.random() < 0.5:  # its own save first: the late save builds on it (a
+                    # differential one, with delta options), and the other slot often deletes it
+                    own = min(MAX_EPOCH, (newest if newest is not None else -1) + 1)
+                    acts.append(["save", own, True])
+                    lineage, newest = [own, *lineage], own
                 step = min(MAX_EPOCH, (newest if newest is not None else -1) + rng.randint(1, 2))
                 then = (None if not lineage or rng.random() < 0.3
                         else lineage[0] if rng.random() < 0.6 else rng.choice(lineage))
