@@ -45,6 +45,9 @@ Each sequence (one seed) starts on an empty prefix and applies operations chosen
   save's first node has written its group: a leftover ``gc`` sweeps once no run is live) --
   else it starts a new run from the step it restored, or from the newest lineage step below
   it *on disk now* (so a save above every step on disk continues the newest step on disk);
+  when the manager's own last save is its family's newest, a save above it carries that
+  save's trace on (so with delta options it is often differential: 15 of the 241 node saves
+  of step managers in seeds 3000-3011, against 2 with a trace of its own every time);
   ``restore(k)`` returns the lineage save of k on disk now (``CheckpointNotFoundError`` if it
   was deleted, superseded or never saved); ``delete(k)`` likewise, and is refused with
   ``CheckpointFencedError`` while the manager holds a fenced run. **Stale listings**: as in
@@ -1243,7 +1246,7 @@ class Harness:
             elif kind == "save":
                 step, force = act[1], act[2]
                 newest = model.newest(fam)
-                data = (token + index + 1,) * (step + 1)
+                data = self._carried(st, step, token + index + 1)
                 try:
                     did = mgr.save(step, blobs_for(fam, data), force=force)
                 except CheckpointFencedError as exc:
