@@ -47,7 +47,7 @@ Each sequence (one seed) starts on an empty prefix and applies operations chosen
   it *on disk now* (so a save above every step on disk continues the newest step on disk);
   when the manager's own last save is its family's newest, a save above it carries that
   save's trace on (so with delta options it is often differential: 15 of the 241 node saves
-  of step managers in seeds 3000-3011, against 2 with a trace of its own every time);
+  of step managers in seeds 3000-3011, against 2 when only late saves carried it on);
   ``restore(k)`` returns the lineage save of k on disk now (``CheckpointNotFoundError`` if it
   was deleted, superseded or never saved); ``delete(k)`` likewise, and is refused with
   ``CheckpointFencedError`` while the manager holds a fenced run. **Stale listings**: as in
