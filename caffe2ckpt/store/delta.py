@@ -225,13 +225,14 @@ class DeltaTracker:
             hints, self._hints = self._hints, {}
         try:
             saved = self._saved
-            builds = saved is not None and base is not None and saved.save_id == base
-            later = self._later(blobs, saved if builds else None) if defer else {}
+            if saved is None or base is None or saved.save_id != base:
+                saved = None  # nothing this save may build on: it is whole
+            later = self._later(blobs, saved) if defer else {}
             out = self._measure(blobs, hints, later, defer)
-            if not builds or not stands(saved.ref(self.node)):  # type: ignore[union-attr]
+            if saved is None or not stands(saved.ref(self.node)):
                 out.whole = dict(blobs)
                 return out
-            return _Planner(self, saved, blobs, out).plan()  # type: ignore[arg-type]
+            return _Planner(self, saved, blobs, out).plan()
         except BaseException:
             self._give_back(hints)
             raise
