@@ -7,6 +7,7 @@ Prefect server (PREFECT_API_URL) instead of starting a temporary server of their
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from prefect.client.orchestration import get_client
 from prefect.settings import PREFECT_API_URL
 
 from caffe2ckpt import JobRunner, LocalSession, MultiNodeCheckpointManager
@@ -122,14 +124,30 @@ def test_python_block_runs_as_written(name, tmp_path):
     script = tmp_path / "block.py"
     script.write_text(python_blocks()[name])
     env = {**os.environ, "PYTHONPATH": str(REPO), "PREFECT_API_URL": PREFECT_API_URL.value()}
-    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=240, check=False)
+    with _automations_removed_after():
+        out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=240, check=False)
     assert out.returncode == 0, f"block {name!r} failed:\n{out.stdout}\n{out.stderr}"
     if expected is not None:
         assert expected in out.stdout.splitlines(), (name, out.stdout)
     noise = [line for line in (out.stdout + out.stderr).splitlines()
              if "ERROR" in line or "Traceback" in line]
     assert not noise, f"block {name!r} succeeded but printed errors: {noise}"
+
+
+@contextlib.contextmanager
+def _automations_removed_after():
+    """Delete the automations a block creates on the harness's server when it ends: they would
+    act on the events of every later test of this worker (one in docs/prefect.md starts a
+    deployment run on every fifth epoch any checkpoint commits)."""
+    with get_client(sync_client=True) as client:
+        before = {a.id for a in client.read_automations()}
+        try:
+            yield
+        finally:
+            for automation in client.read_automations():
+                if automation.id not in before:
+                    client.delete_automation(automation.id)
 
 
 def test_the_command_line_block_runs_in_order(tmp_path):
