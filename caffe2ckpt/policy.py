@@ -14,7 +14,7 @@ save it builds on (the previous committed save of the same run). A large blob
 writes one part whole, in turn (a *span*), and the rows of the other parts that changed (a
 *row overlay*); so every row is rewritten at least every ``max_delta_chain + 1`` saves and a
 save needs at most ``max_delta_chain`` older ones. A small blob is written whole when it
-changed, else not at all. Changed rows are found by comparing 8-byte keyed digests of the
+changed or is under 1 KiB, else not at all. Changed rows are found by comparing 8-byte keyed digests of the
 rows with those of the last save (no copy of the data is kept); with
 ``delta_detection="hints"`` the rows named by ``changed_rows=`` of a step save or
 ``Workspace.mark_changed`` in a job's tasks are written as well, and changed rows the hints
@@ -75,8 +75,8 @@ class StepManagerOptions:
     - ``max_delta_fraction`` (above 0, at most 1, default 0.5): a blob whose row overlays in
       the saves it needs would pass this share of its bytes is written whole: a restore never
       reads more than ``1 + max_delta_fraction`` times the blob.
-    - ``delta_min_bytes`` (default 4 MiB): smaller blobs are written whole when they changed,
-      referenced when they did not.
+    - ``delta_min_bytes`` (default 4 MiB): smaller blobs are written whole when they changed
+      (or are under 1 KiB), referenced when they did not.
     - ``delta_detection``: ``"compare"`` (default) finds changed rows by comparing 8-byte keyed
       digests of the rows with the last save's (at most 5% of the blob's memory, no copy;
       2**-64 per changed block, caffe2ckpt.store.rowhash); ``"hints"`` also writes the rows

@@ -13,7 +13,9 @@ the blob at most, never a copy). :meth:`DeltaTracker.plan` chooses per blob
   shape or order changed, a small blob (under ``delta_min_bytes``) that changed or whose copy
   lies more than ``max_delta_chain`` saves back, or a large blob whose overlays would pass
   ``max_delta_fraction`` of its bytes;
-- **same** (nothing written): a small blob bit-identical to the base's (equal digest);
+- **same** (nothing written): a small blob of :data:`INHERIT_MIN_BYTES` or more bit-identical
+  to the base's (equal digest), as long as naming such blobs adds at most
+  :data:`INHERITED_BYTES` to the manifest and record (past that, the smallest are whole);
 - **rows**: a large blob's *span* and *overlay*. Its rows are cut into ``max_delta_chain + 1``
   parts, and the save at depth ``d`` (``d`` saves since the last whole one) writes part
   ``d mod (max_delta_chain + 1)`` whole (the span) and, of the other parts, the rows whose
@@ -67,6 +69,14 @@ __all__ = ["DeltaTracker", "DeltaWrite", "span_rows", "stored_digest"]
 logger = logging.getLogger(__name__)
 
 Info = tuple[str, tuple[int, ...], str]  # a blob's dtype, shape and memory order
+# A small blob under this many bytes is written whole even when unchanged: naming it as
+# inherited (manifest entry with its chain, digest in the record: about 150 bytes or more)
+# would cost about what writing it does, and its restore would read one more group.
+INHERIT_MIN_BYTES = 1024
+# At most this much of a differential save's manifest and record names inherited small blobs
+# (past it, the smallest are written whole): so a differential save's metadata is at most this
+# much larger than a whole save's, and fits whenever a whole save's is 16 MiB under the limit.
+INHERITED_BYTES = 16 << 20
 
 
 def stored_digest(stored: np.ndarray) -> str:
@@ -319,11 +329,14 @@ class _Planner:
         self.spans: dict[str, tuple[int, np.ndarray]] = {}
 
     def plan(self) -> DeltaWrite:
+        kinds: dict[str, tuple[str, list[_Link]]] = {}
         for name, arr in self.blobs.items():
             older = self._older(name)
-            kind = self._kind(name, arr, older)
+            kinds[name] = (self._kind(name, arr, older), older or [])
+        self._name_within_budget(kinds)
+        for name, (kind, older) in kinds.items():
             if kind == "whole":
-                self.out.whole[name] = arr
+                self.out.whole[name] = self.blobs[name]
                 continue
             self.inherited[name] = Inherited(kind, BlobInfo(name, *self.out.infos[name]),
                                              tuple(link.group for link in older))
@@ -348,12 +361,27 @@ class _Planner:
             return "whole"
         if name not in self.out.rows:  # a small blob: its one copy, if unchanged and recent
             same = (self.out.digests[name] == self.saved.digests.get(name)
-                    and len(older) == len(self.saved.links[name]))
+                    and len(older) == len(self.saved.links[name])
+                    and arr.nbytes >= INHERIT_MIN_BYTES)
             return "same" if same else "whole"
         base_rows = self.saved.rows.get(name)
         if base_rows is None or base_rows.shape != self.out.rows[name].shape:
             return "whole"
         return self._rows(name, arr, older, self._changed(name, arr, base_rows))
+
+    def _name_within_budget(self, kinds: dict[str, tuple[str, list[_Link]]]) -> None:
+        """Write whole the smallest of the small blobs planned as "same" while naming them would
+        add more than :data:`INHERITED_BYTES` to the manifest and record (a whole save lists
+        small blobs in compact columns; an inherited one is named with its chain and digest)."""
+        same = [(self.blobs[name].nbytes, name) for name, (kind, _) in kinds.items()
+                if kind == "same" and name not in self.out.rows]
+        costs = {name: _naming_bytes(name, kinds[name][1]) for _, name in same}
+        excess = sum(costs.values()) - INHERITED_BYTES
+        for _, name in sorted(same):
+            if excess <= 0:
+                return
+            kinds[name] = ("whole", kinds[name][1])
+            excess -= costs[name]
 
     def _rows(self, name: str, arr: np.ndarray, older: list[_Link], changed: np.ndarray) -> str:
         """A large blob's span and overlay, unless writing it whole costs less, or its chain's
@@ -406,6 +434,12 @@ def _span_blocks(arr: np.ndarray, parts: int, depth: int, count: int) -> tuple[i
     per = block_rows(arr.nbytes // rows)
     start, stop = span_rows(rows, arr.nbytes // rows, parts, depth)
     return -(-start // per), count if stop == rows else stop // per
+
+
+def _naming_bytes(name: str, chain: list[_Link]) -> int:
+    """At least what naming inherited blob ``name`` adds to a manifest (its name, kind, dtype,
+    shape, order, chain) and a record (its name and digest), as JSON."""
+    return 2 * len(name.encode()) + sum(len(link.group) + 3 for link in chain) + 160
 
 
 def _run_all(calls: list[Callable[[], None]]) -> None:
