@@ -43,6 +43,7 @@ given back.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import threading
@@ -74,8 +75,9 @@ Info = tuple[str, tuple[int, ...], str]  # a blob's dtype, shape and memory orde
 # would cost about what writing it does, and its restore would read one more group.
 INHERIT_MIN_BYTES = 1024
 # At most this much of a differential save's manifest and record names inherited small blobs
-# (past it, the smallest are written whole): so a differential save's metadata is at most this
-# much larger than a whole save's, and fits whenever a whole save's is 16 MiB under the limit.
+# (past it, the smallest are written whole; a whole save lists them in compact columns): so a
+# workspace whose whole save's metadata is this much under the readers' limit (64 MiB) saves
+# differentially too, the large blobs' few spans and overlays aside.
 INHERITED_BYTES = 16 << 20
 
 
@@ -375,7 +377,7 @@ class _Planner:
         small blobs in compact columns; an inherited one is named with its chain and digest)."""
         same = [(self.blobs[name].nbytes, name) for name, (kind, _) in kinds.items()
                 if kind == "same" and name not in self.out.rows]
-        costs = {name: _naming_bytes(name, kinds[name][1]) for _, name in same}
+        costs = {name: _naming_bytes(name, self.blobs[name], kinds[name][1]) for _, name in same}
         excess = sum(costs.values()) - INHERITED_BYTES
         for _, name in sorted(same):
             if excess <= 0:
@@ -436,10 +438,12 @@ def _span_blocks(arr: np.ndarray, parts: int, depth: int, count: int) -> tuple[i
     return -(-start // per), count if stop == rows else stop // per
 
 
-def _naming_bytes(name: str, chain: list[_Link]) -> int:
-    """At least what naming inherited blob ``name`` adds to a manifest (its name, kind, dtype,
-    shape, order, chain) and a record (its name and digest), as JSON."""
-    return 2 * len(name.encode()) + sum(len(link.group) + 3 for link in chain) + 160
+def _naming_bytes(name: str, arr: np.ndarray, chain: list[_Link]) -> int:
+    """No less than what naming inherited blob ``name`` adds to a manifest (its entry: kind,
+    dtype, shape, order, chain; 60 bytes besides those) and a record (its xxh3-128: 38 bytes
+    besides its name), as JSON."""
+    return (2 * len(json.dumps(name)) + len(json.dumps(arr.shape)) + len(arr.dtype.str)
+            + sum(len(json.dumps(link.group)) + 1 for link in chain) + 128)
 
 
 def _run_all(calls: list[Callable[[], None]]) -> None:
