@@ -24,7 +24,7 @@ from caffe2ckpt.units import human_bytes
 from tests.faultfs import FaultyFileSystem
 
 SMALL = 16 << 10  # delta_min_bytes here: the 64 KiB tables below get row overlays
-TINY = 200  # unchanged tiny blobs of a differential epoch (all inherited, packed in the source)
+TINY = 200  # unchanged small blobs of a differential epoch (all inherited, packed in the source)
 
 
 def run(capsys, *argv) -> tuple[int, str, str]:
@@ -66,10 +66,11 @@ def counting(memory_fs):
 
 
 def tiny_blobs_then_one_row(url: str, hint: int | None = None) -> None:
-    """Epoch 0 whole; epoch 1 changes row 5 of a table: TINY unchanged tiny blobs, the table
-    (a row overlay on epoch 0) and an unchanged 1.5 MiB blob (its own array in epoch 0's
-    group) are read through epoch 0. With ``hint``, the rows are hinted: that row."""
-    blobs = {f"tiny/{i}": np.full(4, i, np.float32) for i in range(TINY)}
+    """Epoch 0 whole; epoch 1 changes row 5 of a table: TINY unchanged small blobs (of 1 KiB,
+    the smallest a differential save names as inherited), the table (a row overlay on epoch 0)
+    and an unchanged 1.5 MiB blob (its own array in epoch 0's group) are read through epoch 0.
+    With ``hint``, the rows are hinted: that row."""
+    blobs = {f"tiny/{i}": np.full(256, i, np.float32) for i in range(TINY)}
     blobs["table"] = np.zeros((256, 64), np.float32)
     blobs["frozen"] = np.arange(3 << 17, dtype=np.float32)
     opts = delta_options(delta_detection="compare" if hint is None else "hints")

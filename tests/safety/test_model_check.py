@@ -221,7 +221,9 @@ FAMILIES: dict[str, tuple[str, ...]] = {"A": ("trainer_0", "trainer_1"), "B": ("
 COUNT = "epoch_limiter.0/epochs_done"  # epoch_limiter's checkpointed count (on the first node)
 # family B saves with a layout (its table split by rows, the rest the same on every node), so
 # ``reshard`` operations restore it on other node counts
-LAYOUTS: dict[str, Layout] = {"B": Layout(rows=["w"], replicated=["trace", COUNT])}
+FROZEN = "frozen"  # set at init, never changed: 1,280 bytes (packed), "same" in differential saves
+KEPT = ("trace", "w", COUNT, FROZEN)  # the blobs a family's nodes checkpoint
+LAYOUTS: dict[str, Layout] = {"B": Layout(rows=["w"], replicated=["trace", COUNT, FROZEN])}
 BIG = 425  # rows of 40 float32s (160 bytes: one row digest each) on a family's first node:
 # 68 KB, more than 64 KiB, so stored as an array of its own
 MAX_EPOCH = 40  # keeps sequences cheap
@@ -261,6 +263,11 @@ def _w_of(index: int, trace: tuple[int, ...]) -> np.ndarray:
     return out
 
 
+def _frozen(trace: np.ndarray) -> np.ndarray:
+    """The blob :data:`FROZEN` of a run that started with ``trace[0]``: the same on every node."""
+    return np.full(160, trace[0], np.int64)
+
+
 def changed_rows(index: int, trace: tuple[int, ...]) -> np.ndarray:
     """The rows of ``w`` the last epoch of ``trace`` redrew (what a task's hint says)."""
     rng = np.random.default_rng(zlib.crc32(np.asarray(trace, np.int64).tobytes()) + 7)
@@ -273,7 +280,7 @@ def blobs_for(fam: str, trace: tuple[int, ...]) -> dict[str, dict[str, np.ndarra
     t = np.asarray(trace, dtype=np.int64)
     out = {}
     for i, node in enumerate(FAMILIES[fam]):
-        blobs = {"trace": t, "w": _w(i, t)}
+        blobs = {"trace": t, "w": _w(i, t), FROZEN: _frozen(t)}
         if i == 0:
             blobs[COUNT] = np.array(len(trace) - 1, dtype=np.int64)
         out[node] = blobs
@@ -302,7 +309,7 @@ def diff_blobs(expected: dict[str, dict[str, np.ndarray]],
 def workspace_blobs(session: LocalSession, fam: str) -> dict[str, dict[str, np.ndarray]]:
     """The checkpointed blobs of the family's workspaces (not the stop flag of the epoch)."""
     return {node: {name: np.asarray(value) for name, value in session.workspace(node).items()
-                   if name in ("trace", "w", COUNT)} for node in FAMILIES[fam]}
+                   if name in KEPT} for node in FAMILIES[fam]}
 
 
 def _refuse(*args: Any, **kwargs: Any) -> None:
@@ -546,13 +553,14 @@ def _init(index: int, token: int, ws) -> None:
     trace = np.array([token], dtype=np.int64)
     ws["trace"] = trace
     ws["w"] = _w(index, trace)
+    ws[FROZEN] = _frozen(trace)
 
 
 def _epoch(index: int, node: str, token: int, crash_at: int | None, seen: dict,
            hooks: dict[int, Any], hints: bool, ws) -> None:
     trace = np.asarray(ws["trace"])
     if node not in seen:  # what this run loaded (or initialised)
-        seen[node] = {name: np.array(ws[name]) for name in ws if name in ("trace", "w", COUNT)}
+        seen[node] = {name: np.array(ws[name]) for name in ws if name in KEPT}
     if crash_at is not None and len(trace) == crash_at and index == 0:
         raise Boom(f"injected crash in epoch {crash_at}")
     if index == 0 and len(trace) in hooks:  # in epoch len(trace): SIGTERM, or start gc
@@ -1120,7 +1128,7 @@ class Harness:
         error class: not committed, damaged)."""
         own = self._restore_as(list(FAMILIES["B"]), LAYOUTS["B"], op["epoch"])
         nodes = [f"elastic_{k}" for k in range(op["m"])]
-        layout = Layout(rows=["w"], replicated=["trace", COUNT], partition=op["partition"])
+        layout = Layout(rows=["w"], replicated=["trace", COUNT, FROZEN], partition=op["partition"])
         got = self._restore_as(nodes, layout, op["epoch"])
         if isinstance(own, Exception) or isinstance(got, Exception):
             self.expect(f"reshard of B's step {op['epoch']} on {op['m']} nodes: the error",
@@ -1130,7 +1138,7 @@ class Harness:
         for k, node in enumerate(nodes):
             rows = new_rows(op["partition"], k, len(nodes), len(old["w"]))
             want = {"w": np.ascontiguousarray(old["w"][rows.start:rows.stop:rows.step]),
-                    "trace": old["trace"], COUNT: old[COUNT]}
+                    "trace": old["trace"], COUNT: old[COUNT], FROZEN: old[FROZEN]}
             why = diff_blobs({node: want}, {node: got[node]})
             if why is not None:
                 self.fail(f"reshard of B's step {op['epoch']} on {op['m']} nodes "
