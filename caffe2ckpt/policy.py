@@ -14,8 +14,8 @@ save it builds on (the previous committed save of the same run). A large blob
 writes one part whole, in turn (a *span*), and the rows of the other parts that changed (a
 *row overlay*); so every row is rewritten at least every ``max_delta_chain + 1`` saves and a
 save needs at most ``max_delta_chain`` older ones. A small blob is written whole when it
-changed or is under 1 KiB, else not at all. Changed rows are found by comparing 8-byte keyed digests of the
-rows with those of the last save (no copy of the data is kept); with
+changed or is under 1 KiB, else not at all. Changed rows are found by comparing 8-byte keyed
+digests of the rows with those of the last save (no copy of the data is kept); with
 ``delta_detection="hints"`` the rows named by ``changed_rows=`` of a step save or
 ``Workspace.mark_changed`` in a job's tasks are written as well, and changed rows the hints
 missed are still found, written and reported. A blob whose overlays would reach

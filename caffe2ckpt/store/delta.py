@@ -15,7 +15,8 @@ the blob at most, never a copy). :meth:`DeltaTracker.plan` chooses per blob
   ``max_delta_fraction`` of its bytes;
 - **same** (nothing written): a small blob of :data:`INHERIT_MIN_BYTES` or more bit-identical
   to the base's (equal digest), as long as naming such blobs adds at most
-  :data:`INHERITED_BYTES` to the manifest and record (past that, the smallest are whole);
+  :data:`INHERITED_BYTES` to the manifest and record (past that, the smallest are written
+  whole);
 - **rows**: a large blob's *span* and *overlay*. Its rows are cut into ``max_delta_chain + 1``
   parts, and the save at depth ``d`` (``d`` saves since the last whole one) writes part
   ``d mod (max_delta_chain + 1)`` whole (the span) and, of the other parts, the rows whose
