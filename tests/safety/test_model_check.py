@@ -173,7 +173,7 @@ import time
 import traceback
 import uuid
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache, partial
 from typing import Any
 
@@ -1128,7 +1128,7 @@ class Harness:
         error class: not committed, damaged)."""
         own = self._restore_as(list(FAMILIES["B"]), LAYOUTS["B"], op["epoch"])
         nodes = [f"elastic_{k}" for k in range(op["m"])]
-        layout = Layout(rows=["w"], replicated=["trace", COUNT, FROZEN], partition=op["partition"])
+        layout = replace(LAYOUTS["B"], partition=op["partition"])
         got = self._restore_as(nodes, layout, op["epoch"])
         if isinstance(own, Exception) or isinstance(got, Exception):
             self.expect(f"reshard of B's step {op['epoch']} on {op['m']} nodes: the error",
