@@ -443,8 +443,15 @@ def _naming_bytes(name: str, arr: np.ndarray, chain: list[_Link]) -> int:
     """No less than what naming inherited blob ``name`` adds to a manifest (its entry: kind,
     dtype, shape, order, chain; 60 bytes besides those) and a record (its xxh3-128: 38 bytes
     besides its name), as JSON."""
-    return (2 * len(json.dumps(name)) + len(json.dumps(arr.shape)) + len(arr.dtype.str)
-            + sum(len(json.dumps(link.group)) + 1 for link in chain) + 128)
+    return (2 * _json_len(name) + sum(len(str(d)) + 2 for d in arr.shape) + 2
+            + len(arr.dtype.str) + sum(_json_len(link.group) + 1 for link in chain) + 128)
+
+
+def _json_len(text: str) -> int:
+    """The length of ``text`` as a JSON string (as :func:`json.dumps` writes it)."""
+    if text.isascii() and text.isprintable() and '"' not in text and "\\" not in text:
+        return len(text) + 2  # nothing to escape: the common case, without encoding it
+    return len(json.dumps(text))
 
 
 def _run_all(calls: list[Callable[[], None]]) -> None:

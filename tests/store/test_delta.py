@@ -760,3 +760,11 @@ def test_a_delta_names_at_most_a_bounded_set_of_small_blobs(tmp_path, monkeypatc
     sizes = [len(store.location.read_bytes(store.location.path(r.group, "zarr.json")))
              for r in records]
     assert max(sizes[1:]) <= sizes[0] + 4000, sizes
+
+
+@pytest.mark.parametrize("text", ["layer0/bias", 'a"b', "a\\b", "tab\tx", "\x7f", "é", "日本",
+                                  "😀", ""])
+def test_the_naming_cost_counts_a_name_as_json_writes_it(text):
+    """The budget of inherited small blobs is an upper bound only if each name is counted as
+    long as the manifest and record write it (escapes and non-ASCII included)."""
+    assert delta._json_len(text) == len(json.dumps(text))
