@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import psutil
 import pytest
 import yaml
 
@@ -26,21 +27,37 @@ from caffe2ckpt.prefect import artifact_key
 from caffe2ckpt.store.protocol import CheckpointStore
 from caffe2ckpt.store.records import list_records, read_record
 from tests import prefectdb
-from tests.procs import free_port, stop_tree
+from tests.procs import free_port, stop_tree, tree
 from tests.stores import load, newest_epoch, records_at
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
-EPOCHS = 10  # the kill comes after epoch 3: the first attempt cannot finish first
+# the kill comes at epoch 3 or a little after (polled every 0.1 s): on the 2-core machine of
+# 2026-12-06 ten epochs took 0.3 s, and with 10 the first attempt finished before its kill
+EPOCHS = 40
 NIGHTLY_EPOCHS = 4  # the scheduled run's epochs_per_run (prefect.yaml's 10, made shorter)
 # one client for the test's many polls (httpx.get makes a client, and a TLS context, per call)
 HTTP = httpx.Client()
 
 
-def wait_for(check, timeout: float, what: str):
-    """``check()``'s first true result. A request to the server that times out or is refused
-    counts as "not yet": the SQLite-backed server stalls for seconds on a loaded machine."""
+def flow_processes(worker: subprocess.Popen) -> list[psutil.Process]:
+    """The flow run processes (``python -m prefect.engine``) under ``worker`` still running."""
+    running = []
+    for proc in tree(worker.pid):
+        try:
+            if (proc.status() != psutil.STATUS_ZOMBIE
+                    and "prefect.engine" in " ".join(proc.cmdline())):
+                running.append(proc)
+        except psutil.NoSuchProcess:
+            pass
+    return running
+
+
+def wait_for(check, timeout: float, what: str, every: float = 0.5):
+    """``check()``'s first true result, asked every ``every`` seconds. A request to the server
+    that times out or is refused counts as "not yet": the SQLite-backed server stalls for
+    seconds on a loaded machine."""
     deadline = time.monotonic() + timeout
     last_error = None
     while time.monotonic() < deadline:
@@ -50,7 +67,7 @@ def wait_for(check, timeout: float, what: str):
             result, last_error = None, exc
         if result:
             return result
-        time.sleep(0.5)
+        time.sleep(every)
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}"
                          + (f" (last request error: {last_error!r})" if last_error else ""))
 
@@ -155,9 +172,11 @@ def test_deploy_kill_and_automatic_retry(server, tmp_path):
             refs = [r for r in list_records(location) if r.epoch >= minimum]
             return refs[-1] if refs else None
 
-        ref = wait_for(lambda: committed_epoch(3), 120, "epoch 3 to be committed")
+        ref = wait_for(lambda: committed_epoch(3), 120, "epoch 3 to be committed", every=0.1)
         victim = read_record(location, ref).writer["pid"]
         os.kill(victim, signal.SIGKILL)
+        killed_after = committed_epoch(0).epoch  # no epoch after it commits: the process is gone
+        assert killed_after < EPOCHS, f"the first attempt finished (epoch {killed_after}) first"
 
         def final_state():
             run = HTTP.get(f"{api}/flow_runs/{run_id}", timeout=30).json()
@@ -165,6 +184,10 @@ def test_deploy_kill_and_automatic_retry(server, tmp_path):
 
         run = wait_for(final_state, 240, "the retried flow run to complete")
         scheduled = wait_for(lambda: scheduled_run(api), 240, "the scheduled run to complete")
+        # a flow process sends its last batch of logs (every 2 s) as it exits, after its run is
+        # Completed: stopping the worker stops it too, so let each end on its own first (a
+        # retry that resumed at epoch 6 and completed 1 s later lost its "Resuming" line)
+        wait_for(lambda: not flow_processes(worker), 60, "the flow run processes to exit")
     finally:
         stop_tree(worker)
         worker_log.close()
