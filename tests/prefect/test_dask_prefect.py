@@ -166,14 +166,19 @@ def test_a_node_lost_in_the_final_save_fails_the_flow_run_and_the_retry_resumes(
     marker.touch()
     dask_client.run(die_before_commit, str(marker))  # trainer_1, epoch 3: the final epoch
     attempts: list[tuple[int, str]] = []
+    # what the attempt that completed returned, kept here rather than read from the final
+    # state: in one CI run of 5 (2026-12-06) that state came back Completed without its data
+    # (``state.result()``: MissingResult, as for a state the server sent back; cause not found)
+    returned: list[tuple[int, int | None, list[int], list[int]]] = []
 
     @flow(name="dask-final-save", retries=1, retry_delay_seconds=0)
-    def retrying() -> tuple[int, int | None, list[int], list[int]]:
+    def retrying() -> None:
         try:
             with DaskSession(dask_client) as nodes:
                 runner = JobRunner(build_job(3), MultiNodeCheckpointManager(url))
                 final = runner.train(PrefectSession(nodes=nodes))
-                return final, runner.resumed_from, runner.saved_epochs, runner.failed_saves
+                returned.append((final, runner.resumed_from, runner.saved_epochs,
+                                 runner.failed_saves))
         except Exception as exc:
             attempts.append((flow_run.run_count, repr(exc)))
             raise
@@ -185,7 +190,7 @@ def test_a_node_lost_in_the_final_save_fails_the_flow_run_and_the_retry_resumes(
     assert not marker.exists()  # the kill happened
     assert len(attempts) == 1 and "NodeLostError" in attempts[0][1], attempts
     assert "trainer_1" in attempts[0][1], attempts
-    assert state.is_completed() and state.result() == (3, 2, [3], []), state
+    assert state.is_completed() and returned == [(3, 2, [3], [])], (state, returned)
     assert newest_epoch(CheckpointStore(Location(url)), NODES) == 3
 
 
