@@ -245,7 +245,7 @@ class DeltaTracker:
             if saved is None or not stands(saved.ref(self.node)):
                 out.whole = dict(blobs)
                 return out
-            return _Planner(self, saved, blobs, out).plan()
+            return _Planner(self, saved, blobs, out, copy_spans=not defer).plan()
         except BaseException:
             self._give_back(hints)
             raise
@@ -322,8 +322,9 @@ class _Planner:
     """One differential plan (:meth:`DeltaTracker.plan`)."""
 
     def __init__(self, tracker: DeltaTracker, saved: _Saved, blobs: dict[str, np.ndarray],
-                 out: DeltaWrite) -> None:
+                 out: DeltaWrite, copy_spans: bool) -> None:
         self.tracker, self.saved, self.blobs, self.out = tracker, saved, blobs, out
+        self.copy_spans = copy_spans  # an async save writes them while the workspace moves on
         self.options = tracker.options
         self.depth = saved.depth + 1
         self.oldest = self.depth - self.options.max_delta_chain  # of the groups a chain keeps
@@ -402,8 +403,10 @@ class _Planner:
         if ids.size:
             self.overlays[name] = (ids, arr[ids])
             self.out.overlay_bytes[name] = overlay
-        if stop > start:  # a copy: an async save writes it while the workspace moves on
-            self.spans[name] = (start, arr[start:stop].copy(order="C"))
+        if stop > start:  # a view when the save writes before it returns
+            span = arr[start:stop]
+            self.spans[name] = (start, span.copy(order="C") if self.copy_spans
+                                else np.ascontiguousarray(span))
         return "rows" if ids.size or stop > start else "same"
 
     def _changed(self, name: str, arr: np.ndarray, base_rows: np.ndarray) -> np.ndarray:
