@@ -20,6 +20,8 @@ rotating order:
 - **whole**: ``StepCheckpointManager.save`` without deltas;
 - **hints**: ``delta_saves=True, delta_detection="hints"`` with the changed rows given;
 - **compare**: ``delta_saves=True`` (changed rows found by row digests);
+- **compare, numpy digests** (when the ``fast`` extra's numba kernel is in use): the same, its
+  row digests computed by the numpy kernel instead, for the two kernels side by side;
 - **zarr in place** (the first ``--zarr-epochs`` epochs, local only): the touched chunks of a
   plain Zarr array (the table, ``--zarr-rows`` rows per chunk, zarr-python's own write path)
   rewritten, plus the small blobs rewritten whole.
@@ -62,6 +64,7 @@ from bench_checkpoint import drop_caches  # noqa: E402
 
 import caffe2ckpt  # noqa: E402
 from caffe2ckpt import StepCheckpointManager, StepManagerOptions  # noqa: E402
+from caffe2ckpt.store import rowhash  # noqa: E402
 
 NODE = "trainer_0"
 CHANGED = 0.05
@@ -172,6 +175,8 @@ class Run:
             "hints": self._mgr("hints", delta_options(args, delta_detection="hints")),
             "compare": self._mgr("compare", delta_options(args)),
         }
+        if rowhash.kernel()[0] != "numpy":
+            self.mgrs[NUMPY] = self._mgr("compare-numpy", delta_options(args))
         self.chain = self.mgrs["compare"].options.max_delta_chain
         self.zarr = None
         self.zarr_rows, self.zarr_epochs = args.zarr_rows, args.zarr_epochs
@@ -209,7 +214,8 @@ def measure(run: Run, work: E1, epochs: int) -> tuple[dict[str, list[dict]], lis
     restores = []
     wire = _wire(run.server)
     for method, mgr in run.mgrs.items():
-        seconds, _ = _timed(lambda m=mgr: m.save(0, {NODE: blobs}))
+        with digests_for(method):
+            seconds, _ = _timed(lambda m=mgr: m.save(0, {NODE: blobs}))
         saves[method].append({"epoch": 0, "seconds": seconds,
                               "bytes": float(_record(mgr, 0).bytes_written)})
     if run.server is None and run.zarr_epochs:
@@ -237,8 +243,27 @@ def _save(run: Run, method: str, epoch: int, blobs: dict[str, np.ndarray],
         return run.zarr.save(blobs, rows)
     hints = {NODE: {"table": rows}} if method == "hints" else None
     mgr = run.mgrs[method]
-    mgr.save(epoch, {NODE: blobs}, changed_rows=hints)
+    with digests_for(method):
+        mgr.save(epoch, {NODE: blobs}, changed_rows=hints)
     return _record(mgr, epoch).bytes_written
+
+
+NUMPY = "compare, numpy digests"
+
+
+@contextlib.contextmanager
+def digests_for(method: str):
+    """For :data:`NUMPY`, row digests computed by the numpy kernel meanwhile (the same
+    digests, slower); else the kernel in use."""
+    if method != NUMPY:
+        yield
+        return
+    chosen = rowhash.kernel
+    rowhash.kernel = lambda: ("numpy", rowhash.numpy_multilinear)
+    try:
+        yield
+    finally:
+        rowhash.kernel = chosen
 
 
 RESTORES = 3  # restores of each epoch from each prefix (alternating, cold): their medians
@@ -328,7 +353,8 @@ def restore_memory(url: str) -> dict[str, float]:
 def report(args, saves, restores, run: Run, full_bytes: int, memory) -> None:
     where = "local disk" if run.server is None else f"S3 ({run.server.where})"
     print(f"\n## E1: table {args.rows:,} x 64 float32 ({full_bytes / (1 << 20):.1f} MiB in all), "
-          f"{args.dist}, {args.epochs} epochs, max_delta_chain={run.chain}, on {where}")
+          f"{args.dist}, {args.epochs} epochs, max_delta_chain={run.chain}, on {where}; row "
+          f"digests by {rowhash.kernel()[0]}")
     report_saves(saves, run, full_bytes)
     report_restores(restores)
     if memory:
@@ -343,21 +369,29 @@ def report_saves(saves, run: Run, full_bytes: int) -> None:
           "largest save |" + (" requests (median) | most | LIST |" if s3 else ""))
     print("|---|---|---|---|---|---|---|---|" + ("---|---|---|" if s3 else ""))
     for method, rows in saves.items():
-        later = [r for r in rows if r["epoch"] > 0]
-        ratio = statistics.median(r["seconds"] / whole[r["epoch"]]["seconds"] for r in later)
-        nbytes = statistics.median(r["bytes"] for r in later)
-        full = method != "zarr in place"
-        average = sum(r["bytes"] for r in later) / len(later) / full_bytes
-        with0 = sum(r["bytes"] for r in rows) / len(rows) / full_bytes if full else None
-        largest = max(r["bytes"] for r in later) / full_bytes
-        extra = (f" {statistics.median(r['requests'] for r in later):.0f} | "
-                 f"{max(r['requests'] for r in later):.0f} | "
-                 f"{max(r['lists'] for r in later):.0f} |" if s3 and "requests" in later[0]
-                 else (" | | |" if s3 else ""))
-        print(f"| {method} | {statistics.median(r['seconds'] for r in later):.3f} | "
-              f"{ratio:.2f} | {nbytes / (1 << 20):.2f} MiB | {nbytes / full_bytes:.4f} | "
-              f"{average:.4f} ({len(later)} epochs) | "
-              f"{'' if with0 is None else f'{with0:.4f}'} | {largest:.4f} |{extra}")
+        print(_save_row(method, rows, whole, full_bytes, s3))
+
+
+def _save_row(method: str, rows: list[dict], whole: dict, full_bytes: int, s3: bool) -> str:
+    later = [r for r in rows if r["epoch"] > 0]
+    ratio = statistics.median(r["seconds"] / whole[r["epoch"]]["seconds"] for r in later)
+    nbytes = statistics.median(r["bytes"] for r in later)
+    full = method != "zarr in place"
+    average = sum(r["bytes"] for r in later) / len(later) / full_bytes
+    with0 = sum(r["bytes"] for r in rows) / len(rows) / full_bytes if full else None
+    largest = max(r["bytes"] for r in later) / full_bytes
+    return (f"| {method} | {statistics.median(r['seconds'] for r in later):.3f} | "
+            f"{ratio:.2f} | {nbytes / (1 << 20):.2f} MiB | {nbytes / full_bytes:.4f} | "
+            f"{average:.4f} ({len(later)} epochs) | "
+            f"{'' if with0 is None else f'{with0:.4f}'} | {largest:.4f} |"
+            f"{_requests(later) if s3 else ''}")
+
+
+def _requests(later: list[dict]) -> str:
+    if "requests" not in later[0]:
+        return " | | |"
+    return (f" {statistics.median(r['requests'] for r in later):.0f} | "
+            f"{max(r['requests'] for r in later):.0f} | {max(r['lists'] for r in later):.0f} |")
 
 
 def report_restores(restores) -> None:

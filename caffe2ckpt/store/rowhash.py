@@ -17,10 +17,15 @@ drawn from the operating system's randomness when a :class:`RowHasher` is made (
 process), live only in memory and are never stored, so no data can be chosen to collide.
 Blocks wider than :data:`MAX_WORDS` words (about 16 KiB) are hashed with seeded XXH3-64 instead
 (fast for few wide blocks; a well-tested hash with no proven bound).
+
+The sums are computed by numba-compiled code (:mod:`caffe2ckpt.store.rowjit`) when the ``fast``
+extra is installed, else by numpy: the same digests, about 4x faster compiled (:func:`kernel`).
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import secrets
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -28,7 +33,10 @@ from typing import Any
 import numpy as np
 import xxhash
 
-__all__ = ["BLOCK_BYTES", "MAX_WORDS", "RowHasher", "block_rows"]
+__all__ = ["BLOCK_BYTES", "MAX_WORDS", "RowHasher", "block_rows", "kernel"]
+
+_log = logging.getLogger(__name__)
+Kernel = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], None]
 
 BLOCK_BYTES = 160  # 8 bytes of digest per 160 bytes of blob: 5%
 MAX_WORDS = 4096  # widest block hashed with the multilinear family (keys: 64 KiB per width)
@@ -91,19 +99,11 @@ class RowHasher:
         if words.shape[1] > MAX_WORDS:
             yield lambda: out.__setitem__(slice(None), self._wide(blocks))
             return
-        keys = self._keys_for(words.shape[1])
+        keys, multilinear = self._keys_for(words.shape[1]), kernel()[1]
         batch = max(1, _BATCH_BYTES // (8 * words.shape[1]))
         for start in range(0, count, batch):
-            yield lambda s=start: self._multilinear(words[s:s + batch], keys, out[s:s + batch])
-
-    def _multilinear(self, words: np.ndarray, keys: np.ndarray, out: np.ndarray) -> None:
-        wide = words.astype(np.uint64)
-        # wraps modulo 2**64, as the family needs. einsum's integer loop (keys as 2 rows) beats
-        # ``wide @ keys``: 0.7 ms against 1.25 ms a 4 MiB batch, a 256 MiB table's digests 117
-        # ms against 156 ms on 2 cores (numpy 2.4; tests/store/test_rowhash.py checks the sums)
-        sums = np.einsum("ij,kj->ik", wide, keys)
-        sums += self._offsets
-        out[:] = ((sums[:, 0] >> _HIGH) << _HIGH) | (sums[:, 1] >> _HIGH)
+            yield lambda s=start: multilinear(words[s:s + batch], keys, self._offsets,
+                                              out[s:s + batch])
 
     def _wide(self, blocks: np.ndarray) -> np.ndarray:
         return np.fromiter((xxhash.xxh3_64_intdigest(memoryview(np.ascontiguousarray(b)),
@@ -116,6 +116,38 @@ class RowHasher:
             keys = self._keys[words] = self._rng.integers(0, 2**64, (2, words), np.uint64,
                                                           endpoint=False)
         return keys
+
+
+@functools.cache
+def kernel() -> tuple[str, Kernel]:
+    """The multilinear kernel this process uses, and its name: ``"numba"`` when the ``fast``
+    extra imports, else ``"numpy"`` (both compute :func:`numpy_multilinear`'s sums)."""
+    try:
+        from caffe2ckpt.store.rowjit import multilinear
+    except ModuleNotFoundError as exc:
+        if exc.name != "numba":
+            raise
+        _log.info("row digests computed with numpy: `pip install 'caffe2ckpt[fast]'` (numba) "
+                  "computes them about 4x faster")
+        return "numpy", numpy_multilinear
+    except Exception as exc:  # noqa: BLE001 (e.g. a numba release that does not fit this numpy)
+        _log.warning("row digests fall back to numpy: numba is installed but failed to "
+                     "import (%s: %s)", type(exc).__name__, exc)
+        return "numpy", numpy_multilinear
+    return "numba", multilinear
+
+
+def numpy_multilinear(words: np.ndarray, keys: np.ndarray, offsets: np.ndarray,
+                      out: np.ndarray) -> None:
+    """``out[i]``: the two halves' top 32 bits of ``offsets[h] + sum(keys[h] * words[i])``
+    modulo 2**64, for each row ``i`` of ``words`` (numpy releases the GIL in it)."""
+    wide = words.astype(np.uint64)
+    # wraps modulo 2**64, as the family needs. einsum's integer loop (keys as 2 rows) beats
+    # ``wide @ keys``: 0.7 ms against 1.25 ms a 4 MiB batch, a 256 MiB table's digests 117
+    # ms against 156 ms on 2 cores (numpy 2.4; tests/store/test_rowhash.py checks the sums)
+    sums = np.einsum("ij,kj->ik", wide, keys)
+    sums += offsets
+    out[:] = ((sums[:, 0] >> _HIGH) << _HIGH) | (sums[:, 1] >> _HIGH)
 
 
 def _words(blocks: np.ndarray) -> np.ndarray:

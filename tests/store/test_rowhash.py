@@ -5,11 +5,42 @@ hashed or lose the modular wrap the bound relies on."""
 
 from __future__ import annotations
 
+import logging
+import sys
+import types
+
 import numpy as np
 import pytest
 
 from caffe2ckpt.store import rowhash
 from caffe2ckpt.store.rowhash import BLOCK_BYTES, RowHasher, block_rows
+
+KERNELS = {
+    "numpy": lambda: rowhash.numpy_multilinear,
+    # the `fast` extra, which the test extra installs: CI checks the compiled kernel too
+    "numba": lambda: pytest.importorskip("caffe2ckpt.store.rowjit").multilinear,
+}
+
+
+def test_the_fast_extra_is_the_kernel_in_use():
+    assert rowhash.kernel()[0] == "numba", "the test extra installs numba (the `fast` extra)"
+
+
+@pytest.mark.parametrize(("numba", "level", "says"), [
+    (None, logging.INFO, "pip install 'caffe2ckpt[fast]'"),  # not installed
+    (types.ModuleType("numba"), logging.WARNING, "numba is installed but failed to import"),
+], ids=["missing", "broken"])
+def test_without_a_usable_numba_the_digests_fall_back_to_numpy_saying_why(
+        numba, level, says, monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "numba", numba)
+    monkeypatch.delitem(sys.modules, "caffe2ckpt.store.rowjit", raising=False)
+    rowhash.kernel.cache_clear()
+    try:
+        with caplog.at_level(logging.INFO, logger=rowhash.__name__):
+            assert rowhash.kernel() == ("numpy", rowhash.numpy_multilinear)
+    finally:
+        rowhash.kernel.cache_clear()
+    assert [r.levelno for r in caplog.records] == [level] and says in caplog.text
 
 
 def reference(hasher: RowHasher, stored: np.ndarray) -> list[int]:
@@ -36,8 +67,10 @@ def reference(hasher: RowHasher, stored: np.ndarray) -> list[int]:
     (np.uint8, (77, 7)),  # 7-byte rows: bytes
     (np.float64, (9,)),  # 8-byte rows of a vector
 ], ids=lambda v: getattr(v, "__name__", str(v)))
-def test_digests_are_the_multilinear_family(dtype, shape, monkeypatch):
+@pytest.mark.parametrize("kernel", ["numpy", "numba"])
+def test_digests_are_the_multilinear_family(dtype, shape, kernel, monkeypatch):
     monkeypatch.setattr(rowhash, "_BATCH_BYTES", 1024)  # several batches, a partial last one
+    monkeypatch.setattr(rowhash, "kernel", lambda: (kernel, KERNELS[kernel]()))
     rng = np.random.default_rng(7)
     stored = (rng.random(shape) * 1000).astype(dtype)
     hasher = RowHasher(seed=11)
