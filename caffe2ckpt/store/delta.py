@@ -233,7 +233,9 @@ class DeltaTracker:
         what only the record and the next save need is left for later (:meth:`DeltaWrite.start`
         runs it while the save's data is made durable, :meth:`DeltaWrite.settle` before the
         record): the large blobs' xxh3, and the digests of the rows this save writes whole (its
-        span, with ``compare``; every row, when the save is whole)."""
+        span, with ``compare``; every row, when the save is whole); and the plan's spans are
+        views of ``blobs``, not copies: ``blobs`` must not change until the save returns, as in
+        any save that writes before it returns."""
         with self._lock:
             hints, self._hints = self._hints, {}
         try:
@@ -405,8 +407,7 @@ class _Planner:
             self.out.overlay_bytes[name] = overlay
         if stop > start:  # a view when the save writes before it returns
             span = arr[start:stop]
-            self.spans[name] = (start, span.copy(order="C") if self.copy_spans
-                                else np.ascontiguousarray(span))
+            self.spans[name] = (start, span.copy(order="C") if self.copy_spans else span)
         return "rows" if ids.size or stop > start else "same"
 
     def _changed(self, name: str, arr: np.ndarray, base_rows: np.ndarray) -> np.ndarray:
@@ -463,8 +464,8 @@ def _run_all(calls: list[Callable[[], None]]) -> None:
 
 
 def _on_threads(calls: list[Callable[[], None]]) -> None:
-    """Run ``calls`` on the I/O threads (numpy releases the GIL in them), raising the first
-    failure once all have ended."""
+    """Run ``calls`` on the I/O threads (numpy and numba release the GIL in them), raising the
+    first failure once all have ended."""
     results([pool().submit(call) for call in calls])
 
 

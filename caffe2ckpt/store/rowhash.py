@@ -63,7 +63,7 @@ class RowHasher:
                     call() for call in calls]) -> np.ndarray:
         """The digest (uint64) of every block of rows of ``stored`` (C-contiguous, at least
         one axis), in order: ``ceil(rows / block_rows)`` of them. ``run(calls)`` runs the
-        calls of one batch of blocks each (numpy releases the GIL in them: give it threads)."""
+        calls of one batch of blocks each (both kernels release the GIL: give it threads)."""
         out = np.empty(self.count(stored), np.uint64)
         run(self.calls(stored, out, 0, out.size))
         return out
@@ -123,18 +123,26 @@ def kernel() -> tuple[str, Kernel]:
     """The multilinear kernel this process uses, and its name: ``"numba"`` when the ``fast``
     extra imports, else ``"numpy"`` (both compute :func:`numpy_multilinear`'s sums)."""
     try:
-        from caffe2ckpt.store.rowjit import multilinear
+        from caffe2ckpt.store.rowjit import multilinear, warm_up
+
+        warm_up()  # compiles (or loads) each word width now: a failure falls back here
     except ModuleNotFoundError as exc:
+        if (exc.name or "").partition(".")[0] == "caffe2ckpt":
+            raise  # our own module missing is a broken install, not a missing extra
         if exc.name != "numba":
-            raise
+            return _fall_back(exc)  # numba is there, but not what it needs (llvmlite...)
         _log.info("row digests computed with numpy: `pip install 'caffe2ckpt[fast]'` (numba) "
                   "computes them about 4x faster")
         return "numpy", numpy_multilinear
     except Exception as exc:  # noqa: BLE001 (e.g. a numba release that does not fit this numpy)
-        _log.warning("row digests fall back to numpy: numba is installed but failed to "
-                     "import (%s: %s)", type(exc).__name__, exc)
-        return "numpy", numpy_multilinear
+        return _fall_back(exc)
     return "numba", multilinear
+
+
+def _fall_back(exc: BaseException) -> tuple[str, Kernel]:
+    _log.warning("row digests fall back to numpy: numba is installed but failed to import or "
+                 "compile (%s: %s)", type(exc).__name__, exc)
+    return "numpy", numpy_multilinear
 
 
 def numpy_multilinear(words: np.ndarray, keys: np.ndarray, offsets: np.ndarray,
@@ -143,8 +151,8 @@ def numpy_multilinear(words: np.ndarray, keys: np.ndarray, offsets: np.ndarray,
     modulo 2**64, for each row ``i`` of ``words`` (numpy releases the GIL in it)."""
     wide = words.astype(np.uint64)
     # wraps modulo 2**64, as the family needs. einsum's integer loop (keys as 2 rows) beats
-    # ``wide @ keys``: 0.7 ms against 1.25 ms a 4 MiB batch, a 256 MiB table's digests 117
-    # ms against 156 ms on 2 cores (numpy 2.4; tests/store/test_rowhash.py checks the sums)
+    # ``wide @ keys`` (a 256 MiB table's digests 117 ms against 156 ms on the 2 cores of
+    # 2026-12-01, numpy 2.4; 48-50 ms on those of 2026-12-06, where numba takes 11.5 ms)
     sums = np.einsum("ij,kj->ik", wide, keys)
     sums += offsets
     out[:] = ((sums[:, 0] >> _HIGH) << _HIGH) | (sums[:, 1] >> _HIGH)

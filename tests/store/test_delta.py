@@ -331,6 +331,27 @@ def test_a_base_deleted_while_a_delta_is_written_takes_its_record_back(prefix):
     assert tracker.plan(later.save_id, model.blobs, store.has_record).layout is None
 
 
+@pytest.mark.parametrize("defer", [True, False], ids=["synchronous", "asynchronous"])
+def test_a_synchronous_save_writes_its_spans_from_the_workspace_an_async_one_copies_them(
+        tmp_path, defer):
+    """A save that writes before it returns needs no copy of its spans; one that writes while
+    the workspace moves on does (and then restores what it was given, tested elsewhere)."""
+    store, model = open_store(str(tmp_path)), Model()
+    info = SaveInfo(save_id=new_save_id(runs.claim(store.location, nodes=["n0"],
+                                                   parent=None).generation), nodes=["n0"])
+    tracker = DeltaTracker("n0", options())
+    plan = tracker.plan(None, model.blobs, store.has_record, defer=defer)
+    store.save_node("n0", 0, plan.whole, info, plan)
+    tracker.committed(plan)
+    model.step()
+    plan = tracker.plan(info.save_id, model.blobs, store.has_record, defer=defer)
+    spans = plan.layout.spans
+    assert sorted(spans) == ["big_endian", "emb/table", "fortran", "names"]
+    assert {name: np.shares_memory(span, model.blobs[name]) for name, (_, span) in
+            spans.items()} == dict.fromkeys(spans, defer)
+    plan.abandon()
+
+
 def test_gc_keeps_every_chain_a_kept_step_needs_and_sweeps_the_rest(prefix, capsys):
     model, states = Model(), {}
     with StepCheckpointManager(prefix, options=options(max_delta_chain=2),

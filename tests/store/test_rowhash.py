@@ -6,6 +6,7 @@ hashed or lose the modular wrap the bound relies on."""
 from __future__ import annotations
 
 import logging
+import subprocess
 import sys
 import types
 
@@ -28,7 +29,7 @@ def test_the_fast_extra_is_the_kernel_in_use():
 
 @pytest.mark.parametrize(("numba", "level", "says"), [
     (None, logging.INFO, "pip install 'caffe2ckpt[fast]'"),  # not installed
-    (types.ModuleType("numba"), logging.WARNING, "numba is installed but failed to import"),
+    (types.ModuleType("numba"), logging.WARNING, "numba is installed but failed"),
 ], ids=["missing", "broken"])
 def test_without_a_usable_numba_the_digests_fall_back_to_numpy_saying_why(
         numba, level, says, monkeypatch, caplog):
@@ -41,6 +42,17 @@ def test_without_a_usable_numba_the_digests_fall_back_to_numpy_saying_why(
     finally:
         rowhash.kernel.cache_clear()
     assert [r.levelno for r in caplog.records] == [level] and says in caplog.text
+
+
+def test_a_numba_without_what_it_imports_falls_back_too():
+    """numba installed, its llvmlite not importable (in a process of its own: a failed import
+    of numba would leave half of it in this one)."""
+    code = ("import logging, sys; sys.modules['llvmlite'] = None; logging.basicConfig(); "
+            "from caffe2ckpt.store import rowhash; print(rowhash.kernel()[0])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stdout.split() == ["numpy"]
+    assert "fall back to numpy" in out.stderr and "llvmlite" in out.stderr, out.stderr
 
 
 def reference(hasher: RowHasher, stored: np.ndarray) -> list[int]:
