@@ -130,7 +130,7 @@ def instrumented(clock: Clock):
         (protocol, "write_arrays", "write"), (Location, "make_durable", "flush"),
         (protocol.runs, "check_fence", "fence"), (protocol, "write_record", "record"),
         (protocol.CheckpointStore, "manifest", "manifest"),
-        (groupread, "_destinations", "allocate"), (groupread, "_run_bounded", "read"),
+        (groupread, "_destinations", "allocate"), (groupread, "run_reads", "read"),
         (groupread, "_restored", "unpack"),
         (zarrgroup, "_write_chunk", "chunk writes"), (groupread, "_read_chunk", "chunk reads"),
         (localio, "_flush_file", "file flushes"), (localio, "_flush_dir", "directory fsyncs"),

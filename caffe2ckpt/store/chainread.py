@@ -21,7 +21,6 @@ epoch, blob and the group, never wrong data.
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -41,11 +40,11 @@ from caffe2ckpt.store.groupread import (
     read_arrays,
     read_node,
     restored,
-    row_reads,
-    run_reads,
+    row_calls,
 )
 from caffe2ckpt.store.manifest import PACKED_ARRAY, BlobInfo, Manifest, stored_spec
 from caffe2ckpt.store.records import CommitRecord
+from caffe2ckpt.store.rounds import Rounds
 from caffe2ckpt.store.zarrgroup import GROUP_FILE, stored_form
 
 if TYPE_CHECKING:
@@ -94,9 +93,10 @@ def read_chained(store: CheckpointStore, record: CommitRecord, manifest: Manifes
                  ) -> dict[str, np.ndarray]:
     """Rebuild the blobs ``names`` of ``record``'s differential save (whose verified manifest
     is ``manifest``): every group's manifest; the packed copies and the overlays' row ids
-    (small); then every span and whole array, straight into place, on a thread of its own while
-    the overlays are planned; then the overlays' chunks holding rows to copy; each group once
-    per round however many blobs it holds; then each blob's digest is checked.
+    (small); then every span and whole array, straight into place, while the overlays are
+    planned; then each overlay chunk holding rows to copy, as soon as the spans and whole
+    arrays under those rows are in place (:class:`~caffe2ckpt.store.rounds.Rounds`); then each
+    blob's digest is checked.
 
     With ``window`` (``[start, stop)`` rows along axis 0), only those rows of each blob are
     read and rebuilt: every chunk and manifest read is checked as ever, but the blob's digest,
@@ -104,43 +104,16 @@ def read_chained(store: CheckpointStore, record: CommitRecord, manifest: Manifes
     reader = _Reader(store, record, manifest)
     direct, builds = _plan(reader, names, window)
     fetched = reader.fetch()  # small: packed copies, overlays' row ids
-    with _in_background(reader.read_in_place):  # spans and whole arrays, straight into place
-        for build in builds:  # planned meanwhile, on this thread
+    with Rounds() as rounds, reader.naming_this_save():
+        rounds.first(reader.calls("reads"))  # spans and whole arrays, straight into place
+        for build in builds:  # planned meanwhile
             build.plan_overlays(fetched)
-    for build in builds:
-        build.copy_packed(fetched)
-    reader.read_in_place(threading.Event(), "late")  # overlays' rows, copied in as read
+            build.copy_packed(fetched)
+        rounds.then(reader.calls("late"))  # overlays' rows, copied in as read
+        rounds.finish()
     out = {name: fetched[(id(part.source), name)] for name, part in direct.items()}
     out.update({build.name: build.finish() for build in builds})
     return out
-
-
-@contextmanager
-def _in_background(call: Callable[[threading.Event], None]) -> Iterator[None]:
-    """Run ``call(stop)`` on a thread of its own while the body runs, then wait for it and
-    raise its failure. If the body fails, ``stop`` is set (``call`` starts nothing more), the
-    thread is waited for (nothing keeps writing into the caller's arrays) and the body's
-    failure is raised, with the thread's as a note."""
-    stop, failure = threading.Event(), []
-
-    def run() -> None:
-        try:
-            call(stop)
-        except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread
-            failure.append(exc)
-    thread = threading.Thread(target=run, name="caffe2ckpt-read", daemon=True)
-    thread.start()
-    try:
-        yield
-    except BaseException as exc:
-        stop.set()
-        thread.join()
-        if failure:
-            exc.add_note(f"meanwhile the reads in place failed too: {failure[0]!r}")
-        raise
-    thread.join()
-    if failure:
-        raise failure[0]
 
 
 def _plan(reader: _Reader, names: list[str], window: tuple[int, int] | None
@@ -280,23 +253,29 @@ class _Reader:
                             for n in names})
         return out
 
-    def read_in_place(self, stop: threading.Event, which: str = "reads") -> None:
-        """Every row read asked for in ``which`` of each source (``reads``: spans and whole
-        arrays straight into place; ``late``: the live rows of overlays), all groups at once;
-        then none is pending. Once ``stop`` is set no further read is started."""
+    def calls(self, which: str) -> Iterator[tuple[Callable[[], Any], int, Any]]:
+        """The reads asked for in ``which`` of each source (``reads``: spans and whole arrays
+        straight into place; ``late``: the live rows of overlays), each with the rows it
+        writes: its destination (``id`` of the blob's bytes) and, for ``reads``, its
+        ``[start, stop)`` pieces; for ``late``, the ``[start, stop)`` holding them (or None)."""
         location = self.store.location
-        calls: list[Callable[[], Any]] = []
         for source in self._all_sources():
             reads = getattr(source, which)
             if not reads:
                 continue
+            setattr(source, which, [])
             paths = {read.info.path for read in reads}
             crcs = self._crcs(source, paths, reads[0].info.name)  # type: ignore[arg-type]
-            calls.extend(row_reads(location, location.path(source.group), source.manifest,
-                                   crcs, reads, _files(source, paths)))  # type: ignore[arg-type]
-            setattr(source, which, [])
-        with self.naming_this_save():
-            run_reads(call for call in calls if not stop.is_set())
+            for call, read, pieces in row_calls(location, location.path(source.group),
+                                                source.manifest, crcs, reads,
+                                                _files(source, paths)):  # type: ignore[arg-type]
+                if read is None:  # a metadata check
+                    yield call, 0, None if which == "late" else []
+                elif read.sink is not None:
+                    yield call, id(read.sink.flat), read.sink.rows_of(pieces[0][0], pieces[-1][1])
+                else:
+                    yield call, id(read.dest), [(read.offset + a, read.offset + b)
+                                                for a, b in pieces]
 
     def precheck(self, name: str, parts: list[_Part]) -> None:
         """Before a large blob is allocated: the chunk files of the arrays it is read from
@@ -425,7 +404,7 @@ class _Build:
             info = part.overlay[1]  # type: ignore[index]
             values = np.flatnonzero(take) + first  # the overlay's value rows given
             part.source.late.append(RowRead(info, None, 0, _chunks(values, info.chunk_rows),
-                                            sink=_Scatter(_as_rows(self.flat), values, given)))
+                                            sink=_Scatter(self.flat, values, given)))
 
     def finish(self) -> np.ndarray:
         """The blob (its window's rows), once its digest is the one recorded at save time
@@ -449,12 +428,19 @@ class _Build:
 
 
 class _Scatter:
-    """Copies an overlay's taken rows into place as each chunk of its values is read: value
-    row ``taken[i]`` is row ``rows[i]`` of the blob (``taken`` ascending; rows disjoint from
-    any other overlay's, so chunks may land in any order, on any thread)."""
+    """Copies an overlay's taken rows into place (rows of ``flat``, a blob's bytes) as each
+    chunk of its values is read: value row ``taken[i]`` is row ``rows[i]`` of the blob
+    (``taken`` and ``rows`` ascending; rows disjoint from any other overlay's, so chunks may
+    land in any order, on any thread)."""
 
-    def __init__(self, dest: np.ndarray, taken: np.ndarray, rows: np.ndarray) -> None:
-        self.dest, self.taken, self.rows = dest, taken, rows
+    def __init__(self, flat: np.ndarray, taken: np.ndarray, rows: np.ndarray) -> None:
+        self.flat, self.dest, self.taken, self.rows = flat, _as_rows(flat), taken, rows
+
+    def rows_of(self, first: int, stop: int) -> tuple[int, int] | None:
+        """The ``[start, stop)`` rows of the blob holding those the value rows ``first ..
+        stop - 1`` give (None: they give none)."""
+        lo, hi = np.searchsorted(self.taken, (first, stop))
+        return (int(self.rows[lo]), int(self.rows[hi - 1]) + 1) if hi > lo else None
 
     def __call__(self, first: int, chunk: np.ndarray) -> None:
         lo, hi = np.searchsorted(self.taken, (first, first + chunk.shape[0]))

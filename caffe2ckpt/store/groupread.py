@@ -20,8 +20,7 @@ import math
 import mmap
 import os
 import threading
-from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import FIRST_EXCEPTION, Future, wait
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import google_crc32c
@@ -33,8 +32,6 @@ from caffe2ckpt.errors import (
     StorageCredentialsError,
 )
 from caffe2ckpt.fs import strictjson
-from caffe2ckpt.fs.iopool import io_threads
-from caffe2ckpt.fs.iopool import pool as _pool
 from caffe2ckpt.fs.localio import aligned_empty
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.store.manifest import (
@@ -44,10 +41,11 @@ from caffe2ckpt.store.manifest import (
     chunk_key,
     stored_spec,
 )
+from caffe2ckpt.store.rounds import run_reads
 from caffe2ckpt.store.zarrgroup import CRC_BYTES, DEFAULT_PACK_THRESHOLD
 
 __all__ = ["RowRead", "chained_together", "check_chunk_sizes", "destination", "needs_precheck",
-           "read_arrays", "read_node", "read_units", "restored", "row_reads", "run_reads",
+           "read_arrays", "read_node", "read_units", "restored", "row_calls", "row_reads",
            "small_blobs"]
 
 # A read claiming more than this (a quarter of the machine's memory) checks every chunk file's
@@ -62,11 +60,6 @@ try:
 except (ValueError, OSError, AttributeError):  # not a POSIX system that says
     _PRECHECK_BYTES = 1 << 30
 _POPULATE_BYTES = 4 << 20  # _copy_target maps destinations this large with MAP_POPULATE
-# Reads submitted and not done at once (_run_bounded): at least this many, and 4 per I/O thread.
-# The main thread refills the window only when it gets the GIL (behind busy I/O threads, up to
-# the 5 ms switch interval), so a window of 32 starved the threads on warm restores of many
-# small files (W2 took 1.5-2x as long); 256 is as fast as submitting everything at once was.
-_WINDOW = 256
 
 
 def restored(data: np.ndarray, info: BlobInfo) -> np.ndarray:
@@ -169,11 +162,11 @@ def _read(location: Location, path: str, manifest: Manifest, crcs: dict[str, tup
     first = next(checked, None)
     if first is not None:  # before anything that large is allocated, or populated
         sizes = location.sizes_under(path)  # object stores: one listing, not a HEAD per file
-        _run_bounded(functools.partial(_check_size, location, manifest, where, span, sizes)
-                     for span in itertools.chain([first], checked))
+        run_reads(functools.partial(_check_size, location, manifest, where, span, sizes)
+                  for span in itertools.chain([first], checked))
     arrays, flats = _destinations(location, manifest, wanted, with_packed)
     owners = manifest.metadata_files()
-    _run_bounded(itertools.chain(
+    run_reads(itertools.chain(
         (functools.partial(_read_chunk, location, manifest, where, span.blob, span.chunk,
                            flats[span.array][span.rows], span.padding, span.crc)
          for span in files.spans()),
@@ -198,65 +191,6 @@ def _destinations(location: Location, manifest: Manifest, wanted: list[BlobInfo]
     flats[PACKED_ARRAY] = empty((manifest.packed_nbytes if with_packed else 0,),
                                 np.dtype(np.uint8))
     return arrays, flats
-
-
-def _run_bounded(calls: Iterable[Callable[[], Any]]) -> None:
-    """Run ``calls`` on the I/O threads in order, at most :data:`_WINDOW` (or 4 per thread)
-    submitted and not yet done. At the first failure nothing more is submitted, the calls not
-    started are cancelled and the failure (the earliest submitted, if several) is raised; calls
-    already running finish on their own. So a manifest claiming a million chunks costs what the
-    first few of them show, not a future per claimed chunk."""
-    runner = _Bounded(max(_WINDOW, 4 * io_threads()))
-    for index, call in enumerate(calls):
-        if not runner.submit(index, call):
-            break
-    runner.finish()
-
-
-class _Bounded:
-    """Calls on the I/O threads, at most ``window`` submitted and not done (:func:`_run_bounded`):
-    a semaphore slot per call, released by the call's done-callback, which also notes its
-    failure (O(1) per call, unlike a ``wait()`` on the window per call)."""
-
-    def __init__(self, window: int) -> None:
-        self.slots = threading.Semaphore(window)
-        self.lock = threading.Lock()
-        self.pending: dict[Future[Any], int] = {}  # submitted, not done: submission order
-        self.failures: list[tuple[int, BaseException]] = []
-
-    def submit(self, index: int, call: Callable[[], Any]) -> bool:
-        """Submit ``call`` once a slot is free; False (nothing submitted) after a failure."""
-        self.slots.acquire()
-        if self.failures:
-            self.slots.release()
-            return False
-        future = _pool().submit(call)
-        with self.lock:
-            self.pending[future] = index
-        future.add_done_callback(self._done)  # at once if it is done already
-        return True
-
-    def _done(self, future: Future[Any]) -> None:
-        with self.lock:
-            index = self.pending.pop(future)
-            if not future.cancelled() and future.exception() is not None:
-                self.failures.append((index, future.exception()))  # type: ignore[arg-type]
-        self.slots.release()
-
-    def finish(self) -> None:
-        """Wait for every call, or until one failed; raise the earliest failure, if any."""
-        with self.lock:
-            pending = dict(self.pending)
-        done = set() if self.failures else wait(pending, return_when=FIRST_EXCEPTION).done
-        # a failure's callback may not have run yet when wait() returns: look at them too
-        failures = [*self.failures, *((pending[f], f.exception()) for f in done
-                                      if not f.cancelled() and f.exception() is not None)]
-        if failures:
-            with self.lock:
-                queued = list(self.pending)
-            for future in queued:
-                future.cancel()  # its callback takes the lock: not held here
-            raise min(failures, key=lambda failure: failure[0])[1]
 
 
 def _copy_target(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -489,14 +423,8 @@ def check_chunk_sizes(location: Location, path: str, manifest: Manifest,
              f"{manifest.epoch})")
     files = _Files(path, manifest, infos, False, crcs)
     sizes = None if location.is_local else location.sizes_under(path)
-    _run_bounded(functools.partial(_check_size, location, manifest, where, span, sizes)
-                 for span in files.spans())
-
-
-def run_reads(calls: Iterable[Callable[[], Any]]) -> None:
-    """Run the reads of :func:`row_reads` (of any number of groups) on the I/O threads, a
-    bounded number at a time, stopping at the first failure (which is raised)."""
-    _run_bounded(calls)
+    run_reads(functools.partial(_check_size, location, manifest, where, span, sizes)
+              for span in files.spans())
 
 
 def row_reads(location: Location, path: str, manifest: Manifest, crcs: dict[str, tuple[int, ...]],
@@ -505,7 +433,16 @@ def row_reads(location: Location, path: str, manifest: Manifest, crcs: dict[str,
     holding a wanted row (a chunk wanted whole is read straight into its place; one wanted in
     part is read into a buffer of its own, checked, and its wanted rows copied), and the
     metadata files ``metadata`` (relative path -> SHA-256) checked. Run them with
-    :func:`run_reads`."""
+    :func:`~caffe2ckpt.store.rounds.run_reads`."""
+    return (call for call, _, _ in row_calls(location, path, manifest, crcs, reads, metadata))
+
+
+def row_calls(location: Location, path: str, manifest: Manifest, crcs: dict[str, tuple[int, ...]],
+              reads: list[RowRead], metadata: dict[str, str]
+              ) -> Iterator[tuple[Callable[[], Any], RowRead | None, list[tuple[int, int]]]]:
+    """:func:`row_reads`, each with the read it serves and the rows of that read's array it
+    reads (``[start, stop)`` pieces: the wanted rows of one chunk); a metadata check with
+    ``(None, [])``."""
     where = (f"checkpoint {location.display(path)!r} (node {manifest.node!r}, epoch "
              f"{manifest.epoch})")
     files = _Files(path, manifest, [read.info for read in reads], False, crcs)
@@ -513,7 +450,7 @@ def row_reads(location: Location, path: str, manifest: Manifest, crcs: dict[str,
     owners = manifest.metadata_files()
     for rel, digest in metadata.items():
         yield functools.partial(_check_metadata, location, manifest, where, f"{path}/{rel}",
-                                owners.get(rel) or rel, digest)
+                                owners.get(rel) or rel, digest), None, []
     for span in files.spans():
         read = targets[span.array]
         pieces = _overlaps(read.wanted, span.rows.start, span.rows.stop)
@@ -522,9 +459,11 @@ def row_reads(location: Location, path: str, manifest: Manifest, crcs: dict[str,
         if read.sink is None and pieces == [(span.rows.start, span.rows.stop)]:
             rows = slice(read.offset + span.rows.start, read.offset + span.rows.stop)
             yield functools.partial(_read_chunk, location, manifest, where, span.blob,
-                                    span.chunk, read.dest[rows], span.padding, span.crc)
+                                    span.chunk, read.dest[rows], span.padding,
+                                    span.crc), read, pieces
         else:
-            yield functools.partial(_read_pieces, location, manifest, where, span, read, pieces)
+            yield functools.partial(_read_pieces, location, manifest, where, span, read,
+                                    pieces), read, pieces
 
 
 _SCRATCH_BYTES = 4 << 20  # the largest chunk buffer an I/O thread keeps for its next chunk

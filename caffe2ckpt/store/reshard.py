@@ -43,9 +43,10 @@ from caffe2ckpt.sharding import (
     orders_of,
     overlap,
 )
-from caffe2ckpt.store.groupread import RowRead, destination, row_reads, run_reads
+from caffe2ckpt.store.groupread import RowRead, destination, row_reads
 from caffe2ckpt.store.manifest import BlobInfo, Manifest
 from caffe2ckpt.store.records import CommitRecord
+from caffe2ckpt.store.rounds import run_reads
 from caffe2ckpt.store.rowread import load_rows
 from caffe2ckpt.store.shared import SharedReads
 from caffe2ckpt.store.zarrgroup import GROUP_FILE

@@ -8,9 +8,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from caffe2ckpt.store.chainread import read_chained
-from caffe2ckpt.store.groupread import RowRead, destination, restored, row_reads, run_reads
+from caffe2ckpt.store.groupread import RowRead, destination, restored, row_reads
 from caffe2ckpt.store.manifest import BlobInfo, Manifest, stored_spec
 from caffe2ckpt.store.records import CommitRecord
+from caffe2ckpt.store.rounds import run_reads
 from caffe2ckpt.store.zarrgroup import GROUP_FILE
 
 if TYPE_CHECKING:
