@@ -61,7 +61,7 @@ class _Source:
     crcs: dict[str, tuple[int, ...]]
     metadata: dict[str, str]  # relative metadata file -> SHA-256 (those the record names)
     reads: list[RowRead] = field(default_factory=list)  # rows to read straight into place
-    late: list[RowRead] = field(default_factory=list)  # overlay rows, once ``reads`` are done
+    late: list[RowRead] = field(default_factory=list)  # overlay rows: after ``reads`` under them
     whole: set[str] = field(default_factory=set)  # blobs it holds whole, to read as they are
     overlays: set[str] = field(default_factory=set)  # blobs whose overlay to read
 
@@ -271,8 +271,8 @@ class _Reader:
                                                 _files(source, paths)):  # type: ignore[arg-type]
                 if read is None:  # a metadata check
                     yield call, 0, None if which == "late" else []
-                elif read.sink is not None:
-                    yield call, id(read.sink.flat), read.sink.rows_of(pieces[0][0], pieces[-1][1])
+                elif isinstance(read.sink, _Scatter):
+                    yield call, id(read.sink.flat), read.sink.rows_of(*pieces[0])
                 else:
                     yield call, id(read.dest), [(read.offset + a, read.offset + b)
                                                 for a, b in pieces]

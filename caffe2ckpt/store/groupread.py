@@ -441,8 +441,8 @@ def row_calls(location: Location, path: str, manifest: Manifest, crcs: dict[str,
               reads: list[RowRead], metadata: dict[str, str]
               ) -> Iterator[tuple[Callable[[], Any], RowRead | None, list[tuple[int, int]]]]:
     """:func:`row_reads`, each with the read it serves and the rows of that read's array it
-    reads (``[start, stop)`` pieces: the wanted rows of one chunk); a metadata check with
-    ``(None, [])``."""
+    reads (``[start, stop)`` pieces: the wanted rows of one chunk; with a sink, the chunk's
+    rows, all given to it); a metadata check with ``(None, [])``."""
     where = (f"checkpoint {location.display(path)!r} (node {manifest.node!r}, epoch "
              f"{manifest.epoch})")
     files = _Files(path, manifest, [read.info for read in reads], False, crcs)
@@ -461,9 +461,10 @@ def row_calls(location: Location, path: str, manifest: Manifest, crcs: dict[str,
             yield functools.partial(_read_chunk, location, manifest, where, span.blob,
                                     span.chunk, read.dest[rows], span.padding,
                                     span.crc), read, pieces
-        else:
+        else:  # a sink is given every row of the chunk: those are the rows it reads
             yield functools.partial(_read_pieces, location, manifest, where, span, read,
-                                    pieces), read, pieces
+                                    pieces), read, pieces if read.sink is None else [
+                (span.rows.start, span.rows.stop)]
 
 
 _SCRATCH_BYTES = 4 << 20  # the largest chunk buffer an I/O thread keeps for its next chunk

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+from collections import deque
 from collections.abc import Callable, Hashable, Iterable
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from typing import Any, Self
@@ -51,18 +52,22 @@ def run_reads(calls: Iterable[Call]) -> None:
 class Bounded:
     """Calls on the I/O threads, at most :data:`_WINDOW` (or 4 per thread) submitted and not done
     (:func:`run_reads`): a semaphore slot per call, released by the call's done-callback,
-    which also notes its failure (O(1) per call, unlike a ``wait()`` on the window per call)."""
+    which also notes its failure (O(1) per call, unlike a ``wait()`` on the window per call).
+    Calls are submitted from one thread."""
 
     def __init__(self) -> None:
         self.slots = threading.Semaphore(max(_WINDOW, 4 * io_threads()))
         self.lock = threading.Lock()
         self.pending: dict[Future[Any], int] = {}  # submitted, not done: submission order
         self.failures: list[tuple[int, BaseException]] = []
+        self.closed = False  # abandoned: nothing more is submitted
 
-    def submit(self, index: int, call: Callable[[], Any]) -> bool:
-        """Submit ``call`` once a slot is free; False (nothing submitted) after a failure."""
-        self.slots.acquire()
-        if self.failures:
+    def submit(self, index: int, call: Callable[[], Any], block: bool = True) -> bool:
+        """Submit ``call`` once a slot is free (or, without ``block``, only if one is free now);
+        False when nothing was submitted: no free slot, or after a failure."""
+        if not self.slots.acquire(blocking=block):
+            return False
+        if self.failures or self.closed:
             self.slots.release()
             return False
         future = _pool().submit(call)
@@ -93,30 +98,35 @@ class Bounded:
                 future.cancel()  # its callback takes the lock: not held here
             raise min(failures, key=lambda failure: failure[0])[1]
 
-    def abandon(self) -> None:
-        """Submit nothing more: cancel the calls not started and wait for the running ones
-        (their failures are dropped): afterwards no call writes anywhere."""
+    def abandon(self) -> BaseException | None:
+        """Submit nothing more: cancel the calls not started and wait for the running ones:
+        afterwards no call writes anywhere. Returns the earliest call's failure, if any."""
+        self.closed = True
         with self.lock:
-            self.failures.append((-1, RuntimeError("abandoned")))  # submit() refuses from now on
             pending = list(self.pending)
         for future in pending:
             future.cancel()
         wait(pending)
+        return min(self.failures, key=lambda failure: failure[0])[1] if self.failures else None
 
 
 class Rounds:
     """Runs reads on the I/O threads in two rounds (a bounded number submitted at a time):
-    :meth:`first` submits the first round; :meth:`then` names the second; :meth:`finish`
-    submits each second-round read once the first-round reads it waits for are done, waits for
-    all, and raises the first failure. Rows are named by a key (the array written) and
-    ``[start, stop)`` rows. Used as a context manager: if the body raises, nothing more is
-    started and the reads running are waited for (none keeps writing into the arrays)."""
+    :meth:`first` takes the first round and submits what the window holds; :meth:`then` names
+    the second; :meth:`finish` submits the rest of the first round, and each second-round read
+    once the first-round reads it waits for are done, waits for all, and raises the earliest
+    failure. Rows are named by a key (the array written) and ``[start, stop)`` rows. Called
+    from one thread, in that order. Used as a context manager: if the body raises, nothing more
+    is started and the reads running are waited for (none keeps writing into the arrays); a
+    read's failure is added to the body's error as a note."""
 
     def __init__(self) -> None:
         self._runner = Bounded()
         self._cond = threading.Condition()
-        self._count = 0  # reads submitted or named so far (their indices)
+        self._count = 0  # reads taken so far (their indices)
         self._pieces: dict[Hashable, list[tuple[int, int, int]]] = {}  # key -> (start, stop, read)
+        self._queued: deque[tuple[int, Call]] = deque()  # first-round reads not submitted yet
+        self._named = False  # the second round is named: the first is complete
         self._left: set[int] = set()  # first-round reads not done
         self._waiting: dict[int, list[int]] = {}  # first-round read -> second-round reads
         self._needs: dict[int, int] = {}  # second-round read -> first-round reads it waits for
@@ -127,26 +137,35 @@ class Rounds:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, kind: object, *_: object) -> None:
-        if kind is not None:
-            self._runner.abandon()
+    def __exit__(self, kind: object, error: BaseException | None, *_: object) -> None:
+        if error is not None:
+            failure = self._runner.abandon()
+            if failure is not None and failure is not error:
+                error.add_note(f"meanwhile a read failed too: {failure!r}")
 
     def first(self, reads: Iterable[tuple[Call, Hashable, list[tuple[int, int]]]]) -> None:
-        """Submit the first round: each read with the rows it writes (its key, its pieces)."""
+        """Take the first round: each read with the rows it writes (its key, its pieces); all
+        of it, so :meth:`then` knows every writer. Reads are submitted as they are taken, as
+        long as the window has room (the rest by :meth:`finish`)."""
+        if self._named:
+            raise RuntimeError("the first round must be complete before the second is named")
         for call, key, pieces in reads:
             index = self._next()
             self._pieces.setdefault(key, []).extend((a, b, index) for a, b in pieces)
             with self._cond:
                 self._left.add(index)
-            if not self._runner.submit(index, self._tracked(call, index)):
-                return
+            self._queued.append((index, self._tracked(call, index)))
+            self._submit_queued(block=False)
 
     def then(self, reads: Iterable[tuple[Call, Hashable, tuple[int, int] | None]]) -> None:
         """Name the second round: each read with the rows it may write (its key and the
-        ``[start, stop)`` holding them; None: none)."""
+        ``[start, stop)`` holding them; None: none). After a failure, nothing more is taken."""
+        self._named = True
         for pieces in self._pieces.values():
             pieces.sort()  # disjoint (a row is written by one read at most): by start
         for call, key, rows in reads:
+            if self._failed:
+                return
             index = self._next()
             with self._cond:
                 waits = [] if rows is None else self._writers(key, rows)
@@ -159,21 +178,30 @@ class Rounds:
                     self._ready.append(index)
 
     def finish(self) -> None:
-        """Submit the second round as its reads become free to start, wait for every read,
-        and raise the earliest failure."""
-        while True:
+        """Submit the rest of the first round, then the second round as its reads become free
+        to start; wait for every read, and raise the earliest failure."""
+        self._submit_queued(block=True)
+        while not self._failed:
             with self._cond:
                 self._cond.wait_for(lambda: self._ready or not self._calls or self._failed)
                 ready, self._ready = self._ready, []
-                stop = self._failed or not self._calls
                 calls = [(index, self._calls.pop(index)) for index in ready]
+                last = not self._calls
             for index, call in calls:
-                if not self._runner.submit(index, self._tracked(call, index)):
-                    stop = True
+                if self._failed or not self._runner.submit(index, self._tracked(call, index)):
                     break
-            if stop:
+            if last:
                 break
         self._runner.finish()
+
+    def _submit_queued(self, block: bool) -> None:
+        """Submit the first-round reads not submitted yet (without ``block``, while there is
+        room in the window)."""
+        while self._queued and not self._failed:
+            index, call = self._queued[0]
+            if not self._runner.submit(index, call, block=block):
+                return
+            self._queued.popleft()
 
     def _next(self) -> int:
         self._count += 1
@@ -182,12 +210,13 @@ class Rounds:
     def _writers(self, key: Hashable, rows: tuple[int, int]) -> list[int]:
         """The first-round reads not done that write a row of ``rows`` of ``key``."""
         pieces = self._pieces.get(key, [])
-        start = max(0, bisect.bisect_right(pieces, (rows[0], rows[0], -1)) - 1)
         found = set()
-        for a, b, index in pieces[start:]:
-            if a >= rows[1]:
+        for at in range(max(0, bisect.bisect_right(pieces, (rows[0], rows[0], -1)) - 1),
+                        len(pieces)):
+            start, stop, index = pieces[at]
+            if start >= rows[1]:
                 break
-            if b > rows[0] and index in self._left:
+            if stop > rows[0] and index in self._left:
                 found.add(index)
         return sorted(found)
 
@@ -203,10 +232,16 @@ class Rounds:
                 raise
             with self._cond:
                 self._left.discard(index)
-                for waiting in self._waiting.pop(index, ()):
-                    self._needs[waiting] -= 1
-                    if not self._needs[waiting]:
-                        del self._needs[waiting]
-                        self._ready.append(waiting)
-                self._cond.notify()
+                freed = [w for w in self._waiting.pop(index, ()) if self._freed(w)]
+                if freed:
+                    self._ready += freed
+                    self._cond.notify()
         return run
+
+    def _freed(self, waiting: int) -> bool:
+        """One writer less for second-round read ``waiting``: whether that was its last."""
+        self._needs[waiting] -= 1
+        if self._needs[waiting]:
+            return False
+        del self._needs[waiting]
+        return True

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from caffe2ckpt.fs.iopool import io_threads
 from caffe2ckpt.store.rounds import Rounds
 
 
@@ -79,14 +80,34 @@ def test_a_second_round_read_starts_after_every_read_writing_its_rows(seed):
                 f"{name} (rows {hull} of {key}) started before {writer} finished")
 
 
+def test_a_second_round_read_does_not_wait_for_first_round_reads_of_other_rows():
+    log, release = Log(), threading.Event()
+
+    def held() -> None:
+        assert release.wait(10), "the test never released the first round"
+        log.read("held", 0)()
+    rounds = Rounds()
+    rounds.first([(held, "a", [(0, 10)]), (log.read("quick", 0), "b", [(0, 10)])])
+    rounds.then([(log.read("late-b", 0), "b", (0, 10)), (log.read("late-a", 0), "a", (0, 5))])
+    finishing = threading.Thread(target=rounds.finish)
+    finishing.start()
+    deadline = time.monotonic() + 10
+    while "late-b" not in log.finished and time.monotonic() < deadline:
+        time.sleep(0.01)
+    finished_early = "late-b" in log.finished and "late-a" not in log.started
+    release.set()
+    finishing.join()
+    assert finished_early  # while "held" (rows of "a") was still running
+    assert log.started["late-a"] >= log.finished["held"]
+
+
 @pytest.mark.parametrize("failing", ["first", "second"])
 def test_a_failed_read_stops_both_rounds_and_is_raised(failing):
     log = Log()
-    slow = 0.05
     rounds = Rounds()
-    with pytest.raises(OSError, match=" failed"), rounds:
+    with pytest.raises(OSError, match=f"{'x' if failing == 'first' else 'late'} failed"), rounds:
         rounds.first([(log.read("x", 0, fails=failing == "first"), "a", [(0, 10)]),
-                      (log.read("y", slow), "a", [(10, 20)])])
+                       (log.read("y", 0.05), "a", [(10, 20)])])
         rounds.then([(log.read("late-x", 0), "a", (0, 10)),
                      (log.read("late-y", 0), "a", (10, 20))]
                     if failing == "first" else
@@ -98,15 +119,16 @@ def test_a_failed_read_stops_both_rounds_and_is_raised(failing):
 
 def test_a_failing_body_waits_for_the_reads_running_and_starts_no_more():
     log, running = Log(), threading.Event()
+    queued = 4 * io_threads()
 
     def slow() -> None:
         running.set()
         log.read("slow", 0.1)()
     with pytest.raises(ValueError, match="planning failed"), Rounds() as rounds:
         rounds.first([(slow, "a", [(0, 10)])] + [(log.read(f"queued{i}", 0.1), "a", [])
-                                                 for i in range(64)])
-        running.wait()
+                                                 for i in range(queued)])
+        assert running.wait(10)
         raise ValueError("planning failed")
     assert "slow" in log.finished  # waited for: nothing writes into the arrays afterwards
     assert log.started.keys() == log.finished.keys()
-    assert len(log.started) < 65  # the reads still queued were not started
+    assert len(log.started) <= io_threads()  # the reads still queued were not started
