@@ -41,6 +41,14 @@ NIGHTLY_EPOCHS = 4  # the scheduled run's epochs_per_run (prefect.yaml's 10, mad
 HTTP = httpx.Client()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _close_http():
+    """Close the module's client after its tests (its connection to the stopped server was
+    otherwise left open: a ResourceWarning at the worker's exit in every CI log)."""
+    yield
+    HTTP.close()
+
+
 def flow_processes(worker: subprocess.Popen) -> list[psutil.Process]:
     """The flow run processes (``python -m prefect.engine``) under ``worker`` still running."""
     running = []
