@@ -42,7 +42,7 @@ from caffe2ckpt.naming import check_node_name
 from caffe2ckpt.policy import StepManagerOptions, should_save
 from caffe2ckpt.preemption import PreemptionWatch
 from caffe2ckpt.session import RunEvent, Session, notify, run_epoch
-from caffe2ckpt.units import nodes_text, writer_phrase
+from caffe2ckpt.units import writer_phrase
 
 __all__ = ["JobRunner"]
 
@@ -320,9 +320,8 @@ class JobRunner:
             try:
                 session.run(cm.init(nodes, retrieve_from_epoch=candidate))
                 session.run(cm.load(candidate))
-                save = cm.save_of(candidate)
-                if save is None:
-                    raise CheckpointNotFoundError(f"epoch {candidate} is no longer committed")
+                placement = cm.placement(candidate)  # what init and load read: one reading
+                save = placement.save
                 elastic = save.nodes != frozenset(cm.file_nodes())
                 if not elastic and cm.lineage_save(candidate) is None:
                     logger.warning("Epoch %d was superseded (a later run went back to an "
@@ -340,8 +339,7 @@ class JobRunner:
             self.resumed_from = candidate
             logger.info("Resuming from epoch %d (written by %s)%s", candidate,
                         writer_phrase(save.first.writer),
-                        f", saved by {nodes_text(len(save.nodes))}, on "
-                        f"{nodes_text(len(cm.file_nodes()))}" if elastic else "")
+                        f", {placement.describe()}" if placement.reshards else "")
             self._notify(session, "resumed", candidate, records=save.records)
             reason = _resume_reason(cm, candidate, automatic=automatic, elastic=elastic,
                                     fell_back=bool(failures))
@@ -366,13 +364,22 @@ class JobRunner:
                 except KeyError:  # the blob it reads was not checkpointed: cannot tell
                     pass
         met = {k for r in records.values() if r.stop for k in r.stop_conditions}
-        by_key = {c.key: c for c in self.job.stop_conditions}
-        if any(by_key.get(key) is None or by_key[key].still_stopped is None for key in met):
+        if any(self._condition(key) is None or self._condition(key).still_stopped is None  # type: ignore[union-attr]
+               for key in met):
             return True
         if met:
             logger.info("The checkpoint met its stop condition, but the job now allows more "
                         "epochs")
         return False
+
+    def _condition(self, key: str) -> Any:
+        """The job's stop condition a saved key (``"<node>:<blob>"``) names: the same key, or
+        else the one condition on that blob (a resharded resume moves a condition's blob to
+        another node, as ``epoch_limiter``'s count goes to the new first node); None."""
+        conditions = self.job.stop_conditions
+        same = [c for c in conditions if c.key == key] or [
+            c for c in conditions if c.name == key.partition(":")[2]]
+        return same[0] if len(same) == 1 else None
 
     def load_blobs_from_checkpoints(self, blob_names: list[str], epoch: int,
                                     session: Session) -> bool:

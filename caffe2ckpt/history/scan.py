@@ -22,7 +22,7 @@ from caffe2ckpt.store.records import CommitRecord, RecordRef, list_records
 from caffe2ckpt.units import epochs_summary
 
 __all__ = ["Family", "PartialSave", "PrefixScan", "elastic_steps", "family_history",
-           "LeftBehindWarning", "left_behind", "newest_save", "require_save", "scan"]
+           "LeftBehindWarning", "left_behind", "newest_save", "origin", "require_save", "scan"]
 
 logger = logging.getLogger(__name__)
 
@@ -154,26 +154,50 @@ def _with_layout(families: Iterable[Family]) -> list[Family]:
             and all(r.layout is not None for r in f.newest.records.values())]
 
 
-def elastic_steps(found: PrefixScan, nodes: Iterable[str], *, warn: bool = True
-                  ) -> dict[int, Save]:
+def elastic_steps(found: PrefixScan, nodes: Iterable[str], *,
+                  warned: set[str] | None = None) -> dict[int, Save]:
     """The lineage, by epoch, that a job on ``nodes`` whose nodes have saved nothing resumes
     from on another node count: that of the family (of other nodes) whose newest save carries a
-    layout and is of the newest run among such families; empty when there is none (with
-    ``warn``, a WARNING then names the newest save of another node count that has no layout).
-    """
+    layout and is of the newest run among such families; empty when there is none. A WARNING
+    names each family of a newer run passed over because its newest save has no layout (once
+    per such save into ``warned``, when given; else every time)."""
     own = frozenset(nodes)
     others = [f for f in found.families.values() if f.nodes != own and f.newest is not None]
     families = _with_layout(others)
-    if not families:
-        if others and warn:
-            newest = max(others, key=lambda f: f.newest.generation)  # type: ignore[union-attr]
-            logger.warning(
-                "not resuming nodes %s from epoch %d of nodes %s: that save has no layout, so "
-                "it can be restored only on those nodes (declare caffe2ckpt.Layout(...) when "
-                "saving to change the node count)", sorted(own), newest.newest.epoch,  # type: ignore[union-attr]
-                sorted(newest.nodes))
-        return {}
-    return max(families, key=lambda f: f.newest.generation).current()  # type: ignore[union-attr]
+    chosen = max(families, key=lambda f: f.newest.generation, default=None)  # type: ignore[union-attr]
+    floor = 0 if chosen is None else chosen.newest.generation  # type: ignore[union-attr]
+    for family in sorted((f for f in others if f not in families), key=lambda f: sorted(f.nodes)):
+        newest = family.newest
+        assert newest is not None
+        if newest.generation > floor and (warned is None or newest.save_id not in warned):
+            _passed_over(own, family, chosen)
+            if warned is not None:
+                warned.add(newest.save_id)
+    return {} if chosen is None else chosen.current()
+
+
+def _passed_over(own: frozenset[str], family: Family, chosen: Family | None) -> None:
+    newest = family.newest
+    assert newest is not None
+    instead = ("" if chosen is None or chosen.newest is None else
+               f"; it resumes from the newest save of nodes {sorted(chosen.nodes)} with a "
+               f"layout, epoch {chosen.newest.epoch}, instead")
+    logger.warning(
+        "not resuming nodes %s from epoch %d of nodes %s: that save has no layout, so it can be "
+        "restored only on those nodes (declare caffe2ckpt.Layout(...) when saving to change the "
+        "node count)%s", sorted(own), newest.epoch, sorted(family.nodes), instead)
+
+
+def origin(found: PrefixScan, family: Family) -> Save | None:
+    """The committed save of other nodes that ``family``'s lineage starts from (the epoch it
+    resumed on another node count), None when it started on its own nodes or that save is
+    gone."""
+    oldest = family.lineage[-1] if family.lineage else None
+    parent = None if oldest is None else oldest.parent
+    if parent is None:
+        return None
+    return next((s for s in found.saves_at(parent[0]) if s.generation == parent[1]
+                 and s.nodes != family.nodes), None)
 
 
 def left_behind(store: CheckpointStore, own: Save, found: PrefixScan | None = None

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Collection, Iterator, Sequence
-from contextlib import AbstractContextManager
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -34,7 +34,8 @@ from caffe2ckpt.errors import (
 from caffe2ckpt.fs.location import Location, resolve_source
 from caffe2ckpt.history.current import CurrentRun
 from caffe2ckpt.history.lineage import Save
-from caffe2ckpt.history.scan import LeftBehindWarning, elastic_steps, scan
+from caffe2ckpt.history.placement import Placement, place
+from caffe2ckpt.history.scan import LeftBehindWarning, PrefixScan, elastic_steps, origin, scan
 from caffe2ckpt.job import Node, Task, TaskGroup
 from caffe2ckpt.manager import _nodeops as nodeops
 from caffe2ckpt.manager._async import AsyncSaving
@@ -46,7 +47,7 @@ from caffe2ckpt.session import Session
 from caffe2ckpt.sharding import Layout
 from caffe2ckpt.store.layout import new_save_id
 from caffe2ckpt.store.protocol import CheckpointStore, SaveInfo
-from caffe2ckpt.store.records import CommitRecord, RecordRef, list_records
+from caffe2ckpt.store.records import CommitRecord, RecordRef
 from caffe2ckpt.store.replicas import RowSpec, check_replicas, check_rows
 from caffe2ckpt.store.reshard import shared_names
 from caffe2ckpt.store.shared import SharedReads
@@ -113,6 +114,8 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
         self._runs: dict[tuple[str, frozenset[str]], CurrentRun] = {}
         self._attempt: tuple[int, str] | None = None  # the last save begun: epoch, save id
         self._left_behind = LeftBehindWarning()  # a resume says what it does not resume from
+        self._passed_over: set[str] = set()  # newer saves without a layout, warned of
+        self._reading: dict[str, PrefixScan] | None = None  # within resuming(): by prefix
         self._init_async(async_save)
 
     # -- properties ------------------------------------------------------------------------------
@@ -213,11 +216,25 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
         return self.current(store).lineage_save(check_epoch(epoch))
 
     def save_of(self, epoch: int, store: CheckpointStore | None = None) -> Save | None:
-        """The committed save ``epoch`` means when asked for by number (a load, an explicit
-        resume): the lineage's, else the newest superseded save of that epoch, else (with a
-        layout, while this job's nodes have saved nothing) the elastic one."""
+        """The committed save ``epoch`` means to this job when asked for by number (a load, an
+        explicit resume): its lineage's, else the newest superseded save of that epoch of its
+        nodes; else, with a layout, the save of other nodes its lineage starts from or, while
+        its nodes have saved nothing, the elastic one (:meth:`elastic_saves`); else, without a
+        layout, a save of the newest run holding all its nodes (loading some nodes of a bigger
+        job's checkpoint, node by node, as Caffe2 allows)."""
         epoch = check_epoch(epoch)
-        return self.current(store).save_of(epoch) or self.elastic_saves(store).get(epoch)
+        store = store or self._store
+        save = self.current(store).save_of(epoch)
+        if save is not None:
+            return save
+        if self._layout is None:
+            return scan(store).save_at(epoch, self.file_nodes())
+        found = self._scan(store)
+        family = found.families.get(frozenset(self.file_nodes()))
+        if family is not None and family.lineage:
+            start = origin(found, family)
+            return start if start is not None and start.epoch == epoch else None
+        return self.elastic_saves(store).get(epoch)
 
     def elastic_saves(self, store: CheckpointStore | None = None) -> dict[int, Save]:
         """With a layout, while this job's nodes have no committed save under ``store``: the
@@ -226,42 +243,39 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
         store = store or self._store
         if self._layout is None or self.current(store).newest() is not None:
             return {}
-        return elastic_steps(scan(store), self.file_nodes())
+        return elastic_steps(self._scan(store), self.file_nodes(), warned=self._passed_over)
 
-    def _save_holding(self, nodes: Collection[str], epoch: int,
-                      store: CheckpointStore | None = None) -> Save | None:
-        """The lineage save of ``epoch`` of the family ``nodes``, or else one of a family that
-        holds them all (loading some nodes of a bigger job's checkpoint, as Caffe2 allows)."""
+    def _scan(self, store: CheckpointStore) -> PrefixScan:
+        """The whole prefix, read once per resume (see :meth:`resuming`), else now."""
+        key = store.location.url
+        if self._reading is None:
+            return scan(store)
+        if key not in self._reading:
+            self._reading[key] = scan(store)
+        return self._reading[key]
+
+    def placement(self, epoch: int, store: CheckpointStore | None = None) -> Placement:
+        """Which committed save ``epoch`` means to this job (:meth:`save_of`) and how its
+        blobs reach the job's nodes (:func:`~caffe2ckpt.history.placement.place`).
+
+        Raises:
+            CheckpointNotFoundError: no such save.
+            JobDefinitionError: the save cannot reach the job's nodes as the layout declares.
+        """
         store = store or self._store
-        save = self.current(store, nodes).save_of(epoch)
-        if save is not None:
-            return save
-        families = set()
-        for ref in list_records(store.location):
-            if ref.epoch == epoch and ref.node in nodes:
-                record = store.read_or_reason(ref)
-                if not isinstance(record, str) and set(record.nodes) > set(nodes):
-                    families.add(frozenset(record.nodes))
-        for family in sorted(families, key=sorted):
-            save = self.current(store, family).save_of(epoch)
-            if save is not None:
-                return save
-        return None
-
-    def _require_save(self, epoch: int, store: CheckpointStore) -> Save:
-        save = self._save_holding(self.file_nodes(), epoch, store) or self.elastic_saves(
-            store).get(epoch)
+        save = self.save_of(epoch, store)
         if save is None:
             raise CheckpointNotFoundError(
                 f"epoch {epoch} is not committed for nodes {self.file_nodes()} under "
                 f"{store.location.display()!r}")
-        return save
+        return place(save, self.file_nodes(), self._layout, store.location.display())
 
     def _node_record(self, file_node: str, epoch: int) -> CommitRecord | None:
-        """The record of ``file_node`` at ``epoch``: of this manager's nodes' save, or else of
-        a save holding that node (Caffe2's per-node partial loads)."""
-        save = self._save_holding(self.file_nodes(), epoch) or self._save_holding(
-            [file_node], epoch)
+        """The record of ``file_node`` at ``epoch`` as saved: of this job's save of it, or
+        else of a save of the newest run holding that node (Caffe2's per-node lookups)."""
+        save = self.save_of(epoch)
+        if save is None or file_node not in save.records:
+            save = scan(self._store).save_at(epoch, [file_node])
         return None if save is None else save.records.get(file_node)
 
     def committed_epochs(self) -> Iterator[int]:
@@ -274,12 +288,18 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
         yield from self.current().lineage()
 
     def fallback_lineage(self) -> Iterator[Save]:
-        """The saves an automatic resume falls back along, newest first: the current lineage,
-        or, while this job's nodes have saved nothing and it resumes saves of another node
-        count (:meth:`elastic_saves`), those saves' lineage."""
+        """The saves an automatic resume falls back along, newest first: the current lineage
+        and, with a layout, the save of other nodes it starts from; or, while this job's nodes
+        have saved nothing and it resumes saves of another node count (:meth:`elastic_saves`),
+        those saves' lineage."""
         elastic = self.elastic_saves()
         if not elastic:
             yield from self.lineage()
+            family = self._scan(self._store).families.get(frozenset(self.file_nodes()))
+            start = None if family is None or self._layout is None else origin(
+                self._scan(self._store), family)
+            if start is not None:
+                yield start
             return
         yield from (elastic[epoch] for epoch in sorted(elastic, reverse=True))
 
@@ -295,18 +315,38 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
                 return nodeops.blob_names
         else:
             self.current(store).end()  # a resume starts a new run (see load)
-            save = self._require_save(check_epoch(retrieve_from_epoch), store)
-            if self._reshards(save):
-                names = shared_names(store, save.records, self.file_nodes())
+            placement = self.placement(check_epoch(retrieve_from_epoch), store)
+            if placement.reshards:
+                names = shared_names(store, placement.save.records, placement.order,
+                                     placement.kinds)
 
                 def make(node: str, file_node: str) -> Any:
                     return partial(nodeops.given_names, names[file_node])
             else:
-                def make(node: str, file_node: str) -> Any:
-                    return partial(nodeops.manifest_names, store, save.records[file_node])
+                records = placement.save.records
 
+                def make(node: str, file_node: str) -> Any:
+                    return partial(nodeops.manifest_names, store, records[file_node])
+            return self._group("checkpoint_init", make, self._collect_names(placement))
         return self._group("checkpoint_init", make,
                            lambda node, _, names: self._blob_names.__setitem__(node, names))
+
+    def _collect_names(self, placement: Placement) -> Callable[[str, str, list[str]], None]:
+        """Record each node's blob list of a resume; once every node's is in, a WARNING names
+        the blobs the layout adopts (:meth:`~caffe2ckpt.history.placement.Placement.adopted`)."""
+        files = self._require_files()
+        seen: dict[str, list[str]] = {}
+
+        def collect(node: str, file_node: str, names: list[str]) -> None:
+            self._blob_names[node] = seen[file_node] = names
+            adopted = placement.adopted(seen) if len(seen) == len(files) else []
+            if adopted:
+                logger.warning(
+                    "epoch %d under %s holds %s saved local to their nodes (or without a "
+                    "layout), which the layout declares spread over them: each node resumes "
+                    "with its own, as saved, and its next save records the declared kinds",
+                    placement.save.epoch, self._location.display(), adopted)
+        return collect
 
     def _source(self, path_prefix: str | None, path_type: str | None) -> CheckpointStore:
         if path_type not in (None, *_DB_TYPES):
@@ -334,15 +374,22 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
         epoch = check_epoch(epoch)
         store = self._source(path_prefix, path_type)
         self.current(store).end()  # a load starts a new run, from the prefix as it is now
-        save = self._require_save(epoch, store)
+        return self._load_group("checkpoint_load", self.placement(epoch, store), store,
+                                self._names, True)
+
+    def _load_group(self, name: str, placement: Placement, store: CheckpointStore,
+                    names: Callable[[str], list[str]], require_all: bool) -> TaskGroup:
+        """One task per node loading its ``names(node)`` of the save as ``placement`` says:
+        its share, cut anew, or its own blobs (with ``require_all``, every one of them)."""
         shared = SharedReads()  # what several nodes read, once per process
-        if self._reshards(save):
-            order, partition = self.file_nodes(), self._layout.partition  # type: ignore[union-attr]
-            return self._group("checkpoint_load", lambda node, file_node: partial(
-                nodeops.load_share, store, save.records, order, partition, file_node,
-                self._names(node), shared), self._record_time(epoch), epoch=epoch)
-        return self._group("checkpoint_load", lambda node, file_node: partial(
-            nodeops.load, store, save.records[file_node], self._names(node), True, shared),
+        save, epoch = placement.save, placement.save.epoch
+        if placement.reshards:
+            return self._group(name, lambda node, file_node: partial(
+                nodeops.load_share, store, save.records, placement.order, placement.partition,
+                placement.kinds, file_node, names(node), shared), self._record_time(epoch),
+                epoch=epoch)
+        return self._group(name, lambda node, file_node: partial(
+            nodeops.load, store, save.records[file_node], names(node), require_all, shared),
             self._record_time(epoch), epoch=epoch)
 
     def _check_layout(self, session: Session, epoch: int) -> None:
@@ -373,14 +420,19 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
         return self._layout.writers(self.file_nodes(), {
             file_node: self._names(node) for node, file_node in files.items()})
 
-    def _reshards(self, save: Save) -> bool:
-        """Whether ``save`` was made by other nodes than this job's (an elastic resume)."""
-        return self._layout is not None and save.nodes != frozenset(self.file_nodes())
-
     def load_blobs_from_checkpoint(self, blob_names: Sequence[str], epoch: int) -> TaskGroup:
-        """A runnable that loads only ``blob_names`` (those present) from ``epoch``."""
+        """A runnable that loads only ``blob_names`` (those present) from ``epoch``: this job's
+        save of it as :meth:`placement` places it or, without a layout, each node's record of
+        it as saved (Caffe2's per-node loads)."""
         epoch = check_epoch(epoch)
         names = list(blob_names)
+        if self._layout is not None:
+            placement = self.placement(epoch)
+            held = shared_names(self._store, placement.save.records, placement.order,
+                                placement.kinds) if placement.reshards else None
+            return self._load_group("checkpoint_partial_load", placement, self._store,
+                                    lambda node: _present(names, held, self._files_of(node)),
+                                    False)
         shared = SharedReads()
 
         def make(node: str, file_node: str) -> Any:
@@ -393,13 +445,19 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
         return self._group("checkpoint_partial_load", make, self._record_time(epoch),
                            epoch=epoch)
 
+    def _files_of(self, node: str) -> str:
+        return self._require_files()[node]
+
     def check_db_exists(self, epoch: int) -> TaskGroup:
         """A runnable whose per-node output ``caffe2ckpt/db_exists`` says whether that node's
-        checkpoint of ``epoch`` is committed (on the current lineage)."""
+        checkpoint of ``epoch`` is committed (on the current lineage; with a layout, whether
+        the job's save of it is, whichever nodes made it)."""
         epoch = check_epoch(epoch)
         group = TaskGroup(WorkspaceType.GLOBAL, name="check_db_exists", epoch=epoch)
+        whole = None if self._layout is None else self.save_of(epoch) is not None
         for node, file_node in self._require_files().items():
-            exists = self._node_record(file_node, epoch) is not None
+            exists = whole if whole is not None else self._node_record(file_node,
+                                                                       epoch) is not None
             Task(partial(nodeops.db_exists, exists), name="check_db_exists", group=group,
                  node=node, outputs=[DB_EXISTS])
         return group
@@ -586,14 +644,20 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
         as it is then."""
         self.current().end()
 
-    def resuming(self) -> AbstractContextManager[None]:
+    @contextmanager
+    def resuming(self) -> Iterator[None]:
         """A block for one resume (``init(retrieve_from_epoch=...)``, ``load``, the questions
         about the loaded save and the :meth:`claim` that continues it): this manager's run
         ends, and within the block the prefix is read once, so what is loaded and what the new
         run continues are the same save even if another writer re-saves that epoch meanwhile.
         Outside such a block, a manager without a run reads the prefix again for each
         question."""
-        return self.current().resuming()
+        self._reading = {}  # and what is read of the whole prefix (another node count's saves)
+        try:
+            with self.current().resuming():
+                yield
+        finally:
+            self._reading = None
 
     def claim(self, writer: dict[str, Any] | None = None, *,
               parent: Any = NEWEST) -> Run:
@@ -612,3 +676,10 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
             parent = None if newest is None else (newest.epoch, newest.generation)
         return self.current().start(parent, writer)
 
+
+
+def _present(names: list[str], held: dict[str, list[str]] | None, file_node: str
+             ) -> list[str]:
+    """Of ``names``, those the node's share holds (``held``: by node; None: all, its own
+    group says which it has)."""
+    return names if held is None else [n for n in names if n in held[file_node]]

@@ -257,13 +257,13 @@ def load(store: CheckpointStore, record: CommitRecord, names: Sequence[str],
 
 
 def load_share(store: CheckpointStore, records: dict[str, CommitRecord], order: Sequence[str],
-               partition: str, node: str, names: Sequence[str], shared: SharedReads,
-               ws: Workspace) -> Timed:
-    """Restore ``node``'s share of the save ``records`` (made by other nodes) into its
-    workspace, split anew over ``order`` by ``partition`` (an elastic resume; what several
-    nodes read, read once per ``shared``)."""
+               partition: str, kinds: dict[str, str], node: str, names: Sequence[str],
+               shared: SharedReads, ws: Workspace) -> Timed:
+    """Restore ``node``'s share of the save ``records`` into its workspace, cut anew over
+    ``order`` by ``partition`` with ``kinds`` (see :func:`~caffe2ckpt.store.reshard.
+    read_shares`; what several nodes read, read once per ``shared``)."""
     data = _timed(lambda: read_shares(store, records, order, partition, [node], list(names),
-                                      shared))
+                                      shared, kinds))
     ws.restore(data.value[node])
     return Timed(None, data.ns)
 

@@ -41,7 +41,15 @@ from caffe2ckpt.errors import (
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.history.current import CurrentRun
 from caffe2ckpt.history.lineage import Save
-from caffe2ckpt.history.scan import LeftBehindWarning, elastic_steps, scan
+from caffe2ckpt.history.placement import Placement, place
+from caffe2ckpt.history.scan import (
+    Family,
+    LeftBehindWarning,
+    PrefixScan,
+    elastic_steps,
+    origin,
+    scan,
+)
 from caffe2ckpt.naming import check_epoch, check_node_name, get_ckpt_filename
 from caffe2ckpt.policy import StepManagerOptions, should_save
 from caffe2ckpt.preemption import PreemptionWatch
@@ -65,7 +73,6 @@ from caffe2ckpt.store.protocol import CheckpointStore, SaveInfo
 from caffe2ckpt.store.records import CommitRecord
 from caffe2ckpt.store.reshard import read_shares, share_infos
 from caffe2ckpt.store.zarrgroup import DEFAULT_PACK_THRESHOLD
-from caffe2ckpt.units import nodes_text
 
 __all__ = ["StepCheckpointManager"]
 
@@ -123,8 +130,11 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
                                                                     steady=True)
         self._last_save_time: float | None = None
         self._protected: set[int] = set()
-        self._others: dict[int, Save] = {}  # without ``nodes`` and before a save: every family
+        # without ``nodes``: every family's steps; elastic, before a save of its own: those of
+        # the family it resumes; after: the step of other nodes its history starts from
+        self._others: dict[int, Save] = {}
         self._left_behind = LeftBehindWarning()
+        self._passed_over: set[str] = set()  # newer saves without a layout, warned of
         self._trackers: dict[str, DeltaTracker] = {}  # delta_saves: each node's state
         if metadata is not None:
             write_root_metadata(self._store.location, dict(metadata))
@@ -147,14 +157,23 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
         earlier step and saved from there) are not listed, restored or kept."""
         if self._current is not None:
             self._current.forget()
-            own = self._current.family().newest
+            own = self._current.family()
             if self._elastic:
                 found = scan(self._store)
-                # listed only while this manager's nodes have no step: warn only then
-                self._others = elastic_steps(found, self._current.nodes, warn=own is None)
-                self._left_behind.check(self._store, own, found)  # own steps count: _steps
+                self._others = self._elastic_steps(found, own)
+                self._left_behind.check(self._store, own.newest, found)  # own steps count
         else:
             self._others = scan(self._store).current()
+
+    def _elastic_steps(self, found: PrefixScan, own: Family) -> dict[int, Save]:
+        """What an elastic manager lists besides its own lineage: while its nodes have no step,
+        the steps of the family it resumes (:func:`~caffe2ckpt.history.scan.elastic_steps`);
+        after, the step of other nodes its lineage starts from (:func:`~caffe2ckpt.history.
+        scan.origin`), which it restores split anew as any other."""
+        if not own.lineage:
+            return elastic_steps(found, own.nodes, warned=self._passed_over)
+        start = origin(found, found.families.get(own.nodes, own))
+        return {} if start is None else {start.epoch: start}
 
     @property
     def _elastic(self) -> bool:
@@ -163,11 +182,11 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
 
     @property
     def _steps(self) -> dict[int, Save]:
-        """The committed steps of the lineage, by step (an elastic manager whose nodes have
-        saved none yet: the steps of the newest family with a layout)."""
+        """The committed steps of the lineage, by step (for an elastic manager, with those
+        :meth:`_elastic_steps` adds)."""
         if self._current is not None:
             own = self._current.family().current()
-            return own if own or not self._elastic else self._others
+            return {**self._others, **own} if self._elastic else own
         return self._others
 
     def _listed(self) -> set[int]:
@@ -219,24 +238,34 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
             self.reload()  # the view was out of date: listings follow what was read
         if save is None:
             raise CheckpointNotFoundError(
-                f"step {step} is not committed under {self._store.location.display()!r}; "
-                f"committed steps: {sorted(self._steps)}")
+                f"step {step} is not committed under {self._store.location.display()!r}"
+                f"{self._lineage_text()}; committed steps: {sorted(self._steps)}")
         return save
 
+    def _lineage_text(self) -> str:
+        """For a step not found: the nodes whose lineage was asked and, elastic, where that
+        lineage starts."""
+        if self._current is None:
+            return ""
+        nodes = sorted(self._current.nodes)
+        own = self._current.family().lineage
+        start = next(iter(self._others.values()), None) if self._elastic and own else None
+        if start is None:
+            return f" in the lineage of nodes {nodes}"
+        return (f" in the lineage of nodes {nodes}, which starts from step {start.epoch} of "
+                f"nodes {sorted(start.nodes)} (a manager on those nodes restores their steps)")
+
     def _lineage_save(self, current: CurrentRun, step: int) -> Save | None:
-        """The save of ``step`` of this family's lineage, or, for an elastic manager whose nodes
-        have saved nothing, of the lineage it resumes on another node count
-        (:func:`~caffe2ckpt.history.scan.elastic_steps`): then one reading of the prefix
-        decides, and the family's own lineage is asked only if its nodes appear there."""
-        found = None
-        if self._elastic and not current.family().current():
-            found = scan(self._store)
-            if found.families.get(frozenset(current.nodes)) is None:
-                return elastic_steps(found, current.nodes).get(step)
-        save = current.lineage_save(step)
-        if save is None and found is not None:
-            save = elastic_steps(found, current.nodes).get(step)
-        return save
+        """The save of ``step`` of this family's lineage or, for an elastic manager, of the
+        steps :meth:`_elastic_steps` adds: then one reading of the prefix decides, and the
+        family's own lineage is asked only if its nodes appear there."""
+        if not self._elastic:
+            return current.lineage_save(step)
+        found = scan(self._store)
+        family = found.families.get(current.nodes)
+        save = None if family is None else current.lineage_save(step)
+        return save or self._elastic_steps(found, family or Family(current.nodes, [], [])
+                                           ).get(step)
 
     # -- saving ----------------------------------------------------------------------------------
 
@@ -396,13 +425,14 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
         its error is raised here only when it was the step asked for, else by the next save,
         :meth:`wait_until_finished` or :meth:`close`."""
         info = self._step(self._restore_step(step))
-        if self._elastic and info.nodes != frozenset(self._nodes):  # type: ignore[arg-type]
-            with events.reporting_damage(self._url, info.epoch, found_by="restore"):
-                out = self._restore_elastic(info, nodes, blobs)
-            self._resumed(info, "elastic")
-            return out
+        placement = self._placement(info)  # a refusal comes before anything is read
         with events.reporting_damage(self._url, info.epoch, found_by="restore"):
-            out = read_nodes(self._store, info, nodes, blobs)
+            out = self._read(info, placement, nodes, blobs)
+        if placement is not None and info.nodes != frozenset(placement.order):
+            self._protected = set()  # another family's step: this manager's retention never
+            self._run_of(sorted(placement.order)).set_parent((info.epoch, info.generation))
+            self._resumed(info, "elastic")  # touches it; saves from now on continue from it
+            return out
         self._protected = {info.epoch}
         current = self._run_of(sorted(info.nodes))
         newest = current.newest()
@@ -414,6 +444,43 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
         self._resumed(info, "going back" if newest is not None and info.epoch < newest.epoch
                       else "resume")
         return out
+
+    def _placement(self, info: Save) -> Placement | None:
+        """How this manager's nodes get ``info``'s blobs (None: as its nodes saved them, for
+        a manager without ``nodes`` or without a layout)."""
+        if not self._elastic:
+            return None
+        return place(info, self._nodes, self._layout,  # type: ignore[arg-type]
+                     self._store.location.display())
+
+    def _read(self, info: Save, placement: Placement | None, nodes: Sequence[str] | None,
+              blobs: Sequence[str] | None) -> dict[str, dict[str, np.ndarray]]:
+        """``info``'s blobs for ``nodes`` (default all), all or ``blobs``: cut anew when the
+        placement reshards, else as each node saved them."""
+        if placement is None or not placement.reshards:
+            out = read_nodes(self._store, info, nodes, blobs)
+            self._warn_adopted(placement, out)
+            return out
+        own = list(placement.order)
+        unknown = sorted(set(nodes or ()) - set(own))
+        if unknown:
+            raise CheckpointNotFoundError(f"restore({info.epoch}): nodes {unknown} are not this "
+                                          f"manager's nodes {own}")
+        out = read_shares(self._store, info.records, own, placement.partition,
+                          None if nodes is None else [str(n) for n in nodes],
+                          None if blobs is None else list(blobs), kinds=placement.kinds)
+        logger.info("restored step %d under %s, %s", info.epoch,
+                    self._store.location.display(), placement.describe())
+        return out
+
+    def _warn_adopted(self, placement: Placement | None, out: Items) -> None:
+        names = [] if placement is None else placement.adopted(out)
+        if names:
+            logger.warning(
+                "step %d under %s holds %s saved local to their nodes (or without a layout), "
+                "which the layout declares spread over them: each node restores its own, as "
+                "saved, and its next save records the declared kinds", placement.save.epoch,  # type: ignore[union-attr]
+                self._store.location.display(), names)
 
     @property
     def _url(self) -> str:
@@ -443,33 +510,15 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
                     f"no committed step under {self._store.location.display()!r}")
         return step
 
-    def _restore_elastic(self, info: Save, nodes: Sequence[str] | None,
-                         blobs: Sequence[str] | None) -> dict[str, dict[str, np.ndarray]]:
-        """``info`` (saved by other nodes) split anew over this manager's nodes; saves from
-        now on continue from it."""
-        own = list(self._nodes)  # type: ignore[arg-type]
-        unknown = sorted(set(nodes or ()) - set(own))
-        if unknown:
-            raise CheckpointNotFoundError(f"restore({info.epoch}): nodes {unknown} are not this "
-                                          f"manager's nodes {own}")
-        out = read_shares(self._store, info.records, own,
-                          self._layout.partition,  # type: ignore[union-attr]
-                          None if nodes is None else [str(n) for n in nodes],
-                          None if blobs is None else list(blobs))
-        logger.info("restored step %d, saved by %s, on %s", info.epoch,
-                    nodes_text(len(info.records)), nodes_text(len(own)))
-        self._protected = set()  # another family's step: this manager's retention never touches it
-        self._run_of(sorted(own)).set_parent((info.epoch, info.generation))
-        return out
-
     def item_metadata(self, step: int) -> dict[str, dict[str, BlobMetadata]]:
         """``{node: {blob: BlobMetadata(dtype, shape, nbytes)}}`` of what :meth:`restore`
         returns for ``step``, from the manifests only: replicated blobs on every node holding
         them, and a step of another node count split anew over this manager's nodes."""
         info = self._step(step)
-        if self._elastic and info.nodes != frozenset(self._nodes):  # type: ignore[arg-type]
-            shares = share_infos(self._store, info.records, self._nodes,  # type: ignore[arg-type]
-                                 self._layout.partition)  # type: ignore[union-attr]
+        placement = self._placement(info)
+        if placement is not None and placement.reshards:
+            shares = share_infos(self._store, info.records, placement.order,
+                                 placement.partition, placement.kinds)
             return {node: as_metadata(blobs) for node, blobs in shares.items()}
         return blob_metadata(self._store, info)
 
@@ -503,6 +552,8 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
                 "owning all of its nodes")
         self._run_of(sorted(save.nodes)).remove([save])
         self._others.pop(step, None)
+        if self._elastic and not self._current.family().lineage:  # type: ignore[union-attr]
+            self.reload()  # none of its own left: it lists the steps it would resume again
 
     def wait_until_finished(self) -> None:
         """Wait for a background save, commit it in the cache and apply retention.

@@ -22,11 +22,18 @@ sharing their reads (a session's), or the old array cannot be read in place (pac
 from a differential chain, Fortran order, big-endian or not numeric), that node's whole blob is
 read once per process instead, and the rows copied out of it. Every byte read is
 checked as any restore checks it.
+
+A job may also declare a blob another kind than the save did (``kinds``, decided by
+:func:`~caffe2ckpt.history.placement.place`): a blob saved replicated and declared ``rows`` is
+its one value cut over the new nodes; one saved ``rows`` and declared replicated is its global
+array, put back together once and copied to every new node. A local blob stays with its node
+when the nodes and their order are the save's (a kind changed elsewhere), and is refused
+otherwise.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -76,61 +83,57 @@ def saved_layout(records: dict[str, CommitRecord]) -> SavedLayout | None:
 
 
 def shared_names(store: CheckpointStore, records: dict[str, CommitRecord],
-                 order: Sequence[str]) -> dict[str, list[str]]:
+                 order: Sequence[str], kinds: Mapping[str, str] | None = None
+                 ) -> dict[str, list[str]]:
     """The blobs of the save ``records`` each of the nodes ``order`` restores a share or a
-    copy of (read from the manifests only), by node.
+    copy of (read from the manifests only), by node; ``kinds``: the blobs the job declares
+    another kind than the save did, with the job's kind.
 
     Raises:
-        JobDefinitionError: the save holds local blobs (or has no layout): refused before
-            anything is read or written.
+        JobDefinitionError: the save holds local blobs (or has no layout) and the nodes or
+            their order differ, or a kind cannot change: refused before anything is read.
     """
-    reader = _Reshard(store, records, list(order), "range", SharedReads())
-    kinds = reader.blobs(None)
-    return {node: sorted(n for n, k in kinds.items()
-                         if k == ROWS or node in reader.receivers(n)) for node in order}
+    reader = _Reshard(store, records, list(order), "range", SharedReads(), kinds)
+    blobs = reader.blobs(None)
+    return {node: sorted(n for n in blobs if node in reader.receivers(n)) for node in order}
 
 
 def share_infos(store: CheckpointStore, records: dict[str, CommitRecord], order: Sequence[str],
-                partition: str) -> dict[str, dict[str, BlobInfo]]:
+                partition: str, kinds: Mapping[str, str] | None = None
+                ) -> dict[str, dict[str, BlobInfo]]:
     """What :func:`read_shares` returns, from the manifests only: each new node's blobs (of
-    the nodes ``order`` split by ``partition``) with their dtype, shape and memory order.
+    the nodes ``order`` split by ``partition``, ``kinds`` as in :func:`read_shares`) with
+    their dtype, shape and memory order.
 
     Raises:
-        JobDefinitionError: the save holds local blobs (or has no layout).
+        JobDefinitionError: as :func:`shared_names`.
     """
-    reader = _Reshard(store, records, list(order), partition, SharedReads())
+    reader = _Reshard(store, records, list(order), partition, SharedReads(), kinds)
     out: dict[str, dict[str, BlobInfo]] = {node: {} for node in order}
-    for name, kind in reader.blobs(None).items():
-        if kind != ROWS:
-            info = reader.manifest(reader.holder(name)).blobs[name]
-            for node in reader.receivers(name):
-                out[node][name] = info
-            continue
-        infos = [reader._row_info(node, name) for node in reader.old]
-        total = sum(info.shape[0] for info in infos)
-        for k, node in enumerate(order):
-            rows = len(new_rows(partition, k, len(order), total))
-            out[node][name] = infos[0]._replace(shape=(rows, *infos[0].shape[1:]))
+    for name in reader.blobs(None):
+        for node in reader.receivers(name):
+            out[node][name] = reader.info_of(node, name)
     return out
 
 
 def read_shares(store: CheckpointStore, records: dict[str, CommitRecord], order: Sequence[str],
                 partition: str, nodes: Sequence[str] | None = None,
-                names: Sequence[str] | None = None, shared: SharedReads | None = None
-                ) -> dict[str, dict[str, np.ndarray]]:
+                names: Sequence[str] | None = None, shared: SharedReads | None = None,
+                kinds: Mapping[str, str] | None = None) -> dict[str, dict[str, np.ndarray]]:
     """``{new node: {blob: array}}`` of the save ``records`` (by old node) for the nodes
     ``order`` (the new job's, in its order) split by ``partition``: of ``nodes`` (default all),
-    all blobs or only ``names``. What is read whole (see the module docstring) is read once
+    all blobs or only ``names``. ``kinds``: the blobs the job declares another kind than the
+    save did, with the job's kind (see the module docstring). What is read whole is read once
     per ``shared``.
 
     Raises:
-        JobDefinitionError: the save holds local blobs (or has no layout), which cannot be
-            given to another set of nodes.
+        JobDefinitionError: the save holds local blobs (or has no layout) and the nodes or
+            their order differ, or a blob saved as a single value is declared rows.
         CheckpointCorruptedError: the save's records or groups are damaged, or its nodes' rows
             do not fit its layout.
     """
     owned = shared is None  # nobody else takes what this call reads: its last user may keep it
-    reader = _Reshard(store, records, list(order), partition, shared or SharedReads())
+    reader = _Reshard(store, records, list(order), partition, shared or SharedReads(), kinds)
     reader.streams = owned  # rows every k-th: copied to this call's nodes chunk by chunk
     wanted = list(order) if nodes is None else list(nodes)
     blobs = reader.blobs(names)
@@ -143,10 +146,13 @@ def read_shares(store: CheckpointStore, records: dict[str, CommitRecord], order:
     run_reads(direct)
     for step in finish:
         step()
-    for name in (name for name, kind in blobs.items() if kind == REPLICATED):
+    for name, kind in blobs.items():
         receivers = [node for node in wanted if node in reader.receivers(name)]
-        for node, value in zip(receivers, reader.copies(name, len(receivers), owned)):
-            out[node][name] = value
+        if kind == REPLICATED and receivers:
+            reader.give(name, receivers, out, owned)
+        elif kind == LOCAL:
+            for node in receivers:
+                out[node][name] = reader.whole(node, name)
     return out
 
 
@@ -154,7 +160,8 @@ class _Reshard:
     """One elastic read of one save (see the module docstring)."""
 
     def __init__(self, store: CheckpointStore, records: dict[str, CommitRecord],
-                 order: list[str], partition: str, shared: SharedReads) -> None:
+                 order: list[str], partition: str, shared: SharedReads,
+                 kinds: Mapping[str, str] | None = None) -> None:
         self.store, self.records, self.order, self.partition = store, records, order, partition
         self.shared = shared
         self.streams = False  # strided rows of an old array: scattered as each chunk is read
@@ -163,7 +170,10 @@ class _Reshard:
         self.layouts = {node: r.layout for node, r in records.items()}
         self.old = list(layout.order) if layout is not None else sorted(records)
         self.old_partition = layout.partition if layout is not None else "range"
+        self.kinds = dict(kinds or {})  # blob -> the job's kind, where it is not the save's
+        self.saved: dict[str, str] = {}  # blob -> its kind in the save (see blobs())
         self._manifests: dict[str, Manifest] = {}
+        self._checked: set[tuple[str, str]] = set()  # (old node, array) whose zarr.json is read
 
     def manifest(self, node: str) -> Manifest:
         if node not in self._manifests:
@@ -177,23 +187,36 @@ class _Reshard:
             f"blob {blob!r}: {why}", node=node, epoch=record.epoch, blob=blob)
 
     def blobs(self, names: Sequence[str] | None) -> dict[str, str]:
-        """Each blob asked for, with its kind; refused when any is local."""
-        kinds: dict[str, str] = {}
+        """Each blob asked for, with its kind in the save (:attr:`kinds` says where the job's
+        differs); refused (before any data is read) when a local blob would have to move or a
+        single value is declared rows."""
         for node in self.old:
             layout = self.layouts[node]
             for name in self.manifest(node).blobs:
                 if names is None or name in names:
                     kind = LOCAL if layout is None else layout.kind(name)
-                    kinds[name] = LOCAL if kinds.get(name, kind) != kind else kind
-        missing = sorted(set(names or ()) - set(kinds))
+                    self.saved[name] = LOCAL if self.saved.get(name, kind) != kind else kind
+        missing = sorted(set(names or ()) - set(self.saved))
         if missing:
             raise CheckpointNotFoundError(f"epoch {self.record.epoch} under "
                                           f"{self.store.location.display()!r} has no blobs "
                                           f"{missing}")
-        local = sorted(n for n, k in kinds.items() if k == LOCAL)
-        if local:
+        local = sorted(n for n, k in self.saved.items() if k == LOCAL)
+        if local and self.order != self.old:
             raise JobDefinitionError(self._refusal(local))
-        return kinds
+        for name, kind in self.kinds.items():
+            if self.saved.get(name) == REPLICATED and kind == ROWS:
+                self._check_cut(name)
+        return dict(self.saved)
+
+    def _check_cut(self, name: str) -> None:
+        """A replicated blob the job declares rows needs an axis 0 to be cut along."""
+        info = self.manifest(self.holder(name)).blobs[name]
+        if not info.shape:
+            raise JobDefinitionError(
+                f"epoch {self.record.epoch} under {self.store.location.display()!r}: blob "
+                f"{name!r} was saved replicated as a single value (shape ()); the job's layout "
+                "declares it rows, which needs an axis 0 to split: declare it replicated")
 
     def _refusal(self, local: list[str]) -> str:
         how = ("it was saved without a layout" if self.layouts[self.old[0]] is None
@@ -204,25 +227,61 @@ class _Reshard:
                 f"{nodes_text(len(self.order))} {self.order}: {how}. Declare how each blob is "
                 "spread when saving: caffe2ckpt.Layout(rows=[...]) for blobs split along axis 0 "
                 "across the nodes, replicated=[...] for blobs every node holds alike; or resume "
-                "on the nodes that saved it")
+                "on the nodes that saved it, in the same order")
 
     def holder(self, name: str) -> str:
         """The old node that wrote the replicated blob ``name``."""
         return next(n for n in self.old if name in self.manifest(n).blobs)
 
     def receivers(self, name: str) -> list[str]:
-        """The new nodes given the replicated blob ``name``: all, if every old node held it;
-        else (held by some, such as an epoch counter on the first node) the first."""
+        """The new nodes given the blob ``name`` (of the kind :meth:`blobs` gives it): all, for
+        rows and for a blob every old node held; else (a replicated blob held by some, such
+        as an epoch counter on the first node) the first; a local blob, its own node."""
+        saved, kind = self.saved[name], self.kinds.get(name)
+        if saved == LOCAL:
+            return [n for n in self.order if name in self.manifest(n).blobs]
+        if saved == ROWS or kind == ROWS:
+            return self.order
         everywhere = all(name in self.manifest(n).blobs or name in (
             self.layouts[n].written_by if self.layouts[n] else {}) for n in self.old)
         return self.order if everywhere else self.order[:1]
 
-    def copies(self, name: str, count: int, owned: bool) -> list[np.ndarray]:
-        """``count`` arrays of the replicated blob ``name`` (read once, from its writer): copies
-        made at once, the last the array read itself when this read ``owned`` it."""
+    def info_of(self, node: str, name: str) -> BlobInfo:
+        """The dtype, shape and order of new node ``node``'s blob ``name`` (manifests only)."""
+        saved, kind = self.saved[name], self.kinds.get(name, self.saved[name])
+        if saved == LOCAL:
+            return self.manifest(node).blobs[name]
+        if saved == REPLICATED:
+            info = self.manifest(self.holder(name)).blobs[name]
+            if kind == ROWS:
+                rows = new_rows(self.partition, self.order.index(node), len(self.order),
+                                info.shape[0])
+                return info._replace(shape=(len(rows), *info.shape[1:]))
+            return info
+        infos = [self._row_info(old, name) for old in self.old]
+        total = sum(info.shape[0] for info in infos)
+        rows = total if kind == REPLICATED else len(new_rows(
+            self.partition, self.order.index(node), len(self.order), total))
+        return infos[0]._replace(shape=(rows, *infos[0].shape[1:]))
+
+    def give(self, name: str, receivers: list[str], out: dict[str, dict[str, np.ndarray]],
+             owned: bool) -> None:
+        """The replicated blob ``name`` (read once, from its writer) to ``receivers``: a copy
+        each (the last the array read itself when this read ``owned`` it), or, declared rows,
+        each its rows of it."""
         value = self.whole(self.holder(name), name)
+        if self.kinds.get(name) == ROWS:
+            fortran = value.ndim > 1 and value.flags.f_contiguous and not value.flags.c_contiguous
+            for node in receivers:
+                rows = new_rows(self.partition, self.order.index(node), len(self.order),
+                                value.shape[0])
+                share = value[_slice(rows)]
+                out[node][name] = np.array(share, order="F" if fortran else "C")
+            return
+        count = len(receivers)
         copies = list(pool().map(lambda _: value.copy(), range(count - 1 if owned else count)))
-        return [*copies, value][:count]
+        for node, copy in zip(receivers, [*copies, value]):
+            out[node][name] = copy
 
     def whole(self, node: str, name: str) -> np.ndarray:
         """Old node ``node``'s blob ``name``, read whole once per ``shared`` (never written
@@ -236,7 +295,8 @@ class _Reshard:
               direct: list[Callable[[], Any]]) -> Callable[[], None]:
         """Allocate each wanted new node's share of the rows blob ``name``, add the reads
         straight into place to ``direct``, and return what copies the other rows once those
-        reads ran."""
+        reads ran. Declared replicated, the first wanted node gets the whole global array and
+        the others a copy of it."""
         infos = [self._row_info(node, name) for node in self.old]
         first = infos[0]
         orders = orders_of([(i.shape, i.order) for i in infos])
@@ -248,10 +308,12 @@ class _Reshard:
         except ValueError as exc:
             raise self.damage(self.old[0], name, str(exc)) from exc
         total = sum(len(r) for r in sources)
+        whole = self.kinds.get(name) == REPLICATED
         copies: list[tuple[str, np.ndarray, range, range]] = []
         scattered: dict[str, list[tuple[np.ndarray, range, range]]] = {}
-        for node in wanted:
-            target = new_rows(self.partition, self.order.index(node), len(self.order), total)
+        for node in wanted[:1] if whole else wanted:
+            target = range(total) if whole else new_rows(
+                self.partition, self.order.index(node), len(self.order), total)
             dest = destination(self.store.location, (len(target), *first.shape[1:]),
                                np.dtype(first.dtype))
             out[node][name] = dest
@@ -274,8 +336,10 @@ class _Reshard:
             for old, dest, src, dst in copies:
                 dest[_slice(dst)] = self._rows(old, name, src)
             if orders == {"F"}:
-                for node in wanted:
+                for node in wanted[:1] if whole else wanted:
                     out[node][name] = np.asfortranarray(out[node][name])
+            for node in wanted[1:] if whole else ():
+                out[node][name] = out[wanted[0]][name].copy()
         return finish
 
     def _scatter(self, node: str, name: str, jobs: list[tuple[np.ndarray, range, range]]
@@ -328,11 +392,12 @@ class _Reshard:
 
     def _reads(self, node: str, name: str, read: RowRead) -> list[Callable[[], Any]]:
         """The chunk reads of ``read`` (of old node ``node``'s own array of blob ``name``),
-        with its ``zarr.json`` checked."""
+        with its ``zarr.json`` checked by the first of them."""
         record, manifest = self.records[node], self.manifest(node)
         path = manifest.stored_blobs[name].path
         crcs = self.store.chunk_crcs(record, manifest)
-        files = {f"{path}/{GROUP_FILE}"}
+        files = set() if (node, path) in self._checked else {f"{path}/{GROUP_FILE}"}
+        self._checked.add((node, path))  # once per old array, whichever new nodes read it
         metadata = {f: d for f, d in record.metadata.items() if f in files}
         return list(row_reads(self.store.location, self.store.group_path(record), manifest,
                               {path: crcs[path]}, [read], metadata))  # type: ignore[index]

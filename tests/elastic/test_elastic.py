@@ -86,7 +86,7 @@ def test_saves_after_an_elastic_restore_continue_and_keep_the_old_family(prefix,
         assert got["u0"]["emb"].ravel().tolist() == [0] * 10 + [1] * 10
         for epoch in (3, 4):
             mgr.save(epoch, got)
-        assert mgr.all_steps() == [4]
+        assert mgr.all_steps() == [2, 4]  # its own, and the step its lineage starts from
     with StepCheckpointManager(prefix, nodes=list(old), layout=layout,
                                handle_preemption=False) as mgr:
         assert mgr.all_steps() == [2]  # the old family's newest save, kept
