@@ -9,8 +9,8 @@ what a save writes with its replicated weights written once; a consolidation.
 The job: a float32 ``emb`` table of ``--rows`` x 64 split by rows over the nodes
 (``caffe2ckpt.Layout(rows=["emb"], replicated=["w"])``, ``--partition range`` and ``mod``) and
 dense weights ``w`` (``--weights-mib``) that every node holds. Each node count (2, 4, 8) saves
-once per partition. Then, for each (N, M) in 4->2, 2->4, 4->8 and 4->4 (the last with other
-node names: split anew, the same rows):
+once per partition. Then, for each (N, M) in 4->2, 2->4, 4->8 and 4->4 (with other node
+names, and with the same names in reverse order: both split anew, each node other rows):
 
 - **restore time**: all M new nodes restored in one process (one ``restore()`` call) against
   two same-topology restores: the N-node save by its own N nodes (N -> N), and the M-node save
@@ -52,7 +52,8 @@ import caffe2ckpt  # noqa: E402
 from caffe2ckpt import Layout, StepCheckpointManager, materialize  # noqa: E402
 from caffe2ckpt.sharding import new_rows  # noqa: E402
 
-PAIRS = [(4, 2), (2, 4), (4, 8), (4, 4)]
+# (N, M, the new nodes' names): new ones, or the old ones in reverse order (a reshard too)
+PAIRS = [(4, 2, "new"), (2, 4, "new"), (4, 8, "new"), (4, 4, "new"), (4, 4, "reordered")]
 
 
 def _cold() -> None:
@@ -144,12 +145,14 @@ def check(job: Job, partition: str, out: dict, nodes: list[str]) -> None:
             raise SystemExit(f"{partition}: node {node}: weights differ")
 
 
-def measure_pair(job: Job, partition: str, n: int, m: int, repeat: int, wire) -> dict:
+def measure_pair(job: Job, partition: str, n: int, m: int, names: str, repeat: int,
+                 wire) -> dict:
     """Cold restores, alternating: the N-node save by its own nodes ("same"), the M-node save
     by its own nodes ("target": what M nodes restore when nothing is resharded; the same as
-    "same" when M == N) and the N-node save by M new nodes ("elastic")."""
+    "same" when M == N) and the N-node save by M new nodes, or (``names="reordered"``) by its
+    own nodes in reverse order ("elastic")."""
     old = [f"old_{k}" for k in range(n)]
-    new = [f"new_{k}" for k in range(m)]
+    new = old[::-1] if names == "reordered" else [f"new_{k}" for k in range(m)]
     kinds = {"same": (n, old), "target": (m, [f"old_{k}" for k in range(m)]),
              "elastic": (n, new)}
     if m == n:
@@ -189,14 +192,16 @@ def report(args, results, writes, consolidation, where: str) -> None:
     print(f"\n## Elastic restores: table {args.rows:,} x 64 float32 ({table_mib:.0f} MiB) + "
           f"{args.weights_mib} MiB replicated weights, on {where}, {args.repeat} cold restores "
           "each (medians; a ratio is the median of each repeat's ratio)")
-    s3 = results and results[0][3].get("requests") is not None
+    s3 = results and results[0][4].get("requests") is not None
     print("\n| partition | N -> M | N -> N restore s | M -> M restore s | elastic N -> M "
           "restore s | ratio to N -> N | ratio to M -> M | bytes read / needed (one process) | "
           "worst node alone: read / its share |"
           + (" requests (elastic / same) | LIST |" if s3 else ""))
     print("|---|---|---|---|---|---|---|---|---|" + ("---|---|" if s3 else ""))
-    for partition, n, m, row in results:
-        line = (f"| {partition} | {n} -> {m} | {row['same']:.3f} | {row['target']:.3f} | "
+    for partition, n, m, names, row in results:
+        pair = f"{n} -> {m}" + {"reordered": " (same names, reordered)",
+                                "new": " (other names)" if n == m else ""}[names]
+        line = (f"| {partition} | {pair} | {row['same']:.3f} | {row['target']:.3f} | "
                 f"{row['elastic']:.3f} | {row['ratios']['same']:.2f}x | "
                 f"{row['ratios']['target']:.2f}x | {row['read'] / row['needed']:.3f} | "
                 f"{row['worst_alone']:.3f} |")
@@ -245,11 +250,11 @@ def main(argv: list[str] | None = None) -> int:
         results = []
         for partition in partitions:
             layout = Layout(rows=["emb"], replicated=["w"], partition=partition)
-            for n in sorted({k for pair in PAIRS for k in pair}):
+            for n in sorted({k for n, m, _ in PAIRS for k in (n, m)}):
                 job.save(partition, n, layout)
-            for n, m in PAIRS:
-                results.append((partition, n, m, measure_pair(job, partition, n, m,
-                                                              args.repeat, wire)))
+            for n, m, names in PAIRS:
+                results.append((partition, n, m, names, measure_pair(
+                    job, partition, n, m, names, args.repeat, wire)))
         writes = [("w replicated (written once)",
                    job.save("range", 4, Layout(rows=["emb"], replicated=["w"]), "-once")),
                   ("w local (each node writes its copy)",

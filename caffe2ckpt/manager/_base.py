@@ -595,6 +595,9 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
         elastic = self.elastic_saves()
         if elastic and (user_epoch is None or user_epoch in elastic):
             return max(elastic) if user_epoch is None else user_epoch
+        if self._layout is not None and user_epoch is not None and not elastic and (
+                self.save_of(user_epoch) is not None):
+            return user_epoch  # its own, or the save of other nodes its lineage starts from
         if self._layout is not None and user_epoch is None:
             self._left_behind.check(self._store, self.current().newest())
         return self._metadata_handler.last_epoch(user_epoch=user_epoch)

@@ -7,6 +7,8 @@ and the last it touches); with ``mod`` when M divides N, exactly its rows."""
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 
@@ -139,3 +141,67 @@ def test_every_n_to_m_restores_bit_exact_within_its_read_budget(prefix, chunk, p
                 if n % m == 0:
                     assert read == ROWS * ROW_BYTES, (n, m, read)
     assert cases == len(COUNTS) ** 2
+
+
+def expected_for(nodes: list[str], layout: Layout, whole: np.ndarray) -> dict[str, dict]:
+    """The plain numpy model: each node's share of every blob the layout declares rows (the
+    global array cut by its partition in the nodes' order), the whole of every other."""
+    out = {}
+    for k, node in enumerate(nodes):
+        blobs = {}
+        for name, value in (("emb", whole), ("w", WEIGHTS)):
+            rows = layout.kind(name) == "rows"
+            blobs[name] = share(value, layout.partition, k, len(nodes)) if rows else value
+        out[node] = blobs
+    return out
+
+
+def restored_as(url: str, nodes: list[str], layout: Layout, epoch: int) -> dict:
+    with StepCheckpointManager(url, nodes=nodes, layout=layout, handle_preemption=False) as mgr:
+        got = mgr.restore(epoch)
+        described = mgr.item_metadata(epoch)
+    for node, blobs in got.items():  # item_metadata says what restore returns
+        assert {n: (a.dtype.str, a.shape) for n, a in blobs.items()} == {
+            n: (m.dtype, m.shape) for n, m in described[node].items()}
+    return got
+
+
+def assert_model(got: dict, want: dict, what: str) -> None:
+    assert sorted(got) == sorted(want), what
+    for node, blobs in want.items():
+        assert sorted(got[node]) == sorted(blobs), (what, node)
+        for name, value in blobs.items():
+            have = got[node][name]
+            assert (have.dtype, have.shape) == (value.dtype, value.shape), (what, node, name)
+            assert have.tobytes() == np.ascontiguousarray(value).tobytes(), (what, node, name)
+
+
+@pytest.mark.parametrize("prefix, partition, delta", CASES, indirect=["prefix"])
+def test_every_change_of_order_partition_or_kind_is_cut_anew_or_refused(prefix, chunk,
+                                                                        partition, delta):
+    """Per N: the same node names in another order under both partitions (the order the save
+    recorded is not the job's: a reshard, never each node's old shard back), and on another
+    node count M the kinds switched (the table declared replicated reaches every node whole,
+    the replicated weights declared rows are cut by rows); each bit-exact against the plain
+    numpy model, and a blob declared local that was saved spread is refused by name."""
+    from caffe2ckpt import JobDefinitionError
+
+    rng = random.Random(f"{partition}-{delta}")
+    for n in COUNTS:
+        url = f"{prefix}/n{n}"
+        epoch, _ = save_job(url, n, partition, delta)
+        whole = table(epoch)
+        old = [f"old_{k}" for k in range(n)]
+        order = old[::-1] if n < 3 else rng.sample(old, n)
+        for new_partition in ("range", "mod"):
+            layout = Layout(rows=["emb"], replicated=["w"], partition=new_partition)
+            assert_model(restored_as(url, order, layout, epoch),
+                         expected_for(order, layout, whole), (n, order, new_partition))
+        m = rng.choice(COUNTS)
+        nodes = [f"new_{k}" for k in range(m)]
+        switched = Layout(rows=["w"], replicated=["emb"], partition=rng.choice(["range", "mod"]))
+        assert_model(restored_as(url, nodes, switched, epoch),
+                     expected_for(nodes, switched, whole), (n, m, switched))
+        for declared, blob in ((Layout(rows=["emb"]), "w"), (Layout(replicated=["w"]), "emb")):
+            with pytest.raises(JobDefinitionError, match=f"blob {blob!r} was saved"):
+                restored_as(url, rng.choice([old, nodes]), declared, epoch)

@@ -295,6 +295,21 @@ def test_an_elastic_manager_restores_the_epoch_its_history_starts_from(prefix):
             mgr.restore(1)
 
 
+def test_a_job_runner_goes_back_to_the_epoch_its_history_starts_from(prefix):
+    layout = Layout(**JOB_LAYOUT)
+    JobRunner(job_on(["t0", "t1", "t2", "t3"], 2), MultiNodeCheckpointManager(
+        prefix, layout=layout)).train(LocalSession())
+    JobRunner(job_on(["u0", "u1"], 4), MultiNodeCheckpointManager(
+        prefix, layout=layout)).train(LocalSession())  # from epoch 2 of the 4 nodes: 3, 4
+    seen, session = {}, LocalSession()
+    runner = JobRunner(job_on(["u0", "u1"], 4, seen=seen), MultiNodeCheckpointManager(
+        prefix, layout=layout), resume_from_epoch=2)
+    assert runner.train(session) == 4
+    assert runner.resumed_from == 2
+    assert put_together([seen["u0"], seen["u1"]], "range").tobytes() == (TABLE + 2).tobytes()
+    assert session.workspace("u1")["emb"].tobytes() == cut(TABLE + 4, "range", 1, 2).tobytes()
+
+
 # -- D9, D10: what an elastic restore reads ------------------------------------------------------
 
 def counting(mgr: StepCheckpointManager) -> list[str]:

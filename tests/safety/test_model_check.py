@@ -78,7 +78,17 @@ Each sequence (one seed) starts on an empty prefix and applies operations chosen
   epoch and blob; an automatic resume falls back along the lineage to the newest save that
   loads (never to a superseded one; none loads: refused before claiming); an explicit resume
   of it raises ``CheckpointCorruptedError`` (before claiming); ``verify`` exits 1; ``gc`` with a
-  rule deletes nothing of a family whose newest save is damaged (exit 1).
+  rule deletes nothing of a family whose newest save is damaged (exit 1);
+* ``reshard`` (family B saves with a layout; also once at the end of every sequence whose B has
+  a lineage, so S3's short sequences have one): B's step restored on 1-3 other nodes must be B's
+  own restore cut anew, or fail as it fails; then, on a copy of the prefix (the model is not
+  told), a job J of 1-3 nodes (B's own node name among others possible) with each blob declared
+  a random kind (rows, replicated, now and then local) and a random partition restores it and
+  saves it, its table plus one, as the next step (a second family with a layout); J's names in
+  another order, with other random kinds and partition, restore that save (the same family: a
+  reshard, not each node's own group); a third node set lists and restores the family of the
+  newest run, J's. Every restore must equal the model's global arrays cut by the job's layout in
+  its order, or be refused naming a blob declared local or a single value declared rows.
 
 Most operations act on family A (nodes trainer_0, trainer_1); some on family B (solo_0), on the
 same prefix, with its own history (and its own fencing: runs of B never fence A's).
@@ -189,6 +199,7 @@ from caffe2ckpt import (
     CheckpointNotFoundError,
     CheckpointWriteError,
     Job,
+    JobDefinitionError,
     JobPreemptedError,
     JobRunner,
     Layout,
@@ -682,6 +693,47 @@ class StepsState:
     mgr: Any = None  # the StepCheckpointManager (kept managers only)
 
 
+def _random_layout(rng: random.Random) -> Layout:
+    """B's blobs, each declared a random kind: the table ``w`` rows or replicated, the trace
+    and ``frozen`` (1-D) replicated or rows, the count (a single value) replicated or, now and
+    then, rows (refused); now and then one of them matches no pattern (local: refused)."""
+    kinds = {"w": rng.choice(["rows", "rows", "replicated"]),
+             "trace": rng.choice(["replicated", "rows"]),
+             FROZEN: rng.choice(["replicated", "rows"]),
+             COUNT: rng.choice(["replicated"] * 5 + ["rows"])}
+    if rng.random() < 0.15:
+        kinds[rng.choice(sorted(kinds))] = "local"
+    return Layout(rows=[n for n, k in kinds.items() if k == "rows"],
+                  replicated=[n for n, k in kinds.items() if k == "replicated"]
+                  + (["epoch_limiter.*"] if kinds[COUNT] == "replicated" else []),
+                  partition=rng.choice(["range", "mod"]))
+
+
+def _restore_or_error(url: str, nodes: list[str], layout: Layout, epoch: int | None, *,
+                      save_next: bool = False) -> Any:
+    """``restore(epoch)`` by a step manager of ``nodes`` with ``layout`` (its error, if it
+    raises a CheckpointError or JobDefinitionError); with ``save_next``, it then saves what
+    it restored as the next step, its ``w`` plus 1."""
+    with StepCheckpointManager(url, nodes=nodes, layout=layout,
+                               handle_preemption=False) as mgr:
+        try:
+            got = mgr.restore(epoch)
+        except (CheckpointError, JobDefinitionError) as exc:
+            return exc
+        if save_next:
+            step = mgr.latest_step() if epoch is None else epoch
+            mgr.save(step + 1, {n: {**b, "w": b["w"] + np.float32(1)} for n, b in got.items()},
+                     force=True)
+    return got
+
+
+def _remove_tree(url: str) -> None:
+    fs, path = fsspec.core.url_to_fs(url)
+    with contextlib.suppress(FileNotFoundError):
+        fs.rm(path, recursive=True)
+
+
+
 class Harness:
     """Applies operations to a prefix and to the model, and checks them against each other."""
 
@@ -1165,7 +1217,8 @@ class Harness:
         """Family B's step ``op["epoch"]`` (None: the latest) restored on ``op["m"]`` other
         nodes split by ``op["partition"]`` must be what a restore by B's own node gives, split
         anew (its table's rows; the rest copied), or fail as that restore fails (the same
-        error class: not committed, damaged)."""
+        error class: not committed, damaged). Then, when B's restore succeeded, the layouts
+        part (:meth:`_reshard_layouts`) on a copy of the prefix."""
         own = self._restore_as(list(FAMILIES["B"]), LAYOUTS["B"], op["epoch"])
         nodes = [f"elastic_{k}" for k in range(op["m"])]
         layout = replace(LAYOUTS["B"], partition=op["partition"])
@@ -1175,14 +1228,83 @@ class Harness:
                         type(own).__name__, type(got).__name__)
             return
         (old,) = own.values()
+        self._expect_cut(f"reshard of B's step {op['epoch']} on {op['m']} nodes "
+                         f"({op['partition']})", old, nodes, layout, got)
+        self._reshard_layouts(op, token, old)
+
+    def _expect_cut(self, what: str, whole: dict[str, np.ndarray], nodes: list[str],
+                    layout: Layout, got: Any) -> None:
+        """``got`` must be the global arrays ``whole`` cut for ``nodes`` by ``layout`` (the
+        plain numpy model: a blob declared rows is cut by the partition in the nodes' order,
+        any other is whole on every node), or, when ``layout`` declares a blob local (B saves
+        none) or its single value rows, a JobDefinitionError naming such a blob."""
+        refused = sorted(n for n in whole if layout.kind(n) == "local"
+                         or (layout.kind(n) == "rows" and whole[n].ndim == 0))
+        if refused:
+            named = isinstance(got, JobDefinitionError) and any(
+                f"blob {n!r}" in str(got) for n in refused)
+            self.expect(f"{what}: refused naming one of {refused}", True,
+                        named or repr(got)[:300])
+            return
+        if isinstance(got, Exception):
+            self.fail(what, "the global arrays cut anew", repr(got)[:300])
+        want = {}
         for k, node in enumerate(nodes):
-            rows = new_rows(op["partition"], k, len(nodes), len(old["w"]))
-            want = {"w": np.ascontiguousarray(old["w"][rows.start:rows.stop:rows.step]),
-                    "trace": old["trace"], COUNT: old[COUNT], FROZEN: old[FROZEN]}
-            why = diff_blobs({node: want}, {node: got[node]})
-            if why is not None:
-                self.fail(f"reshard of B's step {op['epoch']} on {op['m']} nodes "
-                          f"({op['partition']})", "the own restore split anew", why)
+            want[node] = {}
+            for name, value in whole.items():
+                rows = new_rows(layout.partition, k, len(nodes), len(value) if value.ndim else 0)
+                want[node][name] = (np.ascontiguousarray(value[rows.start:rows.stop:rows.step])
+                                    if layout.kind(name) == "rows" else value)
+        why = diff_blobs(want, got)
+        if why is not None:
+            self.fail(what, "the global arrays cut anew", why)
+
+    def _reshard_layouts(self, op: dict[str, Any], token: int,
+                         whole: dict[str, np.ndarray]) -> None:
+        """On a copy of the prefix (the model of the prefix is not told): B's step restored by
+        a random job J of 1-3 nodes (B's own name among others possible), each blob declared a
+        random kind (rows, replicated, now and then local), a random partition; J saves what it
+        restored as the next step, its table ``w`` plus 1 (a second family with a layout);
+        that save restored by J's names in another order, with other random kinds and
+        partition (the same family: a reshard, not each node's own group); and a third node
+        set, which resumes the family of the newest run, J's. Each restore is the model's
+        global arrays (B's, then J's) cut by the job's layout in its order, or refused naming
+        the blob (:meth:`_expect_cut`)."""
+        rng = random.Random(f"{self.seed}-{token}")
+        scratch = self._scratch_copy(token)
+        try:
+            job = rng.sample(["solo_0", "elastic_0", "elastic_1", "elastic_2"], rng.randint(1, 3))
+            layout = _random_layout(rng)
+            what = f"layouts: B's step {op['epoch']} on {job} as {layout}"
+            got = _restore_or_error(scratch, job, layout, op["epoch"], save_next=True)
+            self._expect_cut(what, whole, job, layout, got)
+            if isinstance(got, Exception):
+                return
+            step = int(whole["trace"].size)  # B's step + 1
+            whole = {**whole, "w": whole["w"] + np.float32(1)}
+            again = rng.sample(job, len(job)) if len(job) > 1 else job
+            relaid = _random_layout(rng)
+            self._expect_cut(f"layouts: J's step {step} on {again} as {relaid}", whole, again,
+                             relaid, _restore_or_error(scratch, again, relaid, step))
+            third = [f"other_{k}" for k in range(rng.randint(1, 3))]
+            # J's lineage: its save alone, or (J on B's node) B's up to the step it restored
+            listed = sorted(s.epoch for s in self.model.lineage("B") if s.epoch < step
+                            ) if job == list(FAMILIES["B"]) else []
+            with StepCheckpointManager(scratch, nodes=third, layout=LAYOUTS["B"],
+                                       handle_preemption=False) as mgr:
+                self.expect(f"layouts: {third} list the newest family's steps", [*listed, step],
+                            mgr.all_steps())
+            self._expect_cut(f"layouts: J's step {step} on {third}", whole, third, LAYOUTS["B"],
+                             _restore_or_error(scratch, third, LAYOUTS["B"], None))
+        finally:
+            _remove_tree(scratch)
+
+    def _scratch_copy(self, token: int) -> str:
+        """A copy of the whole prefix beside it, for operations the model is not told of."""
+        scratch = f"{self.url.rstrip('/')}-scratch-{token}"
+        fs, path = fsspec.core.url_to_fs(self.url)
+        fs.cp(path, fsspec.core.url_to_fs(scratch)[1], recursive=True)
+        return scratch
 
     def _restore_as(self, nodes: list[str], layout: Layout, epoch: int | None) -> Any:
         with StepCheckpointManager(self.url, nodes=nodes, layout=layout,
@@ -1801,6 +1923,10 @@ class Harness:
         for state in self.kept.values():
             state.mgr.close()
         self.kept.clear()
+        if model.lineage("B"):  # every sequence, S3's short ones too, reshards at least once
+            rng = random.Random(f"{self.seed}-finish")
+            self.apply({"op": "reshard", "m": rng.choice([1, 2, 3]), "epoch": None,
+                        "partition": rng.choice(["range", "mod"])})
         self.ops.append({"op": "finish"})
         if model.gens == 0:
             self.check(full=True)
