@@ -214,7 +214,15 @@ def overlap(src: range, dst: range) -> tuple[range, range] | None:
 
 def orders_of(shards: Sequence[tuple[tuple[int, ...], str]]) -> set[str]:
     """The memory orders (``"C"``, ``"F"``) that the shards ``(shape, order)`` of one rows
-    blob say anything about: an array with at most one axis longer than 1 (a shard of 0 or 1
-    rows, say) is laid out alike in both orders, so its stored order does not count."""
-    return {order for shape, order in shards if sum(1 for n in shape if n > 1) > 1}
+    blob say anything about: only those of the shards :func:`order_counts` for."""
+    return {order for shape, order in shards if order_counts(shape)}
+
+
+def order_counts(shape: Sequence[int]) -> bool:
+    """Whether an array of ``shape`` is laid out differently in C and Fortran order. One that
+    holds no element (a shard of 0 rows, whatever its row shape) or has at most one axis longer
+    than 1 (a shard of 1 row of a 2-D table, say) is laid out alike in both: numpy flags it both
+    C- and Fortran-contiguous and its manifest records it as C order, so its stored order says
+    nothing about the order of the blob's other shards."""
+    return 0 not in shape and sum(1 for n in shape if n > 1) > 1
 

@@ -7,8 +7,10 @@ writer's: every holder's value must be the writer's (compared by the xxh3-128 of
 stored form, with its dtype and shape), else the save fails naming the blob and the nodes.
 
 A ``rows`` blob must be held by every node of the save, with an axis 0, and with one dtype, row
-shape and memory order on all of them; with ``partition="mod"`` the nodes' row counts must be a
-``mod`` split of their total (node k of N holding the rows r with r % N == k)."""
+shape and memory order on all of them (a shard holding no element, or with at most one axis
+longer than 1, fits either order: :func:`~caffe2ckpt.sharding.order_counts`); with
+``partition="mod"`` the nodes' row counts must be a ``mod`` split of their total (node k of N
+holding the rows r with r % N == k)."""
 
 from __future__ import annotations
 
@@ -52,7 +54,9 @@ def check_replicas(epoch: int, digests: Mapping[str, Mapping[str, str]],
 
 
 def row_specs(blobs: Mapping[str, np.ndarray]) -> dict[str, RowSpec]:
-    """Each blob's dtype, shape and memory order, as its manifest will give them."""
+    """Each blob's dtype, shape and memory order, as its manifest will give them: ``"C"`` for
+    an array laid out alike in both orders (one of 0 rows, say), whose order
+    :func:`~caffe2ckpt.sharding.orders_of` does not count."""
     return {name: (arr.dtype.str, tuple(arr.shape),
                    "C" if arr.flags.c_contiguous or not arr.flags.f_contiguous else "F")
             for name, arr in blobs.items()}

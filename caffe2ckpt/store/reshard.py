@@ -262,7 +262,8 @@ class _Reshard:
         total = sum(info.shape[0] for info in infos)
         rows = total if kind == REPLICATED else len(new_rows(
             self.partition, self.order.index(node), len(self.order), total))
-        return infos[0]._replace(shape=(rows, *infos[0].shape[1:]))
+        order = "F" if orders_of([(i.shape, i.order) for i in infos]) == {"F"} else "C"
+        return infos[0]._replace(shape=(rows, *infos[0].shape[1:]), order=order)
 
     def give(self, name: str, receivers: list[str], out: dict[str, dict[str, np.ndarray]],
              owned: bool) -> None:
