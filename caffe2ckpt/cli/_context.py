@@ -6,7 +6,7 @@ from __future__ import annotations
 import datetime
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -206,6 +206,7 @@ class NodeCheck:
     blobs: dict[str, str] = field(default_factory=dict)  # name -> "ok" / "bad" / "error"
     errors: list[Document] = field(default_factory=list)
     manifest: Manifest | None = None
+    found: dict[str, Document] = field(default_factory=dict)  # name -> the error hitting it
 
     def note(self, names: list[str], exc: Exception | None, *, packed: bool = False) -> None:
         """The outcome of reading ``names`` together: ``exc`` (None: they are fine) hits each
@@ -213,8 +214,14 @@ class NodeCheck:
         state = "ok" if exc is None else "bad" if _is_damage(exc) else "error"
         self.blobs.update(dict.fromkeys(names, state))
         if exc is not None:
-            self.errors.append(_error_doc(names, exc, packed))
-        if exc is not None and (self.status == "ok" or state == "bad"):
+            error = _error_doc(names, exc, packed)
+            self.found.update(dict.fromkeys(names, error))
+            self.hit(state, error)
+
+    def hit(self, state: str, error: Document) -> None:
+        """Damage (``state`` "bad") or a read error (``"error"``) that ``error`` describes."""
+        self.errors.append(error)
+        if self.status == "ok" or state == "bad":
             self.status = "damaged" if state == "bad" else "error"
 
 
@@ -289,25 +296,124 @@ def check_node(store: CheckpointStore, record: CommitRecord, progress: Progress)
     """Read every blob of the node checkpoint ``record`` commits and check every checksum.
 
     Unlike one ``load_node`` call this finds every damaged blob (not just the first), and holds
-    only one array (or the small blobs read together) in memory at a time.
+    only one array (or the small blobs read together) in memory at a time. It reads only the
+    node's own group (and the older groups a differential save builds on): :func:`check_nodes`
+    checks what a restore of the node reads from other nodes' groups too.
     """
-    label, expected_bytes = record.group, record.nbytes
+    check = _opened(store, record)
+    if check.manifest is None:
+        progress.advance(record.nbytes, record.group)
+    else:
+        _check_blobs(store, record, check.manifest, check, None, progress)
+    return check
+
+
+def _opened(store: CheckpointStore, record: CommitRecord) -> NodeCheck:
+    """A check of ``record``'s group whose manifest is read and metadata checked; else it is
+    damaged or could not be read, and has no manifest."""
     try:
-        manifest = checked_manifest(store, record)
+        return NodeCheck("ok", manifest=checked_manifest(store, record))
     except CheckpointCorruptedError as exc:
-        progress.advance(expected_bytes, label)
         return NodeCheck("damaged", errors=[{"blob": exc.blob, "error": str(exc)}])
     except (CheckpointNotFoundError, OSError) as exc:
-        progress.advance(expected_bytes, label)
         return NodeCheck("error", errors=[{"blob": None, "error": str(exc)}])
-    check = NodeCheck("ok", manifest=manifest)
-    path, crcs = store.group_path(record), store.chunk_crcs(record, manifest)
-    for names in read_units(manifest):
-        if names[0] in manifest.inherited:  # through their chains, digests checked
-            for blobs, exc in check_chained(store, record, manifest, names):
+
+
+def _check_blobs(store: CheckpointStore, record: CommitRecord, manifest: Manifest,
+                 check: NodeCheck, names: Collection[str] | None, progress: Progress) -> None:
+    """Read the blobs ``names`` (default: all) of ``record``'s checkpoint (its checked
+    ``manifest``), noting each outcome in ``check``."""
+    label, path = record.group, store.group_path(record)
+    crcs = store.chunk_crcs(record, manifest)
+    for unit in read_units(manifest):
+        unit = unit if names is None else [n for n in unit if n in names]
+        if not unit:
+            continue
+        if unit[0] in manifest.inherited:  # through their chains, digests checked
+            for blobs, exc in check_chained(store, record, manifest, unit):
                 check.note(blobs, exc)
         else:
-            check.note(names, _attempt(functools.partial(
-                read_node, store.location, path, manifest, crcs, names)), packed=len(names) > 1)
-        progress.advance(sum(manifest.blobs[n].nbytes for n in names), label)
-    return check
+            check.note(unit, _attempt(functools.partial(
+                read_node, store.location, path, manifest, crcs, unit)), packed=len(unit) > 1)
+        progress.advance(sum(manifest.blobs[n].nbytes for n in unit), label)
+
+
+def check_nodes(store: CheckpointStore, todo: Sequence[tuple[Save, CommitRecord]],
+                progress: Progress) -> list[NodeCheck]:
+    """:func:`check_node` of each node checkpoint of ``todo`` (each with its save), and of
+    what a restore of the node reads besides: each replicated blob another node of its save
+    wrote (its layout's ``written_by``), in that writer's group. Damage found there is the
+    node's, naming the blob and the writer's group. A writer's blob is read once per call:
+    its outcome is taken from the writer's own check when that node is in ``todo``, else it is
+    read alone, once however many nodes hold it."""
+    checks = {(record.save_id, record.node): check_node(store, record, progress)
+              for _, record in todo}
+    borrowed = _Borrowed(store, checks, progress)
+    for save, record in todo:
+        borrowed.check(save, record, checks[record.save_id, record.node])
+    return [checks[record.save_id, record.node] for _, record in todo]
+
+
+class _Borrowed:
+    """The replicated blobs that node checkpoints hold and other nodes of their save wrote,
+    checked in the writers' groups: from the writer's whole check (``checks``, by save id and
+    node), else read alone (each blob once)."""
+
+    def __init__(self, store: CheckpointStore, checks: dict[tuple[str, str], NodeCheck],
+                 progress: Progress) -> None:
+        self.store, self.checks, self.progress = store, checks, progress
+        self.alone: dict[tuple[str, str], NodeCheck] = {}  # writers not checked whole
+
+    def check(self, save: Save, record: CommitRecord, check: NodeCheck) -> None:
+        """Note in ``check`` (``record``'s) the damage of each blob its node borrows."""
+        lent = record.layout.written_by if record.layout is not None else {}
+        by_writer: dict[str, list[str]] = {}
+        for name, writer in sorted(lent.items()):
+            by_writer.setdefault(writer, []).append(name)
+        for writer, names in by_writer.items():
+            source = save.records.get(writer)
+            found = None if source is None else self._writer(save, source, names)
+            for name in names:
+                state, why = _outcome(found, name)
+                if state != "ok":
+                    check.hit(state, self._error(record, writer, source, name, state, why))
+
+    def _writer(self, save: Save, writer: CommitRecord, names: list[str]) -> NodeCheck:
+        """The check of ``writer``'s group that holds the outcome of its blobs ``names``."""
+        key = (save.save_id, writer.node)
+        if key in self.checks:
+            return self.checks[key]
+        check = self.alone.get(key) or self.alone.setdefault(key, _opened(self.store, writer))
+        manifest = check.manifest
+        todo = [] if manifest is None else [n for n in names if n in manifest.blobs
+                                             and n not in check.blobs]
+        if manifest is not None and todo:
+            self.progress.total += sum(manifest.blobs[n].nbytes for n in todo)
+            _check_blobs(self.store, writer, manifest, check, todo, self.progress)
+        return check
+
+    def _error(self, record: CommitRecord, writer: str, source: CommitRecord | None,
+               name: str, state: str, why: str) -> Document:
+        """The damage (or read error) ``why`` of blob ``name`` that ``record``'s node borrows
+        from node ``writer`` (whose record is ``source``), as the borrowing node's."""
+        where = self.store.where(source) if source is not None else None
+        group = f"group {where!r}" if where else "group"
+        what = "is damaged" if state == "bad" else "could not be read"
+        return {"blob": name, "writer": writer, "path": where, "error": (
+            f"checkpoint {self.store.where(record)!r} (node {record.node!r}, epoch "
+            f"{record.epoch}): replicated blob {name!r}, which this node's restore reads from "
+            f"its writer {writer!r}'s {group}, {what} there: {why}")}
+
+
+def _outcome(check: NodeCheck | None, name: str) -> tuple[str, str]:
+    """The state of blob ``name`` in a writer's group that ``check`` checked (``"ok"``,
+    ``"bad"`` or ``"error"``), and what is wrong with it."""
+    if check is None:
+        return "bad", "the save has no commit record of that node"
+    if check.manifest is None:  # its group's metadata could not be read or checked
+        return ("bad" if check.status == "damaged" else "error",
+                "; ".join(e["error"] for e in check.errors))
+    if name not in check.manifest.blobs:
+        return "bad", "that node's checkpoint does not hold it"
+    state = check.blobs.get(name, "ok")
+    return state, check.found[name]["error"] if state != "ok" else ""

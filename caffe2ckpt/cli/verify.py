@@ -1,4 +1,6 @@
-"""``caffe2ckpt verify``: re-read committed checkpoints and check every checksum."""
+"""``caffe2ckpt verify``: re-read committed checkpoints and check every checksum. A node
+checkpoint's check covers what its restore reads: its own group and, for each replicated blob
+another node of its save wrote, that blob in the writer's group."""
 
 from __future__ import annotations
 
@@ -13,10 +15,11 @@ from caffe2ckpt.cli._context import (
     CLIError,
     Context,
     Document,
-    check_node,
+    check_nodes,
     open_prefix,
     require_save,
 )
+from caffe2ckpt.history.lineage import Save
 from caffe2ckpt.history.scan import PrefixScan
 from caffe2ckpt.store.protocol import CheckpointStore
 from caffe2ckpt.store.records import CommitRecord, RecordRef
@@ -30,9 +33,10 @@ def _matches(args: argparse.Namespace, wanted: set[str], epoch: int, nodes) -> b
 
 
 def _selected(store: CheckpointStore, found: PrefixScan, args: argparse.Namespace,
-              wanted: set[str]) -> tuple[list[CommitRecord], list[tuple[RecordRef, str]]]:
-    """The node checkpoints to check and the unreadable records to report (CLIError when
-    ``--epoch`` / ``--node`` name nothing there)."""
+              wanted: set[str]) -> tuple[list[tuple[Save, CommitRecord]],
+                                         list[tuple[RecordRef, str]]]:
+    """The node checkpoints to check (each with its save) and the unreadable records to report
+    (CLIError when ``--epoch`` / ``--node`` name nothing there)."""
     bad_records = [(ref, msg) for ref, msg in found.unreadable
                    if _matches(args, wanted, ref.epoch, [ref.node])]
     saves = [s for s in sorted(found.saves(), key=lambda s: (s.epoch, s.save_id))
@@ -40,18 +44,21 @@ def _selected(store: CheckpointStore, found: PrefixScan, args: argparse.Namespac
     if args.epoch is not None and not bad_records:  # each node in some save of the epoch
         for node in sorted(wanted) or [None]:
             require_save(store, found, args.epoch, [node] if node else None)
-    todo = [s.records[n] for s in saves for n in sorted(s.records) if not wanted or n in wanted]
+    todo = [(s, s.records[n]) for s in saves for n in sorted(s.records)
+            if not wanted or n in wanted]
     if not todo and not bad_records:
         raise CLIError(f"no committed checkpoint of node(s) {', '.join(sorted(wanted))} under "
                        f"{store.location.display()!r}", EXIT_NOT_FOUND)
     return todo, bad_records
 
 
-def _check_all(ctx: Context, store: CheckpointStore, todo: list[CommitRecord]) -> list[Document]:
-    ctx.progress.start("verify", sum(r.nbytes for r in todo))
+def _check_all(ctx: Context, store: CheckpointStore,
+               todo: list[tuple[Save, CommitRecord]]) -> list[Document]:
+    """Check each node checkpoint of ``todo`` and what its restore reads of other nodes'
+    groups (:func:`~caffe2ckpt.cli._context.check_nodes`): one result each."""
+    ctx.progress.start("verify", sum(r.nbytes for _, r in todo))
     results = []
-    for record in todo:
-        check = check_node(store, record, ctx.progress)
+    for (_, record), check in zip(todo, check_nodes(store, todo, ctx.progress)):
         results.append({"epoch": record.epoch, "node": record.node, "status": check.status,
                         "save_id": record.save_id, "path": store.where(record),
                         "blobs": record.blob_count, "bytes": record.nbytes,
