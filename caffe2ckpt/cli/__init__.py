@@ -125,12 +125,16 @@ union of --keep-last, --keep-every and --keep-best; the newest committed epoch i
 kept; with no --keep-* option no committed epoch is deleted (only leftovers). Epochs are
 deleted records first, then data, so an interrupted gc leaves only leftovers. With
 --node, only those nodes' checkpoints are considered and deleted; an epoch saved together
-with other nodes is never split.
+with other nodes is never split. With --drop-old-node-sets, a job that changed its node
+count (2 -> 3 -> 1 nodes) also lets go of every epoch of the node sets it left, once the
+node set it runs on now has committed epochs of its own; that node set's epochs and other
+jobs on the prefix stay (the --keep-* options apply to them as ever).
 
 examples:
   caffe2ckpt gc checkpoints/regression                         # leftovers only, dry run
   caffe2ckpt gc checkpoints/regression --keep-last 3 --keep-every 10 --yes
   caffe2ckpt gc checkpoints/regression --keep-best 2 --metric loss --mode min --keep-last 1
+  caffe2ckpt gc checkpoints/elastic --drop-old-node-sets --keep-last 3 --yes
 """,
     "diff": """\
 For every node and blob: added, removed, changed or same. Changed blobs of equal dtype and
@@ -138,8 +142,16 @@ shape report how many elements differ and the largest |b - a| (NaN == NaN counts
 dtype and shape changes are reported as such. Both epochs are read and verified blob by
 blob. The exit code is 0 whether or not anything changed.
 
+When both epochs were saved with a layout (caffe2ckpt.Layout), the global arrays are
+compared instead, whatever nodes saved them: each blob split by rows as the whole table
+(node "(global)", and which global rows differ), each replicated blob once, local blobs per
+node. So a job resumed on another number of nodes diffs as identical when its tables moved
+bit for bit. The line under the summary (--json: "compared", "compared_why") says which
+comparison was made and why; --node always compares per node.
+
 examples:
   caffe2ckpt diff checkpoints/regression 6 7
+  caffe2ckpt diff checkpoints/elastic 12 13          # 4 nodes -> 3: global arrays
   caffe2ckpt diff checkpoints/regression 0 7 --node trainer_0 --all --json
 """,
     "materialize": """\
@@ -284,12 +296,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="only remove leftovers at least this old, so saves in progress are left "
                         "alone (default: 3600)")
     nodes(p, "only this node's checkpoints and leftovers")
+    p.add_argument("--drop-old-node-sets", action="store_true",
+                   help="also delete every epoch of the node sets a resized job has left, once "
+                        "its current node set has committed epochs of its own (see "
+                        "docs/elastic.md)")
     p.add_argument("--yes", action="store_true", help="really delete (default: dry run)")
 
     p = command("diff", "which blobs changed between two epochs, and by how much")
     p.add_argument("epoch_a", metavar="A", type=_epoch, help="the older epoch")
     p.add_argument("epoch_b", metavar="B", type=_epoch, help="the newer epoch")
-    nodes(p, "only this node")
+    nodes(p, "only this node, compared per node even when both saves have a layout")
     p.add_argument("--all", action="store_true",
                    help="also list unchanged blobs (always listed with --json)")
 

@@ -11,6 +11,16 @@ report marks what it did not reach as skipped). On top,
 with ``--node`` a family with nodes not given is left alone (deleting some nodes' records of one
 save would uncommit the others' epoch), and no save of a family is deleted when its newest one
 fails verification.
+
+With ``--drop-old-node-sets``, a job that changed its node count lets the node sets it left go
+(:func:`caffe2ckpt.history.nodesets.node_sets` says which, and whether they may go yet): every
+save of each old node set is deleted (:func:`~caffe2ckpt.history.retention.plan_letting_go`),
+once the current node set's newest save has been read and verified in full; the current node
+set keeps its saves (retention options apply to it as to any family), other jobs are ranked as
+ever, and a group a kept save needs stays. The newest save of an old node set goes last, its
+records read again before its groups go (a run of that node set still saving would build on
+it), and the uncommitted saves of the old node sets' runs are leftovers like any other (their
+runs count as overtaken by the current node set's).
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ from __future__ import annotations
 import argparse
 from collections import Counter
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 from caffe2ckpt import events
 from caffe2ckpt.cli._context import (
@@ -45,10 +56,11 @@ from caffe2ckpt.history.cleanup import (
     remove_saves,
 )
 from caffe2ckpt.history.lineage import Save
-from caffe2ckpt.history.retention import RetentionPlan, plan_retention
+from caffe2ckpt.history.nodesets import NodeSets, node_sets, read_run_log
+from caffe2ckpt.history.retention import RetentionPlan, plan_letting_go, plan_retention
 from caffe2ckpt.history.scan import Family, PrefixScan
 from caffe2ckpt.policy import StepManagerOptions
-from caffe2ckpt.store.layout import parse_group_name
+from caffe2ckpt.store.layout import parse_group_name, save_generation
 from caffe2ckpt.store.protocol import CheckpointStore
 from caffe2ckpt.store.records import CommitRecord
 
@@ -72,8 +84,8 @@ def _entry(save: Save, found: PrefixScan) -> Document:
             "superseded": found.is_superseded(save)}
 
 
-def _newest_fails(store: CheckpointStore, family: Family) -> str | None:
-    """Why the family's newest save cannot be trusted (it is read and verified in full)."""
+def _unverified(store: CheckpointStore, family: Family) -> str | None:
+    """What is wrong with the family's newest save (it is read and verified in full)."""
     newest = family.newest
     if newest is None:
         return None
@@ -81,28 +93,84 @@ def _newest_fails(store: CheckpointStore, family: Family) -> str | None:
         for record in newest.records.values():
             store.load_node(record)
     except CheckpointError as exc:
-        return (f"not deleting any committed epoch of nodes {sorted(family.nodes)}: the newest "
-                f"one, {newest.epoch}, fails verification ({exc})")
+        return str(exc)
     return None
 
 
+def _newest_fails(store: CheckpointStore, family: Family) -> str | None:
+    """Why the family's newest save cannot be trusted (it is read and verified in full)."""
+    damage = _unverified(store, family)
+    if damage is None:
+        return None
+    return (f"not deleting any committed epoch of nodes {sorted(family.nodes)}: the newest "
+            f"one, {family.newest.epoch}, fails verification ({damage})")  # type: ignore[union-attr]
+
+
+def _letting_go(store: CheckpointStore, found: PrefixScan, drop: bool
+                ) -> tuple[list[NodeSets], dict[frozenset[str], NodeSets], list[str]]:
+    """With ``--drop-old-node-sets``: every job's node sets, the old node sets that go now (by
+    nodes, with their job), and the refusals (a current node set whose newest save fails
+    verification keeps the job's old ones)."""
+    if not drop:
+        return [], {}, []
+    jobs = node_sets(found, read_run_log(store.location))
+    going: dict[frozenset[str], NodeSets] = {}
+    refusals = []
+    for index, job in enumerate(jobs):
+        if not job.letting_go or not job.old:
+            continue
+        damage = _unverified(store, job.current)
+        if damage is not None:
+            refusal = (f"not deleting the old node sets of the job now on nodes "
+                       f"{sorted(job.current.nodes)}: its newest epoch, "
+                       f"{job.current.newest.epoch}, fails verification ({damage})")  # type: ignore[union-attr]
+            jobs[index] = replace(job, waiting=refusal)
+            refusals.append(refusal)
+            continue
+        going.update((family.nodes, job) for family in job.old)
+    return jobs, going, refusals
+
+
+def _job_doc(job: NodeSets) -> Document:
+    return {"current": sorted(job.current.nodes),
+            "newest_epoch": job.current.newest.epoch,  # type: ignore[union-attr]
+            "old": [sorted(f.nodes) for f in job.old], "letting_go": job.letting_go,
+            "waiting": job.waiting}
+
+
+def _why(save: Save, found: PrefixScan, job: NodeSets | None) -> Document:
+    """Why gc deletes ``save``: an old node set's (which one, and which replaced it), a
+    superseded save, or one outside the retention policy."""
+    if job is None:
+        return {"why": "superseded" if found.is_superseded(save)
+                else "outside the retention policy"}
+    family = found.families[save.nodes]
+    return {"why": job.why(family),
+            "old_node_set": {"nodes": sorted(family.nodes),
+                             "replaced_by": sorted(job.current.nodes),
+                             "newest_epoch": job.current.newest.epoch}}  # type: ignore[union-attr]
+
+
 def _plan(store: CheckpointStore, found: PrefixScan, family: Family, options: StepManagerOptions,
-          wanted: set[str] | None) -> tuple[RetentionPlan, str | None]:
-    """The family's plan, or everything kept with the reason deletion is refused."""
+          wanted: set[str] | None, old: bool) -> tuple[RetentionPlan, str | None]:
+    """The family's plan (``old``: an old node set that goes), or everything kept with the
+    reason deletion is refused."""
+    plan = plan_letting_go(family) if old else plan_retention(family, options)
+    if not plan.delete:
+        return plan, None
     outside = sorted(family.nodes - wanted) if wanted else []
-    plan = plan_retention(family, options)
-    why = None
-    if outside and plan.delete:
-        why = (f"saved together with {', '.join(outside)} (not given with --node): deleting part "
-               "of it would uncommit theirs")
-    elif plan.delete:
-        refusal = _newest_fails(store, family)
-        if refusal:
-            return RetentionPlan(plan.keep + [(s, ["the newest epoch is damaged"])
-                                              for s in plan.delete], []), refusal
-    if why:
-        plan = RetentionPlan(plan.keep + [(s, [why]) for s in plan.delete], [])
+    if outside:
+        return _kept(plan, f"saved together with {', '.join(outside)} (not given with --node): "
+                           "deleting part of it would uncommit theirs"), None
+    refusal = None if old else _newest_fails(store, family)
+    if refusal:
+        return _kept(plan, "the newest epoch is damaged"), refusal
     return plan, None
+
+
+def _kept(plan: RetentionPlan, reason: str) -> RetentionPlan:
+    """``plan`` with what it deletes kept instead, for ``reason``."""
+    return RetentionPlan(plan.keep + [(s, [reason]) for s in plan.delete], [])
 
 
 def _check_arguments(location, args: argparse.Namespace, found: PrefixScan,
@@ -125,18 +193,21 @@ def _check_arguments(location, args: argparse.Namespace, found: PrefixScan,
 
 
 def _plans(store: CheckpointStore, found: PrefixScan, families: list[Family],
-           options: StepManagerOptions, wanted: set[str] | None
+           options: StepManagerOptions, wanted: set[str] | None,
+           going: dict[frozenset[str], NodeSets]
            ) -> tuple[list[Document], list[tuple[Save, Document]], list[str]]:
-    """What each family keeps (with reasons), what it deletes, and why deletion is refused."""
+    """What each family keeps (with reasons), what it deletes (in the order gc removes them,
+    with why), and why deletion is refused."""
     keep: list[Document] = []
     delete: list[tuple[Save, Document]] = []
     refusals = []
     for family in families:
-        plan, refusal = _plan(store, found, family, options, wanted)
+        job = going.get(family.nodes)
+        plan, refusal = _plan(store, found, family, options, wanted, job is not None)
         if refusal:
             refusals.append(refusal)
         keep += [{**_entry(s, found), "reasons": why} for s, why in plan.keep]
-        delete += [(s, _entry(s, found)) for s in plan.delete]
+        delete += [(s, {**_entry(s, found), **_why(s, found, job)}) for s in plan.delete]
     return keep, delete, refusals
 
 
@@ -250,19 +321,51 @@ def _carry_out(ctx: Context, work: list[tuple[Document, Callable[[], bool]]]) ->
     return code
 
 
+def _last_of_old_sets(delete: list[tuple[Save, Document]]) -> set[str]:
+    """The save ids of the last save gc removes of each old node set (its newest)."""
+    last = {save.nodes: save.save_id for save, doc in delete if "old_node_set" in doc}
+    return set(last.values())
+
+
+def _remove_save(store: CheckpointStore, save: Save, fence: int, references: References,
+                 reread: bool) -> bool:
+    """Remove ``save`` (:func:`remove_saves`); with ``reread`` (the newest save of an old node
+    set), the records are read again before its groups go, so that a save a run of that node
+    set committed on top of it since gc listed the prefix keeps what it needs (or finds its
+    base gone and takes its record back)."""
+    if not reread:
+        return bool(remove_saves(store, [save], fence=fence, doing="gc", references=references))
+    removed = remove_saves(store, [save], fence=fence, doing="gc")
+    references.drop(save.records.values())
+    return bool(removed)
+
+
 def _remove(ctx: Context, store: CheckpointStore, found: PrefixScan,
             leftovers: list[tuple[Leftover, Document]],
             delete: list[tuple[Save, Document]]) -> int:
     """Remove the leftovers, then the saves (each marked in its document); the exit code."""
     fence = found.newest_generation
     references = References(found.records())  # what the records need, as gc removes
+    reread = _last_of_old_sets(delete)
     work = [(doc, lambda i=item: bool(remove_leftovers(store, [i], fence=fence,
                                                        references=references)))
             for item, doc in leftovers]
-    work += [(doc, lambda s=save: bool(remove_saves(store, [s], fence=fence, doing="gc",
-                                                    references=references)))
+    work += [(doc, lambda s=save: _remove_save(store, s, fence, references,
+                                               s.save_id in reread))
              for save, doc in delete]
     return _carry_out(ctx, work)
+
+
+def _overtaken(items: list[Leftover], jobs: list[NodeSets], wanted: set[str] | None
+               ) -> list[Leftover]:
+    """``items`` with the uncommitted saves of the runs of the old node sets that go no longer
+    live: the job's current node set has committed since (with ``--node``, only runs of the
+    nodes given)."""
+    runs_of_old = {g for job in jobs if job.letting_go
+                   for g, nodes in job.old_runs.items() if wanted is None or nodes <= wanted}
+    return [replace(item, live=False)
+            if item.live and save_generation(item.save_id or "") in runs_of_old else item
+            for item in items]
 
 
 def _publish(url: str, doc: Document) -> None:
@@ -275,21 +378,38 @@ def _publish(url: str, doc: Document) -> None:
         "errors": sum(1 for d in removals if d.get("error"))})
 
 
+def _leftovers(store: CheckpointStore, found: PrefixScan, min_age: float,
+               wanted: set[str] | None, jobs: list[NodeSets]
+               ) -> tuple[list[tuple[Leftover, Document]], list[Document]]:
+    """The leftovers gc removes (with their documents), and those it leaves alone because a
+    run may still be writing them."""
+    items = find_leftovers(store, found, min_age=min_age, nodes=wanted, live=True)
+    items = _overtaken(items, jobs, wanted)
+    in_use = [{"kind": item.kind, "path": item.path,
+               "reason": "a save of a run that no newer run of its job has overtaken: it may "
+                         "still be writing it"} for item in items if item.live]
+    return [(i, leftover_doc(store.location, i)) for i in items if not i.live], in_use
+
+
+def _retention_doc(args: argparse.Namespace) -> Document:
+    return {"keep_last": args.keep_last, "keep_every": args.keep_every,
+            "keep_best": args.keep_best, "metric": args.metric, "mode": args.mode}
+
+
 def cmd_gc(ctx: Context, args: argparse.Namespace) -> tuple[Document, int]:
     store, found = open_prefix(ctx, args.prefix)
     location = store.location
     options = retention_options(args)
     wanted = set(args.node) if args.node else None
     families = _check_arguments(location, args, found, wanted)
-    keep, delete, refusals = _plans(store, found, families, options, wanted)
+    drop = bool(getattr(args, "drop_old_node_sets", False))
+    jobs, going, refusals = _letting_go(store, found, drop)
+    keep, delete, refused = _plans(store, found, families, options, wanted, going)
+    refusals += refused
     staying = _staying(found, delete)
     pinned = _pinned(store, staying)
     sizes = _frees(store, found, delete, staying)
-    items = find_leftovers(store, found, min_age=args.min_age, nodes=wanted, live=True)
-    leftovers = [(item, leftover_doc(location, item)) for item in items if not item.live]
-    in_use = [{"kind": item.kind, "path": item.path,
-               "reason": "a save of a run that no newer run of its job has overtaken: it may "
-                         "still be writing it"} for item in items if item.live]
+    leftovers, in_use = _leftovers(store, found, args.min_age, wanted, jobs)
     code = EXIT_OK
     if args.yes:
         code = _remove(ctx, store, found, leftovers, delete)
@@ -300,8 +420,8 @@ def cmd_gc(ctx: Context, args: argparse.Namespace) -> tuple[Document, int]:
                 if d.get("done", not args.yes))  # planned, or done
     doc = {"prefix": location.display(), "dry_run": not args.yes,
            "min_age_seconds": args.min_age, "nodes": sorted(wanted) if wanted else None,
-           "retention": {"keep_last": args.keep_last, "keep_every": args.keep_every,
-                         "keep_best": args.keep_best, "metric": args.metric, "mode": args.mode},
+           "retention": _retention_doc(args), "drop_old_node_sets": drop,
+           "node_sets": [_job_doc(j) for j in jobs if j.old],
            "leftovers": left_docs, "skipped": _skipped(found, wanted) + in_use,
            "delete": sorted(delete_docs, key=lambda d: (d["epoch"], d["save_id"])),
            "keep": sorted(keep, key=lambda d: (d["epoch"], d["save_id"])),

@@ -269,6 +269,7 @@ def render_gc(doc: dict[str, Any]) -> str:
                       right=["AGE", "BYTES"]), ""]
     if doc["skipped"]:
         out += ["Left alone:"] + [f"  {x['path']}: {x['reason']}" for x in doc["skipped"]] + [""]
+    out += _gc_node_sets(doc)
     out += _gc_epochs(doc, remove_word)
     if doc.get("pinned"):
         out += [(f"Kept for differential epochs that stay (they build on them): "
@@ -278,14 +279,32 @@ def render_gc(doc: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def _gc_node_sets(doc: dict[str, Any]) -> list[str]:
+    """With ``--drop-old-node-sets``: each resized job's current and old node sets."""
+    if not doc.get("drop_old_node_sets"):
+        return []
+    if not doc["node_sets"]:
+        return ["Node sets: no job here has epochs of a node set it left.", ""]
+    out = ["Node sets:"]
+    for job in doc["node_sets"]:
+        old = "; ".join(",".join(nodes) for nodes in job["old"])
+        now = f"  now on {','.join(job['current'])} (newest epoch {job['newest_epoch']}): "
+        out.append(now + (f"letting go of {old}" if job["letting_go"]
+                          else f"{old} stay: {job['waiting']}"))
+    return out + [""]
+
+
 def _gc_epochs(doc: dict[str, Any], remove_word: str) -> list[str]:
     out = []
     if doc["delete"]:
-        out += [(f"Epochs outside the retention policy ({remove_word}; FREES: the stored bytes "
-                 "removing it frees, with older groups only it still needed):"),
-                table(["EPOCH", "NODES", "FREES", "STORED", "SIZE", "METRICS", "RESULT"],
+        what = ("outside the retention policy or of old node sets"
+                if doc.get("drop_old_node_sets") else "outside the retention policy")
+        out += [(f"Epochs {what} ({remove_word}; FREES: the stored bytes removing it frees, "
+                 "with older groups only it still needed):"),
+                table(["EPOCH", "NODES", "FREES", "STORED", "SIZE", "METRICS", "WHY", "RESULT"],
                       [[d["epoch"], ",".join(d["nodes"]), human_bytes(d.get("frees")),
-                        *_sizes(d), metrics_text(d["metrics"]), _gc_result(d, remove_word)]
+                        *_sizes(d), metrics_text(d["metrics"]), d.get("why", ""),
+                        _gc_result(d, remove_word)]
                        for d in doc["delete"]], right=["EPOCH", "FREES", "STORED", "SIZE"]), ""]
     if doc["keep"]:
         out += ["Epochs kept:",
@@ -334,14 +353,27 @@ def render_diff(doc: dict[str, Any]) -> str:
     s = doc["summary"]
     out = [(f"{doc['prefix']} epoch {a} -> {b}: {s['changed']} changed, {s['added']} added, "
            f"{s['removed']} removed, {s['same']} same")]
+    whole = str(doc.get("compared", "")).startswith("global")
+    out += compared_text(doc, whole)
     rows = []
     for blob in doc["blobs"]:
         if blob["status"] == "same" and not doc["show_same"]:
             continue
-        rows.append([blob["node"], blob["name"], blob["status"], diff_detail(blob)])
+        node = "(global)" if blob["node"] is None else blob["node"]
+        kind = [blob.get("kind") or "-"] if whole else []
+        rows.append([node, blob["name"], *kind, blob["status"], diff_detail(blob)])
     if rows:
-        out += ["", table(["NODE", "BLOB", "CHANGE", "DETAIL"], rows)]
+        kind = ["KIND"] if whole else []
+        out += ["", table(["NODE", "BLOB", *kind, "CHANGE", "DETAIL"], rows)]
     return "\n".join(out)
+
+
+def compared_text(doc: dict[str, Any], whole: bool) -> list[str]:
+    """``diff``'s line saying what was compared and why: global arrays, or per node (none for
+    two saves without a layout, the plain case)."""
+    if not doc.get("compared_why") or not any(doc.get("layouts") or ()):
+        return []
+    return [f"compared {'as global arrays' if whole else 'per node'}: {doc['compared_why']}"]
 
 
 def diff_detail(blob: dict[str, Any]) -> str:
@@ -358,12 +390,23 @@ def diff_detail(blob: dict[str, Any]) -> str:
         return ", ".join(parts)
     if not blob["differing"]:
         return f"{b['dtype']} {shape_text(b['shape'])}, identical"
-    text = f"{blob['differing']}/{blob['elements']} elements differ"
+    text = f"{blob['differing']}/{blob['elements']} elements differ" + rows_text(blob)
     if blob["max_abs_diff"] is not None:
         text += f", max |b-a| {number(blob['max_abs_diff'])}"
     if blob["nan_mismatches"]:
         text += f", {blob['nan_mismatches']} NaN on one side only"
     return text
+
+
+def rows_text(blob: dict[str, Any]) -> str:
+    """Which global rows of a rows blob differ: ``" in 2/1000 rows (rows 338, 999)"`` (the
+    first five; empty for other blobs)."""
+    if not blob.get("rows_differing"):
+        return ""
+    first = blob.get("rows_differing_first") or []
+    shown = ", ".join(map(str, first[:5])) + (", ..." if blob["rows_differing"] > 5 else "")
+    return (f" in {blob['rows_differing']}/{blob['b']['shape'][0]} rows "
+            f"(row{'s' if blob['rows_differing'] > 1 else ''} {shown})")
 
 
 def render_materialize(doc: dict[str, Any]) -> str:

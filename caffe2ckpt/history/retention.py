@@ -5,6 +5,9 @@ The rules are :func:`caffe2ckpt.policy.keep_reasons`; this applies them to a
 decide alike, save by save: the lineage is ranked, superseded saves are deleted once any rule
 is given (they are never a resume point), and every decision names the save ids it covers.
 Removing what a plan deletes is :func:`caffe2ckpt.history.cleanup.remove_saves`.
+
+:func:`plan_letting_go` is the plan of an old node set of a resized job
+(:mod:`caffe2ckpt.history.nodesets` says which): every save goes, its newest last.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from caffe2ckpt.history.lineage import Save
 from caffe2ckpt.history.scan import Family
 from caffe2ckpt.policy import StepManagerOptions, keep_reasons
 
-__all__ = ["RetentionPlan", "plan_retention"]
+__all__ = ["RetentionPlan", "plan_letting_go", "plan_retention"]
 
 
 @dataclass(frozen=True)
@@ -39,3 +42,14 @@ def plan_retention(family: Family, options: StepManagerOptions | None,
     else:
         keep += [(s, ["superseded (no retention rule)"]) for s in family.superseded]
     return RetentionPlan(keep, delete)
+
+
+def plan_letting_go(family: Family) -> RetentionPlan:
+    """Delete every committed save of ``family``, an old node set of a job that has moved to
+    other nodes: superseded saves first, then the lineage oldest first, so that until the last
+    removal the family keeps a newest save to resume from (an interrupted removal leaves a
+    shorter history, never one without its newest epoch), and that newest save is the last one
+    to go (``gc`` reads the records again before it removes that one's groups: see
+    :func:`caffe2ckpt.history.cleanup.remove_saves`)."""
+    superseded = sorted(family.superseded, key=lambda s: (s.epoch, s.generation))
+    return RetentionPlan([], [*superseded, *reversed(family.lineage)])
