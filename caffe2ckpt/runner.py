@@ -341,17 +341,19 @@ class JobRunner:
                         writer_phrase(save.first.writer),
                         f", {placement.describe()}" if placement.reshards else "")
             self._notify(session, "resumed", candidate, records=save.records)
-            reason = _resume_reason(cm, candidate, automatic=automatic, elastic=elastic,
-                                    fell_back=bool(failures))
+            reason = _resume_reason(cm, candidate, automatic=automatic,
+                                    elastic=placement.reshards, fell_back=bool(failures))
             events.publish(events.RUN_RESUMED, _url(cm), functools.partial(
                 _resume_payload, cm, save, reason), job=self.job.name)
-            return (candidate, self._still_finished(save.records, session),
+            return (candidate, self._still_finished(save.records, session,
+                                                    moved=placement.reshards),
                     (candidate, save.generation))
         raise CheckpointCorruptedError(
             f"no committed epoch of {cm.url!r} could be loaded: " + "; ".join(failures)
         )
 
-    def _still_finished(self, records: dict[str, Any], session: Session) -> bool:
+    def _still_finished(self, records: dict[str, Any], session: Session, *,
+                        moved: bool = False) -> bool:
         """Does the job stop at the loaded epoch? Yes if a stop condition that can be checked
         on the restored workspace holds there (e.g. an epoch limit at or below the loaded
         epoch, also when the run that saved it allowed more), or if the save met a condition
@@ -364,7 +366,8 @@ class JobRunner:
                 except KeyError:  # the blob it reads was not checkpointed: cannot tell
                     pass
         met = {k for r in records.values() if r.stop for k in r.stop_conditions}
-        if any(self._condition(key) is None or self._condition(key).still_stopped is None  # type: ignore[union-attr]
+        if any(self._condition(key, moved) is None
+               or self._condition(key, moved).still_stopped is None  # type: ignore[union-attr]
                for key in met):
             return True
         if met:
@@ -372,13 +375,13 @@ class JobRunner:
                         "epochs")
         return False
 
-    def _condition(self, key: str) -> Any:
-        """The job's stop condition a saved key (``"<node>:<blob>"``) names: the same key, or
-        else the one condition on that blob (a resharded resume moves a condition's blob to
-        another node, as ``epoch_limiter``'s count goes to the new first node); None."""
+    def _condition(self, key: str, moved: bool) -> Any:
+        """The job's stop condition a saved key (``"<node>:<blob>"``) names: the same key, or,
+        when the resume ``moved`` blobs between nodes (a reshard: ``epoch_limiter``'s count
+        goes to the new first node), the one condition on that blob; else None."""
         conditions = self.job.stop_conditions
         same = [c for c in conditions if c.key == key] or [
-            c for c in conditions if c.name == key.partition(":")[2]]
+            c for c in conditions if moved and c.name == key.partition(":")[2]]
         return same[0] if len(same) == 1 else None
 
     def load_blobs_from_checkpoints(self, blob_names: list[str], epoch: int,

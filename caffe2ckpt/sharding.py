@@ -30,7 +30,8 @@ from typing import Any
 
 from caffe2ckpt.errors import JobDefinitionError
 
-__all__ = ["PARTITIONS", "Layout", "SavedLayout", "new_rows", "old_rows", "orders_of", "overlap"]
+__all__ = ["PARTITIONS", "Layout", "SavedLayout", "new_rows", "old_rows", "order_counts", "orders_of",
+           "overlap"]
 
 PARTITIONS = ("range", "mod")
 ROWS, REPLICATED, LOCAL = "rows", "replicated", "local"

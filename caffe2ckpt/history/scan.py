@@ -22,7 +22,8 @@ from caffe2ckpt.store.records import CommitRecord, RecordRef, list_records
 from caffe2ckpt.units import epochs_summary
 
 __all__ = ["Family", "PartialSave", "PrefixScan", "elastic_steps", "family_history",
-           "LeftBehindWarning", "left_behind", "newest_save", "origin", "require_save", "scan"]
+           "LeftBehindWarning", "left_behind", "newest_save", "origin", "other_saves",
+           "require_save", "scan"]
 
 logger = logging.getLogger(__name__)
 
@@ -186,6 +187,19 @@ def _passed_over(own: frozenset[str], family: Family, chosen: Family | None) -> 
         "not resuming nodes %s from epoch %d of nodes %s: that save has no layout, so it can be "
         "restored only on those nodes (declare caffe2ckpt.Layout(...) when saving to change the "
         "node count)%s", sorted(own), newest.epoch, sorted(family.nodes), instead)
+
+
+def other_saves(found: PrefixScan, family: Family, *, warned: set[str] | None = None
+                ) -> dict[int, Save]:
+    """The saves of other node sets, by epoch, that a job with a layout on ``family``'s nodes
+    reaches besides its own lineage: while that lineage is empty, the lineage it resumes on
+    another node count (:func:`elastic_steps`); after, the save its lineage starts from
+    (:func:`origin`), which it may go back to. Every reader of a job's saves (the managers,
+    the step manager) asks this, then :func:`~caffe2ckpt.history.placement.place`."""
+    if not family.lineage:
+        return elastic_steps(found, family.nodes, warned=warned)
+    start = origin(found, found.families.get(family.nodes, family))
+    return {} if start is None else {start.epoch: start}
 
 
 def origin(found: PrefixScan, family: Family) -> Save | None:

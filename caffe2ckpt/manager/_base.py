@@ -35,7 +35,7 @@ from caffe2ckpt.fs.location import Location, resolve_source
 from caffe2ckpt.history.current import CurrentRun
 from caffe2ckpt.history.lineage import Save
 from caffe2ckpt.history.placement import Placement, place
-from caffe2ckpt.history.scan import LeftBehindWarning, PrefixScan, elastic_steps, origin, scan
+from caffe2ckpt.history.scan import Family, LeftBehindWarning, PrefixScan, other_saves, scan
 from caffe2ckpt.job import Node, Task, TaskGroup
 from caffe2ckpt.manager import _nodeops as nodeops
 from caffe2ckpt.manager._async import AsyncSaving
@@ -218,23 +218,31 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
     def save_of(self, epoch: int, store: CheckpointStore | None = None) -> Save | None:
         """The committed save ``epoch`` means to this job when asked for by number (a load, an
         explicit resume): its lineage's, else the newest superseded save of that epoch of its
-        nodes; else, with a layout, the save of other nodes its lineage starts from or, while
-        its nodes have saved nothing, the elastic one (:meth:`elastic_saves`); else, without a
-        layout, a save of the newest run holding all its nodes (loading some nodes of a bigger
-        job's checkpoint, node by node, as Caffe2 allows)."""
+        nodes; else, with a layout, one of the saves of other nodes the job reaches
+        (:meth:`other_saves`); else, without a layout, a save of the newest run holding all
+        its nodes (loading some nodes of a bigger job's checkpoint, node by node, as Caffe2
+        allows)."""
         epoch = check_epoch(epoch)
         store = store or self._store
         save = self.current(store).save_of(epoch)
         if save is not None:
             return save
         if self._layout is None:
-            return scan(store).save_at(epoch, self.file_nodes())
+            return self._scan(store).save_at(epoch, self.file_nodes())
+        return self.other_saves(store).get(epoch)
+
+    def other_saves(self, store: CheckpointStore | None = None) -> dict[int, Save]:
+        """With a layout, the saves of other node sets this job reaches besides its own
+        lineage under ``store`` (:func:`~caffe2ckpt.history.scan.other_saves`): while its
+        nodes have none, those it resumes on another node count; after, the one its lineage
+        starts from. Without a layout, none."""
+        store = store or self._store
+        if self._layout is None:
+            return {}
         found = self._scan(store)
-        family = found.families.get(frozenset(self.file_nodes()))
-        if family is not None and family.lineage:
-            start = origin(found, family)
-            return start if start is not None and start.epoch == epoch else None
-        return self.elastic_saves(store).get(epoch)
+        nodes = frozenset(self.file_nodes())
+        return other_saves(found, found.families.get(nodes) or Family(nodes, [], []),
+                           warned=self._passed_over)
 
     def elastic_saves(self, store: CheckpointStore | None = None) -> dict[int, Save]:
         """With a layout, while this job's nodes have no committed save under ``store``: the
@@ -243,7 +251,7 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
         store = store or self._store
         if self._layout is None or self.current(store).newest() is not None:
             return {}
-        return elastic_steps(self._scan(store), self.file_nodes(), warned=self._passed_over)
+        return self.other_saves(store)
 
     def _scan(self, store: CheckpointStore) -> PrefixScan:
         """The whole prefix, read once per resume (see :meth:`resuming`), else now."""
@@ -254,9 +262,11 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
             self._reading[key] = scan(store)
         return self._reading[key]
 
-    def placement(self, epoch: int, store: CheckpointStore | None = None) -> Placement:
+    def placement(self, epoch: int, store: CheckpointStore | None = None,
+                  names: Collection[str] | None = None) -> Placement:
         """Which committed save ``epoch`` means to this job (:meth:`save_of`) and how its
-        blobs reach the job's nodes (:func:`~caffe2ckpt.history.placement.place`).
+        blobs (all, or ``names``) reach the job's nodes
+        (:func:`~caffe2ckpt.history.placement.place`).
 
         Raises:
             CheckpointNotFoundError: no such save.
@@ -268,14 +278,22 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
             raise CheckpointNotFoundError(
                 f"epoch {epoch} is not committed for nodes {self.file_nodes()} under "
                 f"{store.location.display()!r}")
-        return place(save, self.file_nodes(), self._layout, store.location.display())
+        return place(save, self.file_nodes(), self._layout, store.location.display(), names)
 
     def _node_record(self, file_node: str, epoch: int) -> CommitRecord | None:
-        """The record of ``file_node`` at ``epoch`` as saved: of this job's save of it, or
-        else of a save of the newest run holding that node (Caffe2's per-node lookups)."""
+        """The record ``file_node`` reads at ``epoch``: with a layout, its own in this job's
+        save of it, unless that save reaches the job's nodes cut anew (then None: no one
+        record holds its blobs); without one, of this job's save, else of a save of the newest
+        run holding that node (Caffe2's per-node lookups)."""
+        if self._layout is not None:
+            try:
+                placement = self.placement(epoch)
+            except (CheckpointNotFoundError, JobDefinitionError):
+                return None
+            return None if placement.reshards else placement.save.records.get(file_node)
         save = self.save_of(epoch)
         if save is None or file_node not in save.records:
-            save = scan(self._store).save_at(epoch, [file_node])
+            save = self._scan(self._store).save_at(epoch, [file_node])
         return None if save is None else save.records.get(file_node)
 
     def committed_epochs(self) -> Iterator[int]:
@@ -289,19 +307,15 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
 
     def fallback_lineage(self) -> Iterator[Save]:
         """The saves an automatic resume falls back along, newest first: the current lineage
-        and, with a layout, the save of other nodes it starts from; or, while this job's nodes
+        then, with a layout, the save of other nodes it starts from; or, while this job's nodes
         have saved nothing and it resumes saves of another node count (:meth:`elastic_saves`),
         those saves' lineage."""
         elastic = self.elastic_saves()
-        if not elastic:
-            yield from self.lineage()
-            family = self._scan(self._store).families.get(frozenset(self.file_nodes()))
-            start = None if family is None or self._layout is None else origin(
-                self._scan(self._store), family)
-            if start is not None:
-                yield start
+        if elastic:
+            yield from (elastic[epoch] for epoch in sorted(elastic, reverse=True))
             return
-        yield from (elastic[epoch] for epoch in sorted(elastic, reverse=True))
+        yield from self.lineage()
+        yield from self.other_saves().values()
 
     # -- Caffe2 API ------------------------------------------------------------------------------
 
@@ -333,19 +347,16 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
 
     def _collect_names(self, placement: Placement) -> Callable[[str, str, list[str]], None]:
         """Record each node's blob list of a resume; once every node's is in, a WARNING names
-        the blobs the layout adopts (:meth:`~caffe2ckpt.history.placement.Placement.adopted`)."""
+        the blobs the layout adopts (:meth:`~caffe2ckpt.history.placement.Placement.
+        adoption`)."""
         files = self._require_files()
         seen: dict[str, list[str]] = {}
 
         def collect(node: str, file_node: str, names: list[str]) -> None:
             self._blob_names[node] = seen[file_node] = names
-            adopted = placement.adopted(seen) if len(seen) == len(files) else []
-            if adopted:
-                logger.warning(
-                    "epoch %d under %s holds %s saved local to their nodes (or without a "
-                    "layout), which the layout declares spread over them: each node resumes "
-                    "with its own, as saved, and its next save records the declared kinds",
-                    placement.save.epoch, self._location.display(), adopted)
+            warning = placement.adoption(seen) if len(seen) == len(files) else None
+            if warning is not None:
+                logger.warning("%s under %s", warning, self._location.display())
         return collect
 
     def _source(self, path_prefix: str | None, path_type: str | None) -> CheckpointStore:
@@ -386,8 +397,8 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
         if placement.reshards:
             return self._group(name, lambda node, file_node: partial(
                 nodeops.load_share, store, save.records, placement.order, placement.partition,
-                placement.kinds, file_node, names(node), shared), self._record_time(epoch),
-                epoch=epoch)
+                placement.kinds, file_node, names(node), require_all, shared),
+                self._record_time(epoch), epoch=epoch)
         return self._group(name, lambda node, file_node: partial(
             nodeops.load, store, save.records[file_node], names(node), require_all, shared),
             self._record_time(epoch), epoch=epoch)
@@ -427,12 +438,13 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
         epoch = check_epoch(epoch)
         names = list(blob_names)
         if self._layout is not None:
-            placement = self.placement(epoch)
+            placement = self.placement(epoch, names=names)
             held = shared_names(self._store, placement.save.records, placement.order,
                                 placement.kinds) if placement.reshards else None
-            return self._load_group("checkpoint_partial_load", placement, self._store,
-                                    lambda node: _present(names, held, self._files_of(node)),
-                                    False)
+            files = self._require_files()
+            return self._load_group(
+                "checkpoint_partial_load", placement, self._store, lambda node: names
+                if held is None else [n for n in names if n in held[files[node]]], False)
         shared = SharedReads()
 
         def make(node: str, file_node: str) -> Any:
@@ -444,9 +456,6 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
 
         return self._group("checkpoint_partial_load", make, self._record_time(epoch),
                            epoch=epoch)
-
-    def _files_of(self, node: str) -> str:
-        return self._require_files()[node]
 
     def check_db_exists(self, epoch: int) -> TaskGroup:
         """A runnable whose per-node output ``caffe2ckpt/db_exists`` says whether that node's
@@ -596,8 +605,9 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
         if elastic and (user_epoch is None or user_epoch in elastic):
             return max(elastic) if user_epoch is None else user_epoch
         if self._layout is not None and user_epoch is not None and not elastic and (
-                self.save_of(user_epoch) is not None):
-            return user_epoch  # its own, or the save of other nodes its lineage starts from
+                self.current().save_of(user_epoch) is None
+                and user_epoch in self.other_saves()):
+            return user_epoch  # the save of other nodes its lineage starts from
         if self._layout is not None and user_epoch is None:
             self._left_behind.check(self._store, self.current().newest())
         return self._metadata_handler.last_epoch(user_epoch=user_epoch)
@@ -680,9 +690,3 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
         return self.current().start(parent, writer)
 
 
-
-def _present(names: list[str], held: dict[str, list[str]] | None, file_node: str
-             ) -> list[str]:
-    """Of ``names``, those the node's share holds (``held``: by node; None: all, its own
-    group says which it has)."""
-    return names if held is None else [n for n in names if n in held[file_node]]

@@ -97,7 +97,10 @@ class MultiNodeCheckpointManager(BaseCheckpointManager):
             raise JobDefinitionError(f"manager is bound to nodes {list(self._files)}, "
                                      f"not {list(files)}")
         epoch = check_epoch(epoch)
-        missing = [n for n in files.values() if self._node_record(n, epoch) is None]
+        if self._layout is not None:  # the job's save of it, however it reaches the nodes
+            missing = [] if self.save_of(epoch) is not None else list(files.values())
+        else:
+            missing = [n for n in files.values() if self._node_record(n, epoch) is None]
         if missing:
             logger.info("no committed checkpoint of epoch %d for nodes %s", epoch, missing)
             return False

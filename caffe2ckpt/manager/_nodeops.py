@@ -258,12 +258,18 @@ def load(store: CheckpointStore, record: CommitRecord, names: Sequence[str],
 
 def load_share(store: CheckpointStore, records: dict[str, CommitRecord], order: Sequence[str],
                partition: str, kinds: dict[str, str], node: str, names: Sequence[str],
-               shared: SharedReads, ws: Workspace) -> Timed:
-    """Restore ``node``'s share of the save ``records`` into its workspace, cut anew over
-    ``order`` by ``partition`` with ``kinds`` (see :func:`~caffe2ckpt.store.reshard.
-    read_shares`; what several nodes read, read once per ``shared``)."""
+               require_all: bool, shared: SharedReads, ws: Workspace) -> Timed:
+    """Restore ``node``'s share of ``names`` (with ``require_all``, every one of them) of the
+    save ``records`` into its workspace, cut anew over ``order`` by ``partition`` with
+    ``kinds`` (see :func:`~caffe2ckpt.store.reshard.read_shares`; what several nodes read,
+    read once per ``shared``)."""
     data = _timed(lambda: read_shares(store, records, order, partition, [node], list(names),
                                       shared, kinds))
+    missing = [n for n in names if n not in data.value[node]] if require_all else []
+    if missing:
+        raise CheckpointNotFoundError(
+            f"epoch {next(iter(records.values())).epoch} under {store.location.display()!r}, "
+            f"cut anew for node {node!r} of {list(order)}, gives it no blobs {missing}")
     ws.restore(data.value[node])
     return Timed(None, data.ns)
 

@@ -42,14 +42,7 @@ from caffe2ckpt.fs.location import Location
 from caffe2ckpt.history.current import CurrentRun
 from caffe2ckpt.history.lineage import Save
 from caffe2ckpt.history.placement import Placement, place
-from caffe2ckpt.history.scan import (
-    Family,
-    LeftBehindWarning,
-    PrefixScan,
-    elastic_steps,
-    origin,
-    scan,
-)
+from caffe2ckpt.history.scan import Family, LeftBehindWarning, PrefixScan, other_saves, scan
 from caffe2ckpt.naming import check_epoch, check_node_name, get_ckpt_filename
 from caffe2ckpt.policy import StepManagerOptions, should_save
 from caffe2ckpt.preemption import PreemptionWatch
@@ -166,14 +159,10 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
             self._others = scan(self._store).current()
 
     def _elastic_steps(self, found: PrefixScan, own: Family) -> dict[int, Save]:
-        """What an elastic manager lists besides its own lineage: while its nodes have no step,
-        the steps of the family it resumes (:func:`~caffe2ckpt.history.scan.elastic_steps`);
-        after, the step of other nodes its lineage starts from (:func:`~caffe2ckpt.history.
-        scan.origin`), which it restores split anew as any other."""
-        if not own.lineage:
-            return elastic_steps(found, own.nodes, warned=self._passed_over)
-        start = origin(found, found.families.get(own.nodes, own))
-        return {} if start is None else {start.epoch: start}
+        """What an elastic manager lists besides its own lineage
+        (:func:`~caffe2ckpt.history.scan.other_saves`): while its nodes have no step, the steps
+        of the family it resumes; after, the step of other nodes its lineage starts from."""
+        return other_saves(found, own, warned=self._passed_over)
 
     @property
     def _elastic(self) -> bool:
@@ -182,12 +171,27 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
 
     @property
     def _steps(self) -> dict[int, Save]:
-        """The committed steps of the lineage, by step (for an elastic manager, with those
-        :meth:`_elastic_steps` adds)."""
-        if self._current is not None:
-            own = self._current.family().current()
-            return {**self._others, **own} if self._elastic else own
-        return self._others
+        """The committed steps of the lineage, by step; for an elastic manager, with the steps
+        of other nodes it reaches (read by :meth:`reload`): while its own lineage is empty,
+        those it would resume; after, the one its lineage starts from (found among those read,
+        so its first save needs no new reading)."""
+        if self._current is None:
+            return self._others
+        own = self._current.family().current()
+        if not self._elastic:
+            return own
+        if not own:
+            return self._others
+        start = self._start()
+        return own if start is None else {start.epoch: start, **own}
+
+    def _start(self) -> Save | None:
+        """The step of other nodes this elastic manager's own lineage starts from, among the
+        steps :meth:`reload` read (so its first save needs no new reading); None."""
+        lineage = self._current.family().lineage if self._current is not None else []
+        parent = lineage[-1].parent if lineage else None
+        return next((s for s in self._others.values()
+                     if (s.epoch, s.generation) == parent), None)
 
     def _listed(self) -> set[int]:
         """The committed steps and, as in Orbax, the step an async save is writing (listed as
@@ -248,8 +252,7 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
         if self._current is None:
             return ""
         nodes = sorted(self._current.nodes)
-        own = self._current.family().lineage
-        start = next(iter(self._others.values()), None) if self._elastic and own else None
+        start = self._start() if self._elastic else None
         if start is None:
             return f" in the lineage of nodes {nodes}"
         return (f" in the lineage of nodes {nodes}, which starts from step {start.epoch} of "
@@ -257,15 +260,14 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
 
     def _lineage_save(self, current: CurrentRun, step: int) -> Save | None:
         """The save of ``step`` of this family's lineage or, for an elastic manager, of the
-        steps :meth:`_elastic_steps` adds: then one reading of the prefix decides, and the
-        family's own lineage is asked only if its nodes appear there."""
-        if not self._elastic:
-            return current.lineage_save(step)
+        other nodes' steps it reaches (:meth:`_elastic_steps`; one reading of the prefix, only
+        when its own lineage has no such step)."""
+        save = current.lineage_save(step)
+        if save is not None or not self._elastic:
+            return save
         found = scan(self._store)
-        family = found.families.get(current.nodes)
-        save = None if family is None else current.lineage_save(step)
-        return save or self._elastic_steps(found, family or Family(current.nodes, [], [])
-                                           ).get(step)
+        family = found.families.get(current.nodes) or Family(current.nodes, [], [])
+        return self._elastic_steps(found, family).get(step)
 
     # -- saving ----------------------------------------------------------------------------------
 
@@ -425,7 +427,7 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
         its error is raised here only when it was the step asked for, else by the next save,
         :meth:`wait_until_finished` or :meth:`close`."""
         info = self._step(self._restore_step(step))
-        placement = self._placement(info)  # a refusal comes before anything is read
+        placement = self._placement(info, blobs)  # a refusal comes before anything is read
         with events.reporting_damage(self._url, info.epoch, found_by="restore"):
             out = self._read(info, placement, nodes, blobs)
         if placement is not None and info.nodes != frozenset(placement.order):
@@ -433,6 +435,8 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
             self._run_of(sorted(placement.order)).set_parent((info.epoch, info.generation))
             self._resumed(info, "elastic")  # touches it; saves from now on continue from it
             return out
+        if placement is not None and placement.reshards:  # its own step, cut anew
+            self._resumed(info, "elastic")
         self._protected = {info.epoch}
         current = self._run_of(sorted(info.nodes))
         newest = current.newest()
@@ -441,17 +445,18 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
             # saves from now on continue from this step; going back below the newest step
             # starts a new run (a new claim and generation) that supersedes the later ones
             current.set_parent((info.epoch, info.generation))
-        self._resumed(info, "going back" if newest is not None and info.epoch < newest.epoch
-                      else "resume")
+        if placement is None or not placement.reshards:
+            self._resumed(info, "going back" if newest is not None and info.epoch < newest.epoch
+                          else "resume")
         return out
 
-    def _placement(self, info: Save) -> Placement | None:
-        """How this manager's nodes get ``info``'s blobs (None: as its nodes saved them, for
-        a manager without ``nodes`` or without a layout)."""
+    def _placement(self, info: Save, blobs: Sequence[str] | None = None) -> Placement | None:
+        """How this manager's nodes get ``info``'s blobs (all, or ``blobs``); None: as its
+        nodes saved them, for a manager without ``nodes`` or without a layout."""
         if not self._elastic:
             return None
         return place(info, self._nodes, self._layout,  # type: ignore[arg-type]
-                     self._store.location.display())
+                     self._store.location.display(), None if blobs is None else set(blobs))
 
     def _read(self, info: Save, placement: Placement | None, nodes: Sequence[str] | None,
               blobs: Sequence[str] | None) -> dict[str, dict[str, np.ndarray]]:
@@ -459,28 +464,21 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
         placement reshards, else as each node saved them."""
         if placement is None or not placement.reshards:
             out = read_nodes(self._store, info, nodes, blobs)
-            self._warn_adopted(placement, out)
-            return out
-        own = list(placement.order)
-        unknown = sorted(set(nodes or ()) - set(own))
-        if unknown:
-            raise CheckpointNotFoundError(f"restore({info.epoch}): nodes {unknown} are not this "
-                                          f"manager's nodes {own}")
-        out = read_shares(self._store, info.records, own, placement.partition,
-                          None if nodes is None else [str(n) for n in nodes],
-                          None if blobs is None else list(blobs), kinds=placement.kinds)
-        logger.info("restored step %d under %s, %s", info.epoch,
-                    self._store.location.display(), placement.describe())
+        else:
+            own = list(placement.order)
+            unknown = sorted(set(nodes or ()) - set(own))
+            if unknown:
+                raise CheckpointNotFoundError(f"restore({info.epoch}): nodes {unknown} are not "
+                                              f"this manager's nodes {own}")
+            out = read_shares(self._store, info.records, own, placement.partition,
+                              None if nodes is None else [str(n) for n in nodes],
+                              None if blobs is None else list(blobs), kinds=placement.kinds)
+            logger.info("restored step %d under %s, %s", info.epoch,
+                        self._store.location.display(), placement.describe())
+        warning = None if placement is None else placement.adoption(out)
+        if warning is not None:
+            logger.warning("%s under %s", warning, self._store.location.display())
         return out
-
-    def _warn_adopted(self, placement: Placement | None, out: Items) -> None:
-        names = [] if placement is None else placement.adopted(out)
-        if names:
-            logger.warning(
-                "step %d under %s holds %s saved local to their nodes (or without a layout), "
-                "which the layout declares spread over them: each node restores its own, as "
-                "saved, and its next save records the declared kinds", placement.save.epoch,  # type: ignore[union-attr]
-                self._store.location.display(), names)
 
     @property
     def _url(self) -> str:
@@ -545,6 +543,8 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
         self.wait_until_finished()
         save = self._step(step)
         others = sorted(save.nodes - set(self._nodes or save.nodes))
+        if self._elastic and save.nodes != frozenset(self._nodes):  # type: ignore[arg-type]
+            others = sorted(save.nodes)  # the step its lineage starts from: another family's
         if others:
             raise InvalidLocationError(
                 f"step {step} under {self._store.location.display()!r} was saved together with "

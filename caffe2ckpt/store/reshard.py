@@ -64,6 +64,8 @@ if TYPE_CHECKING:
 
 __all__ = ["read_shares", "saved_layout", "share_infos", "shared_names"]
 
+GLOBAL = "\0global"  # the "node" a rows blob is put back together for (never a node's name)
+
 
 def saved_layout(records: dict[str, CommitRecord]) -> SavedLayout | None:
     """The layout one save's records agree on (None: saved without one)."""
@@ -141,18 +143,22 @@ def read_shares(store: CheckpointStore, records: dict[str, CommitRecord], order:
     direct: list[Callable[[], Any]] = []
     finish: list[Callable[[], None]] = []
     for name, kind in blobs.items():
-        if kind == ROWS:
+        if kind == ROWS and reader.kinds.get(name) != REPLICATED:
             finish.append(reader.split(name, wanted, out, direct))
     run_reads(direct)
     for step in finish:
         step()
     for name, kind in blobs.items():
         receivers = [node for node in wanted if node in reader.receivers(name)]
-        if kind == REPLICATED and receivers:
-            reader.give(name, receivers, out, owned)
-        elif kind == LOCAL:
+        if not receivers or (kind == ROWS and name not in reader.kinds):
+            continue
+        if kind == LOCAL:
             for node in receivers:
-                out[node][name] = reader.whole(node, name)
+                out[node][name] = reader.own(node, name)
+            continue
+        value = reader.global_array(name) if kind == ROWS else reader.whole(
+            reader.holder(name), name)
+        reader.give(name, value, receivers, out, owned)
     return out
 
 
@@ -173,7 +179,6 @@ class _Reshard:
         self.kinds = dict(kinds or {})  # blob -> the job's kind, where it is not the save's
         self.saved: dict[str, str] = {}  # blob -> its kind in the save (see blobs())
         self._manifests: dict[str, Manifest] = {}
-        self._checked: set[tuple[str, str]] = set()  # (old node, array) whose zarr.json is read
 
     def manifest(self, node: str) -> Manifest:
         if node not in self._manifests:
@@ -204,9 +209,11 @@ class _Reshard:
         local = sorted(n for n, k in self.saved.items() if k == LOCAL)
         if local and self.order != self.old:
             raise JobDefinitionError(self._refusal(local))
-        for name, kind in self.kinds.items():
-            if self.saved.get(name) == REPLICATED and kind == ROWS:
+        for name, kind in self.saved.items():
+            if kind == REPLICATED and self.kinds.get(name) == ROWS:
                 self._check_cut(name)
+            elif kind == REPLICATED:
+                self.receivers(name)  # refused here when it has nowhere to go
         return dict(self.saved)
 
     def _check_cut(self, name: str) -> None:
@@ -234,17 +241,28 @@ class _Reshard:
         return next(n for n in self.old if name in self.manifest(n).blobs)
 
     def receivers(self, name: str) -> list[str]:
-        """The new nodes given the blob ``name`` (of the kind :meth:`blobs` gives it): all, for
-        rows and for a blob every old node held; else (a replicated blob held by some, such
-        as an epoch counter on the first node) the first; a local blob, its own node."""
+        """The new nodes given the blob ``name``: all, for a blob the job declares rows and
+        for one every old node held; a replicated blob held by some (an epoch counter on the
+        first node) to the new nodes at the holders' positions in the order (the first to the
+        first); a local blob, its own node."""
         saved, kind = self.saved[name], self.kinds.get(name)
         if saved == LOCAL:
             return [n for n in self.order if name in self.manifest(n).blobs]
         if saved == ROWS or kind == ROWS:
             return self.order
-        everywhere = all(name in self.manifest(n).blobs or name in (
-            self.layouts[n].written_by if self.layouts[n] else {}) for n in self.old)
-        return self.order if everywhere else self.order[:1]
+        holders = [k for k, n in enumerate(self.old) if name in self.manifest(n).blobs
+                   or name in (self.layouts[n].written_by if self.layouts[n] else {})]
+        if len(holders) == len(self.old):
+            return self.order
+        kept = [self.order[k] for k in holders if k < len(self.order)]
+        if not kept:
+            raise JobDefinitionError(
+                f"epoch {self.record.epoch} under {self.store.location.display()!r}: "
+                f"replicated blob {name!r} was held only by nodes "
+                f"{[self.old[k] for k in holders]} (positions {holders} of {self.old}); the "
+                f"job's {nodes_text(len(self.order))} {self.order} have no node at those "
+                "positions: hold it on every node, or on the first")
+        return kept
 
     def info_of(self, node: str, name: str) -> BlobInfo:
         """The dtype, shape and order of new node ``node``'s blob ``name`` (manifests only)."""
@@ -265,22 +283,20 @@ class _Reshard:
         order = "F" if orders_of([(i.shape, i.order) for i in infos]) == {"F"} else "C"
         return infos[0]._replace(shape=(rows, *infos[0].shape[1:]), order=order)
 
-    def give(self, name: str, receivers: list[str], out: dict[str, dict[str, np.ndarray]],
-             owned: bool) -> None:
-        """The replicated blob ``name`` (read once, from its writer) to ``receivers``: a copy
-        each (the last the array read itself when this read ``owned`` it), or, declared rows,
-        each its rows of it."""
-        value = self.whole(self.holder(name), name)
+    def give(self, name: str, value: np.ndarray, receivers: list[str],
+             out: dict[str, dict[str, np.ndarray]], owned: bool) -> None:
+        """A global array ``value`` (a replicated blob's, read once from its writer, or a rows
+        blob's put back together) to ``receivers``: a copy each, in its memory order (the last
+        the array itself when this read ``owned`` it), or, declared rows, each its rows."""
         if self.kinds.get(name) == ROWS:
-            fortran = value.ndim > 1 and value.flags.f_contiguous and not value.flags.c_contiguous
             for node in receivers:
                 rows = new_rows(self.partition, self.order.index(node), len(self.order),
                                 value.shape[0])
-                share = value[_slice(rows)]
-                out[node][name] = np.array(share, order="F" if fortran else "C")
+                out[node][name] = value[_slice(rows)].copy(order="K")
             return
         count = len(receivers)
-        copies = list(pool().map(lambda _: value.copy(), range(count - 1 if owned else count)))
+        copies = list(pool().map(lambda _: value.copy(order="K"),
+                                 range(count - 1 if owned else count)))
         for node, copy in zip(receivers, [*copies, value]):
             out[node][name] = copy
 
@@ -292,12 +308,30 @@ class _Reshard:
                                lambda: self.store.load_node(record, [name],
                                                             manifest=self.manifest(node))[name])
 
+    def own(self, node: str, name: str) -> np.ndarray:
+        """Node ``node``'s local blob ``name``, which stays with it (the nodes and their order
+        are the save's)."""
+        record = self.records[node]
+        return self.store.load_node(record, [name], manifest=self.manifest(node))[name]
+
+    def global_array(self, name: str) -> np.ndarray:
+        """The rows blob ``name`` put back together (its global array), once per ``shared``
+        (never written into: it is copied to each node taking it)."""
+        def gather() -> np.ndarray:
+            out: dict[str, dict[str, np.ndarray]] = {GLOBAL: {}}
+            direct: list[Callable[[], Any]] = []
+            finish = self.split(name, [GLOBAL], out, direct)
+            run_reads(direct)
+            finish()
+            return out[GLOBAL][name]
+        return self.shared.get((self.store.location.url, self.record.save_id, GLOBAL, name),
+                               gather)
+
     def split(self, name: str, wanted: list[str], out: dict[str, dict[str, np.ndarray]],
               direct: list[Callable[[], Any]]) -> Callable[[], None]:
-        """Allocate each wanted new node's share of the rows blob ``name``, add the reads
-        straight into place to ``direct``, and return what copies the other rows once those
-        reads ran. Declared replicated, the first wanted node gets the whole global array and
-        the others a copy of it."""
+        """Allocate each wanted new node's share of the rows blob ``name`` (:data:`GLOBAL`: the
+        whole global array), add the reads straight into place to ``direct``, and return what
+        copies the other rows once those reads ran."""
         infos = [self._row_info(node, name) for node in self.old]
         first = infos[0]
         orders = orders_of([(i.shape, i.order) for i in infos])
@@ -309,11 +343,10 @@ class _Reshard:
         except ValueError as exc:
             raise self.damage(self.old[0], name, str(exc)) from exc
         total = sum(len(r) for r in sources)
-        whole = self.kinds.get(name) == REPLICATED
         copies: list[tuple[str, np.ndarray, range, range]] = []
         scattered: dict[str, list[tuple[np.ndarray, range, range]]] = {}
-        for node in wanted[:1] if whole else wanted:
-            target = range(total) if whole else new_rows(
+        for node in wanted:
+            target = range(total) if node == GLOBAL else new_rows(
                 self.partition, self.order.index(node), len(self.order), total)
             dest = destination(self.store.location, (len(target), *first.shape[1:]),
                                np.dtype(first.dtype))
@@ -337,10 +370,8 @@ class _Reshard:
             for old, dest, src, dst in copies:
                 dest[_slice(dst)] = self._rows(old, name, src)
             if orders == {"F"}:
-                for node in wanted[:1] if whole else wanted:
+                for node in wanted:
                     out[node][name] = np.asfortranarray(out[node][name])
-            for node in wanted[1:] if whole else ():
-                out[node][name] = out[wanted[0]][name].copy()
         return finish
 
     def _scatter(self, node: str, name: str, jobs: list[tuple[np.ndarray, range, range]]
@@ -397,8 +428,8 @@ class _Reshard:
         record, manifest = self.records[node], self.manifest(node)
         path = manifest.stored_blobs[name].path
         crcs = self.store.chunk_crcs(record, manifest)
-        files = set() if (node, path) in self._checked else {f"{path}/{GROUP_FILE}"}
-        self._checked.add((node, path))  # once per old array, whichever new nodes read it
+        first = self.shared.first((self.store.location.url, record.save_id, node, path))
+        files = {f"{path}/{GROUP_FILE}"} if first else set()  # once per old array and process
         metadata = {f: d for f, d in record.metadata.items() if f in files}
         return list(row_reads(self.store.location, self.store.group_path(record), manifest,
                               {path: crcs[path]}, [read], metadata))  # type: ignore[index]

@@ -26,6 +26,7 @@ class SharedReads:
         self._lock = threading.Lock()
         self._keys: dict[Hashable, threading.Lock] = {}
         self._data: dict[Hashable, np.ndarray] = {}
+        self._once: set[Hashable] = set()
 
     def get(self, key: Hashable, read: Callable[[], np.ndarray]) -> np.ndarray:
         """The array of ``key``, read by ``read()`` the first time it is asked for (shared:
@@ -36,6 +37,14 @@ class SharedReads:
             if key not in self._data:
                 self._data[key] = read()
             return self._data[key]
+
+    def first(self, key: Hashable) -> bool:
+        """Whether this is the first time ``key`` is asked (a check done once per process)."""
+        with self._lock:
+            if key in self._once:
+                return False
+            self._once.add(key)
+            return True
 
     def __getstate__(self) -> dict[str, Any]:
         return {}

@@ -176,7 +176,12 @@ def assert_model(got: dict, want: dict, what: str) -> None:
             assert have.tobytes() == np.ascontiguousarray(value).tobytes(), (what, node, name)
 
 
-@pytest.mark.parametrize("prefix, partition, delta", CASES, indirect=["prefix"])
+# every (partition, kind) on memory and local; on S3 the whole epochs, one per server (the
+# differential ones' reads on S3 are the test above's)
+CHANGES = [c for c in CASES if not c.id.startswith("s3-") or c.id.endswith("-whole")]
+
+
+@pytest.mark.parametrize("prefix, partition, delta", CHANGES, indirect=["prefix"])
 def test_every_change_of_order_partition_or_kind_is_cut_anew_or_refused(prefix, chunk,
                                                                         partition, delta):
     """Per N: the same node names in another order under both partitions (the order the save
@@ -193,6 +198,7 @@ def test_every_change_of_order_partition_or_kind_is_cut_anew_or_refused(prefix, 
         whole = table(epoch)
         old = [f"old_{k}" for k in range(n)]
         order = old[::-1] if n < 3 else rng.sample(old, n)
+        assert n == 1 or order != old
         for new_partition in ("range", "mod"):
             layout = Layout(rows=["emb"], replicated=["w"], partition=new_partition)
             assert_model(restored_as(url, order, layout, epoch),

@@ -351,3 +351,143 @@ def test_a_replicated_blob_of_the_first_node_only_is_not_read_for_the_others(pre
         assert list(got["u1"]) == ["emb"]
         assert not [p for p in paths if "/big/" in p], paths
         assert np.array_equal(mgr.restore(0, nodes=["u0"])["u0"]["big"], big)
+
+
+# -- what a second reading of the change found ---------------------------------------------------
+
+def test_an_elastic_managers_steps_after_its_first_save_are_its_own_and_its_start(prefix):
+    layout = Layout(rows=["emb"])
+    with manager(prefix, ["a", "b"], layout) as mgr:
+        for step in (1, 2, 3, 9):
+            mgr.save(step, {n: {"emb": cut(TABLE, "range", k, 2)} for k, n in enumerate("ab")})
+    with manager(prefix, ["y"], layout) as mgr:
+        got = mgr.restore(3)
+        mgr.save(4, got, force=True)
+        assert mgr.all_steps() == [3, 4] and mgr.latest_step() == 4
+        assert mgr.save(5, got)  # not skipped as if step 9 of the old nodes were its own
+        assert mgr.all_steps() == [3, 4, 5]
+        assert mgr.restore()["y"]["emb"].tobytes() == TABLE.tobytes()
+
+
+def test_a_replicated_blob_some_nodes_hold_stays_at_its_position(prefix):
+    with manager(prefix, ["a", "b"], Layout(rows=["emb"], replicated=["r"])) as mgr:
+        mgr.save(0, {"a": {"emb": TABLE[:5]}, "b": {"emb": TABLE[5:], "r": np.arange(3)}})
+    with manager(prefix, ["a", "b"], Layout(rows=["emb"], replicated=["r"],
+                                            partition="mod")) as mgr:
+        got = mgr.restore(0)
+    assert sorted(got["a"]) == ["emb"] and np.array_equal(got["b"]["r"], np.arange(3))
+    with manager(prefix, ["x"], Layout(rows=["emb"], replicated=["r"])) as mgr:
+        with pytest.raises(JobDefinitionError, match=r"replicated blob 'r' was held only by "
+                                                     r"nodes \['b'\]"):
+            mgr.restore(0)
+
+
+def test_a_blob_a_node_does_not_get_is_not_left_as_it_was(prefix):
+    from caffe2ckpt import CheckpointNotFoundError
+
+    with manager(prefix, ["a", "b"], Layout(rows=["emb"], replicated=["r"])) as mgr:
+        mgr.save(0, {"a": {"emb": TABLE[:5], "r": np.arange(3)}, "b": {"emb": TABLE[5:]}})
+    session = LocalSession()
+    for node in ("x", "y"):
+        session.workspace(node).update(emb=np.zeros((5, 3), np.float32), r=np.zeros(3, int))
+    cm = MultiNodeCheckpointManager(prefix, layout=Layout(rows=["emb"], replicated=["r"]))
+    session.run(cm.init(["x", "y"]))  # the blob lists of the workspaces: "r" on both
+    with pytest.raises(CheckpointNotFoundError, match=r"node 'y'.*no blobs \['r'\]"):
+        session.run(cm.load(0))
+
+
+def test_local_blobs_kept_through_a_reshard_on_the_same_nodes_are_named(prefix, caplog):
+    with manager(prefix, ["a", "b"], Layout(rows=["emb"])) as mgr:
+        mgr.save(0, {"a": {"emb": TABLE[:5], "loc": np.arange(2)},
+                     "b": {"emb": TABLE[5:], "loc": np.arange(1)}})
+    with manager(prefix, ["a", "b"], Layout(rows=["emb", "loc"], partition="mod")) as mgr:
+        got = mgr.restore(0)
+    assert np.array_equal(got["b"]["loc"], np.arange(1))
+    assert "holds ['loc'] saved local to their nodes" in caplog.text
+
+
+def test_a_job_without_a_layout_is_refused_a_save_with_one_in_another_order(prefix):
+    JobRunner(job_on(["t0", "t1", "t2"], 2), MultiNodeCheckpointManager(
+        prefix, layout=Layout(**JOB_LAYOUT))).train(LocalSession())
+    cm = MultiNodeCheckpointManager(prefix)
+    location = cm.store.location
+    runs = sorted(location.list_names(location.path("_runs")))
+    with pytest.raises(JobDefinitionError, match=r"declares no layout.*layout=caffe2ckpt\."
+                                                 r"Layout\(rows=\['emb'\]"):
+        JobRunner(job_on(["t2", "t0", "t1"], 4), cm, resume_from_epoch=2).train(LocalSession())
+    assert sorted(location.list_names(location.path("_runs"))) == runs
+    # in the order that saved it, node by node, as Caffe2 reads
+    runner = JobRunner(job_on(["t0", "t1", "t2"], 3), MultiNodeCheckpointManager(prefix))
+    assert runner.train(LocalSession()) == 3 and runner.resumed_from == 2
+
+
+def test_the_caffe2_readers_agree_on_an_epoch_cut_anew(prefix):
+    layout = Layout(**JOB_LAYOUT)
+    JobRunner(job_on(["t0", "t1"], 1), MultiNodeCheckpointManager(
+        prefix, layout=layout)).train(LocalSession())
+    nodes = ["t0", "t1", "t2"]
+    session = LocalSession()
+    cm = MultiNodeCheckpointManager(prefix, layout=layout)
+    session.run(cm.init(nodes, retrieve_from_epoch=1))
+    session.run(cm.check_db_exists(1))
+    assert all(bool(session.workspace(n)["caffe2ckpt/db_exists"]) for n in nodes)
+    assert cm.load_blobs_locally(nodes, ["emb"], 1, session)
+    parts = [session.workspace(n)["emb"] for n in nodes]
+    assert put_together(parts, "range").tobytes() == (TABLE + 1).tobytes()
+    # no one group holds what t0 reads at epoch 1: Caffe2's name for its own save of it
+    assert cm.get_ckpt_db_name("t0", 1) == f"{cm.url}/t0.1"
+
+
+def test_a_restore_of_some_blobs_compares_only_their_kinds(prefix):
+    save_split(prefix, ["a", "b"], Layout(rows=["emb"], replicated=["w"]), w=np.ones(2))
+    with manager(prefix, ["a", "b"], Layout(rows=["emb"])) as mgr:  # "w" now local
+        got = mgr.restore(0, blobs=["emb"])
+        assert got["b"]["emb"].tobytes() == TABLE[5:].tobytes()
+        with pytest.raises(JobDefinitionError, match="blob 'w'"):
+            mgr.restore(0)
+
+
+def test_no_adoption_is_reported_of_a_replicated_blob_some_nodes_hold(prefix, caplog):
+    layout = Layout(rows=["emb"], replicated=["r"])
+    with manager(prefix, ["a", "b"], layout) as mgr:
+        mgr.save(0, {"a": {"emb": TABLE[:5]}, "b": {"emb": TABLE[5:], "r": np.arange(3)}})
+        mgr.restore(0)
+    assert "saved local" not in caplog.text
+
+
+def test_a_fortran_table_declared_replicated_is_fortran_on_every_node(prefix):
+    table = np.asfortranarray(TABLE)
+    with manager(prefix, ["a", "b"], Layout(rows=["emb"])) as mgr:
+        mgr.save(0, {"a": {"emb": np.asfortranarray(table[:5])},
+                     "b": {"emb": np.asfortranarray(table[5:])}})
+    with manager(prefix, ["x", "y", "z"], Layout(replicated=["emb"])) as mgr:
+        got = mgr.restore(0)
+    for node in "xyz":
+        assert got[node]["emb"].flags.f_contiguous and np.array_equal(got[node]["emb"], table)
+    got["x"]["emb"][0, 0] = -1  # each node has its own copy
+    assert got["y"]["emb"][0, 0] == table[0, 0]
+
+
+def test_a_job_runners_nodes_read_an_old_arrays_metadata_once(prefix, monkeypatch):
+    from caffe2ckpt.store import manifest
+
+    monkeypatch.setattr(manifest, "ROWS_CHUNK_BYTES", 64)
+    table = np.arange(400 * 4, dtype=np.float32).reshape(400, 4)
+    save_split(prefix, ["t0", "t1", "t2", "t3"], Layout(rows=["emb"]), table=table,
+               pack_threshold=16)
+    session = LocalSession()
+    cm = MultiNodeCheckpointManager(prefix, layout=Layout(rows=["emb"]))
+    location, paths = cm.store.location, []
+    original = location.read_bytes
+
+    def counted(path, *args, **kwargs):
+        paths.append(path)
+        return original(path, *args, **kwargs)
+    location.read_bytes = counted
+    nodes = ["u0", "u1", "u2"]
+    session.run(cm.init(nodes, retrieve_from_epoch=0))
+    session.run(cm.load(0))
+    assert put_together([session.workspace(n)["emb"] for n in nodes], "range").tobytes() == (
+        table.tobytes())
+    metadata = [p for p in paths if p.endswith("/emb/zarr.json")]
+    assert len(metadata) == len(set(metadata)) == 4, metadata

@@ -8,6 +8,7 @@ Prefect server (PREFECT_API_URL) instead of starting a temporary server of their
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shlex
@@ -97,6 +98,7 @@ BASH = {
     "docs/storage.md > A local S3 server to try it #1": "test_the_local_s3_block_runs_in_order",
     "docs/dask.md > Scale-out with Dask #1": "test_the_dask_block_runs_in_order",
     "docs/cli.md > Command line #1": "test_the_command_line_block_runs_in_order",
+    "docs/elastic.md > Letting old node sets go #1": "test_the_letting_go_block_runs_in_order",
     "docs/performance.md > Performance #1": ("its --smoke line: tests/test_benchmarks.py; the "
                                              "full run takes tens of minutes"),
 }
@@ -165,6 +167,35 @@ def test_the_command_line_block_runs_in_order(tmp_path):
                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
                              check=False)
         assert out.returncode == 0, f"{line!r} exited {out.returncode}:\n{out.stderr}"
+
+
+def test_the_letting_go_block_runs_in_order(tmp_path):
+    """The ``gc --drop-old-node-sets`` lines of docs/elastic.md on what its "In short" block
+    leaves, once the 2 nodes saved a step of their own: the dry run removes nothing, the next
+    line removes the 4-node saves, the last (with ``--keep-last``) leaves the 2-node one."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    setup = python_blocks()["docs/elastic.md > In short #1"] + (
+        "with StepCheckpointManager('checkpoints/elastic', nodes=new, layout=layout) as mgr:\n"
+        "    mgr.save(8, mgr.restore())\n")
+    (tmp_path / "setup.py").write_text(setup)
+    subprocess.run([sys.executable, "setup.py"], cwd=tmp_path, env=env, check=True,
+                   capture_output=True, timeout=120)
+    block = doc_blocks("bash")["docs/elastic.md > Letting old node sets go #1"]
+    commands = [line.split("#")[0].strip() for line in block.splitlines()
+                if line.startswith("caffe2ckpt ")]
+    assert len(commands) == 3, commands
+    nodes_left = []
+    for line in commands:
+        out = subprocess.run([sys.executable, "-m", "caffe2ckpt.cli", *shlex.split(line)[1:]],
+                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+                             check=False)
+        assert out.returncode == 0, f"{line!r} exited {out.returncode}:\n{out.stderr}"
+        ls = subprocess.run([sys.executable, "-m", "caffe2ckpt.cli", "ls", "--json",
+                             "checkpoints/elastic"], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=120, check=True)
+        nodes_left.append(sorted({len(row["nodes"]) for row in json.loads(ls.stdout)["epochs"]
+                                  if row["state"] == "committed"}))
+    assert nodes_left == [[2, 4], [2], [2]], nodes_left
 
 
 @pytest.mark.slow

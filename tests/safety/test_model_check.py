@@ -710,10 +710,11 @@ def _random_layout(rng: random.Random) -> Layout:
 
 
 def _restore_or_error(url: str, nodes: list[str], layout: Layout, epoch: int | None, *,
-                      save_next: bool = False) -> Any:
+                      save_next: bool = False, local: bool = False) -> Any:
     """``restore(epoch)`` by a step manager of ``nodes`` with ``layout`` (its error, if it
     raises a CheckpointError or JobDefinitionError); with ``save_next``, it then saves what
-    it restored as the next step, its ``w`` plus 1."""
+    it restored as the next step: its ``w`` plus 1, the count on the first node only and, with
+    ``local``, a blob ``opt`` of each node's own (its position)."""
     with StepCheckpointManager(url, nodes=nodes, layout=layout,
                                handle_preemption=False) as mgr:
         try:
@@ -722,9 +723,47 @@ def _restore_or_error(url: str, nodes: list[str], layout: Layout, epoch: int | N
             return exc
         if save_next:
             step = mgr.latest_step() if epoch is None else epoch
-            mgr.save(step + 1, {n: {**b, "w": b["w"] + np.float32(1)} for n, b in got.items()},
-                     force=True)
+            items = {}
+            for k, node in enumerate(nodes):
+                blobs = {**got[node], "w": got[node]["w"] + np.float32(1)}
+                if k:
+                    blobs.pop(COUNT, None)
+                items[node] = {**blobs, "opt": np.array([k])} if local else blobs
+            mgr.save(step + 1, items, force=True)
     return got
+
+
+@dataclass
+class SavedJob:
+    """What a save holds, for the model of a reshard: its global arrays ``whole`` (each blob's
+    one value, every rows blob put back together), its nodes in order, the blobs only its first
+    node held, and each node's local blobs."""
+
+    whole: dict[str, np.ndarray]
+    order: list[str]
+    first_only: set[str] = field(default_factory=set)
+    local: dict[str, np.ndarray] = field(default_factory=dict)  # "opt" of each node
+
+    def refusals(self, nodes: list[str], layout: Layout) -> list[str]:
+        """The blobs that make restoring this save on ``nodes`` with ``layout`` refused."""
+        out = [n for n in self.whole if layout.kind(n) == "local"
+               or (layout.kind(n) == "rows" and self.whole[n].ndim == 0)]
+        if self.local and nodes != self.order:  # a local blob cannot move
+            out.append("opt")
+        return sorted(out)
+
+    def cut(self, nodes: list[str], layout: Layout) -> dict[str, dict[str, np.ndarray]]:
+        """The plain numpy model of what each of ``nodes`` restores."""
+        want: dict[str, dict[str, np.ndarray]] = {}
+        for k, node in enumerate(nodes):
+            want[node] = {n: self.local[node] for n in ["opt"] if self.local}
+            for name, value in self.whole.items():
+                if name in self.first_only and layout.kind(name) != "rows" and k:
+                    continue
+                rows = new_rows(layout.partition, k, len(nodes), len(value) if value.ndim else 0)
+                want[node][name] = (np.ascontiguousarray(value[rows.start:rows.stop:rows.step])
+                                    if layout.kind(name) == "rows" else value)
+        return want
 
 
 def _remove_tree(url: str) -> None:
@@ -1229,33 +1268,28 @@ class Harness:
             return
         (old,) = own.values()
         self._expect_cut(f"reshard of B's step {op['epoch']} on {op['m']} nodes "
-                         f"({op['partition']})", old, nodes, layout, got)
+                         f"({op['partition']})", SavedJob(old, list(FAMILIES["B"])), nodes,
+                         layout, got)
         self._reshard_layouts(op, token, old)
 
-    def _expect_cut(self, what: str, whole: dict[str, np.ndarray], nodes: list[str],
-                    layout: Layout, got: Any) -> None:
-        """``got`` must be the global arrays ``whole`` cut for ``nodes`` by ``layout`` (the
+    def _expect_cut(self, what: str, saved: SavedJob, nodes: list[str], layout: Layout,
+                    got: Any) -> None:
+        """``got`` must be the global arrays of ``saved`` cut for ``nodes`` by ``layout`` (the
         plain numpy model: a blob declared rows is cut by the partition in the nodes' order,
-        any other is whole on every node), or, when ``layout`` declares a blob local (B saves
-        none) or its single value rows, a JobDefinitionError naming such a blob."""
-        refused = sorted(n for n in whole if layout.kind(n) == "local"
-                         or (layout.kind(n) == "rows" and whole[n].ndim == 0))
+        any other is whole on every node, or, held by the save's first node only, on the
+        first; a local blob stays with its node), or, when ``layout`` declares a blob local
+        that was saved spread or a single value rows, or the save's local blobs would have to
+        move, a JobDefinitionError naming such a blob."""
+        refused = saved.refusals(nodes, layout)
         if refused:
             named = isinstance(got, JobDefinitionError) and any(
-                f"blob {n!r}" in str(got) for n in refused)
+                repr(n) in str(got) for n in refused)
             self.expect(f"{what}: refused naming one of {refused}", True,
                         named or repr(got)[:300])
             return
         if isinstance(got, Exception):
             self.fail(what, "the global arrays cut anew", repr(got)[:300])
-        want = {}
-        for k, node in enumerate(nodes):
-            want[node] = {}
-            for name, value in whole.items():
-                rows = new_rows(layout.partition, k, len(nodes), len(value) if value.ndim else 0)
-                want[node][name] = (np.ascontiguousarray(value[rows.start:rows.stop:rows.step])
-                                    if layout.kind(name) == "rows" else value)
-        why = diff_blobs(want, got)
+        why = diff_blobs(saved.cut(nodes, layout), got)
         if why is not None:
             self.fail(what, "the global arrays cut anew", why)
 
@@ -1264,27 +1298,34 @@ class Harness:
         """On a copy of the prefix (the model of the prefix is not told): B's step restored by
         a random job J of 1-3 nodes (B's own name among others possible), each blob declared a
         random kind (rows, replicated, now and then local), a random partition; J saves what it
-        restored as the next step, its table ``w`` plus 1 (a second family with a layout);
-        that save restored by J's names in another order, with other random kinds and
-        partition (the same family: a reshard, not each node's own group); and a third node
-        set, which resumes the family of the newest run, J's. Each restore is the model's
-        global arrays (B's, then J's) cut by the job's layout in its order, or refused naming
-        the blob (:meth:`_expect_cut`)."""
+        restored as the next step, its table ``w`` plus 1, the count on its first node only
+        (as ``epoch_limiter`` holds it) and now and then a local blob per node (a second
+        family with a layout); that save restored by J's names in another order, with other
+        random kinds and partition (the same family: a reshard, not each node's own group);
+        and a third node set, which resumes the family of the newest run, J's. Each restore is
+        the model's global arrays (B's, then J's) cut by the job's layout in its order, or
+        refused naming the blob (:meth:`_expect_cut`)."""
         rng = random.Random(f"{self.seed}-{token}")
         scratch = self._scratch_copy(token)
         try:
             job = rng.sample(["solo_0", "elastic_0", "elastic_1", "elastic_2"], rng.randint(1, 3))
             layout = _random_layout(rng)
+            local = rng.random() < 0.3
             what = f"layouts: B's step {op['epoch']} on {job} as {layout}"
-            got = _restore_or_error(scratch, job, layout, op["epoch"], save_next=True)
-            self._expect_cut(what, whole, job, layout, got)
+            b_save = SavedJob(whole, list(FAMILIES["B"]))
+            got = _restore_or_error(scratch, job, layout, op["epoch"], save_next=True,
+                                    local=local)
+            self._expect_cut(what, b_save, job, layout, got)
             if isinstance(got, Exception):
                 return
             step = int(whole["trace"].size)  # B's step + 1
-            whole = {**whole, "w": whole["w"] + np.float32(1)}
+            j_save = SavedJob({**whole, "w": whole["w"] + np.float32(1)}, job,
+                              first_only={COUNT} if len(job) > 1 else set(),
+                              local={n: np.array([k]) for k, n in enumerate(job)} if local
+                              else {})
             again = rng.sample(job, len(job)) if len(job) > 1 else job
             relaid = _random_layout(rng)
-            self._expect_cut(f"layouts: J's step {step} on {again} as {relaid}", whole, again,
+            self._expect_cut(f"layouts: J's step {step} on {again} as {relaid}", j_save, again,
                              relaid, _restore_or_error(scratch, again, relaid, step))
             third = [f"other_{k}" for k in range(rng.randint(1, 3))]
             # J's lineage: its save alone, or (J on B's node) B's up to the step it restored
@@ -1294,8 +1335,8 @@ class Harness:
                                        handle_preemption=False) as mgr:
                 self.expect(f"layouts: {third} list the newest family's steps", [*listed, step],
                             mgr.all_steps())
-            self._expect_cut(f"layouts: J's step {step} on {third}", whole, third, LAYOUTS["B"],
-                             _restore_or_error(scratch, third, LAYOUTS["B"], None))
+            self._expect_cut(f"layouts: J's step {step} on {third}", j_save, third,
+                             LAYOUTS["B"], _restore_or_error(scratch, third, LAYOUTS["B"], None))
         finally:
             _remove_tree(scratch)
 
