@@ -5,17 +5,16 @@ its global row. Without a layout on both sides the comparison stays per node, an
 
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import pytest
 
 import caffe2ckpt.cli.diff as diff_module
 from caffe2ckpt import Layout, StepCheckpointManager, StepManagerOptions
-from caffe2ckpt.cli import main
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.naming import blob_path
 from caffe2ckpt.sharding import new_rows
+from tests.cli.test_deltas_families_gc import run, run_json
 
 OLD = ["t0", "t1", "t2", "t3"]
 NEW = ["u0", "u1", "u2"]
@@ -23,16 +22,6 @@ ROWS, COLS = 1000, 8
 GLOBAL = "global arrays (layouts)"
 
 
-def run(capsys, *argv) -> tuple[int, str, str]:
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def run_json(capsys, *argv, code: int = 0) -> dict:
-    got, out, err = run(capsys, *argv, "--json")
-    assert got == code, (got, out, err)
-    return json.loads(out)
 
 
 def table() -> np.ndarray:
