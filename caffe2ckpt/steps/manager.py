@@ -260,14 +260,15 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
 
     def _lineage_save(self, current: CurrentRun, step: int) -> Save | None:
         """The save of ``step`` of this family's lineage or, for an elastic manager, of the
-        other nodes' steps it reaches (:meth:`_elastic_steps`; one reading of the prefix, only
-        when its own lineage has no such step)."""
-        save = current.lineage_save(step)
-        if save is not None or not self._elastic:
-            return save
-        found = scan(self._store)
+        other nodes' steps it reaches (:meth:`_elastic_steps`): one reading of the prefix
+        decides, asked only when its own lineage (as last listed) has no such step."""
+        if not self._elastic or current.family().lineage:
+            save = current.lineage_save(step)
+            if save is not None or not self._elastic:
+                return save
+        found = scan(self._store)  # the family's lineage too, as it is now
         family = found.families.get(current.nodes) or Family(current.nodes, [], [])
-        return self._elastic_steps(found, family).get(step)
+        return family.lineage_save(step) or self._elastic_steps(found, family).get(step)
 
     # -- saving ----------------------------------------------------------------------------------
 
