@@ -1258,6 +1258,9 @@ class Harness:
         anew (its table's rows; the rest copied), or fail as that restore fails (the same
         error class: not committed, damaged). Then, when B's restore succeeded, the layouts
         part (:meth:`_reshard_layouts`) on a copy of the prefix."""
+        if op.get("fresh_b"):
+            self._reshard_layouts(op, token, None)
+            return
         own = self._restore_as(list(FAMILIES["B"]), LAYOUTS["B"], op["epoch"])
         nodes = [f"elastic_{k}" for k in range(op["m"])]
         layout = replace(LAYOUTS["B"], partition=op["partition"])
@@ -1294,7 +1297,7 @@ class Harness:
             self.fail(what, "the global arrays cut anew", why)
 
     def _reshard_layouts(self, op: dict[str, Any], token: int,
-                         whole: dict[str, np.ndarray]) -> None:
+                         whole: dict[str, np.ndarray] | None) -> None:
         """On a copy of the prefix (the model of the prefix is not told): B's step restored by
         a random job J of 1-3 nodes (B's own name among others possible), each blob declared a
         random kind (rows, replicated, now and then local), a random partition; J saves what it
@@ -1304,10 +1307,17 @@ class Harness:
         random kinds and partition (the same family: a reshard, not each node's own group);
         and a third node set, which resumes the family of the newest run, J's. Each restore is
         the model's global arrays (B's, then J's) cut by the job's layout in its order, or
-        refused naming the blob (:meth:`_expect_cut`)."""
+        refused naming the blob (:meth:`_expect_cut`). Without ``whole`` (B has no lineage), a
+        step 0 of B is saved on the copy first, and it is what J restores."""
         rng = random.Random(f"{self.seed}-{token}")
         scratch = self._scratch_copy(token)
+        b_epochs = [s.epoch for s in self.model.lineage("B")]
         try:
+            if whole is None:
+                whole, b_epochs = blobs_for("B", (token,))[FAMILIES["B"][0]], [0]
+                with StepCheckpointManager(scratch, nodes=list(FAMILIES["B"]), layout=LAYOUTS["B"],
+                                           handle_preemption=False) as mgr:
+                    mgr.save(0, {FAMILIES["B"][0]: whole}, force=True)
             job = rng.sample(["solo_0", "elastic_0", "elastic_1", "elastic_2"], rng.randint(1, 3))
             layout = _random_layout(rng)
             local = rng.random() < 0.3
@@ -1329,8 +1339,7 @@ class Harness:
                              relaid, _restore_or_error(scratch, again, relaid, step))
             third = [f"other_{k}" for k in range(rng.randint(1, 3))]
             # J's lineage: its save alone, or (J on B's node) B's up to the step it restored
-            listed = sorted(s.epoch for s in self.model.lineage("B") if s.epoch < step
-                            ) if job == list(FAMILIES["B"]) else []
+            listed = sorted(e for e in b_epochs if e < step) if job == list(FAMILIES["B"]) else []
             with StepCheckpointManager(scratch, nodes=third, layout=LAYOUTS["B"],
                                        handle_preemption=False) as mgr:
                 self.expect(f"layouts: {third} list the newest family's steps", [*listed, step],
@@ -1964,10 +1973,12 @@ class Harness:
         for state in self.kept.values():
             state.mgr.close()
         self.kept.clear()
-        if model.lineage("B"):  # every sequence, S3's short ones too, reshards at least once
-            rng = random.Random(f"{self.seed}-finish")
-            self.apply({"op": "reshard", "m": rng.choice([1, 2, 3]), "epoch": None,
-                        "partition": rng.choice(["range", "mod"])})
+        # every sequence, S3's short ones too, reshards at least once (without a lineage of B,
+        # from a step of B saved on the copy of the prefix)
+        rng = random.Random(f"{self.seed}-finish")
+        self.apply({"op": "reshard", "m": rng.choice([1, 2, 3]), "epoch": None,
+                    "partition": rng.choice(["range", "mod"]),
+                    **({} if model.lineage("B") else {"fresh_b": True})})
         self.ops.append({"op": "finish"})
         if model.gens == 0:
             self.check(full=True)
