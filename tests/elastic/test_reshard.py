@@ -187,8 +187,10 @@ def test_every_change_of_order_partition_or_kind_is_cut_anew_or_refused(prefix, 
     """Per N: the same node names in another order under both partitions (the order the save
     recorded is not the job's: a reshard, never each node's old shard back), and on another
     node count M the kinds switched (the table declared replicated reaches every node whole,
-    the replicated weights declared rows are cut by rows); each bit-exact against the plain
-    numpy model, and a blob declared local that was saved spread is refused by name."""
+    the replicated weights declared rows are cut by rows), saved again by those M nodes (a
+    second family), and a third node set resuming the newest family; each bit-exact against
+    the plain numpy model, and a blob declared local that was saved spread is refused by
+    name."""
     from caffe2ckpt import JobDefinitionError
 
     rng = random.Random(f"{partition}-{delta}")
@@ -197,8 +199,8 @@ def test_every_change_of_order_partition_or_kind_is_cut_anew_or_refused(prefix, 
         epoch, _ = save_job(url, n, partition, delta)
         whole = table(epoch)
         old = [f"old_{k}" for k in range(n)]
-        order = old[::-1] if n < 3 else rng.sample(old, n)
-        assert n == 1 or order != old
+        order = rng.sample(old, n)
+        order = order if order != old else old[1:] + old[:1]  # another order whenever n > 1
         for new_partition in ("range", "mod"):
             layout = Layout(rows=["emb"], replicated=["w"], partition=new_partition)
             assert_model(restored_as(url, order, layout, epoch),
@@ -206,8 +208,18 @@ def test_every_change_of_order_partition_or_kind_is_cut_anew_or_refused(prefix, 
         m = rng.choice(COUNTS)
         nodes = [f"new_{k}" for k in range(m)]
         switched = Layout(rows=["w"], replicated=["emb"], partition=rng.choice(["range", "mod"]))
-        assert_model(restored_as(url, nodes, switched, epoch),
-                     expected_for(nodes, switched, whole), (n, m, switched))
+        with StepCheckpointManager(url, nodes=nodes, layout=switched,
+                                   handle_preemption=False) as mgr:
+            got = mgr.restore(epoch)
+            mgr.save(epoch + 1, got)  # a second family with a layout: the newest run's
+        assert_model(got, expected_for(nodes, switched, whole), (n, m, switched))
+        third = [f"third_{k}" for k in range(rng.choice(COUNTS))]
+        layout = Layout(rows=["emb"], replicated=["w"], partition=rng.choice(["range", "mod"]))
+        with StepCheckpointManager(url, nodes=third, layout=layout,
+                                   handle_preemption=False) as mgr:
+            assert mgr.all_steps() == [epoch + 1], (n, m, mgr.all_steps())
+        assert_model(restored_as(url, third, layout, epoch + 1), expected_for(third, layout, whole),
+                     (n, m, third, "the newest family"))
         for declared, blob in ((Layout(rows=["emb"]), "w"), (Layout(replicated=["w"]), "emb")):
             with pytest.raises(JobDefinitionError, match=f"blob {blob!r} was saved"):
                 restored_as(url, rng.choice([old, nodes]), declared, epoch)
