@@ -8,7 +8,15 @@ import logging
 import numpy as np
 import pytest
 
-from caffe2ckpt import StepCheckpointManager, StepManagerOptions, events
+from caffe2ckpt import (
+    JobRunner,
+    LocalSession,
+    MultiNodeCheckpointManager,
+    StepCheckpointManager,
+    StepManagerOptions,
+    events,
+)
+from caffe2ckpt.example import build_job
 
 
 class Collected:
@@ -76,7 +84,8 @@ def test_no_payload_is_built_when_no_subscriber_listens(subscribed):
 @pytest.mark.parametrize(("url", "public"), [
     ("s3://key:secret@bucket/ck?token=abc#frag", "s3://bucket/ck"),
     ("https://user:pw@host:9000/a/b?X-Amz-Signature=1", "https://host:9000/a/b"),
-    ("/data/ck?x", "/data/ck"),
+    ("/data/ck?x", "/data/ck?x"),  # a path without a scheme is a path
+    ("memory:///run?sig=1#f", "memory:///run"),
     ("file:///data/ck", "file:///data/ck"),
 ])
 def test_an_event_url_carries_no_credentials_or_query(url, public):
@@ -115,3 +124,31 @@ def _lists(with_subscriber: bool) -> tuple[int, int]:
 
 def test_an_event_costs_no_listing():
     assert _lists(with_subscriber=True) == _lists(with_subscriber=False)
+
+
+def test_a_committed_event_id_is_fixed_by_prefix_epoch_and_save():
+    one = events.committed_event_id("s3://bucket/ck", 4, "s1")
+    assert one == events.committed_event_id("s3://key:secret@bucket/ck?token=t", 4, "s1")
+    assert len({one, events.committed_event_id("s3://bucket/other", 4, "s1"),
+                events.committed_event_id("s3://bucket/ck", 5, "s1"),
+                events.committed_event_id("s3://bucket/ck", 4, "s2")}) == 4
+
+
+def test_a_resume_sends_the_committed_event_of_its_epoch_again(tmp_path):
+    """A run resuming from an epoch re-creates that epoch's committed event (its first run's
+    events never left: here, no subscriber heard them), with the same id."""
+    url = "file://" + str(tmp_path / "ck")
+    JobRunner(build_job(2), MultiNodeCheckpointManager(url)).train(LocalSession())
+    heard = Collected()
+    unsubscribe = events.subscribe(heard)
+    try:
+        JobRunner(build_job(3), MultiNodeCheckpointManager(url)).train(LocalSession())
+    finally:
+        unsubscribe()
+    committed = [e for e in heard.events if e.name == events.EPOCH_COMMITTED]
+    assert [(e.payload["epoch"], e.resent) for e in committed] == [(2, True), (3, False)]
+    save_id = committed[0].payload["save_id"]
+    assert committed[0].id == events.committed_event_id(url, 2, save_id)
+    assert committed[0].payload["nodes"] == ["trainer_0", "trainer_1"]
+    assert committed[0].payload["kept"] is None and committed[0].job == "regression"
+    assert committed[1].id == events.committed_event_id(url, 3, committed[1].payload["save_id"])

@@ -17,6 +17,7 @@ from caffe2ckpt.cli._context import (
 )
 from caffe2ckpt.steps.consolidate import write_consolidated
 from caffe2ckpt.steps.plainzarr import write_plain
+from caffe2ckpt.urls import public_url
 
 __all__ = ["cmd_materialize"]
 
@@ -34,6 +35,7 @@ def cmd_materialize(ctx: Context, args: argparse.Namespace) -> tuple[Document, i
                                   dest_storage_options=args.dest_storage_options)
     except FileExistsError as exc:  # DEST names a group already there: the arguments are wrong
         raise CLIError(str(exc), EXIT_USAGE) from exc
-    return {"prefix": args.prefix, "epoch": args.epoch, "dest": args.dest, "groups": written,
-            "nodes": nodes, "save_id": save.save_id, "consolidated": bool(args.consolidate),
+    return {"prefix": store.location.display(), "epoch": args.epoch,
+            "dest": public_url(args.dest), "groups": written, "nodes": nodes,
+            "save_id": save.save_id, "consolidated": bool(args.consolidate),
             "superseded": found.is_superseded(save)}, EXIT_OK

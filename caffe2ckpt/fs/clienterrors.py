@@ -21,6 +21,7 @@ import errno
 from collections.abc import Callable
 
 from caffe2ckpt.errors import InvalidLocationError, StorageCredentialsError
+from caffe2ckpt.urls import public_url, redact
 
 __all__ = ["TRANSLATIONS", "credentials_rejected", "is_credentials_error", "precondition_failed",
            "s3_answer", "translate"]
@@ -70,22 +71,28 @@ def _bad_options(exc: Exception) -> bool:  # a TypeError here comes from options
     return isinstance(exc, TypeError) or any(w in type(exc).__name__ for w in _OPTIONS)
 
 
-TRANSLATIONS: list[tuple[Callable[[Exception], bool], Callable[[str, Exception], Exception]]] = [
-    (credentials_rejected, lambda url, exc: StorageCredentialsError(
+# each: whether it matches a client exception, and the error made of it from the prefix's public
+# URL, the exception's class and its message (both with the URL's secrets hidden) and the exception
+TRANSLATIONS: list[tuple[Callable[[Exception], bool],
+                         Callable[[str, str, Exception], Exception]]] = [
+    (credentials_rejected, lambda url, text, exc: StorageCredentialsError(
         f"cannot use checkpoint prefix {url!r}: the store rejected the credentials "
-        f"({s3_answer(exc)[1]}: {exc}; check the key, secret and token given in the "
+        f"({s3_answer(exc)[1]}: {text}; check the key, secret and token given in the "
         "environment, a config file or storage_options, and what they may access)")),
-    (is_credentials_error, lambda url, exc: StorageCredentialsError(
+    (is_credentials_error, lambda url, text, exc: StorageCredentialsError(
         f"cannot use checkpoint prefix {url!r}: no usable credentials: {type(exc).__name__}: "
-        f"{exc} (give them in the environment, a config file or storage_options)")),
-    (_bad_options, lambda url, exc: InvalidLocationError(
-        f"cannot use checkpoint prefix {url!r}: {type(exc).__name__}: {exc} (check the "
+        f"{text} (give them in the environment, a config file or storage_options)")),
+    (_bad_options, lambda url, text, exc: InvalidLocationError(
+        f"cannot use checkpoint prefix {url!r}: {type(exc).__name__}: {text} (check the "
         "credentials, region and storage_options of this filesystem)")),
-    (lambda exc: True, lambda url, exc: OSError(
-        errno.EIO, f"checkpoint prefix {url!r}: {type(exc).__name__}: {exc}")),
+    (lambda exc: True, lambda url, text, exc: OSError(
+        errno.EIO, f"checkpoint prefix {url!r}: {type(exc).__name__}: {text}")),
 ]
 
 
 def translate(url: str, exc: Exception) -> Exception:
-    """The caffe2ckpt error for client exception ``exc`` raised while using prefix ``url``."""
-    return next(make(url, exc) for matches, make in TRANSLATIONS if matches(exc))
+    """The caffe2ckpt error for client exception ``exc`` raised while using prefix ``url`` (as
+    given: the error names its public form and hides its secrets in the client's message)."""
+    text = redact(str(exc), url)
+    return next(make(public_url(url), text, exc) for matches, make in TRANSLATIONS
+                if matches(exc))

@@ -69,8 +69,10 @@ from fsspec.implementations.memory import MemoryFileSystem
 from caffe2ckpt.errors import CheckpointError, InvalidLocationError
 from caffe2ckpt.fs import localio, strictjson
 from caffe2ckpt.fs.clienterrors import credentials_rejected, is_credentials_error, translate
+from caffe2ckpt.fs.prefixurl import canonical, check_secrets, logs_in_from_url
+from caffe2ckpt.urls import public_url, redact
 
-__all__ = ["CREATE_GRACE", "Location", "register_source", "resolve_source"]
+__all__ = ["CREATE_GRACE", "Location", "canonical_prefix", "register_source", "resolve_source"]
 
 _OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs"})
 
@@ -128,11 +130,7 @@ def resolve_source(url: Any, storage_options: dict[str, Any] | None = None
 def _resolve(url: str, storage_options: dict[str, Any] | None,
              filesystem: fsspec.AbstractFileSystem | None) -> tuple[Any, str]:
     """The filesystem and the path on it that ``url`` names."""
-    if not isinstance(url, str) or not url.strip():
-        raise InvalidLocationError(f"a checkpoint prefix must be a non-empty string, got {url!r}")
-    if "\x00" in url:
-        raise InvalidLocationError(f"checkpoint prefix {url!r} contains a NUL character")
-    _check_scheme(url)
+    _check_url(url)
     if filesystem is not None:
         return _see_through(url, filesystem, filesystem._strip_protocol(url))
     try:
@@ -143,9 +141,37 @@ def _resolve(url: str, storage_options: dict[str, Any] | None,
         if is_credentials_error(exc):
             raise translate(url, exc) from exc
         raise InvalidLocationError(
-            f"cannot open checkpoint prefix {url!r}: {type(exc).__name__}: {exc}"
-            f"{_install_hint(url, exc)}") from exc
+            f"cannot open checkpoint prefix {public_url(url)!r}: {type(exc).__name__}: "
+            f"{redact(str(exc), url)}{_install_hint(url, exc)}") from exc
     return _see_through(url, fs, path)
+
+
+def _check_url(url: str) -> None:
+    """Refuse what cannot be a prefix before any filesystem is opened (see the module
+    docstring)."""
+    if not isinstance(url, str) or not url.strip():
+        raise InvalidLocationError(f"a checkpoint prefix must be a non-empty string, got {url!r}")
+    if "\x00" in url:
+        raise InvalidLocationError(f"checkpoint prefix {public_url(url)!r} contains a NUL "
+                                   "character")
+    _check_scheme(url)
+    check_secrets(url)
+
+
+def canonical_prefix(url: Any, storage_options: dict[str, Any] | None = None) -> str:
+    """The canonical URL of the prefix ``url`` names (:attr:`Location.canonical_url`: how events
+    name it), without connecting to the server of a filesystem that logs in to one (ftp, sftp).
+
+    Raises:
+        InvalidLocationError: ``url`` cannot be a checkpoint prefix.
+    """
+    url, storage_options = resolve_source(url, storage_options)
+    _check_url(url)
+    protocol = url.partition("://")[0].lower() if "://" in url else ""
+    if "::" in url or not logs_in_from_url(protocol):
+        return Location(url, storage_options).canonical_url
+    cls = fsspec.get_filesystem_class(protocol)
+    return canonical(cls.protocol, checked_root(public_url(url), cls._strip_protocol(url)), url)
 
 
 # the extras that bring a scheme's filesystem package
@@ -169,7 +195,7 @@ def _see_through(url: str, fs: Any, path: str) -> tuple[Any, str]:
         try:
             path, fs = fs._join(path), fs.fs
         except ValueError as exc:  # a path climbing out of the wrapper's root (local disks)
-            raise InvalidLocationError(f"checkpoint prefix {url!r}: {exc}") from exc
+            raise InvalidLocationError(f"checkpoint prefix {public_url(url)!r}: {exc}") from exc
     return fs, path
 
 
@@ -183,15 +209,15 @@ def _check_scheme(url: str) -> None:
     folder named ``s3:``) and ``http(s)://`` (fsspec's HTTP filesystem cannot list or write)."""
     one = _ONE_SLASH.match(url)
     if one:
-        scheme, fixed = one.group(1), f"{one.group(1)}://{url[one.end():]}"
+        scheme, fixed = one.group(1), public_url(f"{one.group(1)}://{url[one.end():]}")
         raise InvalidLocationError(
-            f"checkpoint prefix {url!r} has one slash after '{scheme}:': it would be a local "
-            f"folder named '{scheme}:'; did you mean {fixed!r}?")
+            f"a checkpoint prefix has one slash after '{scheme}:': it would be a local folder "
+            f"named '{scheme}:'; did you mean {fixed!r}?")
     scheme = url.partition("://")[0].lower() if "://" in url else ""
     if scheme in _READ_ONLY:
         raise InvalidLocationError(
-            f"checkpoint prefix {url!r}: {scheme}:// cannot be a checkpoint prefix (an HTTP "
-            "server can be neither listed nor written); use a local folder, s3://, gs:// or "
+            f"checkpoint prefix {public_url(url)!r}: {scheme}:// cannot be a checkpoint prefix "
+            "(an HTTP server can be neither listed nor written); use a local folder, s3://, gs:// or "
             "memory://, or the S3 endpoint of an object store with --storage-options "
             "'{\"client_kwargs\": {\"endpoint_url\": \"http://...\"}}'")
 
@@ -206,6 +232,24 @@ def _backend(fs: Any) -> type[Location]:
         return MemoryLocation
     protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
     return ObjectStoreLocation if _OBJECT_STORES & set(protocols) else FsspecLocation
+
+
+def checked_root(url: str, root: str) -> str:
+    """The path ``root`` of the prefix ``url`` (public) on a filesystem other than a local disk,
+    checked: no empty, ``.`` or ``..`` segments (see the module docstring)."""
+    segments = root.strip("/").split("/")
+    if not root.strip("/"):
+        raise InvalidLocationError(
+            f"checkpoint prefix {url!r} names no path on its filesystem (e.g. "
+            "'s3://bucket/run', 'memory://run')")
+    bad = sorted({s for s in segments if s in ("", ".", "..")})
+    if bad:
+        shown = ", ".join(repr(s) if s else "empty" for s in bad)
+        raise InvalidLocationError(
+            f"checkpoint prefix {url!r} has {shown} path segments: on this filesystem "
+            "they would be literal key parts that other tools may resolve differently; "
+            "write the normalised path")
+    return root.rstrip("/")
 
 
 class Location:
@@ -239,24 +283,13 @@ class Location:
         resolved = self.__dict__.pop("_resolved", None)
         url, storage_options = resolve_source(url, storage_options)
         self.fs, root = resolved or _resolve(url, storage_options, filesystem)
-        self.url = url
+        self.url = public_url(url)  # what every message names (the filesystem has the rest)
+        self._given = url  # only to hide its secrets in a client's messages (_guard)
         self.root = self._checked_root(str(root))
 
     def _checked_root(self, root: str) -> str:
         """The prefix's path on the filesystem (checked: see the module docstring)."""
-        segments = root.strip("/").split("/")
-        if not root.strip("/"):
-            raise InvalidLocationError(
-                f"checkpoint prefix {self.url!r} names no path on its filesystem (e.g. "
-                "'s3://bucket/run', 'memory://run')")
-        bad = sorted({s for s in segments if s in ("", ".", "..")})
-        if bad:
-            shown = ", ".join(repr(s) if s else "empty" for s in bad)
-            raise InvalidLocationError(
-                f"checkpoint prefix {self.url!r} has {shown} path segments: on this filesystem "
-                "they would be literal key parts that other tools may resolve differently; "
-                "write the normalised path")
-        return root.rstrip("/")
+        return checked_root(self.url, root)
 
     def _guard(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Call filesystem method ``fn``; a failure that is not an OSError (e.g. botocore's
@@ -269,7 +302,7 @@ class Location:
         except Exception as exc:
             if isinstance(exc, OSError) and not credentials_rejected(exc):
                 raise
-            raise translate(self.url, exc) from exc
+            raise translate(self._given, exc) from exc
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
@@ -281,8 +314,8 @@ class Location:
     @property
     def canonical_url(self) -> str:
         """The prefix as one URL whatever form it was given in (a relative path, ``file://``,
-        a trailing slash): the filesystem's protocol and the prefix's path on it."""
-        return self.fs.unstrip_protocol(self.root)
+        a trailing slash), without credentials (:mod:`caffe2ckpt.fs.prefixurl`)."""
+        return canonical(self.fs.protocol, self.root, self._given)
 
     def display(self, *parts: str) -> str:
         """A user-facing URL for ``parts`` under the prefix, or for one filesystem path under

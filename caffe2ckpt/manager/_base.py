@@ -50,8 +50,8 @@ from caffe2ckpt.store.protocol import CheckpointStore, SaveInfo
 from caffe2ckpt.store.records import CommitRecord, RecordRef
 from caffe2ckpt.store.replicas import RowSpec, check_replicas, check_rows
 from caffe2ckpt.store.reshard import shared_names
-from caffe2ckpt.store.shared import SharedReads
 from caffe2ckpt.store.runs import Run
+from caffe2ckpt.store.shared import SharedReads
 from caffe2ckpt.store.zarrgroup import DEFAULT_PACK_THRESHOLD
 from caffe2ckpt.workspace import WorkspaceType
 
@@ -122,8 +122,9 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
 
     @property
     def url(self) -> str:
-        """The checkpoint prefix as given."""
-        return self._db_prefix
+        """The checkpoint prefix as given, without user, password, query or fragment (what
+        messages name it by: :func:`caffe2ckpt.urls.public_url`)."""
+        return self._location.url
 
     @property
     def store(self) -> CheckpointStore:
@@ -190,7 +191,7 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
     def _record_time(self, epoch: int) -> Callable[[str, str, Timed | None], None]:
         def collect(node: str, file_node: str, result: Timed | None) -> None:
             if result is not None:
-                self._stats[db_name(epoch, file_node, self._db_prefix)] = result.ns
+                self._stats[db_name(epoch, file_node, self.url)] = result.ns
         return collect
 
     def _record_save(self, epoch: int, save_id: str,

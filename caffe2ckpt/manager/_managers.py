@@ -83,7 +83,7 @@ class MultiNodeCheckpointManager(BaseCheckpointManager):
             return None
         record = self._node_record(file_node, check_epoch(epoch))
         if record is None:
-            return db_name(epoch, file_node, self._db_prefix)
+            return db_name(epoch, file_node, self.url)
         return self._location.display(record.group)
 
     def load_blobs_locally(self, nodes: Sequence[str | Node], blob_names: Sequence[str],
