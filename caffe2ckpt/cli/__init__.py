@@ -50,6 +50,7 @@ from caffe2ckpt.errors import (
     StorageCredentialsError,
 )
 from caffe2ckpt.naming import check_epoch, check_node_name
+from caffe2ckpt.urls import public_url
 
 __all__ = ["build_parser", "main"]
 
@@ -355,11 +356,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     plugins.load()  # with PREFECT_API_URL: Prefect events, prefect-block:// prefixes
     try:
         outcome = _run(args)
-    finally:
+        if isinstance(outcome, int):
+            return outcome
+        doc, code = outcome
+        _print(args, doc)
+        return code
+    finally:  # after the result is shown: sending events may wait for a slow API
         events.flush()
-    if isinstance(outcome, int):
-        return outcome
-    doc, code = outcome
+
+
+def _print(args: argparse.Namespace, doc: Document) -> None:
     text = (json.dumps(doc, indent=2, allow_nan=False) if args.json
             else render(args.command, doc))
     try:
@@ -368,7 +374,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # e.g. piped into `head`: not an error
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
-    return code
 
 
 def _argument_problem(args: argparse.Namespace, extra: list[str]) -> str | None:
@@ -413,7 +418,7 @@ def _run(args: argparse.Namespace) -> tuple[dict, int] | int:
         return _fail(args, str(exc) or repr(exc), EXIT_NOT_FOUND)
     except (CheckpointError, OSError) as exc:
         # an OSError naming its file (the prefix's, or materialize's DEST) needs no prefix
-        where = "" if getattr(exc, "filename", None) else f"{args.prefix}: "
+        where = "" if getattr(exc, "filename", None) else f"{public_url(args.prefix)}: "
         return _fail(args, f"{where}{exc or type(exc).__name__}", EXIT_IO)
     except KeyboardInterrupt:
         return _fail(args, "interrupted", 130)

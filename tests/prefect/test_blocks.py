@@ -31,10 +31,11 @@ from caffe2ckpt.fs.location import Location
 from caffe2ckpt.prefect import CheckpointStorage
 from tests.prefect.conftest import poll
 from tests.prefect.eventfeed import event_feed
+from tests.s3server import CREDENTIALS
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "flows"))
-from regression import regression  # noqa: E402
+from regression import regression
 
 SECRET = f"s3cr3t-{uuid.uuid4().hex}"  # what must never be shown
 KEY = f"AKID{uuid.uuid4().hex[:12].upper()}"
@@ -68,9 +69,37 @@ def test_remote_file_system_and_s3_bucket_blocks_name_prefixes(moto_server):
         assert mgr.all_steps() == [0] and mgr.directory == f"s3://{bucket}/aws/run"
 
 
+def test_an_s3_bucket_blocks_aws_profile_is_used_not_the_environments_keys(
+        seaweedfs_server, tmp_path, monkeypatch):
+    """The profile's keys write (SeaweedFS checks signatures; moto takes any key); the
+    environment holds another identity's, valid and read-only, which must not be used."""
+    bucket = seaweedfs_server.new_bucket()
+    config = tmp_path / "aws-config"
+    config.write_text(f"[profile ckpt-writer]\naws_access_key_id = {CREDENTIALS['key']}\n"
+                      f"aws_secret_access_key = {CREDENTIALS['secret']}\n")
+    reader = seaweedfs_server.options_of("reader")
+    for name, value in (("AWS_CONFIG_FILE", config), ("AWS_ACCESS_KEY_ID", reader["key"]),
+                        ("AWS_SHARED_CREDENTIALS_FILE", tmp_path / "none"),
+                        ("AWS_SECRET_ACCESS_KEY", reader["secret"])):
+        monkeypatch.setenv(name, str(value))
+    for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    _round_trip(S3Bucket(bucket_name=bucket, bucket_folder="profile", credentials=AwsCredentials(
+        profile_name="ckpt-writer",
+        aws_client_parameters={"endpoint_url": seaweedfs_server.endpoint})))
+
+
+def test_an_s3_bucket_block_with_a_role_to_assume_is_refused_by_name():
+    block = S3Bucket(bucket_name="b", bucket_folder="run", credentials=AwsCredentials(
+        assume_role_arn="arn:aws:iam::123456789012:role/ckpt"))
+    with pytest.raises(InvalidLocationError, match=r"block for 's3://b/run' has AwsCredentials "
+                                                   r"with assume_role_arn"):
+        StepCheckpointManager(block, handle_preemption=False)
+
+
 @pytest.mark.parametrize(("reference", "message"), [
-    ("prefect-block://checkpoint-storage/no-such-block", "cannot load block "
-                                                         "checkpoint-storage/no-such-block"),
+    ("prefect-block://checkpoint-storage/no-such-block",
+     "cannot load block checkpoint-storage/no-such-block"),
     ("prefect-block://checkpoint-storage", "must be prefect-block://<block-type-slug>/<block"),
     ("prefect-block://secret/ckpt-not-a-location", "names no checkpoint location"),
 ])
@@ -132,9 +161,9 @@ def test_a_secret_in_a_block_never_shows(moto_server, seaweedfs_server, client):
     assert json.loads(shown[-2])["summary"]["ok"] == 8  # verify: 2 nodes x epochs 0-3
     for broken in ("prefect-block://checkpoint-storage/ckpt-broken",
                    CheckpointStorage.load("ckpt-broken")):
-        with pytest.raises(CheckpointError) as failure:
-            with StepCheckpointManager(broken, handle_preemption=False) as mgr:
-                mgr.save(0, _items(None))
+        with (pytest.raises(CheckpointError) as failure,
+              StepCheckpointManager(broken, handle_preemption=False) as mgr):
+            mgr.save(0, _items(None))
         shown.append(f"{failure.value!r} {failure.value} {failure.value.__cause__!r}")
         assert "/x" in str(failure.value)
     on_storage = _everything_under(f"s3://{bucket}/regression", options)
