@@ -26,7 +26,7 @@ This module imports nothing from the rest of the package.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -70,6 +70,8 @@ class CheckpointCorruptedError(CheckpointError, ValueError):
         node: the node whose checkpoint is damaged, or None.
         epoch: the epoch of that checkpoint, or None.
         blob: the blob (or record) that failed, or None when not applicable.
+        blobs: every blob the damage hits (``blob`` first): several where they share a
+            damaged chunk (small blobs packed together); ``(blob,)`` or ``()`` otherwise.
     """
 
     def __init__(
@@ -79,11 +81,13 @@ class CheckpointCorruptedError(CheckpointError, ValueError):
         node: str | None = None,
         epoch: int | None = None,
         blob: str | None = None,
+        blobs: Sequence[str] | None = None,
     ) -> None:
         super().__init__(message)
         self.node = node
         self.epoch = epoch
         self.blob = blob
+        self.blobs = tuple(blobs) if blobs is not None else (blob,) if blob else ()
 
 
 class CheckpointWriteError(CheckpointError, OSError):

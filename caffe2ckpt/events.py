@@ -4,19 +4,25 @@ events, shown in the UI's Event Feed and usable as automation triggers).
 
 Names, each with its payload (every payload also has ``job`` when a job is known):
 
-- ``caffe2ckpt.epoch.committed``: ``epoch``, ``nodes`` (names), ``bytes`` (the epoch's data),
-  ``bytes_written`` (what this save wrote: less for a differential save), ``seconds``,
-  ``kind`` (``"whole"`` or ``"delta"``), ``metrics``, ``kept`` (how many epochs the lineage
-  keeps after this commit and its retention; None when that is not known without listing the
-  prefix: a JobRunner without retention. An event never costs a LIST);
+- ``caffe2ckpt.epoch.committed``: ``epoch``, ``save_id``, ``nodes`` (names), ``bytes`` (the
+  epoch's data), ``bytes_written`` (what this save wrote: less for a differential save),
+  ``seconds``, ``kind`` (``"whole"`` or ``"delta"``), ``metrics``, ``kept`` (how many epochs
+  the lineage keeps after this commit and its retention; None when that is not known without
+  listing the prefix: a JobRunner without retention, or a re-send. An event never costs a
+  LIST). Its id is fixed by the prefix, the epoch and the save (:func:`committed_event_id`):
+  a run that resumes from an epoch sends that epoch's event again (``resent``), so that an
+  event lost with a killed process still exists, and a receiver that keeps ids (Prefect's
+  server) keeps it once;
 - ``caffe2ckpt.save.failed``: ``epoch``, ``node`` (None when the failure is not one node's),
   ``error`` (its class) and ``message``;
 - ``caffe2ckpt.run.resumed``: ``epoch``, ``reason`` (``"resume"``: the newest epoch, which the
   Prefect publisher turns into ``"retry"`` or ``"re-run"`` from the flow run's attempt;
   ``"going back"``: an older epoch on request; ``"elastic"``: saved by another node count;
   ``"fallback"``: the newer ones could not be loaded), ``saved_by`` and ``nodes`` (counts);
-- ``caffe2ckpt.checkpoint.damaged``: ``epoch``, ``node``, ``blob`` (each None where unknown),
-  ``found_by`` (``"restore"`` or ``"verify"``), ``message``;
+- ``caffe2ckpt.checkpoint.damaged``: ``epoch``, ``node``, ``blob`` (each None where unknown;
+  ``blob`` is a blob's name as the user gave it, also for damage in the array that holds the
+  small blobs packed together: the first blob the damaged chunk holds, and ``message`` names
+  the others), ``found_by`` (``"restore"`` or ``"verify"``), ``message``;
 - ``caffe2ckpt.gc.finished``: ``deleted`` and ``kept`` (epochs), ``bytes_freed``, ``dry_run``.
 
 Each event names the checkpoint prefix without credentials, query string or fragment
@@ -30,18 +36,19 @@ import functools
 import logging
 import math
 import threading
+import uuid
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
-from urllib.parse import urlsplit, urlunsplit
 
 from caffe2ckpt.errors import CheckpointCorruptedError
+from caffe2ckpt.urls import public_url
 
 __all__ = ["CHECKPOINT_DAMAGED", "EPOCH_COMMITTED", "EVENT_NAMES", "GC_FINISHED", "RUN_RESUMED",
-           "SAVE_FAILED", "CheckpointEvent", "Subscriber", "committed_payload", "damage_payload",
-           "failure_payload", "flush", "public_url", "publish", "reporting_damage",
-           "reporting_save_failure", "subscribe"]
+           "SAVE_FAILED", "CheckpointEvent", "Subscriber", "committed_event_id",
+           "committed_payload", "damage_payload", "failure_payload", "flush", "public_url",
+           "publish", "reporting_damage", "reporting_save_failure", "subscribe"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,18 +58,23 @@ RUN_RESUMED = "caffe2ckpt.run.resumed"
 CHECKPOINT_DAMAGED = "caffe2ckpt.checkpoint.damaged"
 GC_FINISHED = "caffe2ckpt.gc.finished"
 EVENT_NAMES = (EPOCH_COMMITTED, SAVE_FAILED, RUN_RESUMED, CHECKPOINT_DAMAGED, GC_FINISHED)
-
+_COMMITTED_IDS = uuid.uuid5(uuid.NAMESPACE_URL, "caffe2ckpt:" + EPOCH_COMMITTED)  # a namespace
 
 
 @dataclass(frozen=True)
 class CheckpointEvent:
     """One event: its ``name`` (one of :data:`EVENT_NAMES`), the checkpoint prefix ``url``
-    (already made public), the ``job`` when known, and the ``payload``."""
+    (already made public), the ``job`` when known, and the ``payload``. ``id``: the event's own
+    id where it is fixed (an epoch committed, :func:`committed_event_id`), else None.
+    ``resent``: the event may have been sent before (a resume sends the committed event of the
+    epoch it resumes from again); a publisher that can tell sends it only if it was not."""
 
     name: str
     url: str
     payload: Mapping[str, Any] = field(default_factory=dict)
     job: str | None = None
+    id: str | None = None
+    resent: bool = False
 
 
 class Subscriber(Protocol):
@@ -98,15 +110,19 @@ def _current() -> tuple[Subscriber, ...]:
 
 
 def publish(name: str, url: str, payload: Callable[[], Mapping[str, Any]], *,
-            job: str | None = None) -> None:
+            job: str | None = None, resent: bool = False) -> None:
     """Hand event ``name`` about prefix ``url`` to every active subscriber; ``payload`` is
-    called only if one is. Never raises: a failure is logged."""
+    called only if one is. ``resent``: see :class:`CheckpointEvent`. Never raises: a failure
+    is logged."""
     try:
         listening = [s for s in _current() if s.active()]
         if not listening:
             return
         built = {**({"job": job} if job is not None else {}), **payload()}
-        event = CheckpointEvent(name, public_url(url), built, job)
+        shown = public_url(url)
+        fixed = (committed_event_id(shown, built["epoch"], built["save_id"])
+                 if name == EPOCH_COMMITTED else None)
+        event = CheckpointEvent(name, shown, built, job, fixed, resent)
     except Exception as exc:  # noqa: BLE001 - an event never fails what it reports
         logger.warning("could not prepare event %s for %s: %r", name, public_url(url), exc)
         return
@@ -126,13 +142,11 @@ def flush() -> None:
             logger.warning("could not send queued checkpoint events: %r", exc)
 
 
-def public_url(url: str) -> str:
-    """``url`` without user name, password, query string or fragment (what may carry a secret)."""
-    parts = urlsplit(url)
-    if not parts.scheme or not parts.netloc:
-        return url.split("?", 1)[0].split("#", 1)[0]
-    host = parts.netloc.rsplit("@", 1)[-1]
-    return urlunsplit((parts.scheme, host, parts.path, "", ""))
+def committed_event_id(url: str, epoch: int, save_id: str) -> str:
+    """The id of the ``caffe2ckpt.epoch.committed`` event of save ``save_id`` of ``epoch``
+    under prefix ``url``: the same whenever and by whomever it is sent (a UUID 5 of the three,
+    the URL made public first)."""
+    return str(uuid.uuid5(_COMMITTED_IDS, f"{public_url(url)}\n{epoch}\n{save_id}"))
 
 
 def committed_payload(records: Mapping[str, Any], *, kept: int | None) -> dict[str, Any]:
@@ -141,6 +155,7 @@ def committed_payload(records: Mapping[str, Any], *, kept: int | None) -> dict[s
     delta = any(r.delta is not None for r in records.values())
     return {
         "epoch": first.epoch,
+        "save_id": first.save_id,
         "nodes": sorted(records),
         "bytes": sum(r.nbytes for r in records.values()),
         "bytes_written": sum(r.bytes_written for r in records.values()),

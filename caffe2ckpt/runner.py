@@ -71,6 +71,10 @@ class JobRunner:
         handle_preemption: while training (in the main thread), SIGTERM only sets a flag: the
             current epoch finishes, is saved and committed, and :meth:`train` raises
             :class:`JobPreemptedError` instead of running another epoch.
+        stop_check: called before each epoch the loop runs, with the number of the epoch before
+            it (its save handed over); it stops the job by raising, and :meth:`train` raises
+            that once a background save has finished (``run_job`` stops a flow run that
+            someone else marked *Failed* this way). None: nothing is checked.
 
     Example:
         >>> from caffe2ckpt import LocalSession, MultiNodeCheckpointManager
@@ -90,6 +94,7 @@ class JobRunner:
         on_save_error: Literal["warn", "raise"] = "warn",
         options: StepManagerOptions | None = None,
         handle_preemption: bool = True,
+        stop_check: Callable[[int], None] | None = None,
     ) -> None:
         if on_save_error not in ("warn", "raise"):
             raise JobDefinitionError(f"on_save_error must be 'warn' or 'raise', got {on_save_error!r}")
@@ -100,6 +105,7 @@ class JobRunner:
         self.on_save_error = on_save_error
         self.options = options
         self.handle_preemption = handle_preemption
+        self.stop_check = stop_check
         self.failed_saves: list[int] = []
         self.saved_epochs: list[int] = []  # committed by this train() call
         self.resumed_from: int | None = None
@@ -196,6 +202,8 @@ class JobRunner:
         try:
             while not finished:
                 self._stop_if_preempted(epoch, session, preemption)
+                if self.stop_check is not None:
+                    self.stop_check(epoch)
                 epoch += 1
                 finished = run_epoch(session, epoch,
                                      lambda e=epoch: self._run_epoch(e, session, preemption))
@@ -341,6 +349,10 @@ class JobRunner:
                         writer_phrase(save.first.writer),
                         f", {placement.describe()}" if placement.reshards else "")
             self._notify(session, "resumed", candidate, records=save.records)
+            # its commit event may have died with the process that committed it
+            events.publish(events.EPOCH_COMMITTED, _url(cm), functools.partial(
+                events.committed_payload, save.records, kept=None), job=self.job.name,
+                resent=True)
             reason = _resume_reason(cm, candidate, automatic=automatic,
                                     elastic=placement.reshards, fell_back=bool(failures))
             events.publish(events.RUN_RESUMED, _url(cm), functools.partial(

@@ -27,6 +27,7 @@ from caffe2ckpt.store.manifest import Manifest
 from caffe2ckpt.store.protocol import CheckpointStore
 from caffe2ckpt.store.records import CommitRecord, list_records
 from caffe2ckpt.store.zarrgroup import parse_manifest
+from caffe2ckpt.urls import public_url
 
 EXIT_OK = 0
 EXIT_DAMAGED = 1  # verification found damage (verify, show --verify, diff of damaged data)
@@ -56,8 +57,9 @@ class Context:
         try:
             location = Location(url, self.storage_options)
         except TypeError as exc:  # a filesystem rejecting an option
-            raise CLIError(f"cannot open checkpoint prefix {url!r} with --storage-options "
-                           f"{self.storage_options}: {exc}", EXIT_USAGE) from exc
+            raise CLIError(f"cannot open checkpoint prefix {public_url(url)!r} with "
+                           f"--storage-options {self.storage_options}: {exc}",
+                           EXIT_USAGE) from exc
         return CheckpointStore(location)
 
 
@@ -254,18 +256,19 @@ def check_chained(store: CheckpointStore, record: CommitRecord, manifest: Manife
     hold, in one ``load_node`` (each source group and overlay read once); outcomes as (blobs,
     error or None). If it fails, the blobs are read again by what they share where they are
     stored (:func:`_by_source`), so that damage is put on the blobs it hits; an error naming
-    one of them hits that one."""
+    some of them (``blobs``: those of a damaged packed chunk) hits those."""
     out: list[tuple[list[str], Exception | None]] = []
     todo = [(names, True)]  # blobs read together, and whether they may still be split
     while todo:
         unit, split = todo.pop()
         exc = _attempt(functools.partial(store.load_node, record, unit))
-        named = getattr(exc, "blob", None)
+        hit = [n for n in unit if n in getattr(exc, "blobs", ())]
         if exc is None or len(unit) == 1:
             out.append((unit, exc))
-        elif named in unit:
-            out.append(([named], exc))
-            todo.append(([n for n in unit if n != named], split))
+        elif hit:
+            out.append((hit, exc))
+            if len(hit) < len(unit):
+                todo.append(([n for n in unit if n not in hit], split))
         elif split:
             todo += [(part, False) for part in _by_source(store, manifest, unit)]
         else:

@@ -30,6 +30,7 @@ from caffe2ckpt.naming import check_epoch
 from caffe2ckpt.policy import StepManagerOptions
 from caffe2ckpt.prefect.orphans import claim_and_sweep
 from caffe2ckpt.prefect.session import PrefectSession
+from caffe2ckpt.prefect.statewatch import FailedMarkWatch
 from caffe2ckpt.runner import JobRunner
 
 __all__ = ["AttemptLimitExceeded", "RunPlan", "plan_run", "run_job"]
@@ -142,12 +143,18 @@ def run_job(
     An attempt fenced by a newer attempt of the same flow run ends without a state of its own
     (see "Retries and crashes" in the docs).
 
+    A run that someone else marks *Failed* while it trains (e.g.
+    ``create_checkpoint_alert_automation(fail_flow_run=True)``) stops at its next epoch
+    boundary, or once its last epoch is done, and stays *Failed*
+    (:mod:`~caffe2ckpt.prefect.statewatch`).
+
     Returns:
         The final epoch.
 
     Raises:
         AttemptLimitExceeded: the attempt cap is reached.
-        prefect.exceptions.Abort: a newer attempt of this flow run took over the prefix.
+        prefect.exceptions.Abort: a newer attempt of this flow run took over the prefix, or
+            the run was marked *Failed* while it ran.
     """
     attempt = flow_run.run_count
     if max_attempts is not None and attempt > max_attempts:
@@ -156,11 +163,14 @@ def run_job(
             f"its checkpoints stay at {checkpoint_manager.url!r}"
         )
     _claim_and_sweep()
+    watch = (FailedMarkWatch(str(flow_run.id), checkpoint_manager.url)
+             if flow_run.id is not None else None)
     runner = JobRunner(job, checkpoint_manager, resume_from_epoch=resume_from_epoch,
                        upload_task_group_builder=upload_task_group_builder,
-                       on_save_error=on_save_error, options=options)  # type: ignore[arg-type]
+                       on_save_error=on_save_error, options=options,  # type: ignore[arg-type]
+                       stop_check=watch)
     try:
-        return runner.train(session or PrefectSession())
+        epoch = runner.train(session or PrefectSession())
     except JobPreemptedError as exc:
         logger.warning("%s", exc)
         if _prefect_handles_sigterm():
@@ -169,6 +179,9 @@ def run_job(
     except CheckpointFencedError as exc:
         _stop_if_superseded(exc, attempt, checkpoint_manager.url)
         raise
+    if watch is not None:
+        watch.final(epoch)
+    return epoch
 
 
 def _stop_if_superseded(exc: CheckpointFencedError, attempt: int, url: str) -> None:
@@ -199,7 +212,7 @@ def _stop_if_superseded(exc: CheckpointFencedError, attempt: int, url: str) -> N
 def _claim_and_sweep() -> None:
     try:
         claim_and_sweep()
-    except Exception as exc:  # housekeeping: never a reason to stop the job
+    except Exception as exc:  # noqa: BLE001 - housekeeping: never a reason to stop the job
         logger.warning("could not look for orphaned runs of flow %r: %s", flow_run.flow_name, exc)
 
 

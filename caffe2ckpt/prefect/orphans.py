@@ -12,8 +12,10 @@ finished (submitted or running at the kill; one that never started is named as i
 been, ``epoch_group[trainer_1] e7``); their end time is then that later moment. Runs on other
 hosts are left alone (their processes cannot be checked from here); so is a run whose process
 id was reused by a live process (it stays *Running*). The runs it marks, and the newest runs of
-the flow that others marked *Crashed* (the heartbeat automation, on any host), get their
-checkpoint artifacts brought up to date from the records (:mod:`~caffe2ckpt.prefect.crashed`).
+the flow that others marked *Crashed* (a worker, the heartbeat automation, on any host), get
+their checkpoint artifacts brought up to date from the records
+(:mod:`~caffe2ckpt.prefect.crashed`): that second part also in a deployment's run, so the next
+run of a deployment whose run a worker marked *Crashed* brings that run's artifacts up to date.
 """
 
 from __future__ import annotations
@@ -72,39 +74,48 @@ def _gone(infrastructure_pid: str | None, host: str) -> bool:
 
 
 def claim_and_sweep() -> list[str]:
-    """Note this process on the current flow run; mark its flow's orphaned runs *Crashed*.
+    """Note this process on the current flow run; mark its flow's orphaned runs *Crashed*;
+    bring the artifacts of its flow's runs others marked *Crashed* up to date.
 
-    Only for a flow run without a deployment (a worker looks after deployments' runs). Returns
-    the names of the runs marked *Crashed*.
+    The first two only for a flow run without a deployment (a worker looks after deployments'
+    runs, and fills their ``infrastructure_pid``). Returns the names of the runs marked
+    *Crashed*.
     """
-    if flow_run.id is None or deployment.id is not None:
+    if flow_run.id is None:
         return []
+    with get_client(sync_client=True) as client:
+        crashed = _sweep(client) if deployment.id is None else []
+        _refresh_marked_elsewhere(client)
+    return crashed
+
+
+def _sweep(client: Any) -> list[str]:
+    """Note this process on the current flow run; mark the runs of its flow (without a
+    deployment) that a gone process of this host left *Running* *Crashed*; their names."""
     me, host = process_id(), socket.gethostname()
     crashed: list[str] = []
-    with get_client(sync_client=True) as client:
-        client.update_flow_run(flow_run.id, infrastructure_pid=me)
-        runs = client.read_flow_runs(
-            flow_filter=FlowFilter(name=FlowFilterName(any_=[flow_run.flow_name])),
-            flow_run_filter=FlowRunFilter(
-                id=FlowRunFilterId(not_any_=[flow_run.id]),
-                deployment_id=FlowRunFilterDeploymentId(is_null_=True),
-                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING]))),
-            limit=200,
-        )
-        for run in runs:
-            if not _gone(run.infrastructure_pid, host):
-                continue
-            message = (f"caffe2ckpt: the process that ran this flow run ({run.infrastructure_pid})"
-                       f" is gone; marked Crashed by flow run {flow_run.name} ({flow_run.id})")
-            client.set_flow_run_state(run.id, Crashed(message=message), force=True)
-            tasks = _crash_unfinished_tasks(client, run.id, message)
-            _refresh(client, run.id, f"its process ({run.infrastructure_pid}) is gone; flow "
-                                     f"run {flow_run.name} marked it Crashed")
-            logger.warning("flow run %s (%s) was left Running by process %s, which is gone: "
-                           "marked it and %d unfinished task run(s) Crashed", run.name, run.id,
-                           run.infrastructure_pid, tasks)
-            crashed.append(run.name)
-        _refresh_marked_elsewhere(client)
+    client.update_flow_run(flow_run.id, infrastructure_pid=me)
+    runs = client.read_flow_runs(
+        flow_filter=FlowFilter(name=FlowFilterName(any_=[flow_run.flow_name])),
+        flow_run_filter=FlowRunFilter(
+            id=FlowRunFilterId(not_any_=[flow_run.id]),
+            deployment_id=FlowRunFilterDeploymentId(is_null_=True),
+            state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING]))),
+        limit=200,
+    )
+    for run in runs:
+        if not _gone(run.infrastructure_pid, host):
+            continue
+        message = (f"caffe2ckpt: the process that ran this flow run ({run.infrastructure_pid})"
+                   f" is gone; marked Crashed by flow run {flow_run.name} ({flow_run.id})")
+        client.set_flow_run_state(run.id, Crashed(message=message), force=True)
+        tasks = _crash_unfinished_tasks(client, run.id, message)
+        _refresh(client, run.id, f"its process ({run.infrastructure_pid}) is gone; flow "
+                                 f"run {flow_run.name} marked it Crashed")
+        logger.warning("flow run %s (%s) was left Running by process %s, which is gone: "
+                       "marked it and %d unfinished task run(s) Crashed", run.name, run.id,
+                       run.infrastructure_pid, tasks)
+        crashed.append(run.name)
     return crashed
 
 
@@ -116,8 +127,8 @@ def _refresh(client: Any, run_id: Any, why: str) -> None:
 
 
 def _refresh_marked_elsewhere(client: Any) -> None:
-    """Runs of this flow marked *Crashed* by others (the heartbeat automation, a worker) whose
-    artifacts were not brought up to date yet (the newest few)."""
+    """Bring up to date the artifacts of the newest few runs of this flow that others marked
+    *Crashed* (the heartbeat automation, a worker), unless done already."""
     runs = client.read_flow_runs(
         flow_filter=FlowFilter(name=FlowFilterName(any_=[flow_run.flow_name])),
         flow_run_filter=FlowRunFilter(

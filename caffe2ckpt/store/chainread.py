@@ -308,7 +308,8 @@ class _Reader:
             raise CheckpointCorruptedError(
                 f"checkpoint of node {self.record.node!r} epoch {self.record.epoch} (save "
                 f"{self.record.save_id!r}) builds on epoch {exc.epoch}, which is damaged: {exc}",
-                node=self.record.node, epoch=self.record.epoch, blob=exc.blob) from exc
+                node=self.record.node, epoch=self.record.epoch, blob=exc.blob,
+                blobs=exc.blobs) from exc
 
 
 def _files(source: _Source, paths: set[str]) -> dict[str, str]:

@@ -318,9 +318,7 @@ def _check_size(location: Location, manifest: Manifest, where: str, span: _Span,
         raise
     except ValueError as exc:  # not a regular file, or reached through a symlink
         why = f"the chunk is damaged ({exc})"
-    raise CheckpointCorruptedError(
-        f"{where}: blob {span.blob!r}, chunk {location.display(span.chunk)!r}: {why}",
-        node=manifest.node, epoch=manifest.epoch, blob=span.blob)
+    raise _damaged(location, manifest, where, span.blob, span.chunk, why)
 
 
 @functools.lru_cache(maxsize=256)
@@ -343,23 +341,41 @@ def _check_metadata(location: Location, manifest: Manifest, where: str, file: st
         )
 
 
-def _holding(manifest: Manifest, blob: str) -> str:
-    """For the packed array, the blobs it holds (the names a user knows), as a parenthesis."""
-    if blob != PACKED_ARRAY or not manifest.packed:
-        return ""
-    names = [b.name for b in manifest.packed]
-    shown = ", ".join(repr(n) for n in names[:8]) + (f" and {len(names) - 8} more"
-                                                     if len(names) > 8 else "")
-    return f" (the small blobs packed together: {shown})"
+def _blobs_of(manifest: Manifest, blob: str, chunk: str) -> list[str]:
+    """The blobs, as the user names them, that damage of ``chunk`` (a path; ``blob``: its
+    array's blob) hits: ``blob``, or for a chunk of the packed array every small blob with
+    bytes in it. Worked out only once damage is found (a crafted manifest may claim many
+    chunks and blobs)."""
+    array, _, key = chunk.rpartition("/")
+    if blob != PACKED_ARRAY or array.rpartition("/")[2] != PACKED_ARRAY \
+            or not manifest.packed_chunk:
+        return [blob]
+    start = int(key.partition(".")[2]) * manifest.packed_chunk  # 1-d: key c.<index>
+    stop = start + manifest.packed_chunk
+    return [b.name for b in manifest.packed if b.offset is not None
+            and b.offset < stop and b.offset + b.nbytes > start] or [blob]
+
+
+def _damaged(location: Location, manifest: Manifest, where: str, blob: str, chunk: str,
+             why: str) -> CheckpointCorruptedError:
+    """The error for damage ``why`` of ``chunk`` of ``blob``'s array: it names the first blob
+    it hits, the others of a packed chunk in a parenthesis, and carries them all."""
+    names = _blobs_of(manifest, blob, chunk)
+    holding = ""
+    if blob == PACKED_ARRAY:
+        others = names[1:]
+        shown = ", ".join(repr(n) for n in others[:8]) + (f" and {len(others) - 8} more"
+                                                          if len(others) > 8 else "")
+        holding = f" (packed in {PACKED_ARRAY!r}" + (f" with {shown})" if others else ")")
+    return CheckpointCorruptedError(
+        f"{where}: blob {names[0]!r}{holding}, chunk {location.display(chunk)!r}: {why}",
+        node=manifest.node, epoch=manifest.epoch, blob=names[0], blobs=names)
 
 
 def _read_chunk(location: Location, manifest: Manifest, where: str, blob: str, chunk: str,
                 out: np.ndarray, padding: int, expected: int) -> None:
     def corrupted(msg: str) -> CheckpointCorruptedError:
-        return CheckpointCorruptedError(
-            f"{where}: blob {blob!r}{_holding(manifest, blob)}, chunk "
-            f"{location.display(chunk)!r}: {msg}", node=manifest.node, epoch=manifest.epoch,
-            blob=blob)
+        return _damaged(location, manifest, where, blob, chunk, msg)
 
     flat = out.reshape(-1)
     try:
@@ -371,8 +387,9 @@ def _read_chunk(location: Location, manifest: Manifest, where: str, blob: str, c
     except ValueError as exc:
         raise corrupted(f"the chunk is damaged ({exc})") from exc
     except OSError as exc:  # an I/O failure is not evidence of corruption: do not fall back
+        named = _blobs_of(manifest, blob, chunk)[0]
         raise OSError(exc.errno, f"{where}: cannot read chunk {location.display(chunk)!r} of "
-                      f"blob {blob!r}: {exc.strerror or exc}") from exc
+                      f"blob {named!r}: {exc.strerror or exc}") from exc
     crc = google_crc32c.value(flat)
     if padding:
         crc = google_crc32c.extend(crc, tail[:padding])

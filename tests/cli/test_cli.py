@@ -289,7 +289,7 @@ def test_verify_reports_packed_damage_and_damaged_records(tree, capsys):
     doc = run_json(capsys, "verify", tree, code=1)
     (bad,) = [r for r in doc["results"] if r["status"] != "ok"]
     assert (bad["epoch"], bad["node"]) == (1, "trainer_0")
-    assert bad["errors"][0]["blob"] == "_packed"
+    assert bad["errors"][0]["blob"] == "model/b"  # a blob the user knows, not '_packed'
     assert set(bad["errors"][0]["packed_blobs"]) == {"model/b", "step", "names"}
     (record,) = doc["unreadable_records"]
     assert (record["epoch"], record["node"], record["record"]) == (2, "trainer_1", ref.filename)

@@ -128,11 +128,12 @@ def test_damage_under_a_delta_epoch_is_named_per_blob(counting, capsys, damaged)
     packed = {n for n in states if n != "frozen"}  # epoch 0 packs every blob below 1 MiB
     assert hit == {"_packed": packed, "frozen": {"frozen"}}.get(damaged, {"table"})
     assert set(states.values()) == {"ok", "bad"}
-    named = {p["blob"] for p in doc["problems"]}  # the blob, or where blobs read together
-    assert named == {"_packed": {"table", "_packed"}}.get(damaged, hit), doc["problems"]
-    if damaged == "_packed":
-        (together,) = [p for p in doc["problems"] if p["blob"] == "_packed"]
-        assert sorted(together["blobs"]) == sorted(packed - {"table"})
+    named = {p["blob"] for p in doc["problems"]}  # the blob, or the first of blobs read together
+    if damaged == "_packed":  # one problem: the packed chunk's, named by its first blob
+        (together,) = doc["problems"]
+        assert together["blob"] == "tiny/0" and sorted(together["blobs"]) == sorted(packed)
+    else:
+        assert named == hit, doc["problems"]
     assert all("epoch 1" in p["error"] and "n0." in p["error"] for p in doc["problems"])
     code, out, _ = run(capsys, "verify", url, "--epoch", 1)
     assert code == 1 and "DAMAGED" in out

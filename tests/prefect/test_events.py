@@ -59,7 +59,8 @@ def test_a_retried_job_run_sends_its_commits_and_its_resume(tmp_path):
     assert first.resource.id == resource_id(Location(url).canonical_url)
     assert first.resource.id == "caffe2ckpt.checkpoint.file://" + url
     assert first.resource.get("caffe2ckpt.job") == "regression"
-    assert first.resource.get("prefect.resource.name") == "regression"
+    # the Event Feed tells prefixes apart, and one prefix's jobs
+    assert first.resource.get("prefect.resource.name") == "regression @ file://" + url
     assert related(first, "flow-run") == [f"prefect.flow-run.{run_id}"]
     assert related(first, "flow") and not related(first, "deployment")
     payload = committed[-1].payload
@@ -125,7 +126,7 @@ def test_failures_damage_and_gc_are_sent_from_flows_and_the_command_line(tmp_pat
         (3, "CheckpointWriteError")]
     assert "injected" in failed[0].payload["message"]
     assert [(e.payload["epoch"], e.payload["node"], e.payload["blob"], e.payload["found_by"])
-            for e in damaged] == [(2, "a", "_packed", "restore")]
+            for e in damaged] == [(2, "a", "w", "restore")]  # the user's blob, packed or not
     assert [(e.payload["epoch"], e.payload["reason"]) for e in resumed] == [(1, "going back")]
     by_verify = [e for e in verified if e.payload["found_by"] == "verify"]
     assert [(e.payload["epoch"], e.payload["node"], e.payload["blob"]) for e in by_verify] == [
@@ -160,3 +161,31 @@ print("quiet")
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                          text=True, timeout=120, check=False)
     assert out.returncode == 0 and out.stdout.strip() == "quiet", out.stderr
+
+
+def test_an_event_sent_outside_any_run_names_no_run_after_a_flow_ran(tmp_path):
+    """Prefect's events worker, started inside a flow run, related every later event to that
+    run, also one sent after the run ended, from outside any run: an alert named that run and
+    ``fail_flow_run`` would have failed it. A fresh process, so the worker starts in the flow."""
+    script = f"""
+import numpy as np
+from prefect import flow
+import caffe2ckpt.prefect
+from caffe2ckpt import StepCheckpointManager
+
+def save(url, step):
+    with StepCheckpointManager(url, handle_preemption=False) as mgr:
+        mgr.save(step, {{"a": {{"w": np.zeros(3)}}}})
+
+flow(name="first-events")(save)({str(tmp_path / 'inside')!r}, 0)
+save({str(tmp_path / 'outside')!r}, 1)
+from caffe2ckpt.prefect.events import PrefectPublisher
+PrefectPublisher().flush()
+"""
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
+    with event_feed() as feed:
+        subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=120)
+        committed = feed.wait_for(COMMITTED, lambda es: len(es) >= 2)
+    by_prefix = {e.resource["caffe2ckpt.url"].rpartition("/")[2]: e for e in committed}
+    assert related(by_prefix["inside"], "flow-run")
+    assert related(by_prefix["outside"], "flow-run") == []

@@ -15,13 +15,20 @@ import sqlite3
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import psutil
 import pytest
+from prefect import flow
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+from prefect.flow_engine import run_flow
+from prefect.states import Crashed
 
+from caffe2ckpt import MultiNodeCheckpointManager
+from caffe2ckpt.example import build_job
 from caffe2ckpt.fs.location import Location
+from caffe2ckpt.prefect import PrefectSession, run_job
 from caffe2ckpt.store.protocol import CheckpointStore
 from caffe2ckpt.store.records import list_records
 from tests import prefectdb
@@ -61,11 +68,11 @@ def kill_9(proc: subprocess.Popen, log: Path) -> datetime:
     servers = [p for p in psutil.Process(proc.pid).children()
                if "uvicorn" in " ".join(p.cmdline())]
     assert len(servers) == 1, [p.cmdline() for p in psutil.Process(proc.pid).children()]
-    killed_at = datetime.now(timezone.utc)
+    killed_at = datetime.now(UTC)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=10)
     at_kill = log.stat().st_size
-    gone, alive = psutil.wait_procs(servers, timeout=60)
+    _gone, alive = psutil.wait_procs(servers, timeout=60)
     assert not alive, f"the temporary server {servers[0].pid} outlived its killed parent"
     # the dying server writes to the user's terminal: nothing, once its parent is gone
     after_kill = log.read_bytes()[at_kill:].decode(errors="replace")
@@ -80,7 +87,7 @@ def end_time(tmp_path: Path, infrastructure_pid: str) -> datetime:
                              (infrastructure_pid,)).fetchone()
     assert text, f"flow run of {infrastructure_pid} has no end time"
     value = datetime.fromisoformat(text)
-    return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+    return value if value.tzinfo else value.replace(tzinfo=UTC)
 
 
 def until(check, timeout: float, what: str):
@@ -194,3 +201,30 @@ def test_kill_9_ends_the_run_at_the_kill_and_the_next_run_starts_clean(tmp_path)
     # each epoch's parent task run ("epoch 0" to "epoch N")
     assert task_run_states(tmp_path, f"{socket.gethostname()}:{second.pid}") == {
         "COMPLETED": 2 * (2 + (SECOND_EPOCHS + 1) + SECOND_EPOCHS) + SECOND_EPOCHS + 1}
+
+
+def test_the_next_run_of_a_deployment_updates_the_artifacts_of_its_crashed_run(tmp_path, client):
+    """A deployment's run that a worker marked *Crashed* (after ``kill -9``) gets its artifacts
+    brought up to date by the next run of the deployment: in process on the session's server,
+    the first run marked as a worker marks it, once it ran."""
+    url = str(tmp_path / "ck")
+
+    @flow(name="deployed-then-crashed")
+    def deployed(epochs: int) -> int:
+        return run_job(build_job(epochs), MultiNodeCheckpointManager(url),
+                       session=PrefectSession(group_epochs=False))
+
+    deployment = client.create_deployment(client.create_flow_from_name(deployed.name), "nightly")
+    first, second = (client.create_flow_run_from_deployment(deployment, parameters={"epochs": n})
+                     for n in (2, 3))
+    run_flow(deployed, flow_run=first, parameters={"epochs": 2})
+    client.set_flow_run_state(first.id, Crashed(message="Flow run infrastructure exited with "
+                                                "non-zero status code -9."), force=True)
+    run_flow(deployed, flow_run=second, parameters={"epochs": 3})
+    shown = {a.key.rpartition("-")[2]: a for a in client.read_artifacts(
+        artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[first.id])))
+        if a.key}
+    assert shown["progress"].description == "Job 'regression': Epoch 2 of 2 (crashed)", shown
+    assert ("- **Crashed**: marked Crashed (Flow run infrastructure exited with non-zero status "
+            f"code -9.); noticed by flow run {client.read_flow_run(second.id).name}; epoch 2 is "
+            "the newest it committed" in shown["summary"].data), shown["summary"].data

@@ -398,6 +398,5 @@ def test_damage_in_the_packed_array_names_the_blobs_packed_there(tmp_path):
     with StepCheckpointManager(prefix, handle_preemption=False) as mgr:
         with pytest.raises(CheckpointCorruptedError) as caught:
             mgr.restore(0)
-    assert caught.value.blob == "_packed"
-    assert "blob '_packed' (the small blobs packed together: 'lr', 'step'), chunk" in str(
-        caught.value)
+    assert caught.value.blob == "lr"  # the first blob of the chunk, not the internal array
+    assert "blob 'lr' (packed in '_packed' with 'step'), chunk" in str(caught.value)
