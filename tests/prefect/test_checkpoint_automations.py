@@ -49,7 +49,7 @@ from tests.prefect.conftest import poll
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "flows"))
-from evaluate import evaluate  # noqa: E402
+from evaluate import evaluate
 
 
 def evaluation_deployment(client, name: str = "evaluate") -> UUID:
@@ -59,12 +59,15 @@ def evaluation_deployment(client, name: str = "evaluate") -> UUID:
                                     entrypoint="flows/evaluate.py:evaluate", path=str(REPO))
 
 
-def test_an_evaluation_runs_on_every_second_committed_epoch(tmp_path, client):
-    url = str(tmp_path / "ckpt")
-    canonical = Location(url).canonical_url
+def test_an_evaluation_runs_on_every_second_committed_epoch(tmp_path, monkeypatch, client):
+    """The automation is given the prefix as the manager is: a path relative to the current
+    directory (with a '[', which Prefect's trigger would take for a glob)."""
+    monkeypatch.chdir(tmp_path)
+    url = "checkpoints/run[1]"
+    canonical = "file://" + os.path.realpath(tmp_path / url)
     deployment_id = evaluation_deployment(client)
     automation_id = create_epoch_deployment_automation(deployment_id, every=2,
-                                                       checkpoint_url=canonical)
+                                                       checkpoint_url=url)
 
     @flow(name="train-then-evaluate")
     def train() -> int:
@@ -106,7 +109,7 @@ class Webhook:
         bodies = self.bodies
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            def do_POST(self) -> None:
                 length = int(self.headers.get("Content-Length", 0))
                 bodies.append(json.loads(self.rfile.read(length)))
                 self.send_response(200)
@@ -136,16 +139,16 @@ def test_damage_found_at_restore_sends_a_notification(tmp_path, webhook, client)
                                            json_data={"subject": "{{subject}}",
                                                       "body": "{{body}}"})
     block_id = block.save("ckpt-alerts-test", overwrite=True)
-    url = str(tmp_path / "steps")
+    url = str(tmp_path / "steps")  # a plain path, as the manager is given it
     automation_id = create_checkpoint_alert_automation(notification_block_id=block_id,
-                                                       checkpoint_url=Location(url).canonical_url)
+                                                       checkpoint_url=url)
     try:
         with StepCheckpointManager(url, handle_preemption=False) as mgr:
             mgr.save(0, {"a": {"w": np.arange(50_000.0)}})
         flip_chunk(url, "a", 0, "_packed")
-        with StepCheckpointManager(url, handle_preemption=False) as mgr:
-            with pytest.raises(CheckpointCorruptedError):
-                mgr.restore(0)
+        with (StepCheckpointManager(url, handle_preemption=False) as mgr,
+              pytest.raises(CheckpointCorruptedError)):
+            mgr.restore(0)
         EventsWorker.drain_all(timeout=10)
         bodies = poll(lambda: list(webhook.bodies), bool, timeout=120)
     finally:
@@ -154,7 +157,18 @@ def test_damage_found_at_restore_sends_a_notification(tmp_path, webhook, client)
     canonical = Location(url).canonical_url
     assert bodies[0]["subject"] == f"caffe2ckpt: caffe2ckpt.checkpoint.damaged for {canonical}"
     assert "checkpoint: " + canonical in bodies[0]["body"]
-    assert "epoch: 0, node: a, blob: _packed" in bodies[0]["body"]
+    assert "\nepoch: 0\nnode: a\nblob: w" in bodies[0]["body"]
+
+
+def emit_save_failed(url: str, run_id, node: str | None) -> None:
+    """Send a ``save.failed`` event of epoch 7 under ``url`` as flow run ``run_id`` would."""
+    emit_event("caffe2ckpt.save.failed",
+               resource={"prefect.resource.id": resource_id(url), "caffe2ckpt.url": url},
+               related=[{"prefect.resource.id": f"prefect.flow-run.{run_id}",
+                         "prefect.resource.role": "flow-run"}],
+               payload={"epoch": 7, "node": node, "error": "CheckpointWriteError",
+                        "message": "disk full"})
+    EventsWorker.drain_all(timeout=10)
 
 
 def test_a_failed_save_can_mark_its_flow_run_failed(tmp_path, client):
@@ -166,13 +180,7 @@ def test_a_failed_save_can_mark_its_flow_run_failed(tmp_path, client):
     automation_id = create_checkpoint_alert_automation(fail_flow_run=True, checkpoint_url=url)
     try:
         run = client.create_flow_run(flow=saving, state=Running())
-        emit_event("caffe2ckpt.save.failed",
-                   resource={"prefect.resource.id": resource_id(url), "caffe2ckpt.url": url},
-                   related=[{"prefect.resource.id": f"prefect.flow-run.{run.id}",
-                             "prefect.resource.role": "flow-run"}],
-                   payload={"epoch": 7, "node": "a", "error": "CheckpointWriteError",
-                            "message": "disk full"})
-        EventsWorker.drain_all(timeout=10)
+        emit_save_failed(url, run.id, node="a")
         after = poll(lambda: client.read_flow_run(run.id),
                      lambda r: r.state.type == StateType.FAILED, timeout=120)
     finally:
@@ -195,11 +203,11 @@ def test_a_metric_crossing_a_threshold_runs_a_deployment(tmp_path, client):
     first, every = evaluation_deployment(client, "first"), evaluation_deployment(client, "every")
     automations = [
         create_metric_deployment_automation(first, metric="loss", below=0.5,
-                                            checkpoint_url=canonical),
+                                            checkpoint_url=url),
         create_metric_deployment_automation(every, metric="loss", above=2, once=False,
-                                            checkpoint_url=canonical),
+                                            checkpoint_url=url),
         create_metric_deployment_automation(every, metric="accuracy", below=1e300,
-                                            checkpoint_url=canonical)]
+                                            checkpoint_url=url)]
 
     @flow(name="steps-with-a-loss")
     def steps(start: int, stop: int) -> None:
