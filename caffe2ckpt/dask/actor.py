@@ -12,6 +12,7 @@ from typing import Any
 import cloudpickle
 import numpy as np
 
+from caffe2ckpt.dask.scripts import cannot_import
 from caffe2ckpt.fs.iopool import set_io_threads
 from caffe2ckpt.manager._nodeops import worker_info
 from caffe2ckpt.session import Step, run_node_tasks
@@ -38,8 +39,8 @@ class NodeActor:
         try:
             loaded = cloudpickle.loads(args)
         except BaseException as exc:  # noqa: BLE001 - handed to the client, which raises it
-            exc.add_note(f"while unpickling the arguments of {method!r} on node {self.node!r} "
-                         "(are its task functions importable on the Dask workers?)")
+            exc.add_note(f"while unpickling the arguments of {method!r} on node {self.node!r}"
+                         + _import_hint(exc))
             return _pack((False, exc), self.node)
         if method == "run":
             return self.run(*loaded)
@@ -73,6 +74,19 @@ class NodeActor:
 
     def where(self) -> dict[str, Any]:
         return worker_info()
+
+    def cannot_import(self, names: list[str]) -> list[str]:
+        """Those of the modules ``names`` that this worker cannot import by name."""
+        return cannot_import(names)
+
+
+def _import_hint(exc: BaseException) -> str:
+    """What to do when a worker cannot load a task function's module."""
+    if isinstance(exc, ModuleNotFoundError) and exc.name:
+        return (f": this Dask worker cannot import module {exc.name!r}; install it where the "
+                "workers run (the session sends by value only modules of the flow process that "
+                "live outside site-packages, such as a deployed flow file)")
+    return " (are its task functions importable on the Dask workers?)"
 
 
 def _pack(outcome: tuple[bool, Any], node: str, *, verify: bool = True) -> bytes:

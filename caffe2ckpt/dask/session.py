@@ -13,7 +13,9 @@ order). A worker that dies takes its nodes' workspaces with it: the group run fa
 node (:class:`~caffe2ckpt.errors.NodeLostError`, also when other nodes of the group failed
 otherwise); every later call to that node fails at once. The job resumes from its newest
 committed epoch in a new session (a Prefect retry makes one). Every call ends (see
-:class:`DaskSession` for the bounds).
+:class:`DaskSession` for the bounds). Task functions of modules that no process can import by
+name (a deployed flow file and the modules beside it) travel by value
+(:mod:`caffe2ckpt.dask.scripts`).
 
 Install with the ``[dask]`` extra."""
 
@@ -27,7 +29,7 @@ import time
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future as CallFuture
 from concurrent.futures import TimeoutError as CallTimeout
-from typing import Any
+from typing import Any, Self
 
 import cloudpickle
 import numpy as np
@@ -35,6 +37,7 @@ from distributed import Client
 from distributed.protocol import to_serialize
 
 from caffe2ckpt.dask.actor import NodeActor
+from caffe2ckpt.dask.scripts import ScriptModules
 from caffe2ckpt.errors import JobDefinitionError, NodeLostError
 from caffe2ckpt.fs.iopool import IO_THREADS, check_io_threads
 from caffe2ckpt.job import Task, TaskGroup
@@ -138,6 +141,7 @@ class DaskSession:
         self._workers: dict[str, str] = {}
         self._lost: dict[str, str] = {}  # node -> why it was lost (calls to it fail at once)
         self._lock = threading.Lock()
+        self._scripts = ScriptModules()
         self.closed = False
 
     # -- placement -------------------------------------------------------------------------------
@@ -363,7 +367,12 @@ class DaskSession:
     # -- the Session protocol ----------------------------------------------------------------------
 
     def run_node(self, node: str, steps: list[Step], workspace_type: WorkspaceType) -> list[Any]:
-        """Run one node's steps in its actor; return what they returned."""
+        """Run one node's steps in its actor; return what they returned. Modules of this
+        process that the node's worker cannot import go by value (:mod:`.scripts`)."""
+        self._check_not_lost(node, "run")
+        worker = self._place(node)[1]
+        self._scripts.send_by_value(worker, lambda names: self._call(node, "cannot_import",
+                                                                     names))
         return self._call(node, "run", steps, workspace_type)
 
     def run(self, runnable: TaskGroup | Task) -> None:
@@ -419,7 +428,7 @@ class DaskSession:
             if self._own_client:
                 self._client.close()
 
-    def __enter__(self) -> DaskSession:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -38,6 +38,7 @@ from prefect.utilities.annotations import quote
 from caffe2ckpt.errors import JobDefinitionError, NodeLostError
 from caffe2ckpt.job import Task, TaskGroup
 from caffe2ckpt.prefect.artifacts import CheckpointArtifacts
+from caffe2ckpt.prefect.console import keep_tracebacks_in_run_logs
 from caffe2ckpt.prefect.epochtask import run_in_epoch_task
 from caffe2ckpt.session import LocalSession, RunEvent, RunNode, Step, as_group, deliver, node_steps
 from caffe2ckpt.workspace import Workspace, WorkspaceType
@@ -160,7 +161,7 @@ class PrefectSession:
         if self._artifacts is not None:
             try:
                 self._artifacts.flush()
-            except Exception as exc:  # never hide the task's own failure
+            except Exception as exc:  # noqa: BLE001 - never hide the task's own failure
                 logger.warning("could not update checkpoint artifacts: %s", exc)
 
     def run_epoch(self, epoch: int, body: Callable[[], Any]) -> Any:
@@ -177,6 +178,7 @@ class PrefectSession:
             self._local.run(group)
             return
         _check_task_runner()
+        keep_tracebacks_in_run_logs(str(FlowRunContext.get().flow_run.id))
         by_node = group.tasks_by_node()
         wtype = group.workspace_type or WorkspaceType.PRIVATE
         epoch = group.epoch if group.epoch is not None else self.epoch

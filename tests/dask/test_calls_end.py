@@ -282,11 +282,14 @@ def test_a_worker_that_no_longer_holds_the_actor_the_scheduler_lists_fails_the_c
 
 def test_what_cannot_be_sent_or_loaded_fails_naming_the_node_and_the_call(client, tmp_path,
                                                                           monkeypatch):
-    """A value that cannot be pickled, and a task function the workers cannot import (its
-    module is on this process's path only), fail the call at once with an error naming the
-    node and the call; the node stays usable. (Both waited for ever before.)"""
+    """A value that cannot be pickled, and a task that imports a module the workers cannot
+    import (on this process's path only), fail the call at once with an error naming the node
+    and the call; the node stays usable. (Both waited for ever before.) A task function of such
+    a module itself goes to the workers by value (caffe2ckpt.dask.scripts) and runs."""
     (tmp_path / "client_only_steps.py").write_text(
-        "def bump(ws):\n    ws['x'] = ws['x'] + 1\n")
+        "def bump(ws):\n    ws['x'] = ws['x'] + 1\n\n"
+        "def use_helper(ws):\n    import client_only_helper  # noqa: F401\n")
+    (tmp_path / "client_only_helper.py").write_text("")
     monkeypatch.syspath_prepend(str(tmp_path))  # the workers started before: not on theirs
     import client_only_steps
 
@@ -296,12 +299,13 @@ def test_what_cannot_be_sent_or_loaded_fails_naming_the_node_and_the_call(client
             "lock", threading.Lock()))
         assert isinstance(value, TypeError), value
         assert "'set'" in str(value) and "'trainer_0'" in str(value) and worker in str(value)
-        value, _ = ended("run", lambda: session.run(Task(client_only_steps.bump,
+        session.run(Task(client_only_steps.bump, node="trainer_0"))  # by value
+        value, _ = ended("run", lambda: session.run(Task(client_only_steps.use_helper,
                                                          node="trainer_0")))
         assert isinstance(value, ModuleNotFoundError), value
         notes = "\n".join(value.__notes__)
         assert "'run'" in notes and "'trainer_0'" in notes and worker in notes, notes
-        assert ended("get", lambda: session.workspace("trainer_0")["x"])[0] == 1
+        assert ended("get", lambda: session.workspace("trainer_0")["x"])[0] == 2
 
 
 def test_calls_go_through_the_session_s_client_not_the_newest_one(client, restarting_cluster):
