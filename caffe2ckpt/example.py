@@ -137,6 +137,11 @@ def build_job(
     return job
 
 
+def help_text(doc: str) -> str:
+    """A docstring as ``--help`` prints it: without reStructuredText's double backquotes."""
+    return doc.replace("``", "")
+
+
 def positive_int(text: str) -> int:
     """An argparse type: an int >= 1."""
     value = int(text)
@@ -161,7 +166,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from caffe2ckpt.runner import JobRunner
     from caffe2ckpt.session import LocalSession
 
-    parser = argparse.ArgumentParser(prog="python -m caffe2ckpt.example", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m caffe2ckpt.example",
+                                     description=help_text(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint-url", default="checkpoints/regression",
                         help="local folder or fsspec URL of the checkpoints")

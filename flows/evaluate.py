@@ -25,7 +25,8 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from caffe2ckpt import read_epoch
-from caffe2ckpt.example import epoch_number, held_out_loss
+from caffe2ckpt.example import epoch_number, held_out_loss, help_text
+from caffe2ckpt.urls import public_url
 
 
 @flow(name="evaluate-checkpoint", log_prints=True)
@@ -35,17 +36,18 @@ def evaluate(checkpoint_url: str, epoch: int, node: str = "trainer_0",
     model = read_epoch(checkpoint_url, epoch, node, blobs=["model/w", "model/b"],
                        storage_options=storage_options)
     loss = held_out_loss(model["model/w"], float(model["model/b"]))
-    get_run_logger().info("epoch %d of %s: held-out loss %.6f", epoch, checkpoint_url, loss)
+    where = public_url(checkpoint_url)  # never a password or token of the URL
+    get_run_logger().info("epoch %d of %s: held-out loss %.6f", epoch, where, loss)
     create_markdown_artifact(
         key="checkpoint-evaluation",
-        markdown=f"Epoch **{epoch}** of `{checkpoint_url}` ({node}): held-out loss "
+        markdown=f"Epoch **{epoch}** of `{where}` ({node}): held-out loss "
                  f"**{loss:.6f}**",
         description=f"Evaluation of epoch {epoch}")
     return loss
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=help_text(__doc__.split("\n\n")[0]))
     parser.add_argument("checkpoint_url")
     parser.add_argument("epoch", type=epoch_number)
     args = parser.parse_args()

@@ -41,7 +41,14 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from caffe2ckpt import MultiNodeCheckpointManager
-from caffe2ckpt.example import InjectedFailure, build_job, epoch_number, node_names, positive_int
+from caffe2ckpt.example import (
+    InjectedFailure,
+    build_job,
+    epoch_number,
+    help_text,
+    node_names,
+    positive_int,
+)
 from caffe2ckpt.metadata import ZarrMetadataHandler
 
 # The terminal shows one line per epoch (caffe2ckpt's); each task run's "Finished in state" and
@@ -128,7 +135,7 @@ def json_object(text: str) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__,
+    parser = argparse.ArgumentParser(description=help_text(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint-url", default="checkpoints/regression")
     parser.add_argument("--epochs", type=positive_int, default=10,

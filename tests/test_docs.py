@@ -65,3 +65,20 @@ def test_every_image_under_docs_is_shown_by_a_page():
     images = [p for p in (REPO / "docs").rglob("*.png")]
     unused = [str(p.relative_to(REPO)) for p in images if p.name not in text]
     assert not unused, f"images no page shows (the site would copy them): {unused}"
+
+
+def _python_blocks(page: Path) -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```$", page.read_text(), re.MULTILINE | re.DOTALL)
+
+
+def test_getting_started_shows_the_readmes_own_job_as_it_is():
+    readme = next(b for b in _python_blocks(REPO / "README.md") if "def build_job" in b)
+    assert readme in _python_blocks(REPO / "docs" / "getting-started.md")
+
+
+def test_every_help_text_is_plain_text():
+    for command in (["-m", "caffe2ckpt.example"], [str(REPO / "flows" / "regression.py")],
+                    [str(REPO / "flows" / "evaluate.py")]):
+        out = subprocess.run([sys.executable, *command, "--help"], capture_output=True,
+                             text=True, timeout=120, check=True)
+        assert "usage:" in out.stdout and "``" not in out.stdout, command

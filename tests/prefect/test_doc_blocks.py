@@ -72,7 +72,6 @@ BLOCKS = {
     "README.md > A short example #1": (None, "10"),
     "docs/getting-started.md > Your own job #1": (None, "10"),
     "docs/prefect.md > A flow #1": (None, "4"),
-    "docs/prefect.md > Events and automations #1": (None, "automations created: True"),
     "docs/prefect.md > Credentials in blocks #1": (None, "blocks-demo [0]"),
     "docs/concepts.md > Save policies, retention, metrics and preemption #1":
         (None, "[0, 10, 12, 15, 20]"),
@@ -84,7 +83,9 @@ BLOCKS = {
     "docs/storage.md > Plain groups (materialize) #1": (regression_checkpoints, "0.50399417 <f4"),
 }
 # ```python blocks that a ```bash block's test runs (they need what that block starts).
-RUN_BY_BASH = {"docs/dask.md > Scale-out with Dask #1": "test_the_dask_block_runs_in_order"}
+RUN_BY_BASH = {"docs/dask.md > Scale-out with Dask #1": "test_the_dask_block_runs_in_order",
+               "docs/prefect.md > Events and automations #1":
+                   "test_the_deployment_block_runs_in_order"}
 
 # How each ```bash block is checked: the test that runs it, or why the suite does not.
 TWO_COMMANDS = ("the two commands: .ci/run runs the second in a fresh virtualenv; "
@@ -95,8 +96,11 @@ BASH = {
     "docs/getting-started.md > Getting started #1": TWO_COMMANDS,
     "docs/getting-started.md > Try resuming #1": "test_the_resuming_block_runs_in_order",
     "docs/prefect.md > Scheduled deployments #1": "test_the_deployment_block_runs_in_order",
+    "docs/prefect.md > Events and automations #1": "test_the_deployment_block_runs_in_order",
     "docs/storage.md > A local S3 server to try it #1": "test_the_local_s3_block_runs_in_order",
     "docs/dask.md > Scale-out with Dask #1": "test_the_dask_block_runs_in_order",
+    "docs/dask.md > As a deployment #1": ("tests/prefect/test_dask_deployment.py runs it with a "
+                                          "real worker"),
     "docs/cli.md > Command line #1": "test_the_command_line_block_runs_in_order",
     "docs/elastic.md > Letting old node sets go #1": "test_the_letting_go_block_runs_in_order",
     "docs/performance.md > Performance #1": ("its --smoke line: tests/test_benchmarks.py; the "
@@ -200,22 +204,58 @@ def test_the_letting_go_block_runs_in_order(tmp_path):
 
 @pytest.mark.slow
 def test_the_deployment_block_runs_in_order(tmp_path):
-    """The "Scheduled deployments" block of docs/prefect.md, top to bottom, from a copy of the
-    repo's prefect.yaml and flows/, with a server of its own on a free port for 4200: the server
-    starts, the deployment run completes, and the last line stops the worker and then the
-    server (whose output goes to a log file, not to ``--background``'s unread pipes)."""
+    """The "Scheduled deployments" block of docs/prefect.md, then its "Events and automations"
+    blocks, as a user goes on from one to the other, from a copy of the repo's prefect.yaml and
+    flows/, with a server of its own on a free port for 4200 (the last line of the first block,
+    which stops the worker and then the server, comes last). The server starts, the deployment
+    run completes, the automations created with the prefix as the deployment names it (a
+    relative path) make the worker run the evaluation for epochs 4 and 5 (before, given that
+    path, they never fired: nothing ran), and the last line stops the worker and the server."""
     block = doc_blocks("bash")["docs/prefect.md > Scheduled deployments #1"]
     assert "prefect worker start" in block and block.rstrip().endswith("then the server")
+    *lines, stop = block.rstrip().splitlines()
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    (scratch / "automations.py").write_text(
+        python_blocks()["docs/prefect.md > Events and automations #1"])
+    (scratch / "wait.py").write_text(_WAIT_FOR_EVALUATIONS)
+    script = "\n".join([*lines, "python scratch/automations.py",
+                        doc_blocks("bash")["docs/prefect.md > Events and automations #1"].rstrip(),
+                        "python scratch/wait.py", stop])
     shutil.copy(REPO / "prefect.yaml", tmp_path)
     env = _block_env(tmp_path, own_server=True)
-    code, text, leftovers = _run_block(block.replace("4200", str(free_port())), tmp_path, env,
+    env["PREFECT_WORKER_QUERY_SECONDS"] = "2"  # the worker looks for runs every 2 s, not 10
+    code, text, leftovers = _run_block(script.replace("4200", str(free_port())), tmp_path, env,
                                        logs=["scratch/worker.log", "scratch/server.log"])
     assert code == 0, f"the block exited {code}:\n{text}"
+    assert "automations created: True" in text.splitlines(), text
     assert "Flow run finished successfully in 'Completed'" in text, text
+    assert "evaluated epochs: [4, 5]" in text.splitlines(), text
     assert "Worker '" in text and "' stopped!" in text, text  # kill %2: the worker, in its log
     assert re.search(r"Terminated +prefect server start", text), text  # kill %1: the server
     assert not leftovers, (leftovers, text)
-    assert _resume_epoch(tmp_path / "checkpoints" / "regression") == 2  # epochs_per_run=2
+    assert _resume_epoch(tmp_path / "checkpoints" / "regression") == 7  # 2, then 5 more
+
+
+# What a user waits for before stopping the worker: the evaluation runs the automations made,
+# finished (Completed, or the test fails naming their states).
+_WAIT_FOR_EVALUATIONS = """
+import time
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+
+deadline = time.monotonic() + 120
+with get_client(sync_client=True) as client:
+    while True:
+        runs = client.read_flow_runs(flow_filter=FlowFilter(
+            name=FlowFilterName(any_=["evaluate-checkpoint"])))
+        if len(runs) >= 2 and all(r.state.is_final() for r in runs):
+            break
+        assert time.monotonic() < deadline, [(r.parameters, r.state_name) for r in runs]
+        time.sleep(1)
+assert all(r.state.is_completed() for r in runs), [(r.parameters, r.state_name) for r in runs]
+print("evaluated epochs:", sorted(r.parameters["epoch"] for r in runs))
+"""
 
 
 @pytest.mark.slow
