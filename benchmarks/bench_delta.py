@@ -5,14 +5,20 @@ save writes and costs, what every epoch costs to restore, and what the writer ho
     python benchmarks/bench_delta.py                       # 256 MiB table, 100 epochs, local
     python benchmarks/bench_delta.py --rows 4194304        # 1 GiB table
     python benchmarks/bench_delta.py --dist zipf           # Zipf (a = 1.1, clustered ids)
+    python benchmarks/bench_delta.py --rows 1048576 --width 16 --dense-mib 4
+                                                           # 64 MiB of 64-byte rows, 4 MiB dense
+    python benchmarks/bench_delta.py --frozen-mib 64       # + a 64 MiB blob that never changes
+    python benchmarks/bench_delta.py --unchanged           # nothing changes after epoch 0
     python benchmarks/bench_delta.py --server moto         # on S3: requests per save counted
     python benchmarks/bench_delta.py --smoke               # seconds, for CI
 
-E1 (shared/DIFFERENTIAL.md section 1): a float32 table of ``--rows`` x 64, dense weights
-``dense_w1`` 512x256 and ``dense_w2`` 256x64 with biases (every value moves each epoch), a step
-counter, and ``frozen_proj`` 256x256 (never changes). Each epoch 5% of the table's rows get new
-values: chosen uniformly, or by Zipf ranks (a = 1.1, drawn until 5% are distinct; rank r is row
-r).
+E1 (shared/DIFFERENTIAL.md section 1): a float32 table of ``--rows`` x ``--width`` (64), dense
+weights ``dense_w1`` 512x256 and ``dense_w2`` 256x64 with biases (every value moves each epoch),
+a step counter, and ``frozen_proj`` 256x256 (never changes); with ``--dense-mib``, a large dense
+blob ``dense_big`` that moves like the others; with ``--frozen-mib``, a large
+``frozen_backbone`` that never changes (fine-tuning a frozen backbone). Each epoch 5% of the
+table's rows get new values: chosen uniformly, or by Zipf ranks (a = 1.1, drawn until 5% are
+distinct; rank r is row r); with ``--unchanged`` nothing changes after epoch 0.
 
 Per epoch (1..``--epochs``; epoch 0 is each method's first, whole save, also timed), in a
 rotating order:
@@ -71,13 +77,17 @@ CHANGED = 0.05
 
 
 class E1:
-    """The workload's state and its epoch-to-epoch changes (seeded)."""
+    """The workload's state and its epoch-to-epoch changes (seeded): a table of ``rows`` x
+    ``width`` float32, and optionally ``dense_mib`` more of dense weights (one blob, every value
+    moving each epoch) and a frozen blob of ``frozen_mib`` (never changes). ``unchanged``:
+    nothing changes after epoch 0."""
 
-    def __init__(self, rows: int, dist: str, seed: int = 0) -> None:
+    def __init__(self, rows: int, dist: str, seed: int = 0, *, width: int = 64,
+                 dense_mib: float = 0, frozen_mib: float = 0, unchanged: bool = False) -> None:
         self.rng = np.random.default_rng(seed)
-        self.dist = dist
+        self.dist, self.unchanged = dist, unchanged
         self.blobs = {
-            "table": self.rng.random((rows, 64), dtype=np.float32),
+            "table": self.rng.random((rows, width), dtype=np.float32),
             "dense_w1": self.rng.random((512, 256), dtype=np.float32),
             "dense_w2": self.rng.random((256, 64), dtype=np.float32),
             "dense_b1": self.rng.random(256, dtype=np.float32),
@@ -85,6 +95,12 @@ class E1:
             "frozen_proj": self.rng.random((256, 256), dtype=np.float32),
             "step": np.array(0, np.int64),
         }
+        if dense_mib:
+            self.blobs["dense_big"] = self.rng.random((int(dense_mib * 1024), 256),
+                                                      dtype=np.float32)
+        if frozen_mib:
+            self.blobs["frozen_backbone"] = self.rng.random((int(frozen_mib * 1024), 256),
+                                                            dtype=np.float32)
 
     def rows(self) -> np.ndarray:
         n = self.blobs["table"].shape[0]
@@ -98,12 +114,15 @@ class E1:
         return np.sort(np.fromiter(found, np.int64))[:want]
 
     def step(self) -> np.ndarray:
+        if self.unchanged:
+            return np.array([], np.int64)
         rows = self.rows()
         table = self.blobs["table"]
         table[rows] = self.rng.random((rows.size, table.shape[1]), dtype=np.float32)
-        for name in ("dense_w1", "dense_w2", "dense_b1", "dense_b2"):
-            self.blobs[name] -= 0.01 * self.rng.standard_normal(self.blobs[name].shape,
-                                                                dtype=np.float32)
+        for name in ("dense_w1", "dense_w2", "dense_b1", "dense_b2", "dense_big"):
+            if name in self.blobs:
+                self.blobs[name] -= 0.01 * self.rng.standard_normal(self.blobs[name].shape,
+                                                                    dtype=np.float32)
         self.blobs["step"] = np.array(self.blobs["step"] + 1)
         return rows
 
@@ -291,12 +310,17 @@ def restore(run: Run, epoch: int, order: int) -> dict[str, float]:
             "delta": statistics.median(timings["compare"])}
 
 
-def measure_memory(args, base: str, work_rows: int, epochs: int) -> list[dict[str, float]]:
+def workload(args, seed: int = 0) -> E1:
+    return E1(args.rows, args.dist, seed, width=args.width, dense_mib=args.dense_mib,
+              frozen_mib=args.frozen_mib, unchanged=args.unchanged)
+
+
+def measure_memory(args, base: str, epochs: int) -> list[dict[str, float]]:
     """Per mode, on a fresh local prefix: what the manager holds between differential saves
     beyond the workspace, and (async) the most a differential save holds while it writes."""
     out = []
     for mode in ("compare", "hints", "compare, async"):
-        work = E1(work_rows, args.dist, seed=1)
+        work = workload(args, seed=1)
         large = work.blobs["table"].nbytes
         options = delta_options(args, delta_detection="hints" if mode == "hints" else "compare",
                                 enable_async_checkpointing="async" in mode)
@@ -352,9 +376,12 @@ def restore_memory(url: str) -> dict[str, float]:
 
 def report(args, saves, restores, run: Run, full_bytes: int, memory) -> None:
     where = "local disk" if run.server is None else f"S3 ({run.server.where})"
-    print(f"\n## E1: table {args.rows:,} x 64 float32 ({full_bytes / (1 << 20):.1f} MiB in all), "
-          f"{args.dist}, {args.epochs} epochs, max_delta_chain={run.chain}, on {where}; row "
-          f"digests by {rowhash.kernel()[0]}")
+    extra = "".join([f", dense {args.dense_mib:g} MiB" if args.dense_mib else "",
+                     f", frozen {args.frozen_mib:g} MiB" if args.frozen_mib else "",
+                     ", nothing changes after epoch 0" if args.unchanged else ""])
+    print(f"\n## E1: table {args.rows:,} x {args.width} float32{extra} "
+          f"({full_bytes / (1 << 20):.1f} MiB in all), {args.dist}, {args.epochs} epochs, "
+          f"max_delta_chain={run.chain}, on {where}; row digests by {rowhash.kernel()[0]}")
     report_saves(saves, run, full_bytes)
     report_restores(restores)
     if memory:
@@ -431,7 +458,15 @@ def report_memory(memory) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=int, default=1 << 20, help="table rows (x 64 float32)")
+    parser.add_argument("--rows", type=int, default=1 << 20, help="table rows")
+    parser.add_argument("--width", type=int, default=64,
+                        help="float32s per table row (default 64: 256-byte rows)")
+    parser.add_argument("--dense-mib", type=float, default=0,
+                        help="a dense blob of this many MiB, every value moving each epoch")
+    parser.add_argument("--frozen-mib", type=float, default=0,
+                        help="a frozen blob of this many MiB (never changes)")
+    parser.add_argument("--unchanged", action="store_true",
+                        help="nothing changes after epoch 0")
     parser.add_argument("--epochs", type=int, default=100)
     parser.add_argument("--chain", type=int, default=None,
                         help="max_delta_chain (default: StepManagerOptions' default)")
@@ -460,14 +495,14 @@ def main(argv: list[str] | None = None) -> int:
     else:
         base = local
     try:
-        work = E1(args.rows, args.dist)
+        work = workload(args)
         full_bytes = sum(a.nbytes for a in work.blobs.values())
         run = Run(args, base, server)
         try:
             saves, restores = measure(run, work, args.epochs)
         finally:
             run.close()
-        memory = measure_memory(args, local, args.rows, args.memory_epochs) \
+        memory = measure_memory(args, local, args.memory_epochs) \
             if args.memory_epochs > 1 else []
         report(args, saves, restores, run, full_bytes, memory)
     finally:

@@ -11,10 +11,12 @@ Save policy (a union: an epoch is saved when any rule says so):
 Differential saves (``delta_saves``): a save writes, per blob, only what changed since the
 save it builds on (the previous committed save of the same run). A large blob
 (``delta_min_bytes`` or more) is cut into ``max_delta_chain + 1`` parts of rows: each save
-writes one part whole, in turn (a *span*), and the rows of the other parts that changed (a
-*row overlay*); so every row is rewritten at least every ``max_delta_chain + 1`` saves and a
-save needs at most ``max_delta_chain`` older ones. A small blob is written whole when it
-changed or is under 1 KiB, else not at all. Changed rows are found by comparing 8-byte keyed
+writes one part whole, in turn (a *span*), if it changed since it was last written whole, and
+the rows of the other parts that changed (a *row overlay*); so a changed row is rewritten whole
+within ``max_delta_chain + 1`` saves, a save needs at most ``max_delta_chain`` older ones for
+the rows that changed, and what did not change is written by no later save (the record names
+the group holding it). A small blob is written whole when it changed or is under 1 KiB, else
+not at all. Changed rows are found by comparing 8-byte keyed
 digests of the rows with those of the last save (no copy of the data is kept); with
 ``delta_detection="hints"`` the rows named by ``changed_rows=`` of a step save or
 ``Workspace.mark_changed`` in a job's tasks are written as well, and changed rows the hints
@@ -46,6 +48,7 @@ __all__ = ["StepManagerOptions", "keep_reasons", "retained_epochs", "should_save
 
 Metrics = Mapping[str, float]
 MAX_DELTA_CHAIN = 64  # overlays a blob may build on (records refuse longer chains as damage)
+MAX_BLOCK_BYTES = 16384  # the widest block of rows the multilinear digests' keys cover
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,19 +72,25 @@ class StepManagerOptions:
     - ``delta_saves``: a save writes only part of each large blob (see the module docstring)
       and builds on the previous committed save of its run; a run's first save is whole.
     - ``max_delta_chain`` (1 to 64, default 9): a large blob is cut into
-      ``max_delta_chain + 1`` parts of rows and each save writes one part whole, in turn, so
-      a save needs at most this many older saves. More parts write less per save (a tenth of
-      the blob plus its changed rows at the default) and make a restore read more overlays.
+      ``max_delta_chain + 1`` parts of rows and each save writes one part whole, in turn, if it
+      changed, so a save needs at most this many older saves for the rows that changed (and
+      the older ones holding what did not). More parts write less per save (a tenth of the
+      blob plus its changed rows at the default) and make a restore read more overlays.
     - ``max_delta_fraction`` (above 0, at most 1, default 0.5): a blob whose row overlays in
       the saves it needs would pass this share of its bytes is written whole: a restore never
       reads more than ``1 + max_delta_fraction`` times the blob.
     - ``delta_min_bytes`` (default 4 MiB): smaller blobs are written whole when they changed
       (or are under 1 KiB), referenced when they did not.
     - ``delta_detection``: ``"compare"`` (default) finds changed rows by comparing 8-byte keyed
-      digests of the rows with the last save's (at most 5% of the blob's memory, no copy;
-      2**-64 per changed block, caffe2ckpt.store.rowhash); ``"hints"`` also writes the rows
-      given as ``changed_rows=`` / ``Workspace.mark_changed``, and still finds (writes and
-      reports) changed rows the hints missed.
+      digests of blocks of rows with the last save's (no copy; 2**-64 per changed block,
+      caffe2ckpt.store.rowhash); ``"hints"`` also writes the rows given as ``changed_rows=`` /
+      ``Workspace.mark_changed``, and still finds (writes and reports) changed rows the hints
+      missed.
+    - ``delta_block_bytes`` (8 to 16384, default 64): a block is one row, or as many rows as
+      make this many bytes: a changed row is written with its block. The digests take 8 bytes
+      per block: 8 / ``delta_block_bytes`` of the large blobs at most (12.5% for rows of 64
+      bytes or fewer at the default; 3% for 256-byte rows); 160 keeps them under 5%, at the
+      cost of writing a scattered change's neighbours in narrow rows.
     """
 
     save_interval_steps: int | None = None
@@ -99,6 +108,7 @@ class StepManagerOptions:
     max_delta_fraction: float = 0.5
     delta_min_bytes: int = 4 << 20
     delta_detection: Literal["compare", "hints"] = "compare"
+    delta_block_bytes: int = 64
 
     def __post_init__(self) -> None:
         for name in ("save_interval_steps", "max_to_keep", "keep_period", "keep_best"):
@@ -141,6 +151,10 @@ class StepManagerOptions:
         if self.delta_detection not in ("compare", "hints"):
             raise JobDefinitionError("StepManagerOptions.delta_detection must be 'compare' or "
                                      f"'hints', got {self.delta_detection!r}")
+        block = self.delta_block_bytes
+        if type(block) is not int or not 8 <= block <= MAX_BLOCK_BYTES:
+            raise JobDefinitionError("StepManagerOptions.delta_block_bytes must be an int from 8 "
+                                     f"to {MAX_BLOCK_BYTES}, got {block!r}")
 
     @property
     def has_save_rule(self) -> bool:

@@ -154,10 +154,13 @@ def layout_doc(records: Sequence[CommitRecord]) -> Document | None:
 
 def save_kind(records: Sequence[CommitRecord], location: Location) -> Document:
     """Whether a save is whole (``full``) or differential (``delta``: it builds on older
-    groups), the bytes of data it wrote and, for a delta, the groups it needs per node."""
+    groups), the bytes of data it wrote, for a delta the groups it needs per node, and (made
+    with deltas on) the large blobs it wrote whole and why, per node."""
     delta = [r for r in records if r.delta is not None]
     out: Document = {"kind": "delta" if delta else "full",
                      "bytes_written": sum(r.bytes_written for r in records)}
+    if any(r.whole for r in records):
+        out["written_whole"] = {r.node: dict(r.whole) for r in records if r.whole}
     if delta:
         out["builds_on"] = {r.node: [location.display(g) for g in sorted(r.delta.closure())]
                             for r in delta}  # type: ignore[union-attr]

@@ -158,9 +158,20 @@ def _ls_summary(doc: dict[str, Any]) -> str:
 
 
 def _written(row: dict[str, Any]) -> str:
-    """The bytes a save wrote, and whether it is a delta (on how many saves in a row)."""
+    """The bytes a save wrote, whether it is a delta, and how many large blobs it wrote whole
+    with deltas on."""
     written = human_bytes(row.get("bytes_written", row["bytes"]))
-    return f"{written} delta" if row.get("kind") == "delta" else written
+    whole = sum(map(len, row.get("written_whole", {}).values()))
+    if row.get("kind") == "delta":
+        return f"{written} delta" + (f", {whole} whole" if whole else "")
+    return f"{written} whole" if whole else written
+
+
+def _whole_lines(doc: dict[str, Any]) -> list[str]:
+    """Why large blobs were written whole by a save made with deltas on."""
+    return [f"written whole although delta_saves is on: node {node}, blob {name!r}: {why}"
+            for node, blobs in sorted(doc.get("written_whole", {}).items())
+            for name, why in sorted(blobs.items())]
 
 
 def render_show(doc: dict[str, Any]) -> str:
@@ -176,6 +187,7 @@ def render_show(doc: dict[str, Any]) -> str:
            f"checksums {check}")]
     if doc.get("layout"):
         out.append(layout_text(doc["layout"]))
+    out += _whole_lines(doc)
     rows = []
     for b in blobs:
         if b["storage"] == "array":

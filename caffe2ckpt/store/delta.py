@@ -10,20 +10,22 @@ the blob at most, never a copy). :meth:`DeltaTracker.plan` chooses per blob
 
 - **whole**: the first save, a save whose base is not the last save this tracker wrote (the
   previous save failed on another node, or a new run started), a new blob, one whose dtype,
-  shape or order changed, a small blob (under ``delta_min_bytes``) that changed or whose copy
-  lies more than ``max_delta_chain`` saves back, or a large blob whose overlays would pass
-  ``max_delta_fraction`` of its bytes;
+  shape or order changed, a small blob (under ``delta_min_bytes``) that changed, a large blob
+  whose overlays would pass ``max_delta_fraction`` of its bytes, or whose save would otherwise
+  need more than :data:`~caffe2ckpt.store.chains.MAX_GROUPS` older groups; a large blob
+  written whole says why (:attr:`DeltaWrite.why`: the record, and a log line at commit);
 - **same** (nothing written): a small blob of :data:`INHERIT_MIN_BYTES` or more bit-identical
   to the base's (equal digest), as long as naming such blobs adds at most
   :data:`INHERITED_BYTES` to the manifest and record (past that, the smallest are written
-  whole);
+  whole); or a large blob nothing in which changed since its parts were written;
 - **rows**: a large blob's *span* and *overlay*. Its rows are cut into ``max_delta_chain + 1``
   parts, and the save at depth ``d`` (``d`` saves since the last whole one) writes part
-  ``d mod (max_delta_chain + 1)`` whole (the span) and, of the other parts, the rows whose
-  digest changed (the overlay: their ids and values). So every row is rewritten at least once
-  every ``max_delta_chain + 1`` saves: a save needs at most ``max_delta_chain`` older groups,
-  every save writes about the same (no periodic whole save), and a restore reads each row's
-  span once plus the overlays newer than it.
+  ``d mod (max_delta_chain + 1)`` whole (the span) if it changed since it was last written
+  whole, and, of the other parts, the rows whose digest changed (the overlay: their ids and
+  values). So a changed row is rewritten whole within ``max_delta_chain + 1`` saves: a save
+  needs at most ``max_delta_chain`` older groups for the rows that changed, and what did not
+  change stays in the group that wrote it, named by the record
+  (:mod:`~caffe2ckpt.store.deltalinks` decides which groups still give rows).
 
 Row changes are found by digest: a block whose digest differs from the last save's changed
 (2**-64 per block that changed, see :mod:`~caffe2ckpt.store.rowhash`). With
@@ -46,7 +48,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -56,13 +57,13 @@ import numpy as np
 import xxhash
 
 from caffe2ckpt.fs.iopool import pool, results
-from caffe2ckpt.fs.localio import DIRECT_ALIGN
 from caffe2ckpt.policy import StepManagerOptions
-from caffe2ckpt.store.chains import ChainGroup, DeltaRecord
+from caffe2ckpt.store.chains import MAX_GROUPS, ChainGroup, DeltaRecord
+from caffe2ckpt.store.deltalinks import Link, dirty_parts, live, part_edges, parts_of, span_rows
 from caffe2ckpt.store.layout import parse_group_name
 from caffe2ckpt.store.manifest import PACKED_ARRAY, BlobInfo, Inherited, Manifest
 from caffe2ckpt.store.records import CommitRecord, RecordRef
-from caffe2ckpt.store.rowhash import RowHasher, block_rows
+from caffe2ckpt.store.rowhash import RowHasher
 from caffe2ckpt.store.zarrgroup import GROUP_FILE, DeltaLayout, stored_form
 from caffe2ckpt.workspace import merge_rows, sorted_unique
 
@@ -89,34 +90,6 @@ def stored_digest(stored: np.ndarray) -> str:
     return xxhash.xxh3_128_hexdigest(memoryview(stored.reshape(-1).view(np.uint8)))
 
 
-def span_rows(rows: int, row_bytes: int, parts: int, depth: int) -> tuple[int, int]:
-    """The rows ``[start, stop)`` a save at ``depth`` writes whole of a blob of ``rows`` rows of
-    ``row_bytes`` bytes cut into ``parts`` parts (part ``depth mod parts``). Parts start on
-    :data:`~caffe2ckpt.fs.localio.DIRECT_ALIGN` boundaries where the row size allows, so a
-    restore reads each span's chunks straight from the disk into their place."""
-    step = DIRECT_ALIGN // math.gcd(max(row_bytes, 1), DIRECT_ALIGN)
-    step = step if step * parts <= rows else 1
-
-    def edge(part: int) -> int:
-        return rows if part == parts else part * rows // parts // step * step
-
-    part = depth % parts
-    return edge(part), edge(part + 1)
-
-
-@dataclass(frozen=True)
-class _Link:
-    """One group's part in rebuilding a blob: the arrays used from it and what vouches for
-    them; the depth of the save that wrote it, and the bytes of the blob's overlay there."""
-
-    group: str
-    save_id: str
-    files: dict[str, str]  # relative metadata file -> SHA-256 (the group's zarr.json first)
-    crcs: dict[str, tuple[int, ...]]
-    depth: int = 0
-    overlay_bytes: int = 0
-
-
 @dataclass(frozen=True)
 class _Saved:
     """What the last save this tracker wrote holds (its base for the next save)."""
@@ -126,7 +99,7 @@ class _Saved:
     depth: int
     infos: dict[str, Info]
     digests: dict[str, str]
-    links: dict[str, list[_Link]]  # blob -> the groups holding its rows, oldest first
+    links: dict[str, list[Link]]  # blob -> the groups holding its rows, oldest first
     rows: dict[str, np.ndarray]  # large blob -> its block digests
 
     def ref(self, node: str) -> RecordRef:
@@ -145,11 +118,15 @@ class DeltaWrite:
     layout: DeltaLayout | None = None
     base: RecordRef | None = None  # the record of the save it builds on (this node's)
     manifest: Manifest | None = None  # the group's, once planned (set by the store)
-    links: dict[str, list[_Link]] = field(default_factory=dict)  # chained blobs: older groups
+    links: dict[str, list[Link]] = field(default_factory=dict)  # chained blobs: older groups
     depth: int = 0
     hints: dict[str, np.ndarray] = field(default_factory=dict)  # taken for this save
     rows: dict[str, np.ndarray] = field(default_factory=dict)  # large blobs' block digests
-    overlay_bytes: dict[str, int] = field(default_factory=dict)  # this save's, by blob
+    # by blob: the part this save writes as a span, those its overlay touches, its bytes
+    gives: dict[str, tuple[int | None, frozenset[int], int]] = field(default_factory=dict)
+    why: dict[str, str] = field(default_factory=dict)  # large blobs written whole: why
+    found: dict[str, list[np.ndarray]] = field(default_factory=dict)  # blocks that differ
+    reused: bool = False  # the base's block digests were overwritten with this save's
     sealed: _Saved | None = None  # what the tracker holds once the record is written
     later: dict[str, tuple[int, int]] = field(default_factory=dict)  # blocks digested later
     deferred: list[Callable[[], None]] = field(default_factory=list)  # what computes them
@@ -179,10 +156,10 @@ class DeltaWrite:
         self.settle()
         if not self.links:
             return None
-        groups: dict[str, _Link] = {}
+        groups: dict[str, Link] = {}
         for chain in self.links.values():
             for link in chain:
-                seen = groups.setdefault(link.group, _Link(link.group, link.save_id, {}, {}))
+                seen = groups.setdefault(link.group, Link(link.group, link.save_id, {}, {}))
                 seen.files.update(link.files)
                 seen.crcs.update(link.crcs)
         ordered = sorted(groups.values(), key=lambda g: g.group)
@@ -214,7 +191,7 @@ class DeltaTracker:
         self._lock = threading.Lock()
         self._saved: _Saved | None = None
         self._hints: dict[str, np.ndarray] = {}  # rows changed since that save: their union
-        self._hasher = RowHasher()
+        self.hasher = RowHasher(block_bytes=options.delta_block_bytes)
 
     def mark_changed(self, blob: str, rows: np.ndarray) -> None:
         """Note that rows ``rows`` (int64 ids, checked by the caller against the blob:
@@ -243,13 +220,17 @@ class DeltaTracker:
             if saved is None or base is None or saved.save_id != base:
                 saved = None  # nothing this save may build on: it is whole
             later = self._later(blobs, saved) if defer else {}
-            out = self._measure(blobs, hints, later, defer)
-            if saved is None or not stands(saved.ref(self.node)):
+            out = self._measure(blobs, hints, later, defer, saved)
+            why = _why_whole(base, self._saved, saved, stands, self.node)
+            if why:
                 out.whole = dict(blobs)
+                out.why = {name: why for name in out.rows}
                 return out
             return _Planner(self, saved, blobs, out, copy_spans=not defer).plan()
         except BaseException:
             self._give_back(hints)
+            if saved is not None:  # its row digests may be half overwritten: the next is whole
+                self._saved = None
             raise
 
     def _later(self, blobs: dict[str, np.ndarray], saved: _Saved | None
@@ -261,39 +242,67 @@ class DeltaTracker:
         for name, arr in blobs.items():
             if not self.eligible(arr):
                 continue
-            count = RowHasher.count(arr)
+            count = self.hasher.count(arr)
             if saved is None:
                 later[name] = (0, count)
-            elif self.options.delta_detection == "compare":
+            elif (self.options.delta_detection == "compare"
+                  and self._turn_is_dirty(name, arr, saved)):
                 later[name] = _span_blocks(arr, self.options.max_delta_chain + 1,
-                                           saved.depth + 1, count)
+                                           saved.depth + 1, self.hasher.block_rows(arr), count)
         return later
 
+    def _turn_is_dirty(self, name: str, arr: np.ndarray, saved: _Saved) -> bool:
+        """Whether the part a save on ``saved`` may write whole of blob ``name`` changed since
+        it was (then it is written whole, whatever its rows' digests say)."""
+        links = saved.links.get(name)
+        if not links or saved.infos.get(name) != _info(arr):
+            return False
+        parts = self.options.max_delta_chain + 1
+        edges = part_edges(arr.shape[0], arr.nbytes // arr.shape[0], parts)
+        return (saved.depth + 1) % parts in dirty_parts(links, edges)
+
     def _measure(self, blobs: dict[str, np.ndarray], hints: dict[str, np.ndarray],
-                 later: dict[str, tuple[int, int]], defer: bool) -> DeltaWrite:
+                 later: dict[str, tuple[int, int]], defer: bool, saved: _Saved | None
+                 ) -> DeltaWrite:
         """Every blob's digest and logical info, and the large blobs' block digests but those
         of ``later``; with ``defer``, the large blobs' digests and ``later``'s are left to the
-        plan's ``deferred`` calls."""
-        digests, infos, rows, deferred = {}, {}, {}, []
+        plan's ``deferred`` calls. A large blob ``saved`` (the base) holds block digests of, as
+        it is now, has its new digests compared with those and written over them (one copy in
+        memory): the blocks that differ are the plan's ``found``."""
+        out = DeltaWrite({}, {}, {}, hints=hints)
         for name, arr in blobs.items():
             stored = stored_form(arr)
-            infos[name] = _info(arr)
+            out.infos[name] = _info(arr)
             if not self.eligible(arr):
-                digests[name] = stored_digest(stored)
+                out.digests[name] = stored_digest(stored)
                 continue
             if defer:
-                deferred.append(lambda d=digests, n=name, s=stored: d.__setitem__(
+                out.deferred.append(lambda d=out.digests, n=name, s=stored: d.__setitem__(
                     n, stored_digest(s)))
             else:
-                digests[name] = stored_digest(stored)
-            out = rows[name] = np.empty(RowHasher.count(stored), np.uint64)
-            first, stop = later.get(name, (0, 0))
-            _on_threads([*self._hasher.calls(stored, out, 0, first),
-                         *self._hasher.calls(stored, out, stop, out.size)])
-            deferred += self._hasher.calls(stored, out, first, stop)
-        later = {name: span for name, span in later.items() if span[1] > span[0]}
-        return DeltaWrite({}, infos, digests, hints=hints, rows=rows, later=later,
-                          deferred=deferred)
+                out.digests[name] = stored_digest(stored)
+            self._block_digests(out, name, stored, later.get(name, (0, 0)), saved)
+        out.later = {name: span for name, span in later.items() if span[1] > span[0]}
+        return out
+
+    def _block_digests(self, out: DeltaWrite, name: str, stored: np.ndarray,
+                       later: tuple[int, int], saved: _Saved | None) -> None:
+        """Blob ``name``'s block digests (those of ``later`` left to ``out.deferred``), over
+        the base's when it has them for the blob as it is now (comparing them first)."""
+        count = self.hasher.count(stored)
+        base = None if saved is None or saved.infos.get(name) != out.infos[name] else \
+            saved.rows.get(name)
+        found = None
+        if base is not None and base.shape == (count,):
+            digests, found = base, out.found.setdefault(name, [])
+            out.reused = True
+        else:
+            digests = np.empty(count, np.uint64)
+        out.rows[name] = digests
+        first, stop = later
+        _on_threads([*self.hasher.calls(stored, digests, 0, first, found),
+                     *self.hasher.calls(stored, digests, stop, count, found)])
+        out.deferred += self.hasher.calls(stored, digests, first, stop)
 
     def failed(self, plan: DeltaWrite) -> None:
         """The save of ``plan`` was not committed (or its outcome is not known): its hints count
@@ -302,7 +311,7 @@ class DeltaTracker:
         with contextlib.suppress(BaseException):  # the save's failure is what is reported
             plan.abandon()
         self._give_back(plan.hints)
-        if plan.layout is not None:
+        if plan.layout is not None or plan.reused:  # its base may be gone, or its digests
             self._saved = None
 
     def _give_back(self, hints: dict[str, np.ndarray]) -> None:
@@ -312,8 +321,14 @@ class DeltaTracker:
 
     def committed(self, plan: DeltaWrite) -> None:
         """``plan``'s record (sealed, :meth:`DeltaWrite.seal`) was written: it is the base of
-        the next save. Only an assignment: it cannot fail."""
+        the next save. An assignment, and a log line saying why large blobs were written
+        whole, if some were: it cannot fail."""
         self._saved = plan.sealed
+        if plan.why and plan.sealed is not None:
+            with contextlib.suppress(Exception):
+                logger.info("node %r, epoch %d: written whole although delta_saves is on: %s",
+                            self.node, plan.sealed.ref(self.node).epoch, "; ".join(
+                                f"blob {name!r} ({why})" for name, why in sorted(plan.why.items())))
 
     def eligible(self, arr: np.ndarray) -> bool:
         """Whether ``arr`` may be saved as spans and row overlays."""
@@ -329,17 +344,15 @@ class _Planner:
         self.copy_spans = copy_spans  # an async save writes them while the workspace moves on
         self.options = tracker.options
         self.depth = saved.depth + 1
-        self.oldest = self.depth - self.options.max_delta_chain  # of the groups a chain keeps
         self.inherited: dict[str, Inherited] = {}
         self.overlays: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self.spans: dict[str, tuple[int, np.ndarray]] = {}
 
     def plan(self) -> DeltaWrite:
-        kinds: dict[str, tuple[str, list[_Link]]] = {}
-        for name, arr in self.blobs.items():
-            older = self._older(name)
-            kinds[name] = (self._kind(name, arr, older), older or [])
+        kinds = {name: self._kind(name, arr, self._older(name))
+                 for name, arr in self.blobs.items()}
         self._name_within_budget(kinds)
+        self._within_group_limit(kinds)
         for name, (kind, older) in kinds.items():
             if kind == "whole":
                 self.out.whole[name] = self.blobs[name]
@@ -354,28 +367,39 @@ class _Planner:
             self.out.base = self.saved.ref(self.tracker.node)
         return self.out
 
-    def _older(self, name: str) -> list[_Link] | None:
-        """The base's groups of blob ``name`` this save may still build on (None: the base
-        does not hold it as it is now)."""
+    def _older(self, name: str) -> list[Link] | None:
+        """The base's groups of blob ``name`` (None: the base does not hold it as it is now)."""
         links = self.saved.links.get(name)
         if links is None or self.saved.infos.get(name) != self.out.infos[name]:
             return None
-        return [link for link in links if link.depth >= self.oldest]
+        return links
 
-    def _kind(self, name: str, arr: np.ndarray, older: list[_Link] | None) -> str:
-        if not older:  # new, changed in dtype/shape/order, or every group too old
-            return "whole"
-        if name not in self.out.rows:  # a small blob: its one copy, if unchanged and recent
-            same = (self.out.digests[name] == self.saved.digests.get(name)
-                    and len(older) == len(self.saved.links[name])
-                    and arr.nbytes >= INHERIT_MIN_BYTES)
-            return "same" if same else "whole"
-        base_rows = self.saved.rows.get(name)
-        if base_rows is None or base_rows.shape != self.out.rows[name].shape:
-            return "whole"
-        return self._rows(name, arr, older, self._changed(name, arr, base_rows))
+    def _kind(self, name: str, arr: np.ndarray, older: list[Link] | None
+              ) -> tuple[str, list[Link]]:
+        """Whether blob ``name`` is written whole, as "rows" or not at all ("same"), and the
+        older groups it then needs."""
+        if not older:
+            return self._whole(name, "new blob" if name not in self.saved.infos else
+                               "dtype, shape or order changed")
+        if name not in self.out.rows:  # a small blob: its one copy, if unchanged
+            if (self.out.digests[name] == self.saved.digests.get(name)
+                    and arr.nbytes >= INHERIT_MIN_BYTES):
+                return "same", older
+            return "whole", []
+        if name not in self.out.found:  # compared with the base's while computed
+            return self._whole(name, "no row digests of the save it builds on")
+        return self._rows(name, arr, older, self._changed(name, arr))
 
-    def _name_within_budget(self, kinds: dict[str, tuple[str, list[_Link]]]) -> None:
+    def _whole(self, name: str, why: str) -> tuple[str, list[Link]]:
+        """Write ``name`` whole (a large blob: say why), dropping a span or overlay planned."""
+        self.overlays.pop(name, None)
+        self.spans.pop(name, None)
+        self.out.gives.pop(name, None)
+        if name in self.out.rows:
+            self.out.why[name] = why
+        return "whole", []
+
+    def _name_within_budget(self, kinds: dict[str, tuple[str, list[Link]]]) -> None:
         """Write whole the smallest of the small blobs planned as "same" while naming them would
         add more than :data:`INHERITED_BYTES` to the manifest and record (a whole save lists
         small blobs in compact columns; an inherited one is named with its chain and digest)."""
@@ -386,39 +410,68 @@ class _Planner:
         for _, name in sorted(same):
             if excess <= 0:
                 return
-            kinds[name] = ("whole", kinds[name][1])
+            kinds[name] = ("whole", [])
             excess -= costs[name]
 
-    def _rows(self, name: str, arr: np.ndarray, older: list[_Link], changed: np.ndarray) -> str:
-        """A large blob's span and overlay, unless writing it whole costs less, or its chain's
-        overlays would pass ``max_delta_fraction`` of it."""
+    def _within_group_limit(self, kinds: dict[str, tuple[str, list[Link]]]) -> None:
+        """While the save would need more than :data:`~caffe2ckpt.store.chains.MAX_GROUPS`
+        older groups (what did not change stays where it was written, however old), write whole
+        every blob that needs the oldest of them."""
+        while True:
+            epochs = {link.group: parse_group_name(link.group).epoch  # type: ignore[union-attr]
+                      for kind, older in kinds.values() if kind != "whole" for link in older}
+            if len(epochs) <= MAX_GROUPS:
+                return
+            oldest = min(epochs, key=epochs.__getitem__)
+            for name, (kind, older) in kinds.items():
+                if kind != "whole" and any(link.group == oldest for link in older):
+                    kinds[name] = self._whole(name, f"its save would need more than "
+                                              f"{MAX_GROUPS} older groups")
+
+    def _rows(self, name: str, arr: np.ndarray, older: list[Link], changed: np.ndarray
+              ) -> tuple[str, list[Link]]:
+        """A large blob's span (its turn's part, if that part changed since its newest whole
+        copy) and overlay (the changed rows of the other parts), unless writing it whole costs
+        less or its live overlays would pass ``max_delta_fraction`` of it; and the older groups
+        that still give rows of it then (:func:`~caffe2ckpt.store.deltalinks.live`)."""
         row_bytes = arr.nbytes // arr.shape[0]
-        start, stop = span_rows(arr.shape[0], row_bytes, self.options.max_delta_chain + 1,
-                                self.depth)
+        parts = self.options.max_delta_chain + 1
+        edges = part_edges(arr.shape[0], row_bytes, parts)
+        turn = self.depth % parts
+        start, stop = edges[turn], edges[turn + 1]
+        if not (turn in dirty_parts(older, edges) or turn in parts_of(changed, edges)):
+            start = stop  # nothing in that part changed since it was written: no span
         ids = changed[(changed < start) | (changed >= stop)]
         ids = ids.astype(np.int32 if arr.shape[0] < 2**31 else np.int64)
         overlay = ids.size * (ids.itemsize + row_bytes)
-        if (overlay + (stop - start) * row_bytes >= arr.nbytes
-                or sum(link.overlay_bytes for link in older) + overlay
-                > self.options.max_delta_fraction * arr.nbytes):
-            return "whole"
+        own = Link("", "", {}, {}, span=turn if stop > start else None,
+                   touched=parts_of(ids, edges), overlay_bytes=overlay)
+        kept = live([*older, own], edges)
+        if kept is None:
+            return self._whole(name, "its rows are not all in the saves it builds on")
+        if overlay + (stop - start) * row_bytes >= arr.nbytes:
+            return self._whole(name, "its changed rows cost as much as the whole blob")
+        if kept[1] > self.options.max_delta_fraction * arr.nbytes:
+            return self._whole(name, f"its row overlays would pass max_delta_fraction="
+                               f"{self.options.max_delta_fraction:g} of its bytes")
         if ids.size:
             self.overlays[name] = (ids, arr[ids])
-            self.out.overlay_bytes[name] = overlay
         if stop > start:  # a view when the save writes before it returns
             span = arr[start:stop]
             self.spans[name] = (start, span.copy(order="C") if self.copy_spans else span)
-        return "rows" if ids.size or stop > start else "same"
+        links = [link for link in kept[0] if link is not own]
+        if own.span is None and not own.touched:
+            return "same", links
+        self.out.gives[name] = (own.span, own.touched, overlay)
+        return "rows", links
 
-    def _changed(self, name: str, arr: np.ndarray, base_rows: np.ndarray) -> np.ndarray:
+    def _changed(self, name: str, arr: np.ndarray) -> np.ndarray:
         """The rows of a large blob to write (int64, ascending): those of every block whose
         digest changed, and (hints) every hinted row."""
-        digests = self.out.rows[name]
-        first, stop = self.out.later.get(name, (0, 0))  # inside the span: digested later
-        blocks = np.concatenate([np.flatnonzero(digests[:first] != base_rows[:first]),
-                                 stop + np.flatnonzero(digests[stop:] != base_rows[stop:])])
+        pieces = self.out.found[name]
+        blocks = np.sort(np.concatenate(pieces)) if pieces else np.array([], np.int64)
         count = arr.shape[0]
-        per = block_rows(arr.nbytes // count)
+        per = self.tracker.hasher.block_rows(arr)
         found = (blocks if per == 1 else
                  (blocks[:, None] * per + np.arange(per)).reshape(-1))
         found = found[found < count]
@@ -435,15 +488,31 @@ class _Planner:
         return sorted_unique(np.concatenate([found, hint]))
 
 
-def _span_blocks(arr: np.ndarray, parts: int, depth: int, count: int) -> tuple[int, int]:
-    """The blocks (of ``count``) that lie wholly inside the span a save at ``depth`` writes."""
+def _span_blocks(arr: np.ndarray, parts: int, depth: int, per: int, count: int
+                 ) -> tuple[int, int]:
+    """The blocks (of ``count``, ``per`` rows each) that lie wholly inside the span a save at
+    ``depth`` writes."""
     rows = arr.shape[0]
-    per = block_rows(arr.nbytes // rows)
     start, stop = span_rows(rows, arr.nbytes // rows, parts, depth)
     return -(-start // per), count if stop == rows else stop // per
 
 
-def _naming_bytes(name: str, arr: np.ndarray, chain: list[_Link]) -> int:
+def _why_whole(base: str | None, tracked: _Saved | None, saved: _Saved | None,
+               stands: Callable[[RecordRef], bool], node: str) -> str | None:
+    """Why a save that would build on ``base`` (the save this tracker holds: ``tracked``;
+    ``saved`` if it is ``base``) is written whole, if it is."""
+    if base is None:
+        return "first save of its run"
+    if tracked is None:
+        return "no earlier save of this run written by this process (a failed save, or a new one)"
+    if saved is None:
+        return "the save it follows was not the last this process wrote for the node"
+    if not stands(saved.ref(node)):
+        return "the record of the save it builds on is gone"
+    return None
+
+
+def _naming_bytes(name: str, arr: np.ndarray, chain: list[Link]) -> int:
     """No less than what naming inherited blob ``name`` adds to a manifest (its entry: kind,
     dtype, shape, order, chain; 60 bytes besides those) and a record (its xxh3-128: 38 bytes
     besides its name), as JSON."""
@@ -475,26 +544,28 @@ def _info(arr: np.ndarray) -> Info:
     return arr.dtype.str, arr.shape, "C" if flags.c_contiguous or not flags.f_contiguous else "F"
 
 
-def _own_links(record: CommitRecord, plan: DeltaWrite) -> dict[str, list[_Link]]:
+def _own_links(record: CommitRecord, plan: DeltaWrite) -> dict[str, list[Link]]:
     """The links into ``record``'s own group, by blob: blobs written whole there (an empty
     packed blob needs only the group's ``zarr.json``), and spans and overlays."""
     manifest = plan.manifest
     if manifest is None:
         raise ValueError(f"the group of {record.group!r} was not planned")
 
-    def link(name: str, *paths: str) -> list[_Link]:
+    def link(name: str, *paths: str, **gives: object) -> list[Link]:
         paths = tuple(p for p in paths if p in record.crcs)  # no array: nothing to read
         files = {GROUP_FILE: record.metadata[GROUP_FILE],
                  **{f"{p}/{GROUP_FILE}": record.metadata[f"{p}/{GROUP_FILE}"] for p in paths}}
-        return [_Link(record.group, record.save_id, files, {p: record.crcs[p] for p in paths},
-                      plan.depth, plan.overlay_bytes.get(name, 0))]
+        return [Link(record.group, record.save_id, files, {p: record.crcs[p] for p in paths},
+                     **gives)]  # type: ignore[arg-type]
 
-    links = {name: link(name, info.path or PACKED_ARRAY)
+    links = {name: link(name, info.path or PACKED_ARRAY, whole=True)
              for name, info in manifest.stored_blobs.items()}
     parts: dict[str, list[str]] = {}
     for name, pair in manifest.overlays.items():
         parts.setdefault(name, []).extend(info.path for info in pair)  # type: ignore[misc]
     for name, (_, info) in manifest.spans.items():
         parts.setdefault(name, []).append(info.path)  # type: ignore[arg-type]
-    links.update({name: link(name, *paths) for name, paths in parts.items()})
+    for name, paths in parts.items():
+        span, touched, overlay = plan.gives[name]
+        links[name] = link(name, *paths, span=span, touched=touched, overlay_bytes=overlay)
     return links

@@ -197,7 +197,8 @@ class CheckpointStore:
             metadata=plan.digests(), writer=dict(info.writer or {}), parent=info.parent,
             path=path, crcs=crcs, started=started,
             delta=None if delta is None else delta.record(plan.manifest.stored_nbytes),
-            layout=info.saved_layout(plan.manifest.blobs, borrowed or {}))
+            layout=info.saved_layout(plan.manifest.blobs, borrowed or {}),
+            whole={} if delta is None else dict(delta.why))
         if delta is not None:  # before the record: nothing after the commit may fail the save
             delta.seal(record)
         write_record(self.location, record)

@@ -105,6 +105,8 @@ class CommitRecord:
     started: float = 0.0  # when the save began (its leftovers' age counts from here)
     delta: DeltaRecord | None = None  # a differential save: what it needs from other groups
     layout: SavedLayout | None = None  # how the save's blobs are spread over its nodes
+    # with delta_saves: the large blobs this save wrote whole, and why (none: an empty field)
+    whole: dict[str, str] = field(default_factory=dict)
     format: int = RECORD_FORMAT
 
     def __post_init__(self) -> None:
@@ -152,6 +154,8 @@ class CommitRecord:
             del data["layout"]
         else:
             data["layout"] = self.layout.to_dict()
+        if not self.whole:
+            del data["whole"]
         return data
 
     @classmethod
@@ -200,6 +204,7 @@ class CommitRecord:
             started=started,
             delta=delta,
             layout=layout,
+            whole=_reasons(data.get("whole", {})),
             format=version,
         )
 
@@ -238,6 +243,14 @@ def _crcs(values: Any) -> tuple[int, ...]:
             set(map(type, values)) != {int} or min(values) < 0 or max(values) >= 2**32)):
         raise ValueError(f"chunk checksums must be a list of 32-bit ints, got {values!r:.80}")
     return tuple(values)
+
+
+def _reasons(value: Any) -> dict[str, str]:
+    """Why blobs were written whole: blob -> a sentence."""
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                              for k, v in value.items()):
+        raise ValueError(f"whole must map blob names to reasons, got {value!r:.80}")
+    return dict(value)
 
 
 def _bool(value: Any) -> bool:

@@ -2,10 +2,10 @@
 rows that changed since the save it builds on without keeping a copy of them.
 
 A blob's rows (along axis 0, in stored form: C order, little-endian) are cut into *blocks* of
-:func:`block_rows` rows: one row when a row has at least :data:`BLOCK_BYTES` bytes, else as many
-rows as make that many bytes, so the digests take at most 8 / :data:`BLOCK_BYTES` (5%) of the
-blob's memory. A block whose digest differs from the one of the last save changed; every row of
-it is written.
+:func:`block_rows` rows: one row when a row has at least ``block_bytes`` bytes
+(``StepManagerOptions.delta_block_bytes``, default :data:`BLOCK_BYTES`), else as many rows as
+make that many bytes, so the digests take at most 8 / ``block_bytes`` of the blob's memory. A
+block whose digest differs from the one of the last save changed; every row of it is written.
 
 The digest of a block is two 32-bit halves, each the top half of a *multilinear* hash
 ``(k0 + k1*w1 + ... + kn*wn) mod 2**64`` of the block's words ``w`` (32-bit where the block's
@@ -38,21 +38,23 @@ __all__ = ["BLOCK_BYTES", "MAX_WORDS", "RowHasher", "block_rows", "kernel"]
 _log = logging.getLogger(__name__)
 Kernel = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], None]
 
-BLOCK_BYTES = 160  # 8 bytes of digest per 160 bytes of blob: 5%
+BLOCK_BYTES = 64  # the default: 8 bytes of digest per row of 64 bytes or more (12.5% at most)
 MAX_WORDS = 4096  # widest block hashed with the multilinear family (keys: 64 KiB per width)
 _BATCH_BYTES = 4 << 20  # blocks hashed at a time: the 64-bit words stay in the CPU's caches
 _HIGH = np.uint64(32)
 
 
-def block_rows(row_bytes: int) -> int:
+def block_rows(row_bytes: int, block_bytes: int = BLOCK_BYTES) -> int:
     """How many rows of ``row_bytes`` bytes each digest covers."""
-    return max(1, -(-BLOCK_BYTES // max(row_bytes, 1)))
+    return max(1, -(-block_bytes // max(row_bytes, 1)))
 
 
 class RowHasher:
-    """Per-block digests of arrays (see the module docstring), with keys of its own."""
+    """Per-block digests of arrays (see the module docstring), with keys of its own, over
+    blocks of at least ``block_bytes`` bytes."""
 
-    def __init__(self, seed: int | None = None) -> None:
+    def __init__(self, seed: int | None = None, block_bytes: int = BLOCK_BYTES) -> None:
+        self.block_bytes = block_bytes
         self._rng = np.random.default_rng(secrets.randbits(128) if seed is None else seed)
         self._keys: dict[int, np.ndarray] = {}  # words per block -> (2, words) uint64 keys
         self._seed = int(self._rng.integers(0, 2**63))
@@ -68,42 +70,54 @@ class RowHasher:
         run(self.calls(stored, out, 0, out.size))
         return out
 
-    @staticmethod
-    def count(stored: np.ndarray) -> int:
-        """How many blocks (digests) ``stored`` has."""
+    def block_rows(self, stored: np.ndarray) -> int:
+        """How many rows of ``stored`` each of its digests covers."""
         rows = stored.shape[0]
-        return -(-rows // block_rows(stored.nbytes // rows if rows else 0))
+        return block_rows(stored.nbytes // rows if rows else 0, self.block_bytes)
 
-    def calls(self, stored: np.ndarray, out: np.ndarray, first: int, stop: int
-              ) -> list[Callable[[], None]]:
+    def count(self, stored: np.ndarray) -> int:
+        """How many blocks (digests) ``stored`` has."""
+        return -(-stored.shape[0] // self.block_rows(stored))
+
+    def calls(self, stored: np.ndarray, out: np.ndarray, first: int, stop: int,
+              changed: list[np.ndarray] | None = None) -> list[Callable[[], None]]:
         """Calls that write the digests of blocks ``[first, stop)`` of ``stored`` into their
-        places in ``out`` (:meth:`count` digests), a batch of blocks each."""
+        places in ``out`` (:meth:`count` digests), a batch of blocks each. With ``changed``,
+        ``out`` holds digests to compare with: each call appends to it the indices (ascending)
+        of its blocks whose digest differs, then overwrites them, so no second copy is held."""
         flat = stored.reshape(stored.shape[0], -1).view(np.uint8)
         rows, row_bytes = flat.shape
-        per = block_rows(row_bytes)
+        per = block_rows(row_bytes, self.block_bytes)
         full = rows // per  # blocks of ``per`` rows; a shorter last one after them
         calls: list[Callable[[], None]] = []
         start, end = first, min(stop, full)
         if start < end:
             calls += self._batches(flat[start * per:end * per].reshape(end - start, per * row_bytes),
-                                   out[start:end])
+                                   out, start, changed)
         if full * per < rows and first <= full < stop:  # the last, shorter block
-            calls += self._batches(flat[full * per:].reshape(1, -1), out[full:])
+            calls += self._batches(flat[full * per:].reshape(1, -1), out, full, changed)
         return calls
 
-    def _batches(self, blocks: np.ndarray, out: np.ndarray) -> Iterator[Callable[[], None]]:
+    def _batches(self, blocks: np.ndarray, out: np.ndarray, at: int,
+                 changed: list[np.ndarray] | None) -> Iterator[Callable[[], None]]:
         """Calls that each write the digests of a batch of ``blocks`` (a 2-d uint8 array, one
-        block per row) into their places in ``out``."""
+        block per row) into their places in ``out``, from ``out[at]`` on (comparing them first,
+        with ``changed``: :meth:`calls`)."""
         count = blocks.shape[0]
         words = _words(blocks)
         if words.shape[1] > MAX_WORDS:
-            yield lambda: out.__setitem__(slice(None), self._wide(blocks))
+            yield lambda: _store(out, at, self._wide(blocks), changed)
             return
         keys, multilinear = self._keys_for(words.shape[1]), kernel()[1]
         batch = max(1, _BATCH_BYTES // (8 * words.shape[1]))
         for start in range(0, count, batch):
-            yield lambda s=start: multilinear(words[s:s + batch], keys, self._offsets,
-                                              out[s:s + batch])
+            part = words[start:start + batch]
+            if changed is None:
+                yield lambda p=part, s=at + start: multilinear(p, keys, self._offsets,
+                                                                out[s:s + p.shape[0]])
+            else:
+                yield lambda p=part, s=at + start: _store(out, s, _digests(
+                    multilinear, p, keys, self._offsets), changed)
 
     def _wide(self, blocks: np.ndarray) -> np.ndarray:
         return np.fromiter((xxhash.xxh3_64_intdigest(memoryview(np.ascontiguousarray(b)),
@@ -156,6 +170,25 @@ def numpy_multilinear(words: np.ndarray, keys: np.ndarray, offsets: np.ndarray,
     sums = np.einsum("ij,kj->ik", wide, keys)
     sums += offsets
     out[:] = ((sums[:, 0] >> _HIGH) << _HIGH) | (sums[:, 1] >> _HIGH)
+
+
+def _digests(multilinear: Kernel, words: np.ndarray, keys: np.ndarray, offsets: np.ndarray
+             ) -> np.ndarray:
+    out = np.empty(words.shape[0], np.uint64)
+    multilinear(words, keys, offsets, out)
+    return out
+
+
+def _store(out: np.ndarray, at: int, digests: np.ndarray,
+           changed: list[np.ndarray] | None) -> None:
+    """Put ``digests`` into ``out`` from ``out[at]`` on, first noting in ``changed`` (if
+    given) the indices of those that differ from what is there."""
+    place = out[at:at + digests.size]
+    if changed is not None:
+        differ = np.flatnonzero(place != digests)
+        if differ.size:
+            changed.append(differ + at)
+    place[:] = digests
 
 
 def _words(blocks: np.ndarray) -> np.ndarray:

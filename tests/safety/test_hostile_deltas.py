@@ -26,12 +26,14 @@ OPTIONS = StepManagerOptions(delta_saves=True, delta_min_bytes=1024)
 
 @pytest.fixture
 def saved(prefix):
-    """Steps 0 (whole), 1 and 2 (deltas) of nodes n0 and n1; returns the expected tables."""
+    """Steps 0 (whole), 1 and 2 (deltas, each with a span and an overlay) of nodes n0 and n1;
+    returns the expected tables."""
     tables, states = {n: np.zeros((2048, 8), np.float32) for n in ("n0", "n1")}, {}
     with StepCheckpointManager(prefix, options=OPTIONS, handle_preemption=False) as mgr:
         for step in range(3):
             for t in tables.values():
                 t[step * 10:(step + 1) * 10] = step + 1
+                t[step + 100::200] = step + 1  # a row of every part: each save writes a span
             mgr.save(step, {n: {"t": t} for n, t in tables.items()})
             states[step] = {n: t.copy() for n, t in tables.items()}
     return states

@@ -232,7 +232,8 @@ FAMILIES: dict[str, tuple[str, ...]] = {"A": ("trainer_0", "trainer_1"), "B": ("
 COUNT = "epoch_limiter.0/epochs_done"  # epoch_limiter's checkpointed count (on the first node)
 # family B saves with a layout (its table split by rows, the rest the same on every node), so
 # ``reshard`` operations restore it on other node counts
-FROZEN = "frozen"  # set at init, never changed: 1,280 bytes (packed), "same" in differential saves
+FROZEN = "frozen"  # set at init, never changed: 1,280 bytes (packed); in differential saves
+# with delta_min_bytes=1024 a large blob none of whose parts is ever written again
 KEPT = ("trace", "w", COUNT, FROZEN)  # the blobs a family's nodes checkpoint
 LAYOUTS: dict[str, Layout] = {"B": Layout(rows=["w"], replicated=["trace", COUNT, FROZEN])}
 BIG = 425  # rows of 40 float32s (160 bytes: one row digest each) on a family's first node:
@@ -280,10 +281,12 @@ def _frozen(trace: np.ndarray) -> np.ndarray:
 
 
 def changed_rows(index: int, trace: tuple[int, ...]) -> np.ndarray:
-    """The rows of ``w`` the last epoch of ``trace`` redrew (what a task's hint says)."""
+    """The rows of ``w`` the last epoch of ``trace`` redrew (what a task's hint says): none in
+    one epoch of four (``w`` stays as it was: its parts go clean, then change again)."""
     rng = np.random.default_rng(zlib.crc32(np.asarray(trace, np.int64).tobytes()) + 7)
     size = BIG if index == 0 else 5
-    return np.sort(rng.choice(size, CHANGED if index == 0 else 2, replace=False))
+    count = 0 if rng.random() < 0.25 else CHANGED if index == 0 else 2
+    return np.sort(rng.choice(size, count, replace=False))
 
 
 @lru_cache(maxsize=4096)
@@ -2007,17 +2010,15 @@ class Harness:
 
     def pinnable(self, kept: Any) -> set[tuple[int, int]]:
         """With differential saves: the saves whose groups a kept save may still need (so they
-        may outlive their records): the up to ``max_delta_chain`` saves its run committed
-        before it (a run's first save is whole, and every row of a save is in one of the
-        ``max_delta_chain`` saves before it or in its own group)."""
+        may outlive their records): those its run committed before it (a run's first save is
+        whole; rows that changed are in one of the ``max_delta_chain`` saves before it or in
+        its own group, and what did not change stays in the group that wrote it, however old)."""
         if not self.deltas:
             return set()
-        chain = self.deltas.get("max_delta_chain", 9)
         out: set[tuple[int, int]] = set()
         for save in kept:
-            before = sorted(s.epoch for s in self.model.saves.values()
-                            if s.gen == save.gen and s.fam == save.fam and s.epoch < save.epoch)
-            out.update((epoch, save.gen) for epoch in before[-chain:])
+            out.update((s.epoch, s.gen) for s in self.model.saves.values()
+                       if s.gen == save.gen and s.fam == save.fam and s.epoch < save.epoch)
         return out
 
     def check_leaks(self) -> None:

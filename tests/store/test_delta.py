@@ -110,13 +110,17 @@ def assert_same(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None
 
 
 def check_windows(prefix: str, chain: int) -> None:
-    """Every differential record builds on at most ``chain`` older groups, all among the
-    ``chain`` epochs before it (every step is saved where this is used)."""
+    """Every differential record builds on at most ``chain`` older groups for the blobs that
+    change, all among the ``chain`` epochs before it (every step is saved where this is used),
+    and for the blob that never changes on the group of the run's first save only."""
     for record in scan(open_store(prefix)).records():
         if record.delta is not None:
-            groups = {g.epoch for g in record.delta.groups}
-            assert groups <= set(range(record.epoch - chain, record.epoch)), (record.epoch,
-                                                                              groups)
+            epochs = [g.epoch for g in record.delta.groups]
+            for blob, chain_of in record.delta.chains.items():
+                groups = {epochs[i] for i in chain_of}
+                window = set(range(record.epoch - chain, record.epoch))
+                assert groups == {min(epochs)} if blob == "frozen" else groups <= window, (
+                    record.epoch, blob, groups)
 
 
 def check_all(prefix: str, states: dict[int, dict[str, np.ndarray]]) -> list[int]:
@@ -217,18 +221,21 @@ def test_nan_payloads_and_negative_zero_are_changes(prefix):
     assert manifest.overlays["t"][0].shape == (1,)
 
 
-def test_narrow_rows_are_compared_in_blocks_of_160_bytes(prefix):
-    """16-byte rows: one 8-byte digest per 10 rows (5% of the table), so a changed row writes
-    the 10 rows of its block."""
+@pytest.mark.parametrize(("block_bytes", "written"), [(None, 4), (160, 10), (16, 1)])
+def test_narrow_rows_are_compared_in_blocks_of_delta_block_bytes(prefix, block_bytes, written):
+    """16-byte rows: one 8-byte digest per 4 rows at the default (64 bytes), per 10 with
+    ``delta_block_bytes=160``, per row with 16: a changed row writes the rows of its block."""
     table = np.zeros((ROWS, 4), np.float32)
-    with StepCheckpointManager(prefix, options=options(), handle_preemption=False) as mgr:
+    opts = options(**({} if block_bytes is None else {"delta_block_bytes": block_bytes}))
+    with StepCheckpointManager(prefix, options=opts, handle_preemption=False) as mgr:
         mgr.save(0, {"n0": {"t": table}})
         table[25, 1] = 1.0
         mgr.save(1, {"n0": {"t": table}})
     with reader(prefix) as r:
         assert np.array_equal(r.restore(1)["n0"]["t"], table)
     manifest = open_store(prefix).manifest(r._step(1).records["n0"])
-    assert manifest.overlays["t"][0].shape == (10,)
+    assert manifest.overlays["t"][0].shape == (written,)
+
 
 def test_a_hint_that_misses_rows_is_written_and_reported_never_damage(prefix, caplog):
     """Issue 34 item 2: changed rows a hint left out are found by their digests before the
@@ -290,7 +297,8 @@ def test_bad_hints_are_refused_before_anything_is_written(prefix):
 @pytest.mark.parametrize("option, value", [
     ("max_delta_chain", 0), ("max_delta_chain", 65), ("max_delta_chain", 2.0),
     ("max_delta_fraction", 0), ("max_delta_fraction", 1.5), ("delta_min_bytes", 0),
-    ("delta_detection", "rows"), ("delta_saves", 1)])
+    ("delta_detection", "rows"), ("delta_saves", 1), ("delta_block_bytes", 7),
+    ("delta_block_bytes", 16385), ("delta_block_bytes", 64.0)])
 def test_delta_options_are_validated(option, value):
     with pytest.raises(JobDefinitionError, match=option):
         StepManagerOptions(**{option: value})
@@ -361,10 +369,10 @@ def test_gc_keeps_every_chain_a_kept_step_needs_and_sweeps_the_rest(prefix, caps
     assert cli_main(["gc", prefix, "--keep-last", "2", "--yes", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert [d["epoch"] for d in doc["delete"]] == [0, 1, 2, 3, 4, 5]
-    assert check_all(prefix, states) == [6, 7]  # they build on the groups of 4, 5 (and 6)
-    assert unreferenced_groups(open_store(prefix)) == []
+    assert check_all(prefix, states) == [6, 7]  # they build on the groups of 4, 5 (and 6),
+    assert unreferenced_groups(open_store(prefix)) == []  # and of 0: "frozen" never changed
     location = open_store(prefix).location
-    assert [gone(location, f"n0.{e}") for e in range(6)] == [True] * 4 + [False] * 2
+    assert [gone(location, f"n0.{e}") for e in range(6)] == [False] + [True] * 3 + [False] * 2
     assert cli_main(["gc", prefix, "--keep-last", "1", "--yes"]) == 0
     capsys.readouterr()
     assert check_all(prefix, states) == [7]
@@ -640,19 +648,29 @@ def test_digests_left_for_later_are_the_ones_computed_at_once(depth):
     """A synchronous save leaves what only its record and the next save need (the large blobs'
     xxh3, the row digests of its span, of every row when it is whole) for while its data is
     made durable: settled, they equal the ones computed at once (rows of 64, 12 and 4 bytes:
-    blocks of 1, 14 and 40 rows, a shorter last block, spans not on block edges)."""
-    from caffe2ckpt.store.delta import _Saved
+    blocks of 1, 6 and 16 rows, a shorter last block, spans not on block edges). The span's
+    are left only when its part changed since its last whole copy (it is written whatever its
+    digests say); else they tell whether to write it."""
+    from caffe2ckpt.store.delta import _info, _Saved
+    from caffe2ckpt.store.deltalinks import Link
 
     tracker = DeltaTracker("n0", StepManagerOptions(delta_saves=True, delta_min_bytes=1024,
                                                    max_delta_chain=4))
     rng = np.random.default_rng(7)
     blobs = {"t": rng.random((1001, 16), np.float32), "narrow": rng.random((2999, 3), np.float32),
              "thin": rng.integers(0, 9, 5001).astype(np.int32), "small": np.arange(5)}
-    saved = None if depth is None else _Saved("s", "g", depth, {}, {}, {}, {})
+    changed = [Link("g0", "s", {}, {}, whole=True), Link("g1", "s", {}, {},
+                                                         touched=frozenset(range(5)))]
+    saved = None if depth is None else _Saved(
+        "s", "g", depth, {n: _info(b) for n, b in blobs.items()}, {},
+        {n: changed for n in blobs}, {})
+    if saved is not None:  # clean parts: every digest is needed now
+        clean = _Saved("s", "g", depth, saved.infos, {}, {n: changed[:1] for n in blobs}, {})
+        assert tracker._later(blobs, clean) == {}
     later = tracker._later(blobs, saved)
     assert sorted(later) == ["narrow", "t", "thin"] and all(b > a for a, b in later.values())
-    deferred = tracker._measure(blobs, {}, later, defer=True)
-    now = tracker._measure(blobs, {}, {}, defer=False)
+    deferred = tracker._measure(blobs, {}, later, defer=True, saved=None)
+    now = tracker._measure(blobs, {}, {}, defer=False, saved=None)
     assert sorted(deferred.digests) == ["small"] and deferred.deferred
     deferred.settle()
     assert deferred.digests == now.digests and not deferred.deferred

@@ -102,3 +102,14 @@ def test_blocks_wider_than_the_multilinear_keys_use_seeded_xxh3():
     again = RowHasher(seed=3).digests(rows)
     assert got.tolist() == again.tolist() and len(set(got.tolist())) == 3
     assert block_rows(rows.shape[1] * 4) == 1 and rows.shape[1] * 4 > BLOCK_BYTES
+
+
+@pytest.mark.parametrize(("row_bytes", "block_bytes", "per"), [
+    (64, 64, 1), (16, 64, 4), (12, 64, 6), (64, 160, 3), (256, 160, 1), (4, 8, 2)])
+def test_blocks_cover_the_rows_that_make_block_bytes(row_bytes, block_bytes, per):
+    """``delta_block_bytes`` sets the block: one row when a row has that many bytes, else as
+    many as make them; a digest per block, a shorter last one."""
+    stored = np.zeros((101, row_bytes), np.uint8)
+    hasher = RowHasher(seed=1, block_bytes=block_bytes)
+    assert hasher.block_rows(stored) == block_rows(row_bytes, block_bytes) == per
+    assert hasher.count(stored) == hasher.digests(stored).size == -(-101 // per)
