@@ -26,7 +26,7 @@ rotating order:
 - **whole**: ``StepCheckpointManager.save`` without deltas;
 - **hints**: ``delta_saves=True, delta_detection="hints"`` with the changed rows given;
 - **compare**: ``delta_saves=True`` (changed rows found by row digests);
-- **compare, numpy digests** (when the ``fast`` extra's numba kernel is in use): the same, its
+- **compare, numpy digests** (when the ``fast`` extra's compiled kernel is in use): the same, its
   row digests computed by the numpy kernel instead, for the two kernels side by side;
 - **zarr in place** (the first ``--zarr-epochs`` epochs, local only): the touched chunks of a
   plain Zarr array (the table, ``--zarr-rows`` rows per chunk, zarr-python's own write path)
@@ -67,6 +67,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_checkpoint import drop_caches  # noqa: E402
+from bench_reshard import Reads  # noqa: E402
 
 import caffe2ckpt  # noqa: E402
 from caffe2ckpt import StepCheckpointManager, StepManagerOptions  # noqa: E402
@@ -295,19 +296,22 @@ def restore(run: Run, epoch: int, order: int) -> dict[str, float]:
     record = _record(run.mgrs["compare"], epoch)
     groups = 1 + (len(record.delta.chains.get("table", ())) if record.delta else 0)
     timings: dict[str, list[float]] = {"whole": [], "compare": []}
-    data = {}
+    data, read = {}, {}
     for turn in range(run.restores):
         for name in ("whole", "compare")[::1 - 2 * ((order + turn) % 2)]:
             reader = StepCheckpointManager(run.url(name), handle_preemption=False,
                                            **run.options)
+            counted = Reads(reader)
             _cold()
             seconds, data[name] = _timed(lambda r=reader: r.restore(epoch)[NODE])
             timings[name].append(seconds)
+            read[name] = counted.bytes
             reader.close()
     if any(data["whole"][k].tobytes() != data["compare"][k].tobytes() for k in data["whole"]):
         raise SystemExit(f"epoch {epoch}: the delta restore differs from the whole one")
     return {"epoch": epoch, "groups": groups, "whole": statistics.median(timings["whole"]),
-            "delta": statistics.median(timings["compare"])}
+            "delta": statistics.median(timings["compare"]),
+            "read": read["compare"] / read["whole"]}
 
 
 def workload(args, seed: int = 0) -> E1:
@@ -423,17 +427,19 @@ def _requests(later: list[dict]) -> str:
 
 def report_restores(restores) -> None:
     print("\n| groups the table is read from | epochs | whole restore s (median) | delta restore "
-          "s (median) | ratio (median of paired) | worst ratio |")
-    print("|---|---|---|---|---|---|")
+          "s (median) | ratio (median of paired) | worst ratio | bytes read / whole's (most) |")
+    print("|---|---|---|---|---|---|---|")
     for groups in sorted({r["groups"] for r in restores}):
         rows = [r for r in restores if r["groups"] == groups]
         ratios = [r["delta"] / r["whole"] for r in rows]
         print(f"| {groups} | {len(rows)} | {statistics.median(r['whole'] for r in rows):.3f} | "
               f"{statistics.median(r['delta'] for r in rows):.3f} | "
-              f"{statistics.median(ratios):.2f} | {max(ratios):.2f} |")
+              f"{statistics.median(ratios):.2f} | {max(ratios):.2f} | "
+              f"{max(r['read'] for r in rows):.3f} |")
     ratios = [r["delta"] / r["whole"] for r in restores]
     print(f"\nevery epoch 1..{len(restores)} restored bit-exact; ratio to a whole restore: median "
-          f"{statistics.median(ratios):.2f}, worst {max(ratios):.2f}")
+          f"{statistics.median(ratios):.2f}, worst {max(ratios):.2f}; bytes read: at most "
+          f"{max(r['read'] for r in restores):.3f}x a whole restore's")
 
 
 def report_memory(memory) -> None:

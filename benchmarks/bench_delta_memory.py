@@ -33,12 +33,16 @@ def _status(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def child(mode: str, mib: int, width: int, epochs: int) -> dict[str, float]:
+def child(mode: str, mib: int, width: int, epochs: int, kernel: str) -> dict[str, float]:
     """One process: ``epochs`` saves of a ``mib`` MiB table of ``width`` float32 per row and
     4 MiB of dense weights; its peak resident memory beyond what it held before."""
     import numpy as np
 
     from caffe2ckpt import StepCheckpointManager, StepManagerOptions
+    from caffe2ckpt.store import rowhash
+
+    if kernel == "numpy":  # as without the fast extra
+        rowhash.kernel = lambda: ("numpy", rowhash.numpy_multilinear)
 
     rng = np.random.default_rng(0)
     rows = mib * MIB // (4 * width)
@@ -63,11 +67,12 @@ def child(mode: str, mib: int, width: int, epochs: int) -> dict[str, float]:
     return {"extra": peak - before, "large": blobs["table"].nbytes + blobs["dense"].nbytes}
 
 
-def measure(mib: int, width: int, epochs: int) -> dict[str, dict[str, float]]:
+def measure(mib: int, width: int, epochs: int, kernel: str) -> dict[str, dict[str, float]]:
     out = {}
     for mode in MODES:
         done = subprocess.run([sys.executable, __file__, "--child", mode, "--mib", str(mib),
-                               "--width", str(width), "--epochs", str(epochs)],
+                               "--width", str(width), "--epochs", str(epochs),
+                               "--kernel", kernel],
                               check=True, capture_output=True, text=True)
         out[mode] = json.loads(done.stdout.strip().splitlines()[-1])
     return out
@@ -95,17 +100,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=None,
                         help="float32s per row (default: 16 and 64)")
     parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--kernel", choices=["in use", "numpy"], default="in use",
+                        help="row digests by the kernel in use (compiled, with the fast extra) or "
+                             "by numpy")
     parser.add_argument("--child", choices=MODES, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, for CI")
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(child(args.child, args.mib, args.width, args.epochs)))
+        print(json.dumps(child(args.child, args.mib, args.width, args.epochs, args.kernel)))
         return 0
     if args.smoke:
         args.mib, args.width, args.epochs = args.mib or 8, args.width or 16, 3
     sizes = [args.mib] if args.mib else [64, 256]
     widths = [args.width] if args.width else [16, 64]
-    report([(mib, width, measure(mib, width, args.epochs)) for mib in sizes for width in widths])
+    report([(mib, width, measure(mib, width, args.epochs, args.kernel))
+            for mib in sizes for width in widths])
     return 0
 
 

@@ -39,6 +39,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import tracemalloc
 from pathlib import Path
@@ -68,9 +69,11 @@ class Reads:
         self.bytes = 0
         location = mgr._store.location
         read = location.read_exact
+        lock = threading.Lock()  # reads run on several threads
 
         def counted(path, out, trailer):
-            self.bytes += len(out)
+            with lock:
+                self.bytes += len(out)
             return read(path, out, trailer)
         location.read_exact = counted
 

@@ -533,8 +533,8 @@ def _run_all(calls: list[Callable[[], None]]) -> None:
 
 
 def _on_threads(calls: list[Callable[[], None]]) -> None:
-    """Run ``calls`` on the I/O threads (numpy and numba release the GIL in them), raising the
-    first failure once all have ended."""
+    """Run ``calls`` on the I/O threads (numpy and the compiled kernel release the GIL in
+    them), raising the first failure once all have ended."""
     results([pool().submit(call) for call in calls])
 
 

@@ -18,8 +18,9 @@ process), live only in memory and are never stored, so no data can be chosen to 
 Blocks wider than :data:`MAX_WORDS` words (about 16 KiB) are hashed with seeded XXH3-64 instead
 (fast for few wide blocks; a well-tested hash with no proven bound).
 
-The sums are computed by numba-compiled code (:mod:`caffe2ckpt.store.rowjit`) when the ``fast``
-extra is installed, else by numpy: the same digests, about 4x faster compiled (:func:`kernel`).
+The sums are computed by compiled code (:mod:`caffe2ckpt.store.rowjit`, llvmlite) when the
+``fast`` extra is installed, else by numpy: the same digests, about 4x faster compiled
+(:func:`kernel`).
 """
 
 from __future__ import annotations
@@ -134,28 +135,29 @@ class RowHasher:
 
 @functools.cache
 def kernel() -> tuple[str, Kernel]:
-    """The multilinear kernel this process uses, and its name: ``"numba"`` when the ``fast``
-    extra imports, else ``"numpy"`` (both compute :func:`numpy_multilinear`'s sums)."""
+    """The multilinear kernel this process uses, and its name: ``"compiled"`` when the
+    ``fast`` extra (llvmlite) imports and its kernel loads, else ``"numpy"`` (both compute
+    :func:`numpy_multilinear`'s sums)."""
     try:
         from caffe2ckpt.store.rowjit import multilinear, warm_up
 
-        warm_up()  # compiles (or loads) each word width now: a failure falls back here
+        warm_up()  # loads (or compiles) the kernel and checks it now: a failure falls back here
     except ModuleNotFoundError as exc:
         if (exc.name or "").partition(".")[0] == "caffe2ckpt":
             raise  # our own module missing is a broken install, not a missing extra
-        if exc.name != "numba":
-            return _fall_back(exc)  # numba is there, but not what it needs (llvmlite...)
-        _log.info("row digests computed with numpy: `pip install 'caffe2ckpt[fast]'` (numba) "
+        if exc.name != "llvmlite":
+            return _fall_back(exc)  # llvmlite is there, but not all of it
+        _log.info("row digests computed with numpy: `pip install 'caffe2ckpt[fast]'` (llvmlite) "
                   "computes them about 4x faster")
         return "numpy", numpy_multilinear
-    except Exception as exc:  # noqa: BLE001 (e.g. a numba release that does not fit this numpy)
+    except Exception as exc:  # noqa: BLE001 (e.g. an llvmlite that cannot compile for this CPU)
         return _fall_back(exc)
-    return "numba", multilinear
+    return "compiled", multilinear
 
 
 def _fall_back(exc: BaseException) -> tuple[str, Kernel]:
-    _log.warning("row digests fall back to numpy: numba is installed but failed to import or "
-                 "compile (%s: %s)", type(exc).__name__, exc)
+    _log.warning("row digests fall back to numpy: llvmlite is installed but the compiled kernel "
+                 "failed to import, compile or load (%s: %s)", type(exc).__name__, exc)
     return "numpy", numpy_multilinear
 
 
@@ -166,7 +168,7 @@ def numpy_multilinear(words: np.ndarray, keys: np.ndarray, offsets: np.ndarray,
     wide = words.astype(np.uint64)
     # wraps modulo 2**64, as the family needs. einsum's integer loop (keys as 2 rows) beats
     # ``wide @ keys`` (a 256 MiB table's digests 117 ms against 156 ms on the 2 cores of
-    # 2026-12-01, numpy 2.4; 48-50 ms on those of 2026-12-06, where numba takes 11.5 ms)
+    # 2026-12-01, numpy 2.4; 48-50 ms on those of 2026-12-06, where numba took 11.5 ms)
     sums = np.einsum("ij,kj->ik", wide, keys)
     sums += offsets
     out[:] = ((sums[:, 0] >> _HIGH) << _HIGH) | (sums[:, 1] >> _HIGH)

@@ -1,42 +1,198 @@
-"""The multilinear row digests of :mod:`caffe2ckpt.store.rowhash` compiled with numba, when the
-``fast`` extra (``pip install 'caffe2ckpt[fast]'``) is installed: one pass over each block's
-words instead of numpy's three (widen, multiply-add per key row, combine), about 4x faster on a
-256 MiB table (docs/performance.md). Same function, same bits: tests/store/test_rowhash.py checks
-both kernels against the formula.
+"""The multilinear row digests of :mod:`caffe2ckpt.store.rowhash` compiled to machine code with
+llvmlite, when the ``fast`` extra (``pip install 'caffe2ckpt[fast]'``) is installed: one pass
+over each block's words instead of numpy's three (widen, multiply-add per key row, combine),
+about 4x faster on a 256 MiB table (docs/performance.md). Same function, same bits:
+tests/store/test_rowhash.py checks both kernels against the formula.
 
-Importing this module imports numba; :mod:`rowhash` does so lazily, at the first digest, and
-falls back to numpy when it cannot, or when :func:`warm_up` fails. Compiled code is cached on
-disk (numba's ``cache=True``: beside this file, or in numba's per-user cache directory when that
-is read-only), so each kind of array (word width, read-only or not) is compiled once per
-installation, not once per run.
+The kernel is a few lines of LLVM IR (:data:`_IR`, one function per word width), optimised
+for this machine's processor by a child process the first time (:func:`_compile`), and kept as
+an object file in a cache directory of the user's (:func:`cache_dir`), keyed by the IR, the
+llvmlite and LLVM versions and the processor: every later process only loads that object
+(llvmlite's MCJIT), which costs about half the memory of compiling it, or of importing a JIT
+compiler such as numba (issue 56: a save's extra memory is bounded). When the cache directory
+cannot be written, this process compiles the kernel itself.
+
+Importing this module imports llvmlite; :mod:`rowhash` does so lazily, at the first digest,
+and falls back to numpy when it cannot, or when :func:`warm_up` fails.
 """
 
 from __future__ import annotations
 
-import numba
+import contextlib
+import ctypes
+import functools
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import llvmlite
+import llvmlite.binding as llvm
 import numpy as np
 
-__all__ = ["multilinear", "warm_up"]
+__all__ = ["cache_dir", "multilinear", "warm_up"]
+
+WIDTHS = (32, 16, 8)  # bits per word the digests read blocks as (rowhash._words)
+# out[i] = top 32 bits of (k0a + sum keys[0][j] * w[i][j]) << 32 | top 32 bits of the same with
+# keys[1] (keys: 2 rows of n), for each row i of n words; arithmetic modulo 2**64
+_IR = """
+define void @multilinear_{w}(i8* noalias nocapture readonly %words, i64 %rows, i64 %n,
+                             i64* noalias nocapture readonly %keys, i64 %k0a, i64 %k0b,
+                             i64* noalias nocapture %out) nounwind {{
+entry:
+  %wp = bitcast i8* %words to i{w}*
+  %k1 = getelementptr i64, i64* %keys, i64 %n
+  %none = icmp eq i64 %rows, 0
+  br i1 %none, label %exit, label %row
+row:
+  %i = phi i64 [0, %entry], [%inext, %rowend]
+  %base = mul i64 %i, %n
+  br label %word
+word:
+  %j = phi i64 [0, %row], [%jnext, %word]
+  %a = phi i64 [%k0a, %row], [%a2, %word]
+  %b = phi i64 [%k0b, %row], [%b2, %word]
+  %at = add i64 %base, %j
+  %wptr = getelementptr i{w}, i{w}* %wp, i64 %at
+  %wv = load i{w}, i{w}* %wptr, align 1
+  %we = zext i{w} %wv to i64
+  %kap = getelementptr i64, i64* %keys, i64 %j
+  %ka = load i64, i64* %kap, align 8
+  %kbp = getelementptr i64, i64* %k1, i64 %j
+  %kb = load i64, i64* %kbp, align 8
+  %pa = mul i64 %ka, %we
+  %pb = mul i64 %kb, %we
+  %a2 = add i64 %a, %pa
+  %b2 = add i64 %b, %pb
+  %jnext = add i64 %j, 1
+  %jdone = icmp uge i64 %jnext, %n
+  br i1 %jdone, label %rowend, label %word
+rowend:
+  %ah = lshr i64 %a2, 32
+  %ahs = shl i64 %ah, 32
+  %bh = lshr i64 %b2, 32
+  %digest = or i64 %ahs, %bh
+  %optr = getelementptr i64, i64* %out, i64 %i
+  store i64 %digest, i64* %optr, align 8
+  %inext = add i64 %i, 1
+  %idone = icmp uge i64 %inext, %rows
+  br i1 %idone, label %exit, label %row
+exit:
+  ret void
+}}
+"""
+_PROTO = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                          ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_void_p)
 
 
-@numba.njit(nogil=True, cache=True)
+def _source() -> str:
+    return "".join(_IR.format(w=w) for w in WIDTHS)
+
+
+def _target_machine() -> llvm.TargetMachine:
+    llvm.initialize_native_target()
+    llvm.initialize_native_asmprinter()
+    return llvm.Target.from_default_triple().create_target_machine(
+        cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten(), opt=3)
+
+
+def _compile() -> bytes:
+    """The kernel as an object file for this machine's processor, optimised."""
+    machine = _target_machine()
+    module = llvm.parse_assembly(_source())
+    module.verify()
+    builder = llvm.create_pass_builder(machine, llvm.create_pipeline_tuning_options(
+        speed_level=3))
+    builder.getModulePassManager().run(module, builder)
+    return machine.emit_object(module)
+
+
+def cache_dir() -> Path:
+    """Where compiled kernels are kept: ``$CAFFE2CKPT_CACHE_DIR``, else ``caffe2ckpt`` in
+    ``$XDG_CACHE_HOME`` (default ``~/.cache``)."""
+    explicit = os.environ.get("CAFFE2CKPT_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "caffe2ckpt"
+
+
+def _cached_path() -> Path:
+    key = "\0".join([_source(), llvmlite.__version__, repr(llvm.llvm_version_info),
+                     llvm.get_default_triple(), llvm.get_host_cpu_name(),
+                     llvm.get_host_cpu_features().flatten()])
+    return cache_dir() / f"rowjit-{hashlib.sha256(key.encode()).hexdigest()[:24]}.o"
+
+
+def _object() -> bytes:
+    """The compiled kernel: from the cache, else compiled by a child process into it, else
+    (the cache cannot be written) compiled here."""
+    path = _cached_path()
+    with contextlib.suppress(OSError):
+        return path.read_bytes()
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # -P: no directory of this package (nor the current one) shadows what the child imports
+        subprocess.run([sys.executable, "-P", __file__, str(path)], check=True, timeout=300,
+                       capture_output=True)
+        return path.read_bytes()
+    return _compile()
+
+
+def _write(path: Path) -> None:
+    """Compile the kernel into ``path`` (atomically: a reader sees all of it or nothing)."""
+    data = _compile()
+    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".tmp-", delete=False) as tmp:
+        tmp.write(data)
+    os.replace(tmp.name, path)
+
+
+@functools.cache
+def _functions() -> tuple[llvm.ExecutionEngine, dict[int, ctypes._CFuncPtr]]:
+    engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""), _target_machine())
+    engine.add_object_file(llvm.ObjectFileRef.from_data(_object()))
+    engine.finalize_object()
+    found = {w: engine.get_function_address(f"multilinear_{w}") for w in WIDTHS}
+    if not all(found.values()):
+        raise RuntimeError(f"the compiled row-digest kernel lacks a function: {found}")
+    return engine, {w: _PROTO(address) for w, address in found.items()}
+
+
 def multilinear(words: np.ndarray, keys: np.ndarray, offsets: np.ndarray,
                 out: np.ndarray) -> None:
     """``out[i]``: the two halves' top 32 bits of ``offsets[h] + sum(keys[h] * words[i])``
-    modulo 2**64 (uint64 arithmetic wraps), for each row ``i`` of ``words``. Releases the GIL."""
-    high = np.uint64(32)
-    for i in range(words.shape[0]):
-        first, second = offsets[0], offsets[1]
-        for j in range(words.shape[1]):
-            word = np.uint64(words[i, j])
-            first += keys[0, j] * word
-            second += keys[1, j] * word
-        out[i] = ((first >> high) << high) | (second >> high)
+    modulo 2**64, for each row ``i`` of ``words`` (C-contiguous unsigned words of 8, 16 or 32
+    bits; ``keys`` a C-contiguous (2, n) uint64 array; ``out`` a contiguous uint64 array of
+    one digest per row). The call releases the GIL (ctypes does)."""
+    rows, n = words.shape
+    if not (words.flags.c_contiguous and keys.flags.c_contiguous and out.flags.c_contiguous
+            and keys.shape == (2, n) and keys.dtype == np.uint64 and out.dtype == np.uint64
+            and out.shape == (rows,) and words.dtype.kind == "u"):
+        raise ValueError("multilinear: words, keys or out are not laid out as the kernel needs")
+    if rows:
+        _functions()[1][words.dtype.itemsize * 8](
+            words.ctypes.data, rows, n, keys.ctypes.data, int(offsets[0]), int(offsets[1]),
+            out.ctypes.data)
 
 
 def warm_up() -> None:
-    """Compile (or load from the cache) :func:`multilinear` for each word width the digests use,
-    so that a failure to compile shows here, at the choice of kernel, not in a save."""
-    keys, offsets, out = np.zeros((2, 1), np.uint64), np.zeros(2, np.uint64), np.empty(1, np.uint64)
-    for dtype in (np.uint32, np.uint16, np.uint8):
-        multilinear(np.zeros((1, 1), dtype), keys, offsets, out)
+    """Load (or compile) the kernel and check it on one block of each word width against
+    numpy, so that a failure shows here, at the choice of kernel, not in a save."""
+    from caffe2ckpt.store.rowhash import numpy_multilinear
+
+    rng = np.random.default_rng(0)
+    keys = rng.integers(0, 2**64, (2, 3), np.uint64, endpoint=False)
+    offsets = rng.integers(0, 2**64, 2, np.uint64, endpoint=False)
+    for bits in WIDTHS:
+        words = rng.integers(0, 2**bits, (2, 3), dtype=np.dtype(f"u{bits // 8}"))
+        got, want = np.empty(2, np.uint64), np.empty(2, np.uint64)
+        multilinear(words, keys, offsets, got)
+        numpy_multilinear(words, keys, offsets, want)
+        if not np.array_equal(got, want):
+            raise RuntimeError(f"the compiled row-digest kernel disagrees with numpy on "
+                               f"{bits}-bit words")
+
+
+if __name__ == "__main__":  # the child process of _object(): python rowjit.py <path>
+    _write(Path(sys.argv[1]))

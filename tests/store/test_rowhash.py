@@ -6,6 +6,7 @@ hashed or lose the modular wrap the bound relies on."""
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import types
@@ -19,22 +20,33 @@ from caffe2ckpt.store.rowhash import BLOCK_BYTES, RowHasher, block_rows
 KERNELS = {
     "numpy": lambda: rowhash.numpy_multilinear,
     # the `fast` extra, which the test extra installs: CI checks the compiled kernel too
-    "numba": lambda: pytest.importorskip("caffe2ckpt.store.rowjit").multilinear,
+    "compiled": lambda: pytest.importorskip("caffe2ckpt.store.rowjit").multilinear,
 }
 
 
 def test_the_fast_extra_is_the_kernel_in_use():
-    assert rowhash.kernel()[0] == "numba", "the test extra installs numba (the `fast` extra)"
+    assert rowhash.kernel()[0] == "compiled", "the test extra installs llvmlite (`fast`)"
 
 
-@pytest.mark.parametrize(("numba", "level", "says"), [
-    (None, logging.INFO, "pip install 'caffe2ckpt[fast]'"),  # not installed
-    (types.ModuleType("numba"), logging.WARNING, "numba is installed but failed"),
-], ids=["missing", "broken"])
-def test_without_a_usable_numba_the_digests_fall_back_to_numpy_saying_why(
-        numba, level, says, monkeypatch, caplog):
-    monkeypatch.setitem(sys.modules, "numba", numba)
-    monkeypatch.delitem(sys.modules, "caffe2ckpt.store.rowjit", raising=False)
+def _broken_warm_up():
+    raise RuntimeError("no code for this processor")
+
+
+@pytest.mark.parametrize(("modules", "level", "says"), [
+    ({"llvmlite": None}, logging.INFO, "pip install 'caffe2ckpt[fast]'"),  # not installed
+    ({"llvmlite": types.ModuleType("llvmlite")}, logging.WARNING,  # half installed
+     "llvmlite is installed but the compiled kernel failed"),
+    ({}, logging.WARNING, "no code for this processor"),  # the kernel does not load
+], ids=["missing", "broken", "failing"])
+def test_without_a_usable_kernel_the_digests_fall_back_to_numpy_saying_why(
+        modules, level, says, monkeypatch, caplog):
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+        monkeypatch.delitem(sys.modules, "llvmlite.binding", raising=False)
+        monkeypatch.delitem(sys.modules, "caffe2ckpt.store.rowjit", raising=False)
+    if not modules:
+        from caffe2ckpt.store import rowjit
+        monkeypatch.setattr(rowjit, "warm_up", _broken_warm_up)
     rowhash.kernel.cache_clear()
     try:
         with caplog.at_level(logging.INFO, logger=rowhash.__name__):
@@ -44,15 +56,36 @@ def test_without_a_usable_numba_the_digests_fall_back_to_numpy_saying_why(
     assert [r.levelno for r in caplog.records] == [level] and says in caplog.text
 
 
-def test_a_numba_without_what_it_imports_falls_back_too():
-    """numba installed, its llvmlite not importable (in a process of its own: a failed import
-    of numba would leave half of it in this one)."""
-    code = ("import logging, sys; sys.modules['llvmlite'] = None; logging.basicConfig(); "
-            "from caffe2ckpt.store import rowhash; print(rowhash.kernel()[0])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, check=True)
-    assert out.stdout.split() == ["numpy"]
-    assert "fall back to numpy" in out.stderr and "llvmlite" in out.stderr, out.stderr
+_LOAD = ("from caffe2ckpt.store import rowhash, rowjit; import sys; {patch}"
+         "print(rowhash.kernel()[0], rowjit._cached_path())")
+
+
+def _kernel_in_a_process(cache: str, patch: str = "") -> list[str]:
+    env = {**os.environ, "CAFFE2CKPT_CACHE_DIR": cache}
+    out = subprocess.run([sys.executable, "-c", _LOAD.format(patch=patch)], capture_output=True,
+                         text=True, timeout=300, check=True, env=env)
+    return out.stdout.split()
+
+
+def test_the_kernel_is_compiled_once_into_the_cache_and_loaded_from_it(tmp_path):
+    """A process finds no compiled kernel: a child compiles it into the cache (mode 0600, in a
+    0700 folder); the next process loads it and never compiles (its compiler made to fail)."""
+    cache = tmp_path / "cache"
+    kind, path = _kernel_in_a_process(str(cache))
+    assert kind == "compiled" and path.startswith(str(cache))
+    stat = os.stat(path)
+    assert stat.st_mode & 0o777 == 0o600 and cache.stat().st_mode & 0o777 == 0o700
+    failing = "rowjit._compile = lambda: sys.exit('compiled again'); "
+    assert _kernel_in_a_process(str(cache), failing) == [kind, path]
+    assert os.stat(path).st_mtime_ns == stat.st_mtime_ns
+    assert [p.name for p in cache.iterdir()] == [path.rpartition("/")[2]]  # no leftovers
+
+
+def test_a_cache_that_cannot_be_written_compiles_in_the_process(tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    kind, _ = _kernel_in_a_process(str(blocked / "cache"))
+    assert kind == "compiled" and not blocked.is_dir()
 
 
 def reference(hasher: RowHasher, stored: np.ndarray) -> list[int]:
@@ -79,7 +112,7 @@ def reference(hasher: RowHasher, stored: np.ndarray) -> list[int]:
     (np.uint8, (77, 7)),  # 7-byte rows: bytes
     (np.float64, (9,)),  # 8-byte rows of a vector
 ], ids=lambda v: getattr(v, "__name__", str(v)))
-@pytest.mark.parametrize("kernel", ["numpy", "numba"])
+@pytest.mark.parametrize("kernel", ["numpy", "compiled"])
 def test_digests_are_the_multilinear_family(dtype, shape, kernel, monkeypatch):
     monkeypatch.setattr(rowhash, "_BATCH_BYTES", 1024)  # several batches, a partial last one
     monkeypatch.setattr(rowhash, "kernel", lambda: (kernel, KERNELS[kernel]()))
