@@ -48,7 +48,7 @@ __all__ = ["StepManagerOptions", "keep_reasons", "retained_epochs", "should_save
 
 Metrics = Mapping[str, float]
 MAX_DELTA_CHAIN = 64  # overlays a blob may build on (records refuse longer chains as damage)
-MAX_BLOCK_BYTES = 16384  # the widest block of rows the multilinear digests' keys cover
+MAX_BLOCK_BYTES = 16384  # delta_block_bytes at most (wider blocks: seeded XXH3, no proven bound)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,7 +75,8 @@ class StepManagerOptions:
       ``max_delta_chain + 1`` parts of rows and each save writes one part whole, in turn, if it
       changed, so a save needs at most this many older saves for the rows that changed (and
       the older ones holding what did not). More parts write less per save (a tenth of the
-      blob plus its changed rows at the default) and make a restore read more overlays.
+      blob, when it changed, plus its changed rows at the default) and make a restore read
+      more overlays.
     - ``max_delta_fraction`` (above 0, at most 1, default 0.5): a blob whose row overlays in
       the saves it needs would pass this share of its bytes is written whole: a restore never
       reads more than ``1 + max_delta_fraction`` times the blob.

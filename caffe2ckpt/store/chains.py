@@ -13,13 +13,15 @@ the saves it builds on (which retention may have removed):
   SHA-256 of its ``zarr.json`` (which names its save) and of the metadata of every array used
   from it, and the CRC32C of those arrays' chunks;
 - ``chains``: per blob not stored whole in the save's own group, indices into ``groups``: the
-  group holding it whole, then the groups whose overlays apply, oldest first (the save's own
-  overlay, if its manifest lists one, applies last);
+  groups that still give rows of it (a whole copy, spans, overlays), oldest first; a row's
+  value is the newest group's holding it (the save's own group, if its manifest lists a span or
+  overlay of the blob, last);
 - ``digests``: per such blob, the xxh3-128 of its bytes as they were in memory at save time
   (stored form: C order, little-endian), checked once the chain is applied: a changed-rows hint
   that missed rows, or a wrong source, is damage at restore, never wrong data;
-- ``depth``: how many saves in a row (this one included) build on one another, so the writer
-  knows when to write everything whole again; ``written``: the bytes of data this save wrote.
+- ``depth``: how many saves in a row (this one included) build on one another (the writer's
+  turn of parts: :mod:`caffe2ckpt.store.deltalinks`); ``written``: the bytes of data this save
+  wrote.
 
 Validation is strict and bounded (:meth:`DeltaRecord.from_dict`): a group must be a group of the
 same node, of an older epoch, of the same run (version 1: a delta builds only on saves of its
@@ -39,7 +41,7 @@ __all__ = ["DIGEST_ALGORITHM", "MAX_GROUPS", "ChainGroup", "DeltaRecord", "overl
            "span_path"]
 
 DIGEST_ALGORITHM = "xxh3_128"
-MAX_GROUPS = 65  # a chain of caffe2ckpt.policy.MAX_DELTA_CHAIN overlays and its whole source
+MAX_GROUPS = 65  # older groups a save may need (the writer writes blobs whole to stay within)
 _DIGEST = re.compile(r"[0-9a-f]{32}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _MAX_COUNT = 2**63 - 1

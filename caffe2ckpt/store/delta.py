@@ -4,8 +4,10 @@ save (the one it builds on) holds.
 A :class:`DeltaTracker` lives beside the node's workspace (in the process that holds the node:
 a thread of the flow, or a Dask worker) and remembers what the last save it wrote holds: each
 blob's logical dtype and shape, its digest, the groups that hold its rows (its *chain*), and,
-for large blobs, a keyed 8-byte digest per block of rows (:mod:`caffe2ckpt.store.rowhash`: 5% of
-the blob at most, never a copy). :meth:`DeltaTracker.plan` chooses per blob
+for large blobs, a keyed 8-byte digest per block of rows (:mod:`caffe2ckpt.store.rowhash`: 8
+bytes per ``delta_block_bytes`` of the blob at most, never a copy; the next plan compares its
+digests with those and writes them over them, so a plan that reuses them leaves the tracker with
+no base until its save commits). :meth:`DeltaTracker.plan` chooses per blob
 (:mod:`caffe2ckpt.store.chains` describes what is stored):
 
 - **whole**: the first save, a save whose base is not the last save this tracker wrote (the
@@ -59,7 +61,7 @@ import xxhash
 from caffe2ckpt.fs.iopool import pool, results
 from caffe2ckpt.policy import StepManagerOptions
 from caffe2ckpt.store.chains import MAX_GROUPS, ChainGroup, DeltaRecord
-from caffe2ckpt.store.deltalinks import Link, dirty_parts, live, part_edges, parts_of, span_rows
+from caffe2ckpt.store.deltalinks import Link, live, parts_of, span_rows, turn
 from caffe2ckpt.store.layout import parse_group_name
 from caffe2ckpt.store.manifest import PACKED_ARRAY, BlobInfo, Inherited, Manifest
 from caffe2ckpt.store.records import CommitRecord, RecordRef
@@ -92,7 +94,9 @@ def stored_digest(stored: np.ndarray) -> str:
 
 @dataclass(frozen=True)
 class _Saved:
-    """What the last save this tracker wrote holds (its base for the next save)."""
+    """What the last save this tracker wrote holds (its base for the next save). Frozen, but
+    ``rows``' arrays are overwritten by the next plan (:meth:`DeltaTracker._block_digests`),
+    which then takes the tracker's base away until its own save commits."""
 
     save_id: str
     group: str
@@ -209,8 +213,9 @@ class DeltaTracker:
         everything is written whole. With ``defer`` (a save that writes before it returns),
         what only the record and the next save need is left for later (:meth:`DeltaWrite.start`
         runs it while the save's data is made durable, :meth:`DeltaWrite.settle` before the
-        record): the large blobs' xxh3, and the digests of the rows this save writes whole (its
-        span, with ``compare``; every row, when the save is whole); and the plan's spans are
+        record): the large blobs' xxh3, and the digests of the rows this save writes whole
+        whatever they hold (with ``compare``, its span when its part changed before; every row,
+        when the save is whole); and the plan's spans are
         views of ``blobs``, not copies: ``blobs`` must not change until the save returns, as in
         any save that writes before it returns."""
         with self._lock:
@@ -225,8 +230,11 @@ class DeltaTracker:
             if why:
                 out.whole = dict(blobs)
                 out.why = {name: why for name in out.rows}
-                return out
-            return _Planner(self, saved, blobs, out, copy_spans=not defer).plan()
+            else:
+                _Planner(self, saved, blobs, out, copy_spans=not defer).plan()
+            if out.reused:  # the base's row digests are this save's now: no other plan may
+                self._saved = None  # build on the base, and only this one's commit sets it
+            return out
         except BaseException:
             self._give_back(hints)
             if saved is not None:  # its row digests may be half overwritten: the next is whole
@@ -237,7 +245,8 @@ class DeltaTracker:
                ) -> dict[str, tuple[int, int]]:
         """The blocks of each large blob whose digests the plan does not need: every one when
         nothing is built on (the save is whole), else with ``compare`` those inside the span
-        the save writes whole (with hints, every block is checked against them)."""
+        the save writes whole whatever they hold (its part changed since its last whole copy;
+        with hints, every block is checked against them)."""
         later = {}
         for name, arr in blobs.items():
             if not self.eligible(arr):
@@ -252,14 +261,13 @@ class DeltaTracker:
         return later
 
     def _turn_is_dirty(self, name: str, arr: np.ndarray, saved: _Saved) -> bool:
-        """Whether the part a save on ``saved`` may write whole of blob ``name`` changed since
-        it was (then it is written whole, whatever its rows' digests say)."""
+        """Whether a save on ``saved`` writes the part whose turn it is of blob ``name`` whole
+        whatever its rows' digests say (an overlay changed it since it was written whole)."""
         links = saved.links.get(name)
         if not links or saved.infos.get(name) != _info(arr):
             return False
-        parts = self.options.max_delta_chain + 1
-        edges = part_edges(arr.shape[0], arr.nbytes // arr.shape[0], parts)
-        return (saved.depth + 1) % parts in dirty_parts(links, edges)
+        return turn(arr.shape[0], arr.nbytes // arr.shape[0], self.options.max_delta_chain + 1,
+                    saved.depth + 1, links)[2]
 
     def _measure(self, blobs: dict[str, np.ndarray], hints: dict[str, np.ndarray],
                  later: dict[str, tuple[int, int]], defer: bool, saved: _Saved | None
@@ -435,16 +443,15 @@ class _Planner:
         less or its live overlays would pass ``max_delta_fraction`` of it; and the older groups
         that still give rows of it then (:func:`~caffe2ckpt.store.deltalinks.live`)."""
         row_bytes = arr.nbytes // arr.shape[0]
-        parts = self.options.max_delta_chain + 1
-        edges = part_edges(arr.shape[0], row_bytes, parts)
-        turn = self.depth % parts
-        start, stop = edges[turn], edges[turn + 1]
-        if not (turn in dirty_parts(older, edges) or turn in parts_of(changed, edges)):
+        edges, part, dirty = turn(arr.shape[0], row_bytes, self.options.max_delta_chain + 1,
+                                  self.depth, older)
+        start, stop = edges[part], edges[part + 1]
+        if not (dirty or part in parts_of(changed, edges)):
             start = stop  # nothing in that part changed since it was written: no span
         ids = changed[(changed < start) | (changed >= stop)]
         ids = ids.astype(np.int32 if arr.shape[0] < 2**31 else np.int64)
         overlay = ids.size * (ids.itemsize + row_bytes)
-        own = Link("", "", {}, {}, span=turn if stop > start else None,
+        own = Link("", "", {}, {}, span=part if stop > start else None,
                    touched=parts_of(ids, edges), overlay_bytes=overlay)
         kept = live([*older, own], edges)
         if kept is None:
@@ -469,7 +476,7 @@ class _Planner:
         """The rows of a large blob to write (int64, ascending): those of every block whose
         digest changed, and (hints) every hinted row."""
         pieces = self.out.found[name]
-        blocks = np.sort(np.concatenate(pieces)) if pieces else np.array([], np.int64)
+        blocks = np.unique(np.concatenate(pieces)) if pieces else np.array([], np.int64)
         count = arr.shape[0]
         per = self.tracker.hasher.block_rows(arr)
         found = (blocks if per == 1 else
@@ -494,7 +501,8 @@ def _span_blocks(arr: np.ndarray, parts: int, depth: int, per: int, count: int
     ``depth`` writes."""
     rows = arr.shape[0]
     start, stop = span_rows(rows, arr.nbytes // rows, parts, depth)
-    return -(-start // per), count if stop == rows else stop // per
+    first, last = -(-start // per), count if stop == rows else stop // per
+    return (first, last) if first < last else (0, 0)  # none: every block is digested now
 
 
 def _why_whole(base: str | None, tracked: _Saved | None, saved: _Saved | None,

@@ -23,7 +23,7 @@ import numpy as np
 
 from caffe2ckpt.fs.localio import DIRECT_ALIGN
 
-__all__ = ["Link", "dirty_parts", "live", "part_edges", "parts_of", "span_rows"]
+__all__ = ["Link", "dirty_parts", "live", "part_edges", "parts_of", "span_rows", "turn"]
 
 
 @dataclass(frozen=True)
@@ -103,3 +103,14 @@ def dirty_parts(links: list[Link], edges: list[int]) -> frozenset[int]:
     source: those whose rows are not all in one group."""
     source = _sources(links, edges)
     return frozenset(p for i, link in enumerate(links) for p in link.touched if source[p] < i)
+
+
+def turn(rows: int, row_bytes: int, parts: int, depth: int, links: list[Link]
+         ) -> tuple[list[int], int, bool]:
+    """For a blob of ``rows`` rows of ``row_bytes`` bytes cut into ``parts`` parts, whose
+    groups are ``links``: its part edges, the part a save at ``depth`` may write whole, and
+    whether an overlay changed that part since its newest whole copy or span (then the save
+    writes it whole, whatever its rows' digests say)."""
+    edges = part_edges(rows, row_bytes, parts)
+    part = depth % parts
+    return edges, part, part in dirty_parts(links, edges)

@@ -246,9 +246,9 @@ def _crcs(values: Any) -> tuple[int, ...]:
 
 
 def _reasons(value: Any) -> dict[str, str]:
-    """Why blobs were written whole: blob -> a sentence."""
+    """Why blobs were written whole: blob -> a sentence (of 500 characters at most)."""
     if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str)
-                                              for k, v in value.items()):
+                                              and len(v) <= 500 for k, v in value.items()):
         raise ValueError(f"whole must map blob names to reasons, got {value!r:.80}")
     return dict(value)
 

@@ -6,11 +6,13 @@ tests/store/test_rowhash.py checks both kernels against the formula.
 
 The kernel is a few lines of LLVM IR (:data:`_IR`, one function per word width), optimised
 for this machine's processor by a child process the first time (:func:`_compile`), and kept as
-an object file in a cache directory of the user's (:func:`cache_dir`), keyed by the IR, the
-llvmlite and LLVM versions and the processor: every later process only loads that object
-(llvmlite's MCJIT), which costs about half the memory of compiling it, or of importing a JIT
-compiler such as numba (issue 56: a save's extra memory is bounded). When the cache directory
-cannot be written, this process compiles the kernel itself.
+an object file in a cache folder of the user's (:func:`cache_dir`), keyed by the IR, how it is
+compiled, the llvmlite and LLVM versions and the processor, with its SHA-256 (a torn or foreign
+file is never loaded): every later process only loads that object (llvmlite's MCJIT), which
+costs about half the memory of compiling it, or of importing a JIT compiler such as numba
+(issue 56: a save's extra memory is bounded). So it is compiled once per user, machine and
+llvmlite version. Without a private cache folder (none, or one others may write to) this
+process compiles the kernel itself, at that memory's cost.
 
 Importing this module imports llvmlite; :mod:`rowhash` does so lazily, at the first digest,
 and falls back to numpy when it cannot, or when :func:`warm_up` fails.
@@ -109,43 +111,99 @@ def _compile() -> bytes:
     return machine.emit_object(module)
 
 
-def cache_dir() -> Path:
+_MAGIC = b"caffe2ckpt rowjit 1\n"  # then the object's SHA-256 (32 bytes), then the object
+_COMPILE = "opt=3 speed_level=3 host cpu"  # how _compile compiles: part of the cache key
+
+
+def cache_dir() -> Path | None:
     """Where compiled kernels are kept: ``$CAFFE2CKPT_CACHE_DIR``, else ``caffe2ckpt`` in
-    ``$XDG_CACHE_HOME`` (default ``~/.cache``)."""
+    ``$XDG_CACHE_HOME`` (an absolute path) or ``~/.cache``; None when there is no home."""
     explicit = os.environ.get("CAFFE2CKPT_CACHE_DIR")
     if explicit:
         return Path(explicit)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "caffe2ckpt"
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    try:
+        base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
+    except RuntimeError:  # no home directory to be found
+        return None
+    return base / "caffe2ckpt"
 
 
-def _cached_path() -> Path:
-    key = "\0".join([_source(), llvmlite.__version__, repr(llvm.llvm_version_info),
+def _cached_path(folder: Path) -> Path:
+    key = "\0".join([_source(), _COMPILE, llvmlite.__version__, repr(llvm.llvm_version_info),
                      llvm.get_default_triple(), llvm.get_host_cpu_name(),
                      llvm.get_host_cpu_features().flatten()])
-    return cache_dir() / f"rowjit-{hashlib.sha256(key.encode()).hexdigest()[:24]}.o"
+    return folder / f"rowjit-{hashlib.sha256(key.encode()).hexdigest()[:24]}.o"
 
 
 def _object() -> bytes:
-    """The compiled kernel: from the cache, else compiled by a child process into it, else
-    (the cache cannot be written) compiled here."""
-    path = _cached_path()
-    with contextlib.suppress(OSError):
-        return path.read_bytes()
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        # -P: no directory of this package (nor the current one) shadows what the child imports
-        subprocess.run([sys.executable, "-P", __file__, str(path)], check=True, timeout=300,
-                       capture_output=True)
-        return path.read_bytes()
-    return _compile()
+    """The compiled kernel: from the cache, else compiled by a child process into the cache
+    (a failure there is raised: a compiler that fails, or crashes, in a child would in this
+    process too), else (no usable cache folder, or no Python to run a child with) compiled
+    here."""
+    folder = cache_dir()
+    if folder is None or getattr(sys, "frozen", False) or not _private(folder):
+        return _compile()
+    path = _cached_path(folder)
+    cached = _read(path)
+    if cached is not None:
+        return cached
+    # -P: no folder of this package (nor the current one) shadows what the child imports
+    done = subprocess.run([sys.executable, "-P", __file__, str(path)], timeout=300,
+                          capture_output=True, text=True, check=False)
+    cached = _read(path)
+    if done.returncode or cached is None:
+        raise RuntimeError(f"compiling the row-digest kernel into {path} failed (exit "
+                           f"{done.returncode}): {done.stderr.strip()[-2000:]}")
+    return cached
+
+
+def _private(folder: Path) -> bool:
+    """Whether ``folder`` exists or was made, is this user's and nobody else may write to it
+    (a compiled kernel found there is run)."""
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        stat = folder.stat()
+    except OSError:
+        return False
+    return stat.st_uid == os.getuid() and not stat.st_mode & 0o022
+
+
+def _read(path: Path) -> bytes | None:
+    """The object kept at ``path`` if it is whole (its SHA-256 checks: a torn or foreign file
+    is never loaded, which could crash the process), else None."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    head = len(_MAGIC) + 32
+    digest, body = data[len(_MAGIC):head], data[head:]
+    if not data.startswith(_MAGIC) or hashlib.sha256(body).digest() != digest:
+        return None
+    return body
 
 
 def _write(path: Path) -> None:
-    """Compile the kernel into ``path`` (atomically: a reader sees all of it or nothing)."""
+    """Compile the kernel into ``path``, with its digest, durably and atomically (a reader sees
+    all of it or nothing; nothing of a failed write is left)."""
     data = _compile()
-    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".tmp-", delete=False) as tmp:
-        tmp.write(data)
-    os.replace(tmp.name, path)
+    # closed in the block below, unlinked in the finally (a failed write leaves nothing)
+    tmp = tempfile.NamedTemporaryFile(dir=path.parent, prefix=".tmp-", delete=False)  # noqa: SIM115
+    try:
+        with tmp:
+            tmp.write(_MAGIC + hashlib.sha256(data).digest() + data)
+            tmp.flush()
+            os.fsync(tmp.fileno())
+        os.replace(tmp.name, path)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp.name)
+    with contextlib.suppress(OSError):
+        folder = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(folder)
+        finally:
+            os.close(folder)
 
 
 @functools.cache
@@ -168,7 +226,8 @@ def multilinear(words: np.ndarray, keys: np.ndarray, offsets: np.ndarray,
     rows, n = words.shape
     if not (words.flags.c_contiguous and keys.flags.c_contiguous and out.flags.c_contiguous
             and keys.shape == (2, n) and keys.dtype == np.uint64 and out.dtype == np.uint64
-            and out.shape == (rows,) and words.dtype.kind == "u"):
+            and out.shape == (rows,) and words.dtype.kind == "u" and n > 0
+            and words.dtype.itemsize * 8 in WIDTHS):
         raise ValueError("multilinear: words, keys or out are not laid out as the kernel needs")
     if rows:
         _functions()[1][words.dtype.itemsize * 8](

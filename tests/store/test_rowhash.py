@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -57,7 +58,7 @@ def test_without_a_usable_kernel_the_digests_fall_back_to_numpy_saying_why(
 
 
 _LOAD = ("from caffe2ckpt.store import rowhash, rowjit; import sys; {patch}"
-         "print(rowhash.kernel()[0], rowjit._cached_path())")
+         "print(rowhash.kernel()[0], rowjit._cached_path(rowjit.cache_dir()))")
 
 
 def _kernel_in_a_process(cache: str, patch: str = "") -> list[str]:
@@ -86,6 +87,23 @@ def test_a_cache_that_cannot_be_written_compiles_in_the_process(tmp_path):
     blocked.write_text("not a folder")
     kind, _ = _kernel_in_a_process(str(blocked / "cache"))
     assert kind == "compiled" and not blocked.is_dir()
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)  # others may write there: nothing found there is run, nothing kept
+    assert _kernel_in_a_process(str(shared))[0] == "compiled" and not list(shared.iterdir())
+
+
+@pytest.mark.parametrize("content", [b"garbage" * 100, "torn"], ids=["foreign", "torn"])
+def test_a_torn_or_foreign_cached_kernel_is_never_loaded(tmp_path, content):
+    """A file at the kernel's place whose digest does not check (empty, foreign, cut short:
+    loading such a file crashed the process) is compiled anew, and replaced."""
+    cache = tmp_path / "cache"
+    _, path = _kernel_in_a_process(str(cache))
+    kept = Path(path)
+    good = kept.read_bytes()
+    kept.write_bytes(good[:len(good) // 2] if content == "torn" else content)
+    assert _kernel_in_a_process(str(cache)) == ["compiled", path]
+    assert kept.read_bytes() == good
 
 
 def reference(hasher: RowHasher, stored: np.ndarray) -> list[int]:
