@@ -161,44 +161,52 @@ def test_a_part_that_changes_again_after_being_frozen_is_found(prefix, detection
             assert np.array_equal(mgr.restore(step)["n0"]["t"], states[step]), step
 
 
+class _Tracked:
+    """A tracker saving node n0 to a store directly, as a manager does."""
+
+    def __init__(self, tmp_path, **options) -> None:
+        from caffe2ckpt.store import runs
+        from caffe2ckpt.store.delta import DeltaTracker
+
+        self.store = open_store(str(tmp_path))
+        self.generation = runs.claim(self.store.location, nodes=["n0"],
+                                     parent=None).generation
+        self.tracker = DeltaTracker("n0", StepManagerOptions(delta_saves=True,
+                                                             delta_min_bytes=1024, **options))
+
+    def plan(self, base, blobs, defer=False):
+        from caffe2ckpt.store.layout import new_save_id
+        from caffe2ckpt.store.protocol import SaveInfo
+
+        return SaveInfo(save_id=new_save_id(self.generation), nodes=["n0"]), self.tracker.plan(
+            base, blobs, self.store.has_record, defer=defer)
+
+    def commit(self, epoch, info, planned):
+        record = self.store.save_node("n0", epoch, planned.whole, info, planned)
+        self.tracker.committed(planned)
+        return record
+
+
 def test_a_plan_that_overwrote_the_base_digests_leaves_no_base_until_it_commits(tmp_path):
     """Row digests are compared with the base's and written over them (one copy): a second plan
     on the same base while the first is in flight must not build on digests that now describe
     the first's save. It is whole; once it fails and the first commits, the next save finds the
     row the second plan had changed (review of issue 56, M1)."""
-    from caffe2ckpt.store import runs
-    from caffe2ckpt.store.delta import DeltaTracker
-    from caffe2ckpt.store.layout import new_save_id
-    from caffe2ckpt.store.protocol import SaveInfo
-
-    store = open_store(str(tmp_path))
-    generation = runs.claim(store.location, nodes=["n0"], parent=None).generation
+    node = _Tracked(tmp_path, max_delta_chain=3)
     table = np.random.default_rng(0).random((ROWS, 16), dtype=np.float32)
-    tracker = DeltaTracker("n0", StepManagerOptions(delta_saves=True, delta_min_bytes=1024,
-                                                    max_delta_chain=3))
-
-    def plan(base):
-        return SaveInfo(save_id=new_save_id(generation), nodes=["n0"]), tracker.plan(
-            base, {"t": table}, store.has_record)
-
-    def commit(epoch, info, planned):
-        record = store.save_node("n0", epoch, planned.whole, info, planned)
-        tracker.committed(planned)
-        return record
-
-    info0, first = plan(None)
-    commit(0, info0, first)
+    info0, first = node.plan(None, {"t": table})
+    node.commit(0, info0, first)
     table[10] += 1
-    info1, in_flight = plan(info0.save_id)
+    info1, in_flight = node.plan(info0.save_id, {"t": table})
     table[2000] += 1
-    _, second = plan(info0.save_id)  # the same base, while epoch 1 is in flight
+    _, second = node.plan(info0.save_id, {"t": table})  # the same base, epoch 1 in flight
     assert second.layout is None and second.why["t"].startswith("no earlier save")
-    tracker.failed(second)
-    commit(1, info1, in_flight)
-    info3, third = plan(info1.save_id)
+    node.tracker.failed(second)
+    node.commit(1, info1, in_flight)
+    info3, third = node.plan(info1.save_id, {"t": table})
     assert third.layout.overlays["t"][0].tolist() == [2000]
-    record = commit(3, info3, third)
-    assert np.array_equal(store.load_node(record)["t"], table)
+    record = node.commit(3, info3, third)
+    assert np.array_equal(node.store.load_node(record)["t"], table)
 
 
 def test_a_span_inside_one_block_leaves_no_digest_for_later():
