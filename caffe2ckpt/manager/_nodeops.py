@@ -27,7 +27,8 @@ import numpy as np
 from caffe2ckpt.background import BackgroundSaves
 from caffe2ckpt.errors import CheckpointNotFoundError, CheckpointWriteError, writing
 from caffe2ckpt.policy import StepManagerOptions
-from caffe2ckpt.store.delta import DeltaTracker, DeltaWrite
+from caffe2ckpt.store.delta import DeltaTracker
+from caffe2ckpt.store.deltawrite import DeltaWrite
 from caffe2ckpt.store.layout import group_name
 from caffe2ckpt.store.protocol import CheckpointStore, SaveInfo
 from caffe2ckpt.store.records import CommitRecord

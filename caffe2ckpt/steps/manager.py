@@ -60,7 +60,8 @@ from caffe2ckpt.steps.metadata import (
     step_metadata,
     write_root_metadata,
 )
-from caffe2ckpt.store.delta import DeltaTracker, DeltaWrite
+from caffe2ckpt.store.delta import DeltaTracker
+from caffe2ckpt.store.deltawrite import DeltaWrite
 from caffe2ckpt.store.layout import new_save_id
 from caffe2ckpt.store.protocol import CheckpointStore, SaveInfo
 from caffe2ckpt.store.records import CommitRecord

@@ -31,7 +31,7 @@ import numpy as np
 from caffe2ckpt.errors import CheckpointCorruptedError
 from caffe2ckpt.fs.iopool import read_pool, results
 from caffe2ckpt.store.chains import ChainGroup
-from caffe2ckpt.store.delta import stored_digest
+from caffe2ckpt.store.deltawrite import stored_digest
 from caffe2ckpt.store.groupread import (
     RowRead,
     check_chunk_sizes,

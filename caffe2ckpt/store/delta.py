@@ -35,9 +35,10 @@ Row changes are found by digest: a block whose digest differs from the last save
 are found the same way, written, and reported (a WARNING naming node, blob and count), so a
 hint that misses rows can no longer commit an epoch that does not restore.
 
-A save that writes before it returns leaves what only its record and the next save need (the
-large blobs' xxh3-128, and the row digests of what it writes whole) to one I/O thread while its
-data is made durable (:meth:`DeltaWrite.start`), and waits for it before the record.
+The plan is a :class:`~caffe2ckpt.store.deltawrite.DeltaWrite`. A save that writes before it
+returns leaves what only its record and the next save need (the large blobs' xxh3-128, and the
+row digests of what it writes whole) to one I/O thread while its data is made durable
+(:meth:`DeltaWrite.start`), and waits for it before the record.
 
 The tracker moves on only once the save's record is written (:meth:`DeltaTracker.committed`,
 which only assigns what :meth:`DeltaWrite.seal` computed before the record was written, so it
@@ -52,28 +53,25 @@ import json
 import logging
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass, field
 
 import numpy as np
-import xxhash
 
 from caffe2ckpt.fs.iopool import pool, results
 from caffe2ckpt.policy import StepManagerOptions
-from caffe2ckpt.store.chains import MAX_GROUPS, ChainGroup, DeltaRecord
+from caffe2ckpt.store.chains import MAX_GROUPS
 from caffe2ckpt.store.deltalinks import Link, live, parts_of, span_rows, turn
+from caffe2ckpt.store.deltawrite import DeltaWrite, Saved, info_of, stored_digest
 from caffe2ckpt.store.layout import parse_group_name
-from caffe2ckpt.store.manifest import PACKED_ARRAY, BlobInfo, Inherited, Manifest
-from caffe2ckpt.store.records import CommitRecord, RecordRef
+from caffe2ckpt.store.manifest import BlobInfo, Inherited
+from caffe2ckpt.store.records import RecordRef
 from caffe2ckpt.store.rowhash import RowHasher
-from caffe2ckpt.store.zarrgroup import GROUP_FILE, DeltaLayout, stored_form
+from caffe2ckpt.store.zarrgroup import DeltaLayout, stored_form
 from caffe2ckpt.workspace import merge_rows, sorted_unique
 
-__all__ = ["DeltaTracker", "DeltaWrite", "span_rows", "stored_digest"]
+__all__ = ["DeltaTracker", "span_rows"]
 
 logger = logging.getLogger(__name__)
 
-Info = tuple[str, tuple[int, ...], str]  # a blob's dtype, shape and memory order
 # A small blob under this many bytes is written whole even when unchanged: naming it as
 # inherited (manifest entry with its chain, digest in the record: about 150 bytes or more)
 # would cost about what writing it does, and its restore would read one more group.
@@ -85,107 +83,6 @@ INHERIT_MIN_BYTES = 1024
 INHERITED_BYTES = 16 << 20
 
 
-def stored_digest(stored: np.ndarray) -> str:
-    """The xxh3-128 of a blob's bytes in stored form (``stored``: C order, little-endian, code
-    units; :func:`~caffe2ckpt.store.zarrgroup.stored_form`): what a record keeps per blob a
-    differential save does not store whole."""
-    return xxhash.xxh3_128_hexdigest(memoryview(stored.reshape(-1).view(np.uint8)))
-
-
-@dataclass(frozen=True)
-class _Saved:
-    """What the last save this tracker wrote holds (its base for the next save). Frozen, but
-    ``rows``' arrays are overwritten by the next plan (:meth:`DeltaTracker._block_digests`),
-    which then takes the tracker's base away until its own save commits."""
-
-    save_id: str
-    group: str
-    depth: int
-    infos: dict[str, Info]
-    digests: dict[str, str]
-    links: dict[str, list[Link]]  # blob -> the groups holding its rows, oldest first
-    rows: dict[str, np.ndarray]  # large blob -> its block digests
-
-    def ref(self, node: str) -> RecordRef:
-        """The record of this save for ``node``."""
-        return RecordRef(epoch=parse_group_name(self.group).epoch,  # type: ignore[union-attr]
-                         node=node, save_id=self.save_id)
-
-
-@dataclass
-class DeltaWrite:
-    """One planned save: the blobs written whole, and (differential) the rest."""
-
-    whole: dict[str, np.ndarray]
-    infos: dict[str, Info]  # every blob's dtype, shape, order
-    digests: dict[str, str]  # every blob's
-    layout: DeltaLayout | None = None
-    base: RecordRef | None = None  # the record of the save it builds on (this node's)
-    manifest: Manifest | None = None  # the group's, once planned (set by the store)
-    links: dict[str, list[Link]] = field(default_factory=dict)  # chained blobs: older groups
-    depth: int = 0
-    hints: dict[str, np.ndarray] = field(default_factory=dict)  # taken for this save
-    rows: dict[str, np.ndarray] = field(default_factory=dict)  # large blobs' block digests
-    # by blob: the part this save writes as a span, those its overlay touches, its bytes
-    gives: dict[str, tuple[int | None, frozenset[int], int]] = field(default_factory=dict)
-    why: dict[str, str] = field(default_factory=dict)  # large blobs written whole: why
-    found: dict[str, list[np.ndarray]] = field(default_factory=dict)  # blocks that differ
-    reused: bool = False  # the base's block digests were overwritten with this save's
-    sealed: _Saved | None = None  # what the tracker holds once the record is written
-    later: dict[str, tuple[int, int]] = field(default_factory=dict)  # blocks digested later
-    deferred: list[Callable[[], None]] = field(default_factory=list)  # what computes them
-    pending: Future[None] | None = None  # those calls, running
-
-    def start(self) -> None:
-        """Start computing what the plan left for later (:meth:`DeltaTracker.plan`'s
-        ``defer``) on one I/O thread: the save calls it once its data is written, while that
-        data is made durable (the processor is idle then, and the writes need the threads)."""
-        if self.deferred and self.pending is None:
-            self.pending = pool().submit(_run_all, self.deferred)
-
-    def settle(self) -> None:
-        """Finish what the plan left for later, raising its failure: before the record."""
-        self.start()
-        self.abandon()
-
-    def abandon(self) -> None:
-        """Wait for what the plan left for later, if it started, and drop the rest (on every
-        path that ends the save: nothing reads the workspace after the save returns)."""
-        pending, self.pending, self.deferred = self.pending, None, []
-        if pending is not None:
-            pending.result()
-
-    def record(self, written: int) -> DeltaRecord | None:
-        """The record's description of this save (None: everything is whole); settles it."""
-        self.settle()
-        if not self.links:
-            return None
-        groups: dict[str, Link] = {}
-        for chain in self.links.values():
-            for link in chain:
-                seen = groups.setdefault(link.group, Link(link.group, link.save_id, {}, {}))
-                seen.files.update(link.files)
-                seen.crcs.update(link.crcs)
-        ordered = sorted(groups.values(), key=lambda g: g.group)
-        index = {g.group: i for i, g in enumerate(ordered)}
-        return DeltaRecord(
-            depth=self.depth, written=written,
-            groups=tuple(ChainGroup(g.group, g.save_id, g.files, g.crcs) for g in ordered),
-            chains={b: tuple(index[link.group] for link in chain)
-                    for b, chain in self.links.items()},
-            digests={b: self.digests[b] for b in self.links})
-
-    def seal(self, record: CommitRecord) -> None:
-        """Compute, before ``record`` (this node's, for this plan) is written, what the tracker
-        holds once it is: so nothing that runs after the commit can fail."""
-        self.settle()
-        own = _own_links(record, self)
-        links = {name: [*([] if name in self.whole else self.links.get(name, [])),
-                        *own.get(name, [])] for name in self.infos}
-        self.sealed = _Saved(record.save_id, record.group, self.depth, self.infos, self.digests,
-                             links, self.rows)
-
-
 class DeltaTracker:
     """One node's differential state (see the module docstring)."""
 
@@ -193,7 +90,7 @@ class DeltaTracker:
         self.node = node
         self.options = options
         self._lock = threading.Lock()
-        self._saved: _Saved | None = None
+        self._saved: Saved | None = None
         self._hints: dict[str, np.ndarray] = {}  # rows changed since that save: their union
         self.hasher = RowHasher(block_bytes=options.delta_block_bytes)
 
@@ -241,7 +138,7 @@ class DeltaTracker:
                 self._saved = None
             raise
 
-    def _later(self, blobs: dict[str, np.ndarray], saved: _Saved | None
+    def _later(self, blobs: dict[str, np.ndarray], saved: Saved | None
                ) -> dict[str, tuple[int, int]]:
         """The blocks of each large blob whose digests the plan does not need: every one when
         nothing is built on (the save is whole), else with ``compare`` those inside the span
@@ -260,17 +157,17 @@ class DeltaTracker:
                                            saved.depth + 1, self.hasher.block_rows(arr), count)
         return later
 
-    def _turn_is_dirty(self, name: str, arr: np.ndarray, saved: _Saved) -> bool:
+    def _turn_is_dirty(self, name: str, arr: np.ndarray, saved: Saved) -> bool:
         """Whether a save on ``saved`` writes the part whose turn it is of blob ``name`` whole
         whatever its rows' digests say (an overlay changed it since it was written whole)."""
         links = saved.links.get(name)
-        if not links or saved.infos.get(name) != _info(arr):
+        if not links or saved.infos.get(name) != info_of(arr):
             return False
         return turn(arr.shape[0], arr.nbytes // arr.shape[0], self.options.max_delta_chain + 1,
                     saved.depth + 1, links)[2]
 
     def _measure(self, blobs: dict[str, np.ndarray], hints: dict[str, np.ndarray],
-                 later: dict[str, tuple[int, int]], defer: bool, saved: _Saved | None
+                 later: dict[str, tuple[int, int]], defer: bool, saved: Saved | None
                  ) -> DeltaWrite:
         """Every blob's digest and logical info, and the large blobs' block digests but those
         of ``later``; with ``defer``, the large blobs' digests and ``later``'s are left to the
@@ -280,7 +177,7 @@ class DeltaTracker:
         out = DeltaWrite({}, {}, {}, hints=hints)
         for name, arr in blobs.items():
             stored = stored_form(arr)
-            out.infos[name] = _info(arr)
+            out.infos[name] = info_of(arr)
             if not self.eligible(arr):
                 out.digests[name] = stored_digest(stored)
                 continue
@@ -294,7 +191,7 @@ class DeltaTracker:
         return out
 
     def _block_digests(self, out: DeltaWrite, name: str, stored: np.ndarray,
-                       later: tuple[int, int], saved: _Saved | None) -> None:
+                       later: tuple[int, int], saved: Saved | None) -> None:
         """Blob ``name``'s block digests (those of ``later`` left to ``out.deferred``), over
         the base's when it has them for the blob as it is now (comparing them first)."""
         count = self.hasher.count(stored)
@@ -346,7 +243,7 @@ class DeltaTracker:
 class _Planner:
     """One differential plan (:meth:`DeltaTracker.plan`)."""
 
-    def __init__(self, tracker: DeltaTracker, saved: _Saved, blobs: dict[str, np.ndarray],
+    def __init__(self, tracker: DeltaTracker, saved: Saved, blobs: dict[str, np.ndarray],
                  out: DeltaWrite, copy_spans: bool) -> None:
         self.tracker, self.saved, self.blobs, self.out = tracker, saved, blobs, out
         self.copy_spans = copy_spans  # an async save writes them while the workspace moves on
@@ -505,7 +402,7 @@ def _span_blocks(arr: np.ndarray, parts: int, depth: int, per: int, count: int
     return (first, last) if first < last else (0, 0)  # none: every block is digested now
 
 
-def _why_whole(base: str | None, tracked: _Saved | None, saved: _Saved | None,
+def _why_whole(base: str | None, tracked: Saved | None, saved: Saved | None,
                stands: Callable[[RecordRef], bool], node: str) -> str | None:
     """Why a save that would build on ``base`` (the save this tracker holds: ``tracked``;
     ``saved`` if it is ``base``) is written whole, if it is."""
@@ -535,45 +432,9 @@ def _json_len(text: str) -> int:
     return len(json.dumps(text))
 
 
-def _run_all(calls: list[Callable[[], None]]) -> None:
-    for call in calls:
-        call()
-
-
 def _on_threads(calls: list[Callable[[], None]]) -> None:
     """Run ``calls`` on the I/O threads (numpy and the compiled kernel release the GIL in
     them), raising the first failure once all have ended."""
     results([pool().submit(call) for call in calls])
 
 
-def _info(arr: np.ndarray) -> Info:
-    """A blob's dtype, shape and memory order (as the manifest gives them)."""
-    flags = arr.flags
-    return arr.dtype.str, arr.shape, "C" if flags.c_contiguous or not flags.f_contiguous else "F"
-
-
-def _own_links(record: CommitRecord, plan: DeltaWrite) -> dict[str, list[Link]]:
-    """The links into ``record``'s own group, by blob: blobs written whole there (an empty
-    packed blob needs only the group's ``zarr.json``), and spans and overlays."""
-    manifest = plan.manifest
-    if manifest is None:
-        raise ValueError(f"the group of {record.group!r} was not planned")
-
-    def link(name: str, *paths: str, **gives: object) -> list[Link]:
-        paths = tuple(p for p in paths if p in record.crcs)  # no array: nothing to read
-        files = {GROUP_FILE: record.metadata[GROUP_FILE],
-                 **{f"{p}/{GROUP_FILE}": record.metadata[f"{p}/{GROUP_FILE}"] for p in paths}}
-        return [Link(record.group, record.save_id, files, {p: record.crcs[p] for p in paths},
-                     **gives)]  # type: ignore[arg-type]
-
-    links = {name: link(name, info.path or PACKED_ARRAY, whole=True)
-             for name, info in manifest.stored_blobs.items()}
-    parts: dict[str, list[str]] = {}
-    for name, pair in manifest.overlays.items():
-        parts.setdefault(name, []).extend(info.path for info in pair)  # type: ignore[misc]
-    for name, (_, info) in manifest.spans.items():
-        parts.setdefault(name, []).append(info.path)  # type: ignore[arg-type]
-    for name, paths in parts.items():
-        span, touched, overlay = plan.gives[name]
-        links[name] = link(name, *paths, span=span, touched=touched, overlay_bytes=overlay)
-    return links

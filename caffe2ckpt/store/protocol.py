@@ -57,7 +57,7 @@ from caffe2ckpt.naming import check_epoch, check_node_name
 from caffe2ckpt.sharding import ROWS, Layout, SavedLayout
 from caffe2ckpt.store import runs
 from caffe2ckpt.store.chainread import read_chained
-from caffe2ckpt.store.delta import DeltaWrite
+from caffe2ckpt.store.deltawrite import DeltaWrite
 from caffe2ckpt.store.groupread import read_node
 from caffe2ckpt.store.layout import (
     HINTS_DIR,
@@ -67,7 +67,6 @@ from caffe2ckpt.store.layout import (
     save_generation,
 )
 from caffe2ckpt.store.manifest import PACKED_ARRAY, Manifest
-from caffe2ckpt.store.shared import SharedReads
 from caffe2ckpt.store.records import (
     CommitRecord,
     RecordRef,
@@ -75,6 +74,7 @@ from caffe2ckpt.store.records import (
     read_record,
     write_record,
 )
+from caffe2ckpt.store.shared import SharedReads
 from caffe2ckpt.store.zarrgroup import (
     DEFAULT_PACK_THRESHOLD,
     GROUP_FILE,

@@ -651,8 +651,8 @@ def test_digests_left_for_later_are_the_ones_computed_at_once(depth):
     blocks of 1, 6 and 16 rows, a shorter last block, spans not on block edges). The span's
     are left only when its part changed since its last whole copy (it is written whatever its
     digests say); else they tell whether to write it."""
-    from caffe2ckpt.store.delta import _info, _Saved
     from caffe2ckpt.store.deltalinks import Link
+    from caffe2ckpt.store.deltawrite import Saved, info_of
 
     tracker = DeltaTracker("n0", StepManagerOptions(delta_saves=True, delta_min_bytes=1024,
                                                    max_delta_chain=4))
@@ -661,11 +661,11 @@ def test_digests_left_for_later_are_the_ones_computed_at_once(depth):
              "thin": rng.integers(0, 9, 5001).astype(np.int32), "small": np.arange(5)}
     changed = [Link("g0", "s", {}, {}, whole=True), Link("g1", "s", {}, {},
                                                          touched=frozenset(range(5)))]
-    saved = None if depth is None else _Saved(
-        "s", "g", depth, {n: _info(b) for n, b in blobs.items()}, {},
+    saved = None if depth is None else Saved(
+        "s", "g", depth, {n: info_of(b) for n, b in blobs.items()}, {},
         {n: changed for n in blobs}, {})
     if saved is not None:  # clean parts: every digest is needed now
-        clean = _Saved("s", "g", depth, saved.infos, {}, {n: changed[:1] for n in blobs}, {})
+        clean = Saved("s", "g", depth, saved.infos, {}, {n: changed[:1] for n in blobs}, {})
         assert tracker._later(blobs, clean) == {}
     later = tracker._later(blobs, saved)
     assert sorted(later) == ["narrow", "t", "thin"] and all(b > a for a, b in later.values())
