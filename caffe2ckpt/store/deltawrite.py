@@ -36,8 +36,9 @@ def stored_digest(stored: np.ndarray) -> str:
 @dataclass(frozen=True)
 class Saved:
     """What the last save this tracker wrote holds (its base for the next save). Frozen, but
-    ``rows``' arrays are overwritten by the next plan (:meth:`DeltaTracker._block_digests`),
-    which then takes the tracker's base away until its own save commits."""
+    ``rows``' arrays are overwritten by the next plan (``DeltaTracker._block_digests`` in
+    :mod:`caffe2ckpt.store.delta`), which then takes the tracker's base away until its own save
+    commits."""
 
     save_id: str
     group: str
