@@ -71,7 +71,7 @@ from bench_reshard import Reads  # noqa: E402
 
 import caffe2ckpt  # noqa: E402
 from caffe2ckpt import StepCheckpointManager, StepManagerOptions  # noqa: E402
-from caffe2ckpt.store import rowhash  # noqa: E402
+from caffe2ckpt.store.delta import rowhash  # noqa: E402
 
 NODE = "trainer_0"
 CHANGED = 0.05

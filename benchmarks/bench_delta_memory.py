@@ -39,7 +39,7 @@ def child(mode: str, mib: int, width: int, epochs: int, kernel: str) -> dict[str
     import numpy as np
 
     from caffe2ckpt import StepCheckpointManager, StepManagerOptions
-    from caffe2ckpt.store import rowhash
+    from caffe2ckpt.store.delta import rowhash
 
     if kernel == "numpy":  # as without the fast extra
         rowhash.kernel = lambda: ("numpy", rowhash.numpy_multilinear)

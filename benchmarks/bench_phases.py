@@ -61,7 +61,9 @@ from bench_checkpoint import drop_caches, make_workload, raw_load, raw_save
 
 import caffe2ckpt
 from caffe2ckpt.fs.location import Location
-from caffe2ckpt.store import groupread, packing, protocol, zarrgroup
+from caffe2ckpt.store.commit import protocol
+from caffe2ckpt.store.format import packing, zarrgroup
+from caffe2ckpt.store.read import group as groupread
 
 NODE = "trainer_0"
 SEED = 20240601

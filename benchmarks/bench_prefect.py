@@ -63,7 +63,7 @@ def run_epochs(session, epochs: int, *, saves: bool = False) -> list[float]:
     """Seconds of each epoch of running the 3 groups on ``session`` (with ``saves``, followed by
     a "saved" event carrying two nodes' commit records, as JobRunner sends after a save)."""
     from caffe2ckpt.session import RunEvent, run_epoch
-    from caffe2ckpt.store.records import CommitRecord
+    from caffe2ckpt.store.format.records import CommitRecord
 
     def event(kind: str, epoch: int, **info) -> RunEvent:
         return RunEvent(kind=kind, job="bench", epoch=epoch, max_epochs=epochs, **info)

@@ -40,7 +40,7 @@ def start(repo: Path, home: Path, ckpt: Path, epochs: int, log: Path) -> subproc
 def committed(ckpt: Path) -> int:
     """Number of node saves committed under ``ckpt``."""
     from caffe2ckpt.fs.location import Location
-    from caffe2ckpt.store.records import list_records
+    from caffe2ckpt.store.format.records import list_records
 
     return len(list_records(Location(str(ckpt)))) if ckpt.exists() else 0
 

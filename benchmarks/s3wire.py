@@ -247,7 +247,7 @@ class Counts:
 
 def phase(op: str, key: str, failed: bool = False) -> str:
     """Which step of caffe2ckpt's storage model 3 a request belongs to, from its key (layout:
-    caffe2ckpt/store/layout.py), its operation and whether it failed:
+    caffe2ckpt/store/format/paths.py), its operation and whether it failed:
 
     - ``_hints/...``: "hint"; ``_commits/...``: "record", a LIST of ``_commits/``: "record
       listing";

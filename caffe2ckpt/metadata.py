@@ -18,7 +18,7 @@ from caffe2ckpt.errors import (
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.history.scan import family_history, newest_save
 from caffe2ckpt.naming import check_epoch
-from caffe2ckpt.store.protocol import CheckpointStore
+from caffe2ckpt.store.commit.protocol import CheckpointStore
 
 __all__ = ["MetadataHandler", "ZarrMetadataHandler"]
 

@@ -1,10 +1,10 @@
 """Pure naming functions: where a node's checkpoint lives and how names become path segments.
 
 Nothing here touches a filesystem. The on-disk names are a protocol: change them only with the
-format version in :mod:`caffe2ckpt.store.zarrgroup`.
+format version in :mod:`caffe2ckpt.store.format.zarrgroup`.
 
 ``<prefix>/<node>.<epoch>`` (:func:`db_name`) is where the first save of a node's epoch lands;
-every other name under a prefix is built in :mod:`caffe2ckpt.store.layout`.
+every other name under a prefix is built in :mod:`caffe2ckpt.store.format.paths`.
 
 Blob names become array paths by :func:`blob_path`: characters other than ``A-Z a-z 0-9 _ . -``
 are percent-encoded as UTF-8 bytes (``/`` -> ``%2F``, ``:`` -> ``%3A``, ``%`` -> ``%25``), a

@@ -84,7 +84,7 @@ class StepManagerOptions:
       (or are under 1 KiB), referenced when they did not.
     - ``delta_detection``: ``"compare"`` (default) finds changed rows by comparing 8-byte keyed
       digests of blocks of rows with the last save's (no copy; 2**-64 per changed block,
-      caffe2ckpt.store.rowhash); ``"hints"`` also writes the rows given as ``changed_rows=`` /
+      caffe2ckpt.store.delta.rowhash); ``"hints"`` also writes the rows given as ``changed_rows=`` /
       ``Workspace.mark_changed``, and still finds (writes and reports) changed rows the hints
       missed.
     - ``delta_block_bytes`` (8 to 16384, default 64): a block is one row, or as many rows as

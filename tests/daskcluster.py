@@ -59,7 +59,7 @@ def die_after_commit(marker: str, node: str = "trainer_1", epoch: int = 3) -> No
 def _die_at_commit(marker: str, node: str, epoch: int, *, after: bool) -> None:
     import signal
 
-    from caffe2ckpt.store import protocol
+    from caffe2ckpt.store.commit import protocol
 
     write_record = getattr(protocol.write_record, "original", protocol.write_record)
 
@@ -76,7 +76,7 @@ def _die_at_commit(marker: str, node: str, epoch: int, *, after: bool) -> None:
 
 
 def _undo_die_before_commit() -> None:
-    from caffe2ckpt.store import protocol
+    from caffe2ckpt.store.commit import protocol
 
     protocol.write_record = getattr(protocol.write_record, "original", protocol.write_record)
 

@@ -15,11 +15,11 @@ from caffe2ckpt.history import cleanup
 from caffe2ckpt.history.current import CurrentRun
 from caffe2ckpt.history.lineage import Save
 from caffe2ckpt.history.scan import family_history, newest_save, scan
-from caffe2ckpt.store import runs
-from caffe2ckpt.store.layout import parse_group_name
-from caffe2ckpt.store.protocol import CheckpointStore
-from caffe2ckpt.store.records import CommitRecord, list_records
-from caffe2ckpt.store.tombstone import is_tombstone
+from caffe2ckpt.store.commit import runs
+from caffe2ckpt.store.commit.protocol import CheckpointStore
+from caffe2ckpt.store.commit.tombstone import is_tombstone
+from caffe2ckpt.store.format.paths import parse_group_name
+from caffe2ckpt.store.format.records import CommitRecord, list_records
 
 __all__ = ["committed_epochs", "delete_epoch", "epochs_with_records", "find_leftovers",
            "gone", "lineage_epochs", "load", "newest_epoch", "open_store", "record_of",

@@ -21,7 +21,7 @@ from caffe2ckpt import (
     Task,
 )
 from caffe2ckpt.fs.location import Location
-from caffe2ckpt.store.protocol import CheckpointStore
+from caffe2ckpt.store.commit.protocol import CheckpointStore
 from tests.stores import committed_epochs
 
 JOB = pathlib.Path(preempt_job.__file__)

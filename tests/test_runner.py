@@ -22,7 +22,7 @@ from caffe2ckpt import (
 )
 from caffe2ckpt.example import InjectedFailure, build_job
 from caffe2ckpt.metadata import ZarrMetadataHandler
-from caffe2ckpt.store.records import list_records, read_record
+from caffe2ckpt.store.format.records import list_records, read_record
 from tests.s3server import storage_cases
 from tests.stores import newest_epoch
 

@@ -21,12 +21,12 @@ from caffe2ckpt.history.cleanup import Leftover, is_checkpoint_prefix
 from caffe2ckpt.history.lineage import Save
 from caffe2ckpt.history.scan import PrefixScan, scan
 from caffe2ckpt.history.scan import require_save as scan_require_save
-from caffe2ckpt.store.groupread import read_node, read_units
-from caffe2ckpt.store.layout import COMMITS_DIR, RUNS_DIR, parse_group_name
-from caffe2ckpt.store.manifest import Manifest
-from caffe2ckpt.store.protocol import CheckpointStore
-from caffe2ckpt.store.records import CommitRecord, list_records
-from caffe2ckpt.store.zarrgroup import parse_manifest
+from caffe2ckpt.store.commit.protocol import CheckpointStore
+from caffe2ckpt.store.format.manifest import Manifest
+from caffe2ckpt.store.format.paths import COMMITS_DIR, RUNS_DIR, parse_group_name
+from caffe2ckpt.store.format.records import CommitRecord, list_records
+from caffe2ckpt.store.format.zarrgroup import parse_manifest
+from caffe2ckpt.store.read.group import read_node, read_units
 from caffe2ckpt.urls import public_url
 
 EXIT_OK = 0

@@ -12,7 +12,7 @@ the same name) is still compared row for row. Otherwise (a save without a layout
 ``--node``) each node's blobs are compared with the same node's, and the document says why.
 
 Blobs are read (and their checksums verified) one array at a time (a global array: through
-:func:`~caffe2ckpt.store.reshard.read_shares`, restored onto one node), the small blobs
+:func:`~caffe2ckpt.store.read.reshard.read_shares`, restored onto one node), the small blobs
 together, so memory stays at about one blob (or one global array) per side. Equality is
 NaN-aware: NaN against NaN (in the same place) is the same, and so are 0.0 and -0.0.
 """
@@ -42,12 +42,12 @@ from caffe2ckpt.errors import CheckpointCorruptedError
 from caffe2ckpt.history.lineage import Save
 from caffe2ckpt.history.scan import PrefixScan
 from caffe2ckpt.sharding import LOCAL, REPLICATED, ROWS, SavedLayout
-from caffe2ckpt.store.groupread import chained_together, read_node
-from caffe2ckpt.store.manifest import BlobInfo
-from caffe2ckpt.store.protocol import CheckpointStore
-from caffe2ckpt.store.records import CommitRecord
-from caffe2ckpt.store.reshard import read_shares, saved_layout
-from caffe2ckpt.store.zarrgroup import DEFAULT_PACK_THRESHOLD
+from caffe2ckpt.store.commit.protocol import CheckpointStore
+from caffe2ckpt.store.format.manifest import BlobInfo
+from caffe2ckpt.store.format.records import CommitRecord
+from caffe2ckpt.store.format.zarrgroup import DEFAULT_PACK_THRESHOLD
+from caffe2ckpt.store.read.group import chained_together, read_node
+from caffe2ckpt.store.read.reshard import read_shares, saved_layout
 
 __all__ = ["GLOBAL", "PER_NODE", "cmd_diff", "compare", "diff_node"]
 

@@ -60,9 +60,9 @@ from caffe2ckpt.history.nodesets import NodeSets, node_sets, read_run_log
 from caffe2ckpt.history.retention import RetentionPlan, plan_letting_go, plan_retention
 from caffe2ckpt.history.scan import Family, PrefixScan
 from caffe2ckpt.policy import StepManagerOptions
-from caffe2ckpt.store.layout import parse_group_name, save_generation
-from caffe2ckpt.store.protocol import CheckpointStore
-from caffe2ckpt.store.records import CommitRecord
+from caffe2ckpt.store.commit.protocol import CheckpointStore
+from caffe2ckpt.store.format.paths import parse_group_name, save_generation
+from caffe2ckpt.store.format.records import CommitRecord
 
 __all__ = ["cmd_gc"]
 

@@ -26,9 +26,9 @@ from caffe2ckpt.errors import (
 )
 from caffe2ckpt.history.lineage import Save
 from caffe2ckpt.history.scan import PrefixScan
-from caffe2ckpt.store.manifest import PACKED_ARRAY, BlobInfo, Manifest
-from caffe2ckpt.store.protocol import CheckpointStore
-from caffe2ckpt.store.records import CommitRecord
+from caffe2ckpt.store.commit.protocol import CheckpointStore
+from caffe2ckpt.store.format.manifest import PACKED_ARRAY, BlobInfo, Manifest
+from caffe2ckpt.store.format.records import CommitRecord
 
 __all__ = ["cmd_show"]
 

@@ -21,8 +21,8 @@ from caffe2ckpt.cli._context import (
 )
 from caffe2ckpt.history.lineage import Save
 from caffe2ckpt.history.scan import PrefixScan
-from caffe2ckpt.store.protocol import CheckpointStore
-from caffe2ckpt.store.records import CommitRecord, RecordRef
+from caffe2ckpt.store.commit.protocol import CheckpointStore
+from caffe2ckpt.store.format.records import CommitRecord, RecordRef
 
 __all__ = ["cmd_verify"]
 

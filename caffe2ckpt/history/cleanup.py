@@ -8,12 +8,12 @@ Every removal names saves, never "whatever sits at epoch e", and is fenced:
   needs the groups it builds on), each only after its ``zarr.json`` says it is that save's, file
   by file as its manifest lists them (no listing, no pattern), the ``zarr.json`` last. At
   ``<node>.<epoch>`` the ``zarr.json`` is replaced by a tombstone instead
-  (:mod:`caffe2ckpt.store.tombstone`): that path is never freed, so no later save can be met
+  (:mod:`caffe2ckpt.store.commit.tombstone`): that path is never freed, so no later save can be met
   there by a remover that checked the old one. A crash in between leaves only unreferenced
   files, which ``gc`` finds later;
 * before each save it removes, the remover checks that no newer run has claimed the prefix
-  (:func:`caffe2ckpt.store.runs.check_fence`; a run's own removals: no newer run of its family;
-  ``gc``: no run started since it listed): a fenced run removes nothing, and ``gc`` stops;
+  (:func:`caffe2ckpt.store.commit.runs.check_fence`; a run's own removals: no newer run of its
+  family; ``gc``: no run started since it listed): a fenced run removes nothing, and ``gc`` stops;
 * leftovers are found by reachability: a group no readable record names, a partial save, a
   temporary file of an interrupted create, or a model-2 staged copy; each is removed only when
   it is older than a grace period counted from the save's start (its ``zarr.json``, the first
@@ -34,8 +34,11 @@ from caffe2ckpt.errors import CheckpointError, CheckpointNotFoundError
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.history.lineage import Save
 from caffe2ckpt.history.scan import PrefixScan, scan
-from caffe2ckpt.store import retired, runs
-from caffe2ckpt.store.layout import (
+from caffe2ckpt.store.commit import retired, runs
+from caffe2ckpt.store.commit.protocol import CheckpointStore
+from caffe2ckpt.store.commit.tombstone import is_tombstone, tombstone
+from caffe2ckpt.store.format.manifest import Manifest
+from caffe2ckpt.store.format.paths import (
     COMMITS_DIR,
     HINTS_DIR,
     LEGACY_CLAIMS_DIR,
@@ -45,11 +48,8 @@ from caffe2ckpt.store.layout import (
     parse_group_name,
     save_generation,
 )
-from caffe2ckpt.store.manifest import Manifest
-from caffe2ckpt.store.protocol import CheckpointStore
-from caffe2ckpt.store.records import CommitRecord, RecordRef, delete_record, record_path
-from caffe2ckpt.store.tombstone import is_tombstone, tombstone
-from caffe2ckpt.store.zarrgroup import GROUP_FILE, parse_manifest
+from caffe2ckpt.store.format.records import CommitRecord, RecordRef, delete_record, record_path
+from caffe2ckpt.store.format.zarrgroup import GROUP_FILE, parse_manifest
 
 __all__ = ["Leftover", "References", "find_leftovers", "is_checkpoint_prefix",
            "remove_leftovers", "remove_saves"]
@@ -153,7 +153,7 @@ def remove_saves(store: CheckpointStore, saves: Iterable[Save], *, fence: int,
     than those saves need); without it they are read again after each save's records are
     deleted, so a differential save committed meanwhile on top of a removed save is seen (or
     finds its base gone and takes its record back:
-    :meth:`~caffe2ckpt.store.protocol.CheckpointStore.save_node`).
+    :meth:`~caffe2ckpt.store.commit.protocol.CheckpointStore.save_node`).
 
     Raises:
         CheckpointFencedError: a newer run claimed the prefix; the saves not removed yet stay.
@@ -226,7 +226,7 @@ def _forget_stale(location: Location, ref: RecordRef) -> bool:
 
 def _unfinished_removals(store: CheckpointStore, found: PrefixScan,
                          now: float) -> Iterator[Leftover]:
-    """Removals cut short (:mod:`caffe2ckpt.store.retired`): the groups their records named
+    """Removals cut short (:mod:`caffe2ckpt.store.commit.retired`): the groups their records named
     that no readable record needs are leftovers whatever their run (none is written again),
     once the newest of them is older than the grace period, like any leftover (a crafted note
     naming a save in progress cannot reach it in time)."""
@@ -434,7 +434,7 @@ def find_leftovers(store: CheckpointStore, found: PrefixScan, *, min_age: float 
     groups a differential save of it reads), and every save of a run no newer run of its
     family has overtaken (it may still be writing): with ``live`` those are listed too, marked
     ``live`` (``ls`` shows them; nothing removes them). A removal that a kill cut short (its
-    retire note: :mod:`caffe2ckpt.store.retired`) is finished whatever the run."""
+    retire note: :mod:`caffe2ckpt.store.commit.retired`) is finished whatever the run."""
     if not is_checkpoint_prefix(store):
         return []
     now = time.time()

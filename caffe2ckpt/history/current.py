@@ -6,8 +6,8 @@ what retention removes are decided here once:
 
 * A run starts (:meth:`CurrentRun.start`) with the committed save it resumed from as its parent,
   or a fresh start; the run log entry is written before its first save
-  (:mod:`caffe2ckpt.store.runs`). A save joins the current run only above the run's parent and
-  above the run's newest save; otherwise it starts a new run whose parent is the newest lineage
+  (:mod:`caffe2ckpt.store.commit.runs`). A save joins the current run only above the run's parent
+  and above the run's newest save; otherwise it starts a new run whose parent is the newest lineage
   save below it (:meth:`CurrentRun.run_for`): along a lineage epochs only grow, so "newest" is
   one thing everywhere. A new run takes over the family's history once it commits: until then
   what it would supersede stays current (:mod:`caffe2ckpt.history.lineage`).
@@ -41,9 +41,9 @@ from caffe2ckpt.history.lineage import History, Save
 from caffe2ckpt.history.retention import RetentionPlan, plan_retention
 from caffe2ckpt.history.scan import Family, family_history, newest_save, scan
 from caffe2ckpt.policy import StepManagerOptions
-from caffe2ckpt.store import runs
-from caffe2ckpt.store.protocol import CheckpointStore
-from caffe2ckpt.store.records import CommitRecord
+from caffe2ckpt.store.commit import runs
+from caffe2ckpt.store.commit.protocol import CheckpointStore
+from caffe2ckpt.store.format.records import CommitRecord
 from caffe2ckpt.units import epochs_text
 
 __all__ = ["CurrentRun"]

@@ -8,7 +8,7 @@ definition that resume, retention, the step manager, the CLI and the Prefect tab
   answered by reading them, never by the records alone.
 * A **family** is the set of nodes a job saves together; each family has its own history on a
   shared prefix. A save belongs to the family its records name.
-* A **run** is one entry of the run log (:mod:`caffe2ckpt.store.runs`): its generation (the
+* A **run** is one entry of the run log (:mod:`caffe2ckpt.store.commit.runs`): its generation (the
   generation in each of its save ids), its family and its **parent**, the committed save it
   started from (or a fresh start). Runs of storage model 2 have no entry: the records of their
   saves say where they started.
@@ -37,9 +37,9 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from caffe2ckpt.store.layout import save_generation
-from caffe2ckpt.store.records import CommitRecord, RecordRef
-from caffe2ckpt.store.runs import Run
+from caffe2ckpt.store.commit.runs import Run
+from caffe2ckpt.store.format.paths import save_generation
+from caffe2ckpt.store.format.records import CommitRecord, RecordRef
 
 __all__ = ["History", "RecordReader", "RunReader", "Save"]
 

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from caffe2ckpt.errors import CheckpointCorruptedError, CheckpointNotFoundError
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.history.scan import Family, PrefixScan
-from caffe2ckpt.store import runs
+from caffe2ckpt.store.commit import runs
 
 __all__ = ["NodeSets", "RunLog", "node_sets", "read_run_log"]
 

@@ -15,10 +15,10 @@ from typing import NamedTuple
 from caffe2ckpt.errors import CheckpointCorruptedError, CheckpointError, CheckpointNotFoundError
 from caffe2ckpt.fs.iopool import read_pool
 from caffe2ckpt.history.lineage import History, Save
-from caffe2ckpt.store import runs
-from caffe2ckpt.store.layout import COMMITS_DIR, save_generation
-from caffe2ckpt.store.protocol import CheckpointStore
-from caffe2ckpt.store.records import CommitRecord, RecordRef, list_records
+from caffe2ckpt.store.commit import runs
+from caffe2ckpt.store.commit.protocol import CheckpointStore
+from caffe2ckpt.store.format.paths import COMMITS_DIR, save_generation
+from caffe2ckpt.store.format.records import CommitRecord, RecordRef, list_records
 from caffe2ckpt.units import epochs_summary
 
 __all__ = ["Family", "PartialSave", "PrefixScan", "elastic_steps", "family_history",

@@ -16,7 +16,7 @@ from typing import Any
 
 from caffe2ckpt.errors import CheckpointWriteError, JobDefinitionError
 from caffe2ckpt.manager import _nodeops as nodeops
-from caffe2ckpt.store.records import CommitRecord
+from caffe2ckpt.store.format.records import CommitRecord
 
 __all__ = ["AsyncSaving"]
 

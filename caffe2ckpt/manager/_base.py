@@ -45,14 +45,14 @@ from caffe2ckpt.naming import check_epoch, check_node_name, db_name
 from caffe2ckpt.policy import StepManagerOptions
 from caffe2ckpt.session import Session
 from caffe2ckpt.sharding import Layout
-from caffe2ckpt.store.layout import new_save_id
-from caffe2ckpt.store.protocol import CheckpointStore, SaveInfo
-from caffe2ckpt.store.records import CommitRecord, RecordRef
-from caffe2ckpt.store.replicas import RowSpec, check_replicas, check_rows
-from caffe2ckpt.store.reshard import shared_names
-from caffe2ckpt.store.runs import Run
-from caffe2ckpt.store.shared import SharedReads
-from caffe2ckpt.store.zarrgroup import DEFAULT_PACK_THRESHOLD
+from caffe2ckpt.store.commit.protocol import CheckpointStore, SaveInfo
+from caffe2ckpt.store.commit.runs import Run
+from caffe2ckpt.store.format.paths import new_save_id
+from caffe2ckpt.store.format.records import CommitRecord, RecordRef
+from caffe2ckpt.store.format.zarrgroup import DEFAULT_PACK_THRESHOLD
+from caffe2ckpt.store.read.replicas import RowSpec, check_replicas, check_rows
+from caffe2ckpt.store.read.reshard import shared_names
+from caffe2ckpt.store.read.shared import SharedReads
 from caffe2ckpt.workspace import WorkspaceType
 
 __all__ = ["BaseCheckpointManager", "SaveOutcome"]
@@ -406,7 +406,7 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
 
     def _check_layout(self, session: Session, epoch: int) -> None:
         """Before the save writes anything: each node's replicated blobs hold what their writers
-        hold, and the rows blobs fit the layout (:mod:`~caffe2ckpt.store.replicas`; one group:
+        hold, and the rows blobs fit the layout (:mod:`~caffe2ckpt.store.read.replicas`; one group:
         a digest of each replicated blob and the dtype and shape of each rows blob, per node)."""
         writers = self._writers()
         rows = [] if self._layout is None else self._layout.rows_among(
@@ -536,9 +536,9 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
                         options: StepManagerOptions | None = None) -> SaveOutcome:
         """Run the save of ``epoch`` on ``session`` and return its outcome (what the runner
         uses; :meth:`save` is Caffe2's runnable). ``options`` with ``delta_saves`` make it a
-        differential save (see :mod:`caffe2ckpt.store.delta`). With replicated blobs in the
+        differential save (see :mod:`caffe2ckpt.store.delta.plan`). With replicated blobs in the
         layout, every node's value of each is first compared with the one its writer will
-        write (:mod:`~caffe2ckpt.store.replicas`): if they differ, nothing is written."""
+        write (:mod:`~caffe2ckpt.store.read.replicas`): if they differ, nothing is written."""
         self._check_layout(session, epoch)
         into: dict[str, CommitRecord] = {}
         session.run(self._save_group(epoch, into, stop=stop, stop_conditions=stop_conditions,

@@ -16,7 +16,7 @@ from caffe2ckpt.metadata import MetadataHandler
 from caffe2ckpt.naming import check_epoch, check_node_name, db_name
 from caffe2ckpt.session import Session
 from caffe2ckpt.sharding import Layout
-from caffe2ckpt.store.zarrgroup import DEFAULT_PACK_THRESHOLD
+from caffe2ckpt.store.format.zarrgroup import DEFAULT_PACK_THRESHOLD
 
 __all__ = ["CheckpointManager", "MultiNodeCheckpointManager", "UploadTaskGroupBuilder"]
 

@@ -27,14 +27,14 @@ import numpy as np
 from caffe2ckpt.background import BackgroundSaves
 from caffe2ckpt.errors import CheckpointNotFoundError, CheckpointWriteError, writing
 from caffe2ckpt.policy import StepManagerOptions
-from caffe2ckpt.store.delta import DeltaTracker
-from caffe2ckpt.store.deltawrite import DeltaWrite
-from caffe2ckpt.store.layout import group_name
-from caffe2ckpt.store.protocol import CheckpointStore, SaveInfo
-from caffe2ckpt.store.records import CommitRecord
-from caffe2ckpt.store.replicas import RowSpec, replica_digests, row_specs
-from caffe2ckpt.store.reshard import read_shares
-from caffe2ckpt.store.shared import SharedReads
+from caffe2ckpt.store.commit.protocol import CheckpointStore, SaveInfo
+from caffe2ckpt.store.delta.plan import DeltaTracker
+from caffe2ckpt.store.delta.write import DeltaWrite
+from caffe2ckpt.store.format.paths import group_name
+from caffe2ckpt.store.format.records import CommitRecord
+from caffe2ckpt.store.read.replicas import RowSpec, replica_digests, row_specs
+from caffe2ckpt.store.read.reshard import read_shares
+from caffe2ckpt.store.read.shared import SharedReads
 from caffe2ckpt.workspace import Workspace
 
 __all__ = ["DB_EXISTS", "DeltaArgs", "Timed", "blob_names", "db_exists", "forget_saves", "load",
@@ -262,7 +262,7 @@ def load_share(store: CheckpointStore, records: dict[str, CommitRecord], order: 
                require_all: bool, shared: SharedReads, ws: Workspace) -> Timed:
     """Restore ``node``'s share of ``names`` (with ``require_all``, every one of them) of the
     save ``records`` into its workspace, cut anew over ``order`` by ``partition`` with
-    ``kinds`` (see :func:`~caffe2ckpt.store.reshard.read_shares`; what several nodes read,
+    ``kinds`` (see :func:`~caffe2ckpt.store.read.reshard.read_shares`; what several nodes read,
     read once per ``shared``)."""
     data = _timed(lambda: read_shares(store, records, order, partition, [node], list(names),
                                       shared, kinds))

@@ -26,7 +26,7 @@ from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRun
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.prefect.artifacts import committed_rows
 from caffe2ckpt.prefect.table import checkpoint_table
-from caffe2ckpt.store.protocol import CheckpointStore
+from caffe2ckpt.store.commit.protocol import CheckpointStore
 
 __all__ = ["CRASHED_MARK", "refresh_crashed_run"]
 

@@ -29,7 +29,7 @@ from uuid import UUID
 
 from prefect.utilities.urls import url_for
 
-from caffe2ckpt.store.records import CommitRecord
+from caffe2ckpt.store.format.records import CommitRecord
 from caffe2ckpt.units import human_bytes
 
 __all__ = ["COLUMNS", "COMMITTED", "DELETED", "SUPERSEDED", "checkpoint_row", "checkpoint_table",

@@ -6,7 +6,7 @@ concatenated for ``range``, interleaved for ``mod``), each ``replicated`` blob i
 (from the node that saved it), and each local blob goes under ``<node>/``, a group of its own.
 
 It streams: a global array is written one output chunk (at most 16 MiB) at a time, each read
-from the old nodes' rows it covers (:func:`~caffe2ckpt.store.rowread.load_rows`:
+from the old nodes' rows it covers (:func:`~caffe2ckpt.store.read.rows.load_rows`:
 the chunks holding them, or a differential save's chain for those rows only) and verified as a
 restore is, so what is held stays under one chunk's worth of reads and writes, whatever the
 table's size. Replicated and local blobs are streamed the same way from the node holding them
@@ -28,17 +28,17 @@ from caffe2ckpt.fs.location import Location
 from caffe2ckpt.history.lineage import Save
 from caffe2ckpt.naming import blob_path
 from caffe2ckpt.sharding import LOCAL, REPLICATED, ROWS, old_rows, overlap
-from caffe2ckpt.store.groupread import destination
-from caffe2ckpt.store.protocol import CheckpointStore
-from caffe2ckpt.store.reshard import saved_layout
-from caffe2ckpt.store.rowread import load_rows
-from caffe2ckpt.store.zarrgroup import (
+from caffe2ckpt.store.commit.protocol import CheckpointStore
+from caffe2ckpt.store.format.zarrgroup import (
     PLAIN_GROUP_KEY,
     mark_complete,
     remove_plain_groups,
     taken_error,
     write_plain_group,
 )
+from caffe2ckpt.store.read.group import destination
+from caffe2ckpt.store.read.reshard import saved_layout
+from caffe2ckpt.store.read.rows import load_rows
 
 __all__ = ["CONSOLIDATED", "write_consolidated"]
 

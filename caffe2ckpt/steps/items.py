@@ -14,9 +14,9 @@ from caffe2ckpt.errors import CheckpointNotFoundError, InvalidLocationError
 from caffe2ckpt.history.lineage import Save
 from caffe2ckpt.naming import check_node_name
 from caffe2ckpt.sharding import Layout
-from caffe2ckpt.store.protocol import CheckpointStore
-from caffe2ckpt.store.replicas import check_replicas, check_rows, replica_digests, row_specs
-from caffe2ckpt.store.shared import SharedReads
+from caffe2ckpt.store.commit.protocol import CheckpointStore
+from caffe2ckpt.store.read.replicas import check_replicas, check_rows, replica_digests, row_specs
+from caffe2ckpt.store.read.shared import SharedReads
 from caffe2ckpt.workspace import as_blob
 
 __all__ = ["Blobs", "Items", "check_items", "read_nodes", "split_replicas"]
@@ -65,7 +65,7 @@ def _replicas(layout: Layout | None, step: int, order: Sequence[str], blobs: Blo
 
     Raises:
         InvalidBlobError: nodes hold different values of a replicated blob, or a rows blob
-            does not fit the layout (:mod:`~caffe2ckpt.store.replicas`; nothing is written).
+            does not fit the layout (:mod:`~caffe2ckpt.store.read.replicas`; nothing is written).
     """
     if layout is None:
         return {}

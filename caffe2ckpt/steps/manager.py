@@ -60,13 +60,13 @@ from caffe2ckpt.steps.metadata import (
     step_metadata,
     write_root_metadata,
 )
-from caffe2ckpt.store.delta import DeltaTracker
-from caffe2ckpt.store.deltawrite import DeltaWrite
-from caffe2ckpt.store.layout import new_save_id
-from caffe2ckpt.store.protocol import CheckpointStore, SaveInfo
-from caffe2ckpt.store.records import CommitRecord
-from caffe2ckpt.store.reshard import read_shares, share_infos
-from caffe2ckpt.store.zarrgroup import DEFAULT_PACK_THRESHOLD
+from caffe2ckpt.store.commit.protocol import CheckpointStore, SaveInfo
+from caffe2ckpt.store.delta.plan import DeltaTracker
+from caffe2ckpt.store.delta.write import DeltaWrite
+from caffe2ckpt.store.format.paths import new_save_id
+from caffe2ckpt.store.format.records import CommitRecord
+from caffe2ckpt.store.format.zarrgroup import DEFAULT_PACK_THRESHOLD
+from caffe2ckpt.store.read.reshard import read_shares, share_infos
 
 __all__ = ["StepCheckpointManager"]
 

@@ -18,9 +18,9 @@ from caffe2ckpt.errors import (
 from caffe2ckpt.fs import strictjson
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.history.lineage import Save
-from caffe2ckpt.store.layout import ROOT_METADATA
-from caffe2ckpt.store.manifest import BlobInfo
-from caffe2ckpt.store.protocol import CheckpointStore
+from caffe2ckpt.store.commit.protocol import CheckpointStore
+from caffe2ckpt.store.format.manifest import BlobInfo
+from caffe2ckpt.store.format.paths import ROOT_METADATA
 
 __all__ = ["BlobMetadata", "RootMetadata", "StepMetadata", "as_metadata", "blob_metadata",
            "read_root_metadata", "step_metadata", "write_root_metadata"]

@@ -42,11 +42,10 @@ from caffe2ckpt.history.lineage import Save
 from caffe2ckpt.history.scan import require_save, scan
 from caffe2ckpt.naming import blob_path, check_epoch, check_node_name
 from caffe2ckpt.steps.consolidate import write_consolidated
-from caffe2ckpt.store.groupread import read_units, small_blobs
-from caffe2ckpt.store.layout import group_name
-from caffe2ckpt.store.protocol import CheckpointStore
-from caffe2ckpt.store.records import CommitRecord
-from caffe2ckpt.store.zarrgroup import (
+from caffe2ckpt.store.commit.protocol import CheckpointStore
+from caffe2ckpt.store.format.paths import group_name
+from caffe2ckpt.store.format.records import CommitRecord
+from caffe2ckpt.store.format.zarrgroup import (
     PLAIN_GROUP_KEY,
     epoch_store,
     plan_group,
@@ -54,6 +53,7 @@ from caffe2ckpt.store.zarrgroup import (
     taken_error,
     write_plain_group,
 )
+from caffe2ckpt.store.read.group import read_units, small_blobs
 
 __all__ = ["materialize", "zarr_store"]
 

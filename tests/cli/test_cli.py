@@ -33,9 +33,9 @@ from caffe2ckpt.history.scan import scan
 from caffe2ckpt.metadata import ZarrMetadataHandler
 from caffe2ckpt.naming import blob_path
 from caffe2ckpt.policy import StepManagerOptions, retained_epochs
-from caffe2ckpt.store.protocol import CheckpointStore
-from caffe2ckpt.store import runs
-from caffe2ckpt.store.records import list_records
+from caffe2ckpt.store.commit.protocol import CheckpointStore
+from caffe2ckpt.store.commit import runs
+from caffe2ckpt.store.format.records import list_records
 from tests.stores import gone
 
 NODES = ["trainer_0", "trainer_1"]

@@ -18,8 +18,8 @@ from caffe2ckpt import StepCheckpointManager, StepManagerOptions
 from caffe2ckpt.cli import main
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.history.scan import scan
-from caffe2ckpt.store.layout import RETIRED_DIR, parse_group_name
-from caffe2ckpt.store.protocol import CheckpointStore
+from caffe2ckpt.store.commit.protocol import CheckpointStore
+from caffe2ckpt.store.format.paths import RETIRED_DIR, parse_group_name
 from caffe2ckpt.units import human_bytes
 from tests.faultfs import FaultyFileSystem
 

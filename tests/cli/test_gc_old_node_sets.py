@@ -25,8 +25,8 @@ from caffe2ckpt import Layout, StepCheckpointManager
 from caffe2ckpt.cli import main
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.history.scan import scan
-from caffe2ckpt.store import runs
-from caffe2ckpt.store.protocol import CheckpointStore
+from caffe2ckpt.store.commit import runs
+from caffe2ckpt.store.commit.protocol import CheckpointStore
 from tests.elastic.elasticjob import share
 from tests.stores import find_leftovers, unreferenced_groups
 

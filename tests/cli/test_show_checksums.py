@@ -11,8 +11,8 @@ import xxhash
 
 from caffe2ckpt import Layout, StepCheckpointManager, StepManagerOptions
 from caffe2ckpt.fs.location import Location
-from caffe2ckpt.store.manifest import chunk_key
-from caffe2ckpt.store.zarrgroup import CRC_BYTES
+from caffe2ckpt.store.format.manifest import chunk_key
+from caffe2ckpt.store.format.zarrgroup import CRC_BYTES
 from tests.cli.test_cli import run, run_json
 
 NODES = ["t0", "t1"]

@@ -13,7 +13,7 @@ import pytest
 
 from caffe2ckpt import CheckpointCorruptedError, Layout, StepCheckpointManager
 from caffe2ckpt.fs.location import Location
-from caffe2ckpt.store import groupread
+from caffe2ckpt.store.read import group as groupread
 from tests.cli.test_cli import flip_chunk, run, run_json
 
 NODES = ["t0", "t1"]

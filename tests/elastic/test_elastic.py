@@ -198,7 +198,7 @@ def forged(tmp_path, node: str, change) -> tuple[object, object]:
     ``change(its layout as stored)`` (returning the new one); the location and that ref."""
     import json
 
-    from caffe2ckpt.store.records import list_records, record_path
+    from caffe2ckpt.store.format.records import list_records, record_path
 
     with StepCheckpointManager(str(tmp_path / "ckpt"), nodes=["a", "b"], handle_preemption=False,
                                layout=Layout(rows=["x"], replicated=["w"])) as mgr:
@@ -225,7 +225,7 @@ GOOD = {"partition": "range", "order": ["a", "b"], "rows": ["x"], "replicated": 
         "writer-itself", "writer-of-rows", "rows-not-a-list", "unknown-field"])
 def test_a_forged_layout_makes_its_record_damage(tmp_path, field, value):
     from caffe2ckpt.errors import CheckpointCorruptedError
-    from caffe2ckpt.store.records import read_record
+    from caffe2ckpt.store.format.records import read_record
 
     location, ref = forged(tmp_path, "b", lambda layout: {**layout, field: value})
     with pytest.raises(CheckpointCorruptedError, match="unreadable") as info:

@@ -26,7 +26,7 @@ SCRIPT = textwrap.dedent('''
     import os, signal, sys
     sys.path.insert(0, sys.argv[3])
     from caffe2ckpt import JobRunner, LocalSession, MultiNodeCheckpointManager
-    from caffe2ckpt.store import protocol
+    from caffe2ckpt.store.commit import protocol
     from tests.elastic.elasticjob import build, layout
 
     url, point = sys.argv[1], sys.argv[2]

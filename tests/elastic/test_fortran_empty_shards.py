@@ -22,7 +22,7 @@ from caffe2ckpt import (
     epoch_limiter,
 )
 from caffe2ckpt.sharding import orders_of
-from caffe2ckpt.store.replicas import check_rows, row_specs
+from caffe2ckpt.store.read.replicas import check_rows, row_specs
 from tests.elastic.elasticjob import share
 
 ROW_SHAPE = (2, 2)

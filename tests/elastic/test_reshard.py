@@ -15,7 +15,7 @@ import pytest
 from caffe2ckpt import Layout, StepCheckpointManager, StepManagerOptions
 from caffe2ckpt.naming import blob_path
 from caffe2ckpt.sharding import new_rows
-from caffe2ckpt.store import manifest
+from caffe2ckpt.store.format import manifest
 
 COUNTS = (1, 2, 3, 4, 8)
 ROWS, COLS = 1003, 16  # 64 B rows: 64 rows per 4 KiB chunk

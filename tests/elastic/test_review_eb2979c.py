@@ -325,7 +325,7 @@ def counting(mgr: StepCheckpointManager) -> list[str]:
 
 
 def test_an_old_arrays_metadata_is_read_once_per_old_node(prefix, monkeypatch):
-    from caffe2ckpt.store import manifest
+    from caffe2ckpt.store.format import manifest
 
     monkeypatch.setattr(manifest, "ROWS_CHUNK_BYTES", 64)
     table = np.arange(400 * 4, dtype=np.float32).reshape(400, 4)
@@ -469,7 +469,7 @@ def test_a_fortran_table_declared_replicated_is_fortran_on_every_node(prefix):
 
 
 def test_a_job_runners_nodes_read_an_old_arrays_metadata_once(prefix, monkeypatch):
-    from caffe2ckpt.store import manifest
+    from caffe2ckpt.store.format import manifest
 
     monkeypatch.setattr(manifest, "ROWS_CHUNK_BYTES", 64)
     table = np.arange(400 * 4, dtype=np.float32).reshape(400, 4)

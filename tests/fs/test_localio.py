@@ -20,9 +20,9 @@ import pytest
 from caffe2ckpt import CheckpointCorruptedError
 from caffe2ckpt.fs import localio
 from caffe2ckpt.fs.location import Location
-from caffe2ckpt.store.layout import new_save_id
-from caffe2ckpt.store.manifest import CHUNK_BYTES, chunk_rows
-from caffe2ckpt.store.protocol import CheckpointStore, SaveInfo
+from caffe2ckpt.store.commit.protocol import CheckpointStore, SaveInfo
+from caffe2ckpt.store.format.manifest import CHUNK_BYTES, chunk_rows
+from caffe2ckpt.store.format.paths import new_save_id
 
 pytestmark = pytest.mark.skipif(not getattr(os, "O_DIRECT", 0), reason="O_DIRECT is Linux-only")
 

@@ -21,9 +21,9 @@ from caffe2ckpt.cli import main as cli_main
 from caffe2ckpt.example import InjectedFailure, build_job
 from caffe2ckpt.history.lineage import History
 from caffe2ckpt.history.scan import scan
-from caffe2ckpt.store import runs
-from caffe2ckpt.store.layout import new_save_id
-from caffe2ckpt.store.records import CommitRecord, RecordRef
+from caffe2ckpt.store.commit import runs
+from caffe2ckpt.store.format.paths import new_save_id
+from caffe2ckpt.store.format.records import CommitRecord, RecordRef
 from tests.stores import newest_epoch
 
 NODES = ["trainer_0", "trainer_1"]
@@ -250,7 +250,7 @@ def test_a_record_name_with_a_non_ascii_digit_is_not_a_record(prefix):
 
 def _counting_store(prefix: str):
     from caffe2ckpt.fs.location import Location
-    from caffe2ckpt.store.protocol import CheckpointStore
+    from caffe2ckpt.store.commit.protocol import CheckpointStore
     from tests.faultfs import FaultyFileSystem
 
     fs, root = fsspec.core.url_to_fs(prefix)
@@ -281,7 +281,7 @@ def test_a_hint_that_does_not_hold_is_ignored(prefix):
     """Hints that name a superseded save on behalf of the newest run, or a run that does not
     exist, or a save of an older run, never decide: the records do."""
     from caffe2ckpt.history.scan import newest_save
-    from caffe2ckpt.store.layout import HINTS_DIR, hint_name
+    from caffe2ckpt.store.format.paths import HINTS_DIR, hint_name
 
     go_back_to_2(prefix)  # lineage 0, 1, 2, 3 (the second run's); the first run's 3..5 superseded
     counter, store = _counting_store(prefix)
@@ -310,8 +310,8 @@ def test_a_run_that_cannot_write_its_hint_claims_again(prefix):
     land later, after the run's own saves: the run claims once more, so such a late hint
     speaks for a fenced run and is ignored."""
     from caffe2ckpt.history.scan import newest_save
-    from caffe2ckpt.store.layout import HINTS_DIR, hint_name
-    from caffe2ckpt.store.protocol import CheckpointStore
+    from caffe2ckpt.store.commit.protocol import CheckpointStore
+    from caffe2ckpt.store.format.paths import HINTS_DIR, hint_name
     from tests.faultfs import FaultyFileSystem
 
     train(prefix, 3)

@@ -29,7 +29,7 @@ from caffe2ckpt.fs.location import Location
 from caffe2ckpt.history.scan import scan
 from caffe2ckpt.metadata import ZarrMetadataHandler
 from caffe2ckpt.policy import retained_epochs, should_save
-from caffe2ckpt.store.protocol import CheckpointStore
+from caffe2ckpt.store.commit.protocol import CheckpointStore
 from tests.safety.test_faults import clone
 from tests.stores import committed_epochs, find_leftovers, load, remove_leftovers, retain
 

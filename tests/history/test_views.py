@@ -15,7 +15,7 @@ from caffe2ckpt import (
     StepManagerOptions,
 )
 from caffe2ckpt.example import build_job
-from caffe2ckpt.store.protocol import CheckpointStore
+from caffe2ckpt.store.commit.protocol import CheckpointStore
 from tests.stores import newest_epoch
 
 NODES = ["trainer_0", "trainer_1"]

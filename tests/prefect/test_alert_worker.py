@@ -35,8 +35,8 @@ from caffe2ckpt import JobRunner, LocalSession, MultiNodeCheckpointManager, even
 from caffe2ckpt.example import build_job
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.prefect.events import PrefectPublisher, _stored, resource_id
-from caffe2ckpt.store.protocol import CheckpointStore
-from caffe2ckpt.store.records import list_records
+from caffe2ckpt.store.commit.protocol import CheckpointStore
+from caffe2ckpt.store.format.records import list_records
 from tests import prefectdb
 from tests.prefect.test_deployment_e2e import REPO, wait_for
 from tests.procs import free_port, stop_tree

@@ -122,7 +122,7 @@ def test_a_control_character_in_a_metric_name_keeps_the_svg_well_formed():
 
 def test_the_mean_of_opposite_infinities_is_nan_not_an_error():
     from caffe2ckpt.prefect.table import checkpoint_row
-    from caffe2ckpt.store.records import CommitRecord
+    from caffe2ckpt.store.format.records import CommitRecord
 
     def rec(node, loss):
         return CommitRecord(epoch=1, node=node, save_id="s", nodes=["a", "b"], nbytes=1,

@@ -16,7 +16,7 @@ from caffe2ckpt import JobRunner, LocalSession, MultiNodeCheckpointManager
 from caffe2ckpt.example import build_job
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.prefect import PrefectSession
-from caffe2ckpt.store.protocol import CheckpointStore
+from caffe2ckpt.store.commit.protocol import CheckpointStore
 from tests.daskcluster import die_before_commit, undo_die_before_commit
 from tests.jobs import EXPECTED_TOTALS, fetch, make_job
 from tests.prefect.conftest import finished_task_runs

@@ -24,8 +24,8 @@ from caffe2ckpt import JobRunner, LocalSession, MultiNodeCheckpointManager
 from caffe2ckpt.example import build_job
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.prefect import artifact_key
-from caffe2ckpt.store.protocol import CheckpointStore
-from caffe2ckpt.store.records import list_records, read_record
+from caffe2ckpt.store.commit.protocol import CheckpointStore
+from caffe2ckpt.store.format.records import list_records, read_record
 from tests import prefectdb
 from tests.procs import free_port, stop_tree, tree
 from tests.stores import load, newest_epoch, records_at

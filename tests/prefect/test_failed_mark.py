@@ -25,7 +25,7 @@ from caffe2ckpt.fs.location import Location
 from caffe2ckpt.job import Node, Task
 from caffe2ckpt.prefect import PrefectSession, run_job
 from caffe2ckpt.prefect.statewatch import FailedMarkWatch
-from caffe2ckpt.store.protocol import CheckpointStore
+from caffe2ckpt.store.commit.protocol import CheckpointStore
 from tests.prefect.conftest import Records
 from tests.stores import newest_epoch
 

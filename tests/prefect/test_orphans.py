@@ -29,8 +29,8 @@ from caffe2ckpt import MultiNodeCheckpointManager
 from caffe2ckpt.example import build_job
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.prefect import PrefectSession, run_job
-from caffe2ckpt.store.protocol import CheckpointStore
-from caffe2ckpt.store.records import list_records
+from caffe2ckpt.store.commit.protocol import CheckpointStore
+from caffe2ckpt.store.format.records import list_records
 from tests import prefectdb
 from tests.procs import stop_tree
 from tests.stores import newest_epoch

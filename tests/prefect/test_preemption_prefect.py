@@ -19,7 +19,7 @@ from prefect.client.schemas.sorting import FlowRunSort
 from prefect.settings import PREFECT_API_URL
 
 from caffe2ckpt.fs.location import Location
-from caffe2ckpt.store.protocol import CheckpointStore
+from caffe2ckpt.store.commit.protocol import CheckpointStore
 from tests.stores import committed_epochs
 
 FLOW = pathlib.Path(__file__).with_name("preempt_flow.py")

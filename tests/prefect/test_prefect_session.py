@@ -36,8 +36,8 @@ from caffe2ckpt.prefect.table import (
     run_link,
     writer_cell,
 )
-from caffe2ckpt.store.protocol import CheckpointStore
-from caffe2ckpt.store.records import CommitRecord
+from caffe2ckpt.store.commit.protocol import CheckpointStore
+from caffe2ckpt.store.format.records import CommitRecord
 from caffe2ckpt.units import epochs_text
 from tests.jobs import EXPECTED_TOTALS, Counter, fetch, make_job
 from tests.prefect.conftest import finished_task_runs, poll

@@ -24,7 +24,7 @@ from caffe2ckpt.example import build_job, node_names
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.history.scan import family_history
 from caffe2ckpt.prefect import plan_run, run_job
-from caffe2ckpt.store.protocol import CheckpointStore
+from caffe2ckpt.store.commit.protocol import CheckpointStore
 from flows.regression import regression
 from tests.stores import load
 

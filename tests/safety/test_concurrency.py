@@ -40,8 +40,8 @@ from caffe2ckpt import (
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.history.scan import scan
 from caffe2ckpt.metadata import ZarrMetadataHandler
-from caffe2ckpt.store import runs
-from caffe2ckpt.store.protocol import CheckpointStore
+from caffe2ckpt.store.commit import runs
+from caffe2ckpt.store.commit.protocol import CheckpointStore
 from tests.faultfs import FaultyFileSystem
 from tests.s3server import NOT_ON_S3, prefix_kind
 from tests.stores import newest_epoch, record_of

@@ -26,7 +26,7 @@ from caffe2ckpt.example import build_job
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.metadata import ZarrMetadataHandler
 from caffe2ckpt.naming import blob_path
-from caffe2ckpt.store.records import list_records, read_record
+from caffe2ckpt.store.format.records import list_records, read_record
 from tests.s3server import NOT_ON_S3
 from tests.stores import load as load_node
 

@@ -23,7 +23,7 @@ from caffe2ckpt import (
 )
 from caffe2ckpt.cli import main
 from caffe2ckpt.fs.location import Location
-from caffe2ckpt.store.protocol import CheckpointStore
+from caffe2ckpt.store.commit.protocol import CheckpointStore
 from tests.s3server import s3_params
 from tests.stores import committed_epochs, delete_epoch, find_leftovers, load, remove_leftovers
 

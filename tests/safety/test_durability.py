@@ -32,9 +32,9 @@ import pytest
 
 from caffe2ckpt.fs import localio
 from caffe2ckpt.fs.location import Location
-from caffe2ckpt.store.layout import new_save_id
-from caffe2ckpt.store.protocol import CheckpointStore, SaveInfo
-from caffe2ckpt.store.records import list_records
+from caffe2ckpt.store.commit.protocol import CheckpointStore, SaveInfo
+from caffe2ckpt.store.format.paths import new_save_id
+from caffe2ckpt.store.format.records import list_records
 from tests.stores import load
 from tests.strace import FD_PATH, call_paths, trace_events
 
@@ -151,8 +151,8 @@ def test_a_failed_write_leaves_no_descriptor_open(tmp_path, monkeypatch):
 SCRIPT = textwrap.dedent('''
     import sys
     import numpy as np
-    from caffe2ckpt.store.layout import new_save_id
-    from caffe2ckpt.store.protocol import CheckpointStore, SaveInfo
+    from caffe2ckpt.store.format.paths import new_save_id
+    from caffe2ckpt.store.commit.protocol import CheckpointStore, SaveInfo
     from caffe2ckpt.fs.location import Location
     rng = np.random.default_rng(7)
     blobs = {"w": rng.random(3_000_000), "v": rng.random((300, 1000), dtype=np.float32)}

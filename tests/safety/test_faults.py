@@ -38,8 +38,8 @@ from caffe2ckpt import (
 from caffe2ckpt.example import build_job
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.metadata import ZarrMetadataHandler
-from caffe2ckpt.store.protocol import CheckpointStore
-from caffe2ckpt.store.records import list_records
+from caffe2ckpt.store.commit.protocol import CheckpointStore
+from caffe2ckpt.store.format.records import list_records
 from tests.stores import load, newest_epoch, records_at
 
 NODES = ["trainer_0", "trainer_1"]

@@ -42,7 +42,7 @@ from caffe2ckpt import (
 )
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.metadata import ZarrMetadataHandler
-from caffe2ckpt.store.protocol import CheckpointStore
+from caffe2ckpt.store.commit.protocol import CheckpointStore
 from tests.safety.test_faults import (
     LAST,
     NODES,

@@ -23,8 +23,8 @@ from caffe2ckpt import (
 from caffe2ckpt.example import build_job
 from caffe2ckpt.metadata import ZarrMetadataHandler
 from caffe2ckpt.steps import StepCheckpointManager
-from caffe2ckpt.store import runs
-from caffe2ckpt.store.layout import run_name, save_generation
+from caffe2ckpt.store.commit import runs
+from caffe2ckpt.store.format.paths import run_name, save_generation
 from tests.faultfs import FaultyFileSystem
 from tests.s3server import on_one_s3_server
 from tests.stores import epochs_with_records, load, newest_epoch
@@ -128,8 +128,8 @@ def test_a_late_record_of_an_overtaken_run_is_superseded(prefix, monkeypatch):
     epoch 2; A wakes and commits its epoch 2 too. Both saves have paths of their own, and A's
     late save is superseded: B's data is what epoch 2 means, for every reader."""
     from caffe2ckpt.fs.location import Location
-    from caffe2ckpt.store.layout import new_save_id
-    from caffe2ckpt.store.protocol import CheckpointStore, SaveInfo
+    from caffe2ckpt.store.commit.protocol import CheckpointStore, SaveInfo
+    from caffe2ckpt.store.format.paths import new_save_id
     a, b = CheckpointStore(Location(prefix)), CheckpointStore(Location(prefix))
     run_a = runs.claim(a.location, nodes=["n"], parent=None)
     a.save_node("n", 1, {"w": np.full(4, 1.0)}, SaveInfo(save_id=new_save_id(1), nodes=["n"]))

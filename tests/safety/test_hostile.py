@@ -45,8 +45,8 @@ from caffe2ckpt.example import build_job
 from caffe2ckpt.fs import strictjson
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.metadata import ZarrMetadataHandler
-from caffe2ckpt.store.protocol import CheckpointStore
-from caffe2ckpt.store.records import (
+from caffe2ckpt.store.commit.protocol import CheckpointStore
+from caffe2ckpt.store.format.records import (
     delete_record,
     list_records,
     read_record,

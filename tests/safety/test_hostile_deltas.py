@@ -18,7 +18,7 @@ from caffe2ckpt import (
     StepManagerOptions,
 )
 from caffe2ckpt.cli import main as cli_main
-from caffe2ckpt.store.records import list_records, record_path
+from caffe2ckpt.store.format.records import list_records, record_path
 from tests.stores import open_store
 
 OPTIONS = StepManagerOptions(delta_saves=True, delta_min_bytes=1024)
@@ -152,7 +152,7 @@ def test_crafted_retire_notes_cannot_remove_what_they_do_not_own(prefix, saved, 
     its epoch, and (like any leftover) after the grace period: a note naming another node's
     group, another run's, a newer one, or the group of a save still in progress removes
     nothing of them (found by review)."""
-    from caffe2ckpt.store import protocol
+    from caffe2ckpt.store.commit import protocol
 
     store = open_store(prefix)
     refs = {(r.epoch, r.node): r for r in list_records(store.location)}

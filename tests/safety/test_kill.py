@@ -33,7 +33,7 @@ import pytest
 from caffe2ckpt.cli import main as cli_main
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.history.scan import scan
-from caffe2ckpt.store.protocol import CheckpointStore
+from caffe2ckpt.store.commit.protocol import CheckpointStore
 from tests.stores import (
     committed_epochs,
     epochs_with_records,

@@ -216,8 +216,8 @@ from caffe2ckpt.fs.location import Location
 from caffe2ckpt.history.scan import scan
 from caffe2ckpt.metadata import ZarrMetadataHandler
 from caffe2ckpt.sharding import new_rows
-from caffe2ckpt.store import runs
-from caffe2ckpt.store.protocol import CheckpointStore
+from caffe2ckpt.store.commit import runs
+from caffe2ckpt.store.commit.protocol import CheckpointStore
 from tests.s3server import KINDS
 
 SEEDS = int(os.environ.get("CAFFE2CKPT_MODEL_CHECK_SEEDS", "24"))

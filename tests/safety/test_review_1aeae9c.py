@@ -50,7 +50,7 @@ from caffe2ckpt.fs.location import Location
 from caffe2ckpt.history import cleanup
 from caffe2ckpt.history.scan import scan
 from caffe2ckpt.metadata import ZarrMetadataHandler
-from caffe2ckpt.store.protocol import CheckpointStore
+from caffe2ckpt.store.commit.protocol import CheckpointStore
 from tests.s3server import NOT_ON_S3
 from tests.safety.hookfs import HookFS, wrapped
 

@@ -209,7 +209,7 @@ KILLED_AT_THE_LAST_STEP = """
 import os, sys
 import caffe2ckpt
 from caffe2ckpt.steps import consolidate
-from caffe2ckpt.store import zarrgroup
+from caffe2ckpt.store.format import zarrgroup
 def killed(*args, **kwargs):
     os._exit(9)  # as a SIGKILL would: no clean-up runs
 zarrgroup.mark_complete = consolidate.mark_complete = killed

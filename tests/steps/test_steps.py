@@ -30,7 +30,7 @@ from caffe2ckpt import (
 from caffe2ckpt.example import build_job
 from caffe2ckpt.metadata import ZarrMetadataHandler
 from caffe2ckpt.steps import BlobMetadata, RootMetadata, StepMetadata
-from caffe2ckpt.store.records import list_records
+from caffe2ckpt.store.format.records import list_records
 from tests.stores import gone
 
 NODES = ["trainer_0", "trainer_1"]
@@ -399,7 +399,7 @@ def test_a_new_runs_async_save_listed_before_its_commit_survives_its_retention(p
     listing reads the prefix, where the save has already committed. The run's first commit must
     not count that save among the ones it supersedes: retention keeps it (found by the model
     check: seed 13 deleted the newest step)."""
-    from caffe2ckpt.store.records import list_records
+    from caffe2ckpt.store.format.records import list_records
 
     with manager(prefix) as first:
         for step in (3, 6):

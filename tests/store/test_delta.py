@@ -33,11 +33,12 @@ from caffe2ckpt.errors import (
     JobDefinitionError,
 )
 from caffe2ckpt.history.scan import scan
-from caffe2ckpt.store import delta, runs
-from caffe2ckpt.store.delta import DeltaTracker, span_rows
-from caffe2ckpt.store.layout import new_save_id
-from caffe2ckpt.store.protocol import SaveInfo
-from caffe2ckpt.store.records import delete_record, record_path
+from caffe2ckpt.store.commit import runs
+from caffe2ckpt.store.commit.protocol import SaveInfo
+from caffe2ckpt.store.delta import plan as delta
+from caffe2ckpt.store.delta.plan import DeltaTracker, span_rows
+from caffe2ckpt.store.format.paths import new_save_id
+from caffe2ckpt.store.format.records import delete_record, record_path
 from caffe2ckpt.workspace import merge_rows
 from tests.faultfs import FaultyFileSystem
 from tests.s3server import NOT_ON_S3, on_one_s3_server
@@ -651,8 +652,8 @@ def test_digests_left_for_later_are_the_ones_computed_at_once(depth):
     blocks of 1, 6 and 16 rows, a shorter last block, spans not on block edges). The span's
     are left only when its part changed since its last whole copy (it is written whatever its
     digests say); else they tell whether to write it."""
-    from caffe2ckpt.store.deltalinks import Link
-    from caffe2ckpt.store.deltawrite import Saved, info_of
+    from caffe2ckpt.store.delta.links import Link
+    from caffe2ckpt.store.delta.write import Saved, info_of
 
     tracker = DeltaTracker("n0", StepManagerOptions(delta_saves=True, delta_min_bytes=1024,
                                                    max_delta_chain=4))
@@ -706,7 +707,7 @@ def test_a_failure_of_what_a_save_left_for_later_fails_it_before_its_record(tmp_
     """What a save computes while its data is made durable (the large blobs' xxh3 here) is
     waited for before the record: if it fails, the save fails uncommitted, and the next save
     (whole: its base may be gone) restores."""
-    from caffe2ckpt.store import delta
+    from caffe2ckpt.store.delta import plan as delta
 
     table = np.arange(ROWS * 64, dtype=np.float32).reshape(ROWS, 64)
     original = delta.stored_digest
@@ -824,12 +825,14 @@ def test_the_naming_cost_counts_a_name_as_json_writes_it(text):
 def test_overlay_rows_land_after_the_span_rows_under_them_whatever_the_reads_timing(
         prefix, monkeypatch):
     """A restore starts an overlay chunk once the span reads under its rows are done
-    (caffe2ckpt/store/rounds.py). With small chunks (many per span and overlay) and the span
+    (caffe2ckpt/store/read/rounds.py). With small chunks (many per span and overlay) and the span
     reads delayed at random, whole restores and windows (which skip the blob's digest check)
     still return what was saved, overlay chunks do start before the last span read is done,
     and each writes only rows within the rows it was declared to wait for."""
-    from caffe2ckpt.store import chainread, manifest, rounds, zarrgroup
-    from caffe2ckpt.store.rowread import load_rows
+    from caffe2ckpt.store.format import manifest, zarrgroup
+    from caffe2ckpt.store.read import chain as chainread
+    from caffe2ckpt.store.read import rounds
+    from caffe2ckpt.store.read.rows import load_rows
 
     # chunks of 32 KiB (spans, whole arrays) and 4 KiB (overlays), for writer and reader alike
     monkeypatch.setattr(zarrgroup, "CHUNK_BYTES", 32 << 10)

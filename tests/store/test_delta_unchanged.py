@@ -15,8 +15,8 @@ import pytest
 from caffe2ckpt import StepCheckpointManager, StepManagerOptions
 from caffe2ckpt.cli import main as cli_main
 from caffe2ckpt.history.scan import scan
-from caffe2ckpt.store.chains import MAX_GROUPS
-from caffe2ckpt.store.deltalinks import part_edges
+from caffe2ckpt.store.delta.links import part_edges
+from caffe2ckpt.store.format.chains import MAX_GROUPS
 from tests.stores import open_store
 
 ROWS = 4096
@@ -113,7 +113,7 @@ def test_a_large_blob_written_whole_says_why(prefix, caplog, capsys):
     table = np.zeros((ROWS, 64), np.float32)
     opts = StepManagerOptions(delta_saves=True, delta_min_bytes=64 << 10,
                               max_delta_fraction=0.1)
-    with (caplog.at_level(logging.INFO, logger="caffe2ckpt.store.delta"),
+    with (caplog.at_level(logging.INFO, logger="caffe2ckpt.store.delta.plan"),
           StepCheckpointManager(prefix, options=opts, handle_preemption=False) as mgr):
         mgr.save(0, {"n0": {"t": table}})
         table[::50] = 1  # 2% of rows
@@ -165,8 +165,8 @@ class _Tracked:
     """A tracker saving node n0 to a store directly, as a manager does."""
 
     def __init__(self, tmp_path, **options) -> None:
-        from caffe2ckpt.store import runs
-        from caffe2ckpt.store.delta import DeltaTracker
+        from caffe2ckpt.store.commit import runs
+        from caffe2ckpt.store.delta.plan import DeltaTracker
 
         self.store = open_store(str(tmp_path))
         self.generation = runs.claim(self.store.location, nodes=["n0"],
@@ -175,8 +175,8 @@ class _Tracked:
                                                              delta_min_bytes=1024, **options))
 
     def plan(self, base, blobs, defer=False):
-        from caffe2ckpt.store.layout import new_save_id
-        from caffe2ckpt.store.protocol import SaveInfo
+        from caffe2ckpt.store.commit.protocol import SaveInfo
+        from caffe2ckpt.store.format.paths import new_save_id
 
         return SaveInfo(save_id=new_save_id(self.generation), nodes=["n0"]), self.tracker.plan(
             base, blobs, self.store.has_record, defer=defer)
@@ -212,7 +212,7 @@ def test_a_plan_that_overwrote_the_base_digests_leaves_no_base_until_it_commits(
 def test_a_span_inside_one_block_leaves_no_digest_for_later():
     """A span narrower than a block of rows has no block wholly inside it: every block is
     digested (and compared) at once, each once, never twice (review of issue 56, M2)."""
-    from caffe2ckpt.store.delta import _span_blocks
+    from caffe2ckpt.store.delta.plan import _span_blocks
 
     table = np.zeros((100, 1), np.uint8)  # 1-byte rows: blocks of 64 rows, parts of 10
     assert _span_blocks(table, 10, 1, 64, 2) == (0, 0)

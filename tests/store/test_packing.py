@@ -1,6 +1,6 @@
-"""The packed array is assembled a chunk at a time when it is written (store/zarrgroup.py,
-``Packed`` in store/packing.py): every chunk holds exactly the bytes a whole packed buffer would, and a packed array
-of several chunks round-trips and reads with plain zarr."""
+"""The packed array is assembled a chunk at a time when it is written (store/format/zarrgroup.py,
+``Packed`` in store/format/packing.py): every chunk holds exactly the bytes a whole packed
+buffer would, and a packed array of several chunks round-trips and reads with plain zarr."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 import zarr
 
 from caffe2ckpt import LocalSession, MultiNodeCheckpointManager
-from caffe2ckpt.store import zarrgroup
-from caffe2ckpt.store.manifest import CHUNK_BYTES
+from caffe2ckpt.store.format import zarrgroup
+from caffe2ckpt.store.format.manifest import CHUNK_BYTES
 
 
 def whole(infos, arrays, nbytes: int) -> bytes:

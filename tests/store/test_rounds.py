@@ -1,5 +1,5 @@
-"""The two rounds of a differential restore's reads (caffe2ckpt/store/rounds.py): a second-round
-read starts only after every first-round read writing a row it may write has finished, however
+"""The two rounds of a differential restore's reads (caffe2ckpt/store/read/rounds.py): a
+second-round read starts only after every first-round read writing a row it may write has finished, however
 the reads are timed; every read runs once; a failure stops both rounds and is raised; a body that
 fails waits for the reads still running. Checked over seeded random layouts and delays, not on a
 few hand-picked cases."""
@@ -13,7 +13,7 @@ import time
 import pytest
 
 from caffe2ckpt.fs.iopool import io_threads
-from caffe2ckpt.store.rounds import Rounds
+from caffe2ckpt.store.read.rounds import Rounds
 
 
 class Log:

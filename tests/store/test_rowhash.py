@@ -1,4 +1,4 @@
-"""The row digests of differential saves (caffe2ckpt/store/rowhash.py) compute exactly the
+"""The row digests of differential saves (caffe2ckpt/store/delta/rowhash.py) compute exactly the
 multilinear family of the module's docstring, for every word width, batch boundary and block
 shape: checked against the formula in Python integers, so a faster kernel cannot change what is
 hashed or lose the modular wrap the bound relies on."""
@@ -15,13 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from caffe2ckpt.store import rowhash
-from caffe2ckpt.store.rowhash import BLOCK_BYTES, RowHasher, block_rows
+from caffe2ckpt.store.delta import rowhash
+from caffe2ckpt.store.delta.rowhash import BLOCK_BYTES, RowHasher, block_rows
 
 KERNELS = {
     "numpy": lambda: rowhash.numpy_multilinear,
     # the `fast` extra, which the test extra installs: CI checks the compiled kernel too
-    "compiled": lambda: pytest.importorskip("caffe2ckpt.store.rowjit").multilinear,
+    "compiled": lambda: pytest.importorskip("caffe2ckpt.store.delta.rowjit").multilinear,
 }
 
 
@@ -29,7 +29,7 @@ def test_the_fast_extra_is_the_kernel_in_use():
     assert rowhash.kernel()[0] == "compiled", "the test extra installs llvmlite (`fast`)"
 
 
-def _broken_warm_up():
+def _broken_warm_up(reference):
     raise RuntimeError("no code for this processor")
 
 
@@ -44,9 +44,9 @@ def test_without_a_usable_kernel_the_digests_fall_back_to_numpy_saying_why(
     for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)
         monkeypatch.delitem(sys.modules, "llvmlite.binding", raising=False)
-        monkeypatch.delitem(sys.modules, "caffe2ckpt.store.rowjit", raising=False)
+        monkeypatch.delitem(sys.modules, "caffe2ckpt.store.delta.rowjit", raising=False)
     if not modules:
-        from caffe2ckpt.store import rowjit
+        from caffe2ckpt.store.delta import rowjit
         monkeypatch.setattr(rowjit, "warm_up", _broken_warm_up)
     rowhash.kernel.cache_clear()
     try:
@@ -57,7 +57,7 @@ def test_without_a_usable_kernel_the_digests_fall_back_to_numpy_saying_why(
     assert [r.levelno for r in caplog.records] == [level] and says in caplog.text
 
 
-_LOAD = ("from caffe2ckpt.store import rowhash, rowjit; import sys; {patch}"
+_LOAD = ("from caffe2ckpt.store.delta import rowhash, rowjit; import sys; {patch}"
          "print(rowhash.kernel()[0], rowjit._cached_path(rowjit.cache_dir()))")
 
 

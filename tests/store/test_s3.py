@@ -24,7 +24,7 @@ from caffe2ckpt import JobRunner, LocalSession, MultiNodeCheckpointManager
 from caffe2ckpt.example import build_job
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.metadata import ZarrMetadataHandler
-from caffe2ckpt.store.records import CommitRecord, write_record
+from caffe2ckpt.store.format.records import CommitRecord, write_record
 from tests.safety import test_faults as faults
 from tests.safety.test_concurrency import race_exclusive_creates
 from tests.stores import newest_epoch
@@ -120,9 +120,9 @@ def test_a_save_on_s3_sends_puts_and_one_fence_check_and_nothing_else(s3, monkey
     uploaded for the group's chunks are the payload's."""
     import numpy as np
 
-    from caffe2ckpt.store import runs
-    from caffe2ckpt.store.layout import new_save_id
-    from caffe2ckpt.store.protocol import CheckpointStore, SaveInfo
+    from caffe2ckpt.store.commit import runs
+    from caffe2ckpt.store.commit.protocol import CheckpointStore, SaveInfo
+    from caffe2ckpt.store.format.paths import new_save_id
 
     options, bucket = s3
     store = CheckpointStore(Location(f"s3://{bucket}/wire", options))

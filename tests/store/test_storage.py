@@ -25,10 +25,10 @@ from caffe2ckpt import (
 )
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.naming import blob_path
-from caffe2ckpt.store import groupread
-from caffe2ckpt.store.layout import new_save_id
-from caffe2ckpt.store.manifest import BlobManifestError, Manifest, chunk_rows
-from caffe2ckpt.store.protocol import CheckpointStore, SaveInfo
+from caffe2ckpt.store.commit.protocol import CheckpointStore, SaveInfo
+from caffe2ckpt.store.format.manifest import BlobManifestError, Manifest, chunk_rows
+from caffe2ckpt.store.format.paths import new_save_id
+from caffe2ckpt.store.read import group as groupread
 from tests.s3server import NOT_ON_S3
 from tests.stores import record_of
 

@@ -7,13 +7,14 @@ durable. Its file name carries everything needed to find it by listing alone::
     _commits/<epoch:012d>.<node>.<save_id>.json
 
 ``save_id`` is shared by all nodes saved together for an epoch (one *save*) and names the run
-that wrote it (:func:`caffe2ckpt.store.layout.save_generation`). A record of format 3 names the
-group it commits (``path``: ``<node>.<epoch>`` or ``<node>.<epoch>.<save_id>``, nothing else)
+that wrote it (:func:`caffe2ckpt.store.format.paths.save_generation`). A record of format 3 names
+the group it commits (``path``: ``<node>.<epoch>`` or ``<node>.<epoch>.<save_id>``, nothing else)
 and vouches for it: the SHA-256 of every Zarr metadata file and the CRC32C of every chunk, by
 array. Records of formats 1 and 2 (storage model 2) commit the group at ``<node>.<epoch>``, whose
 manifest holds the chunk CRCs. Each record also says which committed save its run started from
 (``parent``: epoch and generation, or None for a fresh start); since model 3 the run log
-(:mod:`caffe2ckpt.store.runs`) is what the lineage follows, and this copy is for model-2 runs.
+(:mod:`caffe2ckpt.store.commit.runs`) is what the lineage follows, and this copy is for model-2
+runs.
 
 Reading is strict (:mod:`caffe2ckpt.fs.strictjson`, and every field's type and range checked): a
 damaged or crafted record — deeply nested, ``NaN``, a 400-digit number, a huge file, a path out
@@ -39,14 +40,14 @@ from caffe2ckpt.fs import strictjson
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.naming import MAX_EPOCH
 from caffe2ckpt.sharding import SavedLayout
-from caffe2ckpt.store.chains import DeltaRecord
-from caffe2ckpt.store.layout import COMMITS_DIR, group_name, save_generation
+from caffe2ckpt.store.format.chains import DeltaRecord
+from caffe2ckpt.store.format.paths import COMMITS_DIR, group_name, save_generation
 
 __all__ = ["RECORD_FORMAT", "CommitRecord", "RecordRef", "delete_record", "list_records",
            "read_record", "record_path", "write_record"]
 
 RECORD_FORMAT = 3
-DELTA_RECORD_FORMAT = 4  # a differential save (caffe2ckpt.store.chains); others stay format 3
+DELTA_RECORD_FORMAT = 4  # a differential save (store.format.chains); others stay format 3
 _READABLE_FORMATS = frozenset({1, 2, 3, 4})
 _SUFFIX = ".json"
 

@@ -1,5 +1,5 @@
 """Differential saves, writer side: what one planned save holds (:class:`DeltaWrite`: the
-blobs it writes whole, the rest as :mod:`caffe2ckpt.store.delta` planned them, and what is
+blobs it writes whole, the rest as :mod:`caffe2ckpt.store.delta.plan` planned them, and what is
 left to compute while its data is made durable) and what the tracker holds once its record is
 written (:class:`Saved`, the base of the next save: computed by :meth:`DeltaWrite.seal` before
 the record is written, so that nothing after the commit can fail)."""
@@ -14,12 +14,12 @@ import numpy as np
 import xxhash
 
 from caffe2ckpt.fs.iopool import pool
-from caffe2ckpt.store.chains import ChainGroup, DeltaRecord
-from caffe2ckpt.store.deltalinks import Link
-from caffe2ckpt.store.layout import parse_group_name
-from caffe2ckpt.store.manifest import PACKED_ARRAY, Manifest
-from caffe2ckpt.store.records import CommitRecord, RecordRef
-from caffe2ckpt.store.zarrgroup import GROUP_FILE, DeltaLayout
+from caffe2ckpt.store.delta.links import Link
+from caffe2ckpt.store.format.chains import ChainGroup, DeltaRecord
+from caffe2ckpt.store.format.manifest import PACKED_ARRAY, Manifest
+from caffe2ckpt.store.format.paths import parse_group_name
+from caffe2ckpt.store.format.records import CommitRecord, RecordRef
+from caffe2ckpt.store.format.zarrgroup import GROUP_FILE, DeltaLayout
 
 __all__ = ["DeltaWrite", "Info", "Saved", "info_of", "stored_digest"]
 
@@ -28,7 +28,7 @@ Info = tuple[str, tuple[int, ...], str]  # a blob's dtype, shape and memory orde
 
 def stored_digest(stored: np.ndarray) -> str:
     """The xxh3-128 of a blob's bytes in stored form (``stored``: C order, little-endian, code
-    units; :func:`~caffe2ckpt.store.zarrgroup.stored_form`): what a record keeps per blob a
+    units; :func:`~caffe2ckpt.store.format.zarrgroup.stored_form`): what a record keeps per blob a
     differential save does not store whole."""
     return xxhash.xxh3_128_hexdigest(memoryview(stored.reshape(-1).view(np.uint8)))
 
@@ -37,7 +37,7 @@ def stored_digest(stored: np.ndarray) -> str:
 class Saved:
     """What the last save this tracker wrote holds (its base for the next save). Frozen, but
     ``rows``' arrays are overwritten by the next plan (``DeltaTracker._block_digests`` in
-    :mod:`caffe2ckpt.store.delta`), which then takes the tracker's base away until its own save
+    :mod:`caffe2ckpt.store.delta.plan`), which then takes the tracker's base away until its own save
     commits."""
 
     save_id: str

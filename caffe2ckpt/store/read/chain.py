@@ -1,6 +1,6 @@
 """Differential saves, reader side: rebuild the blobs a save does not store whole.
 
-For each such blob the save's commit record gives its chain (:mod:`caffe2ckpt.store.chains`):
+For each such blob the save's commit record gives its chain (:mod:`caffe2ckpt.store.format.chains`):
 the older groups that hold rows of it, oldest first; the save's own group comes last. Each
 group holds the blob whole, or a *span* (consecutive rows) and/or a *row overlay* (row ids and
 values) of it. A row's value is the one of the newest group holding it. So the blob is built
@@ -30,9 +30,12 @@ import numpy as np
 
 from caffe2ckpt.errors import CheckpointCorruptedError
 from caffe2ckpt.fs.iopool import read_pool, results
-from caffe2ckpt.store.chains import ChainGroup
-from caffe2ckpt.store.deltawrite import stored_digest
-from caffe2ckpt.store.groupread import (
+from caffe2ckpt.store.delta.write import stored_digest
+from caffe2ckpt.store.format.chains import ChainGroup
+from caffe2ckpt.store.format.manifest import PACKED_ARRAY, BlobInfo, Manifest, stored_spec
+from caffe2ckpt.store.format.records import CommitRecord
+from caffe2ckpt.store.format.zarrgroup import GROUP_FILE, stored_form
+from caffe2ckpt.store.read.group import (
     RowRead,
     check_chunk_sizes,
     destination,
@@ -42,13 +45,10 @@ from caffe2ckpt.store.groupread import (
     restored,
     row_calls,
 )
-from caffe2ckpt.store.manifest import PACKED_ARRAY, BlobInfo, Manifest, stored_spec
-from caffe2ckpt.store.records import CommitRecord
-from caffe2ckpt.store.rounds import Rounds
-from caffe2ckpt.store.zarrgroup import GROUP_FILE, stored_form
+from caffe2ckpt.store.read.rounds import Rounds
 
 if TYPE_CHECKING:
-    from caffe2ckpt.store.protocol import CheckpointStore
+    from caffe2ckpt.store.read.source import ReadableStore
 
 __all__ = ["read_chained"]
 
@@ -88,14 +88,14 @@ class _Part:
         return [(self.span[0], self.span[0] + self.span[1].shape[0])] if self.span else []
 
 
-def read_chained(store: CheckpointStore, record: CommitRecord, manifest: Manifest,
+def read_chained(store: ReadableStore, record: CommitRecord, manifest: Manifest,
                  names: list[str], window: tuple[int, int] | None = None
                  ) -> dict[str, np.ndarray]:
     """Rebuild the blobs ``names`` of ``record``'s differential save (whose verified manifest
     is ``manifest``): every group's manifest; the packed copies and the overlays' row ids
     (small); then every span and whole array, straight into place, while the overlays are
     planned; then each overlay chunk holding rows to copy, as soon as the spans and whole
-    arrays under those rows are in place (:class:`~caffe2ckpt.store.rounds.Rounds`); then each
+    arrays under those rows are in place (:class:`~caffe2ckpt.store.read.rounds.Rounds`); then each
     blob's digest is checked.
 
     With ``window`` (``[start, stop)`` rows along axis 0), only those rows of each blob are
@@ -161,7 +161,7 @@ def _covers(intervals: list[tuple[int, int]], rows: int) -> bool:
 class _Reader:
     """Reads the groups of one record's chains, naming the record's node and epoch in errors."""
 
-    def __init__(self, store: CheckpointStore, record: CommitRecord, manifest: Manifest) -> None:
+    def __init__(self, store: ReadableStore, record: CommitRecord, manifest: Manifest) -> None:
         self.store, self.record, self.manifest = store, record, manifest
         delta = record.delta
         assert delta is not None

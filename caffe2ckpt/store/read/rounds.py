@@ -2,7 +2,7 @@
 the first failure (:func:`run_reads`, :class:`Bounded`); and in two rounds into the same arrays,
 the second started early where no row can be written out of order (:class:`Rounds`).
 
-A differential restore (:mod:`caffe2ckpt.store.chainread`) writes each row of a blob first from
+A differential restore (:mod:`caffe2ckpt.store.read.chain`) writes each row of a blob first from
 the newest span or whole copy holding it (the first round), then, if an overlay newer than that
 span holds the row, from that overlay (the second round). A row is written by one read of each
 round at most. Starting the second round only once the first is done left the disk half idle

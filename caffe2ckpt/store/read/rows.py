@@ -7,28 +7,28 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from caffe2ckpt.store.chainread import read_chained
-from caffe2ckpt.store.groupread import RowRead, destination, restored, row_reads
-from caffe2ckpt.store.manifest import BlobInfo, Manifest, stored_spec
-from caffe2ckpt.store.records import CommitRecord
-from caffe2ckpt.store.rounds import run_reads
-from caffe2ckpt.store.zarrgroup import GROUP_FILE
+from caffe2ckpt.store.format.manifest import BlobInfo, Manifest, stored_spec
+from caffe2ckpt.store.format.records import CommitRecord
+from caffe2ckpt.store.format.zarrgroup import GROUP_FILE
+from caffe2ckpt.store.read.chain import read_chained
+from caffe2ckpt.store.read.group import RowRead, destination, restored, row_reads
+from caffe2ckpt.store.read.rounds import run_reads
 
 if TYPE_CHECKING:
-    from caffe2ckpt.store.protocol import CheckpointStore
+    from caffe2ckpt.store.read.source import ReadableStore
 
 __all__ = ["load_rows"]
 
 
-def load_rows(store: CheckpointStore, record: CommitRecord, name: str, start: int, stop: int,
+def load_rows(store: ReadableStore, record: CommitRecord, name: str, start: int, stop: int,
               manifest: Manifest | None = None) -> np.ndarray:
     """Rows ``[start, stop)`` (axis 0) of blob ``name`` of the node checkpoint ``record``
     commits: of its own array, read from the chunks holding them (all of the first and last);
     of a differential save, rebuilt from its chain for those rows only; of a replicated blob
     another node wrote, from that node's save; of a packed blob, read whole. Verified as a
     restore is (but for a chain's digest of the whole blob, see
-    :func:`~caffe2ckpt.store.chainread.read_chained`). ``manifest``: the group's, as
-    :meth:`~caffe2ckpt.store.protocol.CheckpointStore.manifest` read it already.
+    :func:`~caffe2ckpt.store.read.chain.read_chained`). ``manifest``: the group's, as
+    :meth:`~caffe2ckpt.store.commit.protocol.CheckpointStore.manifest` read it already.
 
     Raises:
         CheckpointCorruptedError: the group is damaged (names node, epoch and blob).
@@ -46,7 +46,7 @@ def load_rows(store: CheckpointStore, record: CommitRecord, name: str, start: in
     return _read_window(store, record, manifest, stored, start, stop)
 
 
-def _read_window(store: CheckpointStore, record: CommitRecord, manifest: Manifest,
+def _read_window(store: ReadableStore, record: CommitRecord, manifest: Manifest,
                  info: BlobInfo, start: int, stop: int) -> np.ndarray:
     """Rows ``[start, stop)`` of ``info``'s own array in ``record``'s group."""
     dtype, shape = stored_spec(info)

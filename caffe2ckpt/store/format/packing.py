@@ -1,6 +1,6 @@
 """The packed array of a node group: small blobs placed back to back, 64-byte aligned, in one
 uint8 array (``_packed``) whose chunks are assembled only when each is written, never held whole.
-Pure numpy: :mod:`caffe2ckpt.store.zarrgroup` plans and writes the array."""
+Pure numpy: :mod:`caffe2ckpt.store.format.zarrgroup` plans and writes the array."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ blob cannot move and is refused before anything is read.
 
 What is read: the rows a new node takes of an old node, when they are consecutive there, are
 read alone: straight from the chunks holding them into place (``range`` to ``range``, an array
-the old group stores whole: :func:`~caffe2ckpt.store.groupread.row_reads`, the rows asked for
+the old group stores whole: :func:`~caffe2ckpt.store.read.group.row_reads`, the rows asked for
 plus the rest of the first and last chunk), else into a buffer of their own and copied (a
 differential save's blob is rebuilt from its chain for those rows only; a small packed blob is
 read whole). Rows an old node holds every k-th of (to or from a ``mod`` split that does not
@@ -50,17 +50,17 @@ from caffe2ckpt.sharding import (
     orders_of,
     overlap,
 )
-from caffe2ckpt.store.groupread import RowRead, destination, row_reads
-from caffe2ckpt.store.manifest import BlobInfo, Manifest
-from caffe2ckpt.store.records import CommitRecord
-from caffe2ckpt.store.rounds import run_reads
-from caffe2ckpt.store.rowread import load_rows
-from caffe2ckpt.store.shared import SharedReads
-from caffe2ckpt.store.zarrgroup import GROUP_FILE
+from caffe2ckpt.store.format.manifest import BlobInfo, Manifest
+from caffe2ckpt.store.format.records import CommitRecord
+from caffe2ckpt.store.format.zarrgroup import GROUP_FILE
+from caffe2ckpt.store.read.group import RowRead, destination, row_reads
+from caffe2ckpt.store.read.rounds import run_reads
+from caffe2ckpt.store.read.rows import load_rows
+from caffe2ckpt.store.read.shared import SharedReads
 from caffe2ckpt.units import nodes_text
 
 if TYPE_CHECKING:
-    from caffe2ckpt.store.protocol import CheckpointStore
+    from caffe2ckpt.store.read.source import ReadableStore
 
 __all__ = ["read_shares", "saved_layout", "share_infos", "shared_names"]
 
@@ -84,7 +84,7 @@ def saved_layout(records: dict[str, CommitRecord]) -> SavedLayout | None:
     return first
 
 
-def shared_names(store: CheckpointStore, records: dict[str, CommitRecord],
+def shared_names(store: ReadableStore, records: dict[str, CommitRecord],
                  order: Sequence[str], kinds: Mapping[str, str] | None = None
                  ) -> dict[str, list[str]]:
     """The blobs of the save ``records`` each of the nodes ``order`` restores a share or a
@@ -100,7 +100,7 @@ def shared_names(store: CheckpointStore, records: dict[str, CommitRecord],
     return {node: sorted(n for n in blobs if node in reader.receivers(n)) for node in order}
 
 
-def share_infos(store: CheckpointStore, records: dict[str, CommitRecord], order: Sequence[str],
+def share_infos(store: ReadableStore, records: dict[str, CommitRecord], order: Sequence[str],
                 partition: str, kinds: Mapping[str, str] | None = None
                 ) -> dict[str, dict[str, BlobInfo]]:
     """What :func:`read_shares` returns, from the manifests only: each new node's blobs (of
@@ -118,7 +118,7 @@ def share_infos(store: CheckpointStore, records: dict[str, CommitRecord], order:
     return out
 
 
-def read_shares(store: CheckpointStore, records: dict[str, CommitRecord], order: Sequence[str],
+def read_shares(store: ReadableStore, records: dict[str, CommitRecord], order: Sequence[str],
                 partition: str, nodes: Sequence[str] | None = None,
                 names: Sequence[str] | None = None, shared: SharedReads | None = None,
                 kinds: Mapping[str, str] | None = None) -> dict[str, dict[str, np.ndarray]]:
@@ -165,7 +165,7 @@ def read_shares(store: CheckpointStore, records: dict[str, CommitRecord], order:
 class _Reshard:
     """One elastic read of one save (see the module docstring)."""
 
-    def __init__(self, store: CheckpointStore, records: dict[str, CommitRecord],
+    def __init__(self, store: ReadableStore, records: dict[str, CommitRecord],
                  order: list[str], partition: str, shared: SharedReads,
                  kinds: Mapping[str, str] | None = None) -> None:
         self.store, self.records, self.order, self.partition = store, records, order, partition
@@ -391,7 +391,7 @@ class _Reshard:
 
     def _rows(self, node: str, name: str, rows: range) -> np.ndarray:
         """Rows ``rows`` of old node ``node``'s blob ``name``: consecutive ones read alone
-        (:func:`~caffe2ckpt.store.rowread.load_rows`), every k-th one (a
+        (:func:`~caffe2ckpt.store.read.rows.load_rows`), every k-th one (a
         ``mod`` split) out of the whole blob, read once per ``shared``."""
         if rows.step == 1:
             return load_rows(self.store, self.records[node], name, rows.start, rows.stop)

@@ -18,7 +18,7 @@ process), live only in memory and are never stored, so no data can be chosen to 
 Blocks wider than :data:`MAX_WORDS` words (about 16 KiB) are hashed with seeded XXH3-64 instead
 (fast for few wide blocks; a well-tested hash with no proven bound).
 
-The sums are computed by compiled code (:mod:`caffe2ckpt.store.rowjit`, llvmlite) when the
+The sums are computed by compiled code (:mod:`caffe2ckpt.store.delta.rowjit`, llvmlite) when the
 ``fast`` extra is installed, else by numpy: the same digests, about 4x faster compiled
 (:func:`kernel`).
 """
@@ -139,9 +139,10 @@ def kernel() -> tuple[str, Kernel]:
     ``fast`` extra (llvmlite) imports and its kernel loads, else ``"numpy"`` (both compute
     :func:`numpy_multilinear`'s sums)."""
     try:
-        from caffe2ckpt.store.rowjit import multilinear, warm_up
+        from caffe2ckpt.store.delta.rowjit import multilinear, warm_up
 
-        warm_up()  # loads (or compiles) the kernel and checks it now: a failure falls back here
+        warm_up(numpy_multilinear)  # loads (or compiles) the kernel and checks it now: a
+        # failure falls back here
     except ModuleNotFoundError as exc:
         if (exc.name or "").partition(".")[0] == "caffe2ckpt":
             raise  # our own module missing is a broken install, not a missing extra

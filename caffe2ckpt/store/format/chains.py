@@ -20,7 +20,7 @@ the saves it builds on (which retention may have removed):
   (stored form: C order, little-endian), checked once the chain is applied: a changed-rows hint
   that missed rows, or a wrong source, is damage at restore, never wrong data;
 - ``depth``: how many saves in a row (this one included) build on one another (the writer's
-  turn of parts: :mod:`caffe2ckpt.store.deltalinks`); ``written``: the bytes of data this save
+  turn of parts: :mod:`caffe2ckpt.store.delta.links`); ``written``: the bytes of data this save
   wrote.
 
 Validation is strict and bounded (:meth:`DeltaRecord.from_dict`): a group must be a group of the
@@ -35,7 +35,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from caffe2ckpt.store.layout import parse_group_name, save_generation
+from caffe2ckpt.store.format.paths import parse_group_name, save_generation
 
 __all__ = ["DIGEST_ALGORITHM", "MAX_GROUPS", "ChainGroup", "DeltaRecord", "overlay_paths",
            "span_path"]

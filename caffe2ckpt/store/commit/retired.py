@@ -17,8 +17,8 @@ from collections.abc import Iterator
 from caffe2ckpt.errors import CheckpointError
 from caffe2ckpt.fs import strictjson
 from caffe2ckpt.fs.location import Location
-from caffe2ckpt.store.layout import RETIRED_DIR, parse_group_name, save_generation
-from caffe2ckpt.store.records import CommitRecord, RecordRef, record_path
+from caffe2ckpt.store.format.paths import RETIRED_DIR, parse_group_name, save_generation
+from caffe2ckpt.store.format.records import CommitRecord, RecordRef, record_path
 
 __all__ = ["forget", "note_path", "retire", "standing", "unfinished"]
 

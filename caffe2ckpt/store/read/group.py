@@ -1,5 +1,5 @@
-"""Reading one node's group back, verified: the other half of :mod:`caffe2ckpt.store.zarrgroup`
-(which plans and writes it, and is the only module that imports zarr; this one reads the files
+"""Reading one node's group back, verified: the other half of
+:mod:`caffe2ckpt.store.format.zarrgroup` (which plans and writes it, and is the only module that imports zarr; this one reads the files
 zarr's layout puts there, directly).
 
 :func:`read_node` reads the blobs asked for straight into their destination arrays, verifies
@@ -34,15 +34,15 @@ from caffe2ckpt.errors import (
 from caffe2ckpt.fs import strictjson
 from caffe2ckpt.fs.localio import aligned_empty
 from caffe2ckpt.fs.location import Location
-from caffe2ckpt.store.manifest import (
+from caffe2ckpt.store.format.manifest import (
     PACKED_ARRAY,
     BlobInfo,
     Manifest,
     chunk_key,
     stored_spec,
 )
-from caffe2ckpt.store.rounds import run_reads
-from caffe2ckpt.store.zarrgroup import CRC_BYTES, DEFAULT_PACK_THRESHOLD
+from caffe2ckpt.store.format.zarrgroup import CRC_BYTES, DEFAULT_PACK_THRESHOLD
+from caffe2ckpt.store.read.rounds import run_reads
 
 __all__ = ["RowRead", "chained_together", "check_chunk_sizes", "destination", "needs_precheck",
            "read_arrays", "read_node", "read_units", "restored", "row_calls", "row_reads",
@@ -450,7 +450,7 @@ def row_reads(location: Location, path: str, manifest: Manifest, crcs: dict[str,
     holding a wanted row (a chunk wanted whole is read straight into its place; one wanted in
     part is read into a buffer of its own, checked, and its wanted rows copied), and the
     metadata files ``metadata`` (relative path -> SHA-256) checked. Run them with
-    :func:`~caffe2ckpt.store.rounds.run_reads`."""
+    :func:`~caffe2ckpt.store.read.rounds.run_reads`."""
     return (call for call, _, _ in row_calls(location, path, manifest, crcs, reads, metadata))
 
 

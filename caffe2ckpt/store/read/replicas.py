@@ -20,8 +20,8 @@ import numpy as np
 
 from caffe2ckpt.errors import InvalidBlobError
 from caffe2ckpt.sharding import old_rows, orders_of
-from caffe2ckpt.store.deltawrite import stored_digest
-from caffe2ckpt.store.zarrgroup import stored_form
+from caffe2ckpt.store.delta.write import stored_digest
+from caffe2ckpt.store.format.zarrgroup import stored_form
 
 __all__ = ["RowSpec", "check_replicas", "check_rows", "replica_digests", "row_specs"]
 

@@ -17,10 +17,10 @@ phases in this order (each named after what it does):
    disks every file is flushed on the descriptor it was written through and every directory
    the save created an entry in is fsync'ed (:mod:`caffe2ckpt.fs.localio`);
 5. **check the fence**: a run overtaken by a newer run of its family
-   (:mod:`caffe2ckpt.store.runs`) stops here with :class:`CheckpointFencedError`;
+   (:mod:`caffe2ckpt.store.commit.runs`) stops here with :class:`CheckpointFencedError`;
 6. **commit**: the record — naming the group's path, the digests of its metadata files and
    every chunk's CRC32C — is created exclusively and durably. It is the last step: a save that
-   raised never leaves its record behind (:func:`~caffe2ckpt.store.records.write_record`).
+   raised never leaves its record behind (:func:`~caffe2ckpt.store.format.records.write_record`).
 
 Nothing is read back after the commit: the save downloads nothing it wrote. A record written
 by a run that a newer run overtook in the instant between 5 and 6 is harmless: the newer run
@@ -55,27 +55,24 @@ from caffe2ckpt.fs.iopool import pool
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.naming import check_epoch, check_node_name
 from caffe2ckpt.sharding import ROWS, Layout, SavedLayout
-from caffe2ckpt.store import runs
-from caffe2ckpt.store.chainread import read_chained
-from caffe2ckpt.store.deltawrite import DeltaWrite
-from caffe2ckpt.store.groupread import read_node
-from caffe2ckpt.store.layout import (
+from caffe2ckpt.store.commit import runs
+from caffe2ckpt.store.delta.write import DeltaWrite
+from caffe2ckpt.store.format.manifest import PACKED_ARRAY, Manifest
+from caffe2ckpt.store.format.paths import (
     HINTS_DIR,
     group_name,
     hint_name,
     parse_group_name,
     save_generation,
 )
-from caffe2ckpt.store.manifest import PACKED_ARRAY, Manifest
-from caffe2ckpt.store.records import (
+from caffe2ckpt.store.format.records import (
     CommitRecord,
     RecordRef,
     delete_record,
     read_record,
     write_record,
 )
-from caffe2ckpt.store.shared import SharedReads
-from caffe2ckpt.store.zarrgroup import (
+from caffe2ckpt.store.format.zarrgroup import (
     DEFAULT_PACK_THRESHOLD,
     GROUP_FILE,
     GroupPlan,
@@ -83,6 +80,9 @@ from caffe2ckpt.store.zarrgroup import (
     plan_group,
     write_arrays,
 )
+from caffe2ckpt.store.read.chain import read_chained
+from caffe2ckpt.store.read.group import read_node
+from caffe2ckpt.store.read.shared import SharedReads
 
 __all__ = ["CheckpointStore", "SaveInfo"]
 

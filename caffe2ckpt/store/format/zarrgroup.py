@@ -1,11 +1,11 @@
 """One node's workspace as one Zarr v3 group: plan it and write it (reading it back, verified, is
-:mod:`caffe2ckpt.store.groupread`).
+:mod:`caffe2ckpt.store.read.group`).
 
 This is the only module that imports zarr. It knows the group layout and nothing about commits:
 
 - the group's ``zarr.json`` holds ``attributes["caffe2ckpt"]``, the manifest
-  (:mod:`caffe2ckpt.store.manifest`): node, epoch, save id and, per blob, its exact name, dtype,
-  shape, memory order and where its bytes are. It is known before any byte is written
+  (:mod:`caffe2ckpt.store.format.manifest`): node, epoch, save id and, per blob, its exact name,
+  dtype, shape, memory order and where its bytes are. It is known before any byte is written
   (:func:`plan_group`), so a save writes it first: the group says whose it is from its first
   object on;
 - a blob of at least ``pack_threshold`` bytes is its own array at ``naming.blob_path(name)``,
@@ -62,9 +62,9 @@ from caffe2ckpt.fs.iopool import pool as _pool
 from caffe2ckpt.fs.iopool import results
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.naming import blob_path
-from caffe2ckpt.store import manifest as manifest_rules
-from caffe2ckpt.store.chains import overlay_paths, span_path
-from caffe2ckpt.store.manifest import (
+from caffe2ckpt.store.format import manifest as manifest_rules
+from caffe2ckpt.store.format.chains import overlay_paths, span_path
+from caffe2ckpt.store.format.manifest import (
     CHUNK_BYTES,
     FINE_CHUNK_BYTES,
     PACKED_ARRAY,
@@ -76,7 +76,7 @@ from caffe2ckpt.store.manifest import (
     chunk_rows,
     stored_spec,
 )
-from caffe2ckpt.store.packing import Packed
+from caffe2ckpt.store.format.packing import Packed
 
 __all__ = [
     "ATTRS_KEY",

@@ -312,7 +312,7 @@ class Manifest:
         return files
 
 
-_MAX_CHAIN = 65  # groups in a chain (caffe2ckpt.store.chains.MAX_GROUPS)
+_MAX_CHAIN = 65  # groups in a chain (caffe2ckpt.store.format.chains.MAX_GROUPS)
 _OVERLAY = re.compile(r"_(rows|values|span)\.[A-Za-z0-9_.%~-]{1,200}")
 
 

@@ -56,7 +56,7 @@ from caffe2ckpt.errors import (
 )
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.naming import MAX_EPOCH, check_node_name
-from caffe2ckpt.store.layout import (
+from caffe2ckpt.store.format.paths import (
     COMMITS_DIR,
     LEGACY_CLAIMS_DIR,
     MAX_GENERATION,

@@ -4,17 +4,17 @@ save (the one it builds on) holds.
 A :class:`DeltaTracker` lives beside the node's workspace (in the process that holds the node:
 a thread of the flow, or a Dask worker) and remembers what the last save it wrote holds: each
 blob's logical dtype and shape, its digest, the groups that hold its rows (its *chain*), and,
-for large blobs, a keyed 8-byte digest per block of rows (:mod:`caffe2ckpt.store.rowhash`: 8
+for large blobs, a keyed 8-byte digest per block of rows (:mod:`caffe2ckpt.store.delta.rowhash`: 8
 bytes per ``delta_block_bytes`` of the blob at most, never a copy; the next plan compares its
 digests with those and writes them over them, so a plan that reuses them leaves the tracker with
 no base until its save commits). :meth:`DeltaTracker.plan` chooses per blob
-(:mod:`caffe2ckpt.store.chains` describes what is stored):
+(:mod:`caffe2ckpt.store.format.chains` describes what is stored):
 
 - **whole**: the first save, a save whose base is not the last save this tracker wrote (the
   previous save failed on another node, or a new run started), a new blob, one whose dtype,
   shape or order changed, a small blob (under ``delta_min_bytes``) that changed, a large blob
   whose overlays would pass ``max_delta_fraction`` of its bytes, or whose save would otherwise
-  need more than :data:`~caffe2ckpt.store.chains.MAX_GROUPS` older groups; a large blob
+  need more than :data:`~caffe2ckpt.store.format.chains.MAX_GROUPS` older groups; a large blob
   written whole says why (:attr:`DeltaWrite.why`: the record, and a log line at commit);
 - **same** (nothing written): a small blob of :data:`INHERIT_MIN_BYTES` or more bit-identical
   to the base's (equal digest), as long as naming such blobs adds at most
@@ -27,15 +27,15 @@ no base until its save commits). :meth:`DeltaTracker.plan` chooses per blob
   values). So a changed row is rewritten whole within ``max_delta_chain + 1`` saves: a save
   needs at most ``max_delta_chain`` older groups for the rows that changed, and what did not
   change stays in the group that wrote it, named by the record
-  (:mod:`~caffe2ckpt.store.deltalinks` decides which groups still give rows).
+  (:mod:`~caffe2ckpt.store.delta.links` decides which groups still give rows).
 
 Row changes are found by digest: a block whose digest differs from the last save's changed
-(2**-64 per block that changed, see :mod:`~caffe2ckpt.store.rowhash`). With
+(2**-64 per block that changed, see :mod:`~caffe2ckpt.store.delta.rowhash`). With
 ``delta_detection="hints"`` the hinted rows are written too; changed rows that no hint named
 are found the same way, written, and reported (a WARNING naming node, blob and count), so a
 hint that misses rows can no longer commit an epoch that does not restore.
 
-The plan is a :class:`~caffe2ckpt.store.deltawrite.DeltaWrite`. A save that writes before it
+The plan is a :class:`~caffe2ckpt.store.delta.write.DeltaWrite`. A save that writes before it
 returns leaves what only its record and the next save need (the large blobs' xxh3-128, and the
 row digests of what it writes whole) to one I/O thread while its data is made durable
 (:meth:`DeltaWrite.start`), and waits for it before the record.
@@ -58,14 +58,14 @@ import numpy as np
 
 from caffe2ckpt.fs.iopool import pool, results
 from caffe2ckpt.policy import StepManagerOptions
-from caffe2ckpt.store.chains import MAX_GROUPS
-from caffe2ckpt.store.deltalinks import Link, live, parts_of, span_rows, turn
-from caffe2ckpt.store.deltawrite import DeltaWrite, Saved, info_of, stored_digest
-from caffe2ckpt.store.layout import parse_group_name
-from caffe2ckpt.store.manifest import BlobInfo, Inherited
-from caffe2ckpt.store.records import RecordRef
-from caffe2ckpt.store.rowhash import RowHasher
-from caffe2ckpt.store.zarrgroup import DeltaLayout, stored_form
+from caffe2ckpt.store.delta.links import Link, live, parts_of, span_rows, turn
+from caffe2ckpt.store.delta.rowhash import RowHasher
+from caffe2ckpt.store.delta.write import DeltaWrite, Saved, info_of, stored_digest
+from caffe2ckpt.store.format.chains import MAX_GROUPS
+from caffe2ckpt.store.format.manifest import BlobInfo, Inherited
+from caffe2ckpt.store.format.paths import parse_group_name
+from caffe2ckpt.store.format.records import RecordRef
+from caffe2ckpt.store.format.zarrgroup import DeltaLayout, stored_form
 from caffe2ckpt.workspace import merge_rows, sorted_unique
 
 __all__ = ["DeltaTracker", "span_rows"]
@@ -319,7 +319,7 @@ class _Planner:
             excess -= costs[name]
 
     def _within_group_limit(self, kinds: dict[str, tuple[str, list[Link]]]) -> None:
-        """While the save would need more than :data:`~caffe2ckpt.store.chains.MAX_GROUPS`
+        """While the save would need more than :data:`~caffe2ckpt.store.format.chains.MAX_GROUPS`
         older groups (what did not change stays where it was written, however old), write whole
         every blob that needs the oldest of them."""
         while True:
@@ -338,7 +338,7 @@ class _Planner:
         """A large blob's span (its turn's part, if that part changed since its newest whole
         copy) and overlay (the changed rows of the other parts), unless writing it whole costs
         less or its live overlays would pass ``max_delta_fraction`` of it; and the older groups
-        that still give rows of it then (:func:`~caffe2ckpt.store.deltalinks.live`)."""
+        that still give rows of it then (:func:`~caffe2ckpt.store.delta.links.live`)."""
         row_bytes = arr.nbytes // arr.shape[0]
         edges, part, dirty = turn(arr.shape[0], row_bytes, self.options.max_delta_chain + 1,
                                   self.depth, older)

@@ -1,5 +1,5 @@
-"""The multilinear row digests of :mod:`caffe2ckpt.store.rowhash` compiled to machine code with
-llvmlite, when the ``fast`` extra (``pip install 'caffe2ckpt[fast]'``) is installed: one pass
+"""The multilinear row digests of :mod:`caffe2ckpt.store.delta.rowhash` compiled to machine code
+with llvmlite, when the ``fast`` extra (``pip install 'caffe2ckpt[fast]'``) is installed: one pass
 over each block's words instead of numpy's three (widen, multiply-add per key row, combine),
 about 4x faster on a 256 MiB table (docs/performance.md). Same function, same bits:
 tests/store/test_rowhash.py checks both kernels against the formula.
@@ -28,6 +28,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import llvmlite
@@ -235,11 +236,10 @@ def multilinear(words: np.ndarray, keys: np.ndarray, offsets: np.ndarray,
             out.ctypes.data)
 
 
-def warm_up() -> None:
+def warm_up(reference: Callable[..., None]) -> None:
     """Load (or compile) the kernel and check it on one block of each word width against
-    numpy, so that a failure shows here, at the choice of kernel, not in a save."""
-    from caffe2ckpt.store.rowhash import numpy_multilinear
-
+    ``reference`` (numpy's sums), so that a failure shows here, at the choice of kernel, not in
+    a save."""
     rng = np.random.default_rng(0)
     keys = rng.integers(0, 2**64, (2, 3), np.uint64, endpoint=False)
     offsets = rng.integers(0, 2**64, 2, np.uint64, endpoint=False)
@@ -247,7 +247,7 @@ def warm_up() -> None:
         words = rng.integers(0, 2**bits, (2, 3), dtype=np.dtype(f"u{bits // 8}"))
         got, want = np.empty(2, np.uint64), np.empty(2, np.uint64)
         multilinear(words, keys, offsets, got)
-        numpy_multilinear(words, keys, offsets, want)
+        reference(words, keys, offsets, want)
         if not np.array_equal(got, want):
             raise RuntimeError(f"the compiled row-digest kernel disagrees with numpy on "
                                f"{bits}-bit words")
