@@ -20,3 +20,16 @@ def test_the_import_graph_keeps_every_contract():
                          timeout=120)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     assert "0 broken" in out.stdout
+
+
+def test_no_import_cycle_inside_the_store():
+    """store/'s subpackages import downwards (the layers contract); this also holds inside each
+    of them: no module of store/ imports, even indirectly, one that imports it."""
+    import grimp
+
+    graph = grimp.build_graph("caffe2ckpt", cache_dir=None)
+    store = sorted(m for m in graph.modules if m.startswith("caffe2ckpt.store."))
+    cycles = [(a, b) for a in store for b in graph.find_modules_directly_imported_by(a)
+              if b.startswith("caffe2ckpt.store.") and b != a
+              and graph.chain_exists(importer=b, imported=a)]
+    assert cycles == []
