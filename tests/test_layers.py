@@ -5,6 +5,7 @@ here."""
 
 from __future__ import annotations
 
+import ast
 import shutil
 import subprocess
 import sys
@@ -33,3 +34,30 @@ def test_no_import_cycle_inside_the_store():
               if b.startswith("caffe2ckpt.store.") and b != a
               and graph.chain_exists(importer=b, imported=a)]
     assert cycles == []
+
+
+# what reads a stored group, chain or share itself; outside store/read/ only save.py's
+# SaveReader (and what it offers) may be used
+BYTE_READERS = {"read_node", "read_arrays", "row_reads", "row_calls", "read_chained",
+                "read_cut", "Reshard", "destination"}
+
+
+def test_every_reader_reads_through_the_one_read_path():
+    """Restore, elastic restore, read_epoch, materialize, consolidation, zarr_store and the
+    command line read stored bytes through ``store/read/save.py``: no module outside
+    ``store/read/`` imports what reads groups, chains or shares itself."""
+    offenders = []
+    for path in sorted((ROOT / "caffe2ckpt").rglob("*.py")):
+        if path.parent == ROOT / "caffe2ckpt" / "store" / "read":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ImportFrom) or node.module is None:
+                continue
+            names = {a.name for a in node.names}
+            if node.module.startswith("caffe2ckpt.store.read."):
+                bad = names & BYTE_READERS
+            else:
+                bad = names & {"group", "chain", "reshard"} if node.module == (
+                    "caffe2ckpt.store.read") else set()
+            offenders += [f"{path.relative_to(ROOT)}:{node.lineno} {n}" for n in sorted(bad)]
+    assert offenders == []

@@ -26,7 +26,8 @@ from caffe2ckpt.store.format.manifest import Manifest
 from caffe2ckpt.store.format.paths import COMMITS_DIR, RUNS_DIR, parse_group_name
 from caffe2ckpt.store.format.records import CommitRecord, list_records
 from caffe2ckpt.store.format.zarrgroup import parse_manifest
-from caffe2ckpt.store.read.group import read_node, read_units
+from caffe2ckpt.store.read.group import read_units
+from caffe2ckpt.store.read.save import SaveReader
 from caffe2ckpt.urls import public_url
 
 EXIT_OK = 0
@@ -120,7 +121,7 @@ def save_nodes(save: Save, nodes: Sequence[str] | None) -> list[str]:
 def checked_manifest(store: CheckpointStore, record: CommitRecord) -> Manifest:
     """The manifest of a committed node checkpoint after the library checked its record, group
     metadata digests and every array's metadata."""
-    return store.check_metadata(record)
+    return SaveReader(store, {record.node: record}).check_metadata(record.node)
 
 
 def leftover_bytes(location: Location, item: Leftover) -> int | None:
@@ -329,8 +330,8 @@ def _check_blobs(store: CheckpointStore, record: CommitRecord, manifest: Manifes
                  check: NodeCheck, names: Collection[str] | None, progress: Progress) -> None:
     """Read the blobs ``names`` (default: all) of ``record``'s checkpoint (its checked
     ``manifest``), noting each outcome in ``check``."""
-    label, path = record.group, store.group_path(record)
-    crcs = store.chunk_crcs(record, manifest)
+    label = record.group
+    reader = SaveReader(store, {record.node: record}, manifests={record.node: manifest})
     for unit in read_units(manifest):
         unit = unit if names is None else [n for n in unit if n in names]
         if not unit:
@@ -339,8 +340,8 @@ def _check_blobs(store: CheckpointStore, record: CommitRecord, manifest: Manifes
             for blobs, exc in check_chained(store, record, manifest, unit):
                 check.note(blobs, exc)
         else:
-            check.note(unit, _attempt(functools.partial(
-                read_node, store.location, path, manifest, crcs, unit)), packed=len(unit) > 1)
+            check.note(unit, _attempt(functools.partial(reader.own, record, manifest, unit)),
+                       packed=len(unit) > 1)
         progress.advance(sum(manifest.blobs[n].nbytes for n in unit), label)
 
 

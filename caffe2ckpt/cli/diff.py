@@ -12,7 +12,7 @@ the same name) is still compared row for row. Otherwise (a save without a layout
 ``--node``) each node's blobs are compared with the same node's, and the document says why.
 
 Blobs are read (and their checksums verified) one array at a time (a global array: through
-:func:`~caffe2ckpt.store.read.reshard.read_shares`, restored onto one node), the small blobs
+:func:`~caffe2ckpt.store.read.save.read_shares`, restored onto one node), the small blobs
 together, so memory stays at about one blob (or one global array) per side. Equality is
 NaN-aware: NaN against NaN (in the same place) is the same, and so are 0.0 and -0.0.
 """
@@ -46,8 +46,9 @@ from caffe2ckpt.store.commit.protocol import CheckpointStore
 from caffe2ckpt.store.format.manifest import BlobInfo
 from caffe2ckpt.store.format.records import CommitRecord
 from caffe2ckpt.store.format.zarrgroup import DEFAULT_PACK_THRESHOLD
-from caffe2ckpt.store.read.group import chained_together, read_node
-from caffe2ckpt.store.read.reshard import read_shares, saved_layout
+from caffe2ckpt.store.read.group import chained_together
+from caffe2ckpt.store.read.reshard import saved_layout
+from caffe2ckpt.store.read.save import SaveReader, read_shares
 
 __all__ = ["GLOBAL", "PER_NODE", "cmd_diff", "compare", "diff_node"]
 
@@ -65,26 +66,25 @@ class _Reader:
     def __init__(self, store: CheckpointStore, record: CommitRecord) -> None:
         self.store, self.record = store, record
         self.manifest = checked_manifest(store, record)
-        self.path = store.group_path(record)
-        self.crcs = store.chunk_crcs(record, self.manifest)
+        self.reader = SaveReader(store, {record.node: record}, manifests={
+            record.node: self.manifest})
         self._packed: dict[str, np.ndarray] | None = None
         self._together = chained_together(self.manifest)
         self._chained: dict[str, np.ndarray] | None = None
 
     def read(self, name: str) -> np.ndarray:
-        if name in self.manifest.inherited:  # a differential save's: through its chain
-            if name not in self._together:
-                return self.store.load_node(self.record, [name])[name]
+        if name in self._together:  # a differential save's small blobs: through their chains
             if self._chained is None:
-                self._chained = self.store.load_node(self.record, self._together)
+                self._chained = self._own(self._together)
             return self._chained[name]
-        if self.manifest.blobs[name].path is not None:
-            return read_node(self.store.location, self.path, self.manifest, self.crcs,
-                             [name])[name]
+        if name in self.manifest.inherited or self.manifest.blobs[name].path is not None:
+            return self._own([name])[name]
         if self._packed is None:
-            self._packed = read_node(self.store.location, self.path, self.manifest, self.crcs,
-                                     [b.name for b in self.manifest.packed])
+            self._packed = self._own([b.name for b in self.manifest.packed])
         return self._packed[name]
+
+    def _own(self, names: list[str]) -> dict[str, np.ndarray]:
+        return self.reader.own(self.record, self.manifest, names)
 
     def forget(self) -> None:
         """Drop the blobs read together (packed, or through a chain) that :meth:`read` keeps."""

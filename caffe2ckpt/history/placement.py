@@ -10,7 +10,7 @@ A save with a layout records its nodes in order, its partition and each blob's k
   every rows and replicated blob of the save declared the same kind): each node reads its own
   group, and its replicated blobs from the node that wrote them.
 * **Anything else reshards**: the global arrays the save defines are cut anew for the job's
-  nodes (:func:`~caffe2ckpt.store.read.reshard.read_shares`). A rows blob's global array is its
+  nodes (:mod:`~caffe2ckpt.store.read.reshard`, through the one read path). A rows blob's global array is its
   shares put back together, a replicated blob's is its one value; so a blob saved replicated
   and declared rows is split over the job's nodes, one saved rows and declared replicated
   reaches every node whole.
@@ -39,6 +39,7 @@ from caffe2ckpt.errors import JobDefinitionError
 from caffe2ckpt.history.lineage import Save
 from caffe2ckpt.sharding import LOCAL, REPLICATED, ROWS, Layout, SavedLayout
 from caffe2ckpt.store.read.reshard import saved_layout
+from caffe2ckpt.store.read.save import Cut
 from caffe2ckpt.units import nodes_text
 
 __all__ = ["Placement", "place"]
@@ -60,6 +61,12 @@ class Placement:
         return bool(self.changes)
 
     @property
+    def cut(self) -> Cut | None:
+        """How the one read path cuts the save for the job's nodes (None: each node reads its
+        own)."""
+        return Cut(self.order, self.partition, self.kinds) if self.reshards else None
+
+    @property
     def partition(self) -> str:
         return self.layout.partition if self.layout is not None else "range"
 
@@ -77,7 +84,7 @@ class Placement:
         were saved local (or without a layout) and that the job declares rows or replicated:
         each node keeps its own, and its next save records the declared kind. None when there
         are none, or the job has no layout; local blobs that would move are refused instead
-        (:func:`~caffe2ckpt.store.read.reshard.read_shares`)."""
+        (:mod:`~caffe2ckpt.store.read.reshard`)."""
         if self.layout is None:
             return None
         held = {name for blobs in names.values() for name in blobs} - _spread(self.save)

@@ -51,7 +51,7 @@ from caffe2ckpt.store.format.paths import new_save_id
 from caffe2ckpt.store.format.records import CommitRecord, RecordRef
 from caffe2ckpt.store.format.zarrgroup import DEFAULT_PACK_THRESHOLD
 from caffe2ckpt.store.read.replicas import RowSpec, check_replicas, check_rows
-from caffe2ckpt.store.read.reshard import shared_names
+from caffe2ckpt.store.read.save import shared_names
 from caffe2ckpt.store.read.shared import SharedReads
 from caffe2ckpt.workspace import WorkspaceType
 
@@ -395,14 +395,9 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
         its share, cut anew, or its own blobs (with ``require_all``, every one of them)."""
         shared = SharedReads()  # what several nodes read, once per process
         save, epoch = placement.save, placement.save.epoch
-        if placement.reshards:
-            return self._group(name, lambda node, file_node: partial(
-                nodeops.load_share, store, save.records, placement.order, placement.partition,
-                placement.kinds, file_node, names(node), require_all, shared),
-                self._record_time(epoch), epoch=epoch)
         return self._group(name, lambda node, file_node: partial(
-            nodeops.load, store, save.records[file_node], names(node), require_all, shared),
-            self._record_time(epoch), epoch=epoch)
+            nodeops.load, store, save.records, file_node, placement.cut, names(node),
+            require_all, shared), self._record_time(epoch), epoch=epoch)
 
     def _check_layout(self, session: Session, epoch: int) -> None:
         """Before the save writes anything: each node's replicated blobs hold what their writers
@@ -453,7 +448,8 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
             if record is None:
                 raise CheckpointNotFoundError(
                     f"epoch {epoch} is not committed for node {file_node!r} under {self.url!r}")
-            return partial(nodeops.load, self._store, record, names, False, shared)
+            return partial(nodeops.load, self._store, {file_node: record}, file_node, None,
+                           names, False, shared)
 
         return self._group("checkpoint_partial_load", make, self._record_time(epoch),
                            epoch=epoch)

@@ -33,7 +33,7 @@ from caffe2ckpt.store.delta.write import DeltaWrite
 from caffe2ckpt.store.format.paths import group_name
 from caffe2ckpt.store.format.records import CommitRecord
 from caffe2ckpt.store.read.replicas import RowSpec, replica_digests, row_specs
-from caffe2ckpt.store.read.reshard import read_shares
+from caffe2ckpt.store.read.save import Cut, SaveReader
 from caffe2ckpt.store.read.shared import SharedReads
 from caffe2ckpt.workspace import Workspace
 
@@ -242,36 +242,22 @@ def wait_saves(background: str, node: str, epoch: int | None, ws: Workspace) -> 
     return results.get(node)
 
 
-def load(store: CheckpointStore, record: CommitRecord, names: Sequence[str],
-         require_all: bool, shared: SharedReads, ws: Workspace) -> Timed:
-    """Restore ``names`` (with ``require_all``, every one of them; else those present) from the
-    node's checkpoint that ``record`` commits into its workspace (what several nodes read,
-    read once per ``shared``)."""
-    data = _timed(lambda: store.load_node(record, list(names), shared))
+def load(store: CheckpointStore, records: dict[str, CommitRecord], node: str, cut: Cut | None,
+         names: Sequence[str], require_all: bool, shared: SharedReads, ws: Workspace) -> Timed:
+    """Restore ``names`` (with ``require_all``, every one of them; else those present) of
+    ``node`` from the save ``records`` into its workspace: its own blobs, or with ``cut`` its
+    share of the save cut anew (:meth:`~caffe2ckpt.store.read.save.SaveReader.read`; what
+    several nodes read, read once per ``shared``)."""
+    data = _timed(lambda: SaveReader(store, records, shared).read([node], list(names),
+                                                                  cut)[node])
     missing = [n for n in names if n not in data.value] if require_all else []
     if missing:
+        record = next(iter(records.values()))
+        how = f", cut anew for node {node!r} of {list(cut.order)}," if cut is not None else ""
         raise CheckpointNotFoundError(
-            f"checkpoint of node {record.node!r} at epoch {record.epoch} "
-            f"({store.where(record)}) lacks blobs {missing}")
+            f"epoch {record.epoch} under {store.location.display()!r}{how} gives node "
+            f"{node!r} no blobs {missing}")
     ws.restore(data.value)
-    return Timed(None, data.ns)
-
-
-def load_share(store: CheckpointStore, records: dict[str, CommitRecord], order: Sequence[str],
-               partition: str, kinds: dict[str, str], node: str, names: Sequence[str],
-               require_all: bool, shared: SharedReads, ws: Workspace) -> Timed:
-    """Restore ``node``'s share of ``names`` (with ``require_all``, every one of them) of the
-    save ``records`` into its workspace, cut anew over ``order`` by ``partition`` with
-    ``kinds`` (see :func:`~caffe2ckpt.store.read.reshard.read_shares`; what several nodes read,
-    read once per ``shared``)."""
-    data = _timed(lambda: read_shares(store, records, order, partition, [node], list(names),
-                                      shared, kinds))
-    missing = [n for n in names if n not in data.value[node]] if require_all else []
-    if missing:
-        raise CheckpointNotFoundError(
-            f"epoch {next(iter(records.values())).epoch} under {store.location.display()!r}, "
-            f"cut anew for node {node!r} of {list(order)}, gives it no blobs {missing}")
-    ws.restore(data.value[node])
     return Timed(None, data.ns)
 
 

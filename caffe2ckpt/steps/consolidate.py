@@ -6,10 +6,10 @@ concatenated for ``range``, interleaved for ``mod``), each ``replicated`` blob i
 (from the node that saved it), and each local blob goes under ``<node>/``, a group of its own.
 
 It streams: a global array is written one output chunk (at most 16 MiB) at a time, each read
-from the old nodes' rows it covers (:func:`~caffe2ckpt.store.read.rows.load_rows`:
-the chunks holding them, or a differential save's chain for those rows only) and verified as a
-restore is, so what is held stays under one chunk's worth of reads and writes, whatever the
-table's size. Replicated and local blobs are streamed the same way from the node holding them
+from the old nodes' rows it covers by the one read path
+(:meth:`~caffe2ckpt.store.read.save.SaveReader.global_rows`: the chunks holding them, or a
+differential save's chain for those rows only) and verified as a restore is, so what is held
+stays under one chunk's worth of reads and writes, whatever the table's size. Replicated and local blobs are streamed the same way from the node holding them
 (small, packed or 0-d ones, and Fortran-ordered ones, are read whole).
 """
 
@@ -23,11 +23,10 @@ from typing import Any
 
 import numpy as np
 
-from caffe2ckpt.errors import CheckpointCorruptedError
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.history.lineage import Save
 from caffe2ckpt.naming import blob_path
-from caffe2ckpt.sharding import LOCAL, REPLICATED, ROWS, old_rows, overlap
+from caffe2ckpt.sharding import LOCAL, REPLICATED, ROWS
 from caffe2ckpt.store.commit.protocol import CheckpointStore
 from caffe2ckpt.store.format.zarrgroup import (
     PLAIN_GROUP_KEY,
@@ -36,9 +35,8 @@ from caffe2ckpt.store.format.zarrgroup import (
     taken_error,
     write_plain_group,
 )
-from caffe2ckpt.store.read.group import destination
 from caffe2ckpt.store.read.reshard import saved_layout
-from caffe2ckpt.store.read.rows import load_rows
+from caffe2ckpt.store.read.save import SaveReader
 
 __all__ = ["CONSOLIDATED", "write_consolidated"]
 
@@ -101,10 +99,11 @@ class _Consolidation:
 
     def __init__(self, store: CheckpointStore, save: Save) -> None:
         self.store, self.save = store, save
+        self.reader = SaveReader(store, save.records)
         layout = saved_layout(save.records)
         self.order = list(layout.order) if layout is not None else sorted(save.records)
         self.partition = layout.partition if layout is not None else "range"
-        self.manifests = {n: store.manifest(save.records[n]) for n in self.order}
+        self.manifests = {n: self.reader.manifest(n) for n in self.order}
         self.kinds: dict[str, str] = {}
         for node in self.order:
             record = save.records[node]
@@ -141,41 +140,13 @@ class _Consolidation:
         info = self.manifests[node].blobs[name]
         stored = self.manifests[node].stored_blobs.get(name)
         if not info.shape or info.order != "C" or stored is None or stored.path is None:
-            return self.store.load_node(self.save.records[node], [name])[name]
-        record, manifest = self.save.records[node], self.manifests[node]
-        return GlobalRows(tuple(info.shape), np.dtype(info.dtype), lambda a, b: (
-            load_rows(self.store, record, name, a, b, manifest)))
+            return self.store.load_node(self.save.records[node], [name],
+                                        manifest=self.manifests[node])[name]
+        return GlobalRows(tuple(info.shape), np.dtype(info.dtype),
+                          lambda a, b: self.reader.rows(node, name, a, b))
 
     def _global_rows(self, name: str) -> GlobalRows:
-        infos = [self.manifests[n].blobs.get(name) for n in self.order]
-        if any(i is None or not i.shape or (i.dtype, i.shape[1:]) != (
-                infos[0].dtype, infos[0].shape[1:]) for i in infos):  # type: ignore[union-attr]
-            raise self._damage(name, "its nodes do not all hold rows of one dtype and width")
-        try:
-            sources = old_rows(self.partition, [i.shape[0] for i in infos])  # type: ignore[union-attr]
-        except ValueError as exc:
-            raise self._damage(name, str(exc)) from exc
-        first = infos[0]
-        dtype = np.dtype(first.dtype)  # type: ignore[union-attr]
-        total = sum(len(r) for r in sources)
-
-        def read(start: int, stop: int) -> np.ndarray:
-            window = range(start, stop)
-            out = destination(self.store.location, (stop - start, *first.shape[1:]),  # type: ignore[union-attr]
-                              dtype)
-            for node, source in zip(self.order, sources):
-                pair = overlap(source, window)
-                if pair is not None:
-                    src, dst = pair  # src: consecutive rows of the node
-                    out[dst.start:dst.stop:dst.step] = load_rows(
-                        self.store, self.save.records[node], name, src.start, src.stop,
-                        self.manifests[node])
-            return out
-
-        return GlobalRows((total, *first.shape[1:]), dtype, read)  # type: ignore[union-attr]
-
-    def _damage(self, name: str, why: str) -> CheckpointCorruptedError:
-        return CheckpointCorruptedError(
-            f"epoch {self.save.epoch} (save {self.save.save_id!r}) under "
-            f"{self.store.location.display()!r}: blob {name!r}: {why}", epoch=self.save.epoch,
-            blob=name)
+        """The rows blob ``name``'s global array, read a window at a time."""
+        info = self.reader.global_info(name)
+        return GlobalRows(tuple(info.shape), np.dtype(info.dtype),
+                          lambda a, b: self.reader.global_rows(name, a, b))

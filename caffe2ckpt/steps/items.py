@@ -16,7 +16,7 @@ from caffe2ckpt.naming import check_node_name
 from caffe2ckpt.sharding import Layout
 from caffe2ckpt.store.commit.protocol import CheckpointStore
 from caffe2ckpt.store.read.replicas import check_replicas, check_rows, replica_digests, row_specs
-from caffe2ckpt.store.read.shared import SharedReads
+from caffe2ckpt.store.read.save import SaveReader
 from caffe2ckpt.workspace import as_blob
 
 __all__ = ["Blobs", "Items", "check_items", "read_nodes", "split_replicas"]
@@ -93,10 +93,9 @@ def read_nodes(store: CheckpointStore, info: Save, nodes: Sequence[str] | None,
         raise CheckpointNotFoundError(f"step {info.epoch} under {where!r} has no nodes "
                                       f"{unknown}; it has {sorted(info.records)}")
     out = {}
-    shared = SharedReads()  # a replicated blob one node wrote: read once for all
+    reader = SaveReader(store, info.records)  # a replicated blob one node wrote: read once
     for node in wanted:
-        out[node] = store.load_node(info.records[node], None if blobs is None else list(blobs),
-                                    shared)
+        out[node] = reader.blobs(node, blobs)
         missing = [b for b in blobs or () if b not in out[node]]
         if missing:
             raise CheckpointNotFoundError(

@@ -66,7 +66,7 @@ from caffe2ckpt.store.delta.write import DeltaWrite
 from caffe2ckpt.store.format.paths import new_save_id
 from caffe2ckpt.store.format.records import CommitRecord
 from caffe2ckpt.store.format.zarrgroup import DEFAULT_PACK_THRESHOLD
-from caffe2ckpt.store.read.reshard import read_shares, share_infos
+from caffe2ckpt.store.read.save import SaveReader, share_infos
 
 __all__ = ["StepCheckpointManager"]
 
@@ -472,9 +472,9 @@ class StepCheckpointManager(ClosedOnExit, AbstractCheckpointManager):
             if unknown:
                 raise CheckpointNotFoundError(f"restore({info.epoch}): nodes {unknown} are not "
                                               f"this manager's nodes {own}")
-            out = read_shares(self._store, info.records, own, placement.partition,
-                              None if nodes is None else [str(n) for n in nodes],
-                              None if blobs is None else list(blobs), kinds=placement.kinds)
+            out = SaveReader(self._store, info.records).read(
+                None if nodes is None else [str(n) for n in nodes],
+                None if blobs is None else list(blobs), placement.cut)
             logger.info("restored step %d under %s, %s", info.epoch,
                         self._store.location.display(), placement.describe())
         warning = None if placement is None else placement.adoption(out)

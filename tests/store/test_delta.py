@@ -832,7 +832,7 @@ def test_overlay_rows_land_after_the_span_rows_under_them_whatever_the_reads_tim
     from caffe2ckpt.store.format import manifest, zarrgroup
     from caffe2ckpt.store.read import chain as chainread
     from caffe2ckpt.store.read import rounds
-    from caffe2ckpt.store.read.rows import load_rows
+    from caffe2ckpt.store.read.save import load_rows
 
     # chunks of 32 KiB (spans, whole arrays) and 4 KiB (overlays), for writer and reader alike
     monkeypatch.setattr(zarrgroup, "CHUNK_BYTES", 32 << 10)

@@ -27,9 +27,10 @@ by a run that a newer run overtook in the instant between 5 and 6 is harmless: t
 started from an earlier save, so the lineage (:mod:`caffe2ckpt.history.lineage`) counts the
 late save as superseded.
 
-Readers find data only through records: :meth:`CheckpointStore.load_node` reads the group a
-record names and checks record → ``zarr.json`` digest → manifest (node, epoch, save id) →
-metadata digests → every chunk's size and CRC32C.
+Readers find data only through records: the one read path
+(:class:`~caffe2ckpt.store.read.save.SaveReader`; :meth:`CheckpointStore.load_node` for one
+node) reads the group a record names and checks record → ``zarr.json`` digest → manifest
+(node, epoch, save id) → metadata digests → every chunk's size and CRC32C.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ from caffe2ckpt.naming import check_epoch, check_node_name
 from caffe2ckpt.sharding import ROWS, Layout, SavedLayout
 from caffe2ckpt.store.commit import runs
 from caffe2ckpt.store.delta.write import DeltaWrite
-from caffe2ckpt.store.format.manifest import PACKED_ARRAY, Manifest
+from caffe2ckpt.store.format.manifest import Manifest
 from caffe2ckpt.store.format.paths import (
     HINTS_DIR,
     group_name,
@@ -80,8 +81,7 @@ from caffe2ckpt.store.format.zarrgroup import (
     plan_group,
     write_arrays,
 )
-from caffe2ckpt.store.read.chain import read_chained
-from caffe2ckpt.store.read.group import read_node
+from caffe2ckpt.store.read.save import SaveReader
 from caffe2ckpt.store.read.shared import SharedReads
 
 __all__ = ["CheckpointStore", "SaveInfo"]
@@ -393,87 +393,12 @@ class CheckpointStore:
                   shared: SharedReads | None = None, manifest: Manifest | None = None
                   ) -> dict[str, np.ndarray]:
         """Read and verify the blobs (only ``names`` if given) of the group ``record`` commits,
-        and the replicated blobs of the node that another node of its save wrote (read from
-        that node's save; once per ``shared``, each caller getting a copy of its own).
-        ``manifest``: the group's, as :meth:`manifest` read it already.
+        and the replicated blobs of the node that another node of its save wrote (once per
+        ``shared``): :meth:`~caffe2ckpt.store.read.save.SaveReader.blobs`. ``manifest``: the
+        group's, as :meth:`manifest` read it already.
 
         Raises:
             CheckpointCorruptedError: the group is damaged (names node, epoch and blob).
         """
-        manifest = manifest or self.manifest(record)
-        layout = record.layout
-        lent = layout.written_by if layout is not None else {}
-        wanted = [*manifest.blobs, *lent] if names is None else list(names)
-        replicas = {n: lent.get(n, record.node) for n in wanted
-                    if layout is not None and n in layout.replicated
-                    and (n in manifest.blobs or n in lent)}
-        out = self.read_own(record, manifest, [n for n in wanted if n not in replicas])
-        out.update(self._read_replicas(record, manifest, replicas, shared or SharedReads()))
-        return out
-
-    def writer_record(self, record: CommitRecord, node: str, name: str) -> CommitRecord:
-        """The record of ``node`` in ``record``'s save, which wrote the blob ``name`` that
-        ``record``'s node holds too."""
-        ref = RecordRef(epoch=record.epoch, node=node, save_id=record.save_id)
-        try:
-            writer = self.read_record(ref)
-        except (CheckpointNotFoundError, CheckpointCorruptedError) as exc:
-            raise CheckpointCorruptedError(
-                f"checkpoint {self.where(record)!r} (node {record.node!r}, epoch "
-                f"{record.epoch}): blob {name!r}, written by node {node!r} of the same save: "
-                f"{exc}", node=record.node, epoch=record.epoch, blob=name) from exc
-        if name not in self.manifest(writer).blobs:
-            raise CheckpointCorruptedError(
-                f"checkpoint {self.where(record)!r} (node {record.node!r}, epoch "
-                f"{record.epoch}): blob {name!r} is written by node {node!r} of the same save, "
-                "whose checkpoint does not hold it", node=record.node, epoch=record.epoch,
-                blob=name)
-        return writer
-
-    def _read_replicas(self, record: CommitRecord, manifest: Manifest, replicas: dict[str, str],
-                       shared: SharedReads) -> dict[str, np.ndarray]:
-        """The replicated blobs ``replicas`` of ``record``'s node (blob -> the node of its save
-        that wrote it: this one, or another), each read once per ``shared`` (as the writer's
-        record says) and copied. ``manifest``: ``record``'s."""
-        out = {}
-        for name, node in replicas.items():
-            value = shared.get((self.location.url, record.save_id, node, name),
-                               lambda n=name, w=node: self._replica(record, manifest, w, n))
-            out[name] = value.copy()
-        return out
-
-    def _replica(self, record: CommitRecord, manifest: Manifest, node: str, name: str
-                 ) -> np.ndarray:
-        """Blob ``name`` of ``record``'s save (whose manifest is ``manifest``) as node
-        ``node``, which wrote it, saved it."""
-        if node == record.node:
-            return self.read_own(record, manifest, [name])[name]
-        writer = self.writer_record(record, node, name)
-        return self.read_own(writer, self.manifest(writer), [name])[name]
-
-    def check_metadata(self, record: CommitRecord) -> Manifest:
-        """The manifest of the group ``record`` commits, once every metadata file of the group
-        (each array's ``zarr.json``, overlays' included) has the digest the record gives.
-
-        Raises:
-            CheckpointCorruptedError: one is missing or changed (names node, epoch and file).
-        """
-        manifest = self.manifest(record)
-        read_node(self.location, self.group_path(record), manifest,
-                  self.chunk_crcs(record, manifest), [],
-                  metadata={f: d for f, d in record.metadata.items() if f != GROUP_FILE})
-        return manifest
-
-    def read_own(self, record: CommitRecord, manifest: Manifest,
-                 wanted: list[str]) -> dict[str, np.ndarray]:
-        """The blobs ``wanted`` of ``record``'s own group (and the chains of a differential
-        save), with the metadata files of the arrays they are read from checked."""
-        stored = manifest.stored_blobs
-        files = {f"{stored[n].path or PACKED_ARRAY}/{GROUP_FILE}" for n in wanted if n in stored}
-        metadata = {f: d for f, d in record.metadata.items() if f in files}
-        chained = [n for n in wanted if n in manifest.inherited]  # their overlays: read_chained
-        out = read_node(self.location, self.group_path(record), manifest,
-                        self.chunk_crcs(record, manifest), wanted, metadata=metadata)
-        if chained:
-            out.update(read_chained(self, record, manifest, chained))
-        return out
+        known = {record.node: manifest} if manifest is not None else None
+        return SaveReader(self, {record.node: record}, shared, known).blobs(record.node, names)

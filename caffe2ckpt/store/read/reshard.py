@@ -50,19 +50,17 @@ from caffe2ckpt.sharding import (
     orders_of,
     overlap,
 )
-from caffe2ckpt.store.format.manifest import BlobInfo, Manifest
+from caffe2ckpt.store.format.manifest import BlobInfo
 from caffe2ckpt.store.format.records import CommitRecord
 from caffe2ckpt.store.format.zarrgroup import GROUP_FILE
 from caffe2ckpt.store.read.group import RowRead, destination, row_reads
 from caffe2ckpt.store.read.rounds import run_reads
-from caffe2ckpt.store.read.rows import load_rows
-from caffe2ckpt.store.read.shared import SharedReads
 from caffe2ckpt.units import nodes_text
 
 if TYPE_CHECKING:
-    from caffe2ckpt.store.read.source import ReadableStore
+    from caffe2ckpt.store.read.source import SavedSource
 
-__all__ = ["read_shares", "saved_layout", "share_infos", "shared_names"]
+__all__ = ["GLOBAL", "Reshard", "read_cut", "saved_layout"]
 
 GLOBAL = "\0global"  # the "node" a rows blob is put back together for (never a node's name)
 
@@ -84,49 +82,14 @@ def saved_layout(records: dict[str, CommitRecord]) -> SavedLayout | None:
     return first
 
 
-def shared_names(store: ReadableStore, records: dict[str, CommitRecord],
-                 order: Sequence[str], kinds: Mapping[str, str] | None = None
-                 ) -> dict[str, list[str]]:
-    """The blobs of the save ``records`` each of the nodes ``order`` restores a share or a
-    copy of (read from the manifests only), by node; ``kinds``: the blobs the job declares
-    another kind than the save did, with the job's kind.
-
-    Raises:
-        JobDefinitionError: the save holds local blobs (or has no layout) and the nodes or
-            their order differ, or a kind cannot change: refused before anything is read.
-    """
-    reader = _Reshard(store, records, list(order), "range", SharedReads(), kinds)
-    blobs = reader.blobs(None)
-    return {node: sorted(n for n in blobs if node in reader.receivers(n)) for node in order}
-
-
-def share_infos(store: ReadableStore, records: dict[str, CommitRecord], order: Sequence[str],
-                partition: str, kinds: Mapping[str, str] | None = None
-                ) -> dict[str, dict[str, BlobInfo]]:
-    """What :func:`read_shares` returns, from the manifests only: each new node's blobs (of
-    the nodes ``order`` split by ``partition``, ``kinds`` as in :func:`read_shares`) with
-    their dtype, shape and memory order.
-
-    Raises:
-        JobDefinitionError: as :func:`shared_names`.
-    """
-    reader = _Reshard(store, records, list(order), partition, SharedReads(), kinds)
-    out: dict[str, dict[str, BlobInfo]] = {node: {} for node in order}
-    for name in reader.blobs(None):
-        for node in reader.receivers(name):
-            out[node][name] = reader.info_of(node, name)
-    return out
-
-
-def read_shares(store: ReadableStore, records: dict[str, CommitRecord], order: Sequence[str],
-                partition: str, nodes: Sequence[str] | None = None,
-                names: Sequence[str] | None = None, shared: SharedReads | None = None,
-                kinds: Mapping[str, str] | None = None) -> dict[str, dict[str, np.ndarray]]:
-    """``{new node: {blob: array}}`` of the save ``records`` (by old node) for the nodes
-    ``order`` (the new job's, in its order) split by ``partition``: of ``nodes`` (default all),
-    all blobs or only ``names``. ``kinds``: the blobs the job declares another kind than the
-    save did, with the job's kind (see the module docstring). What is read whole is read once
-    per ``shared``.
+def read_cut(reader: SavedSource, order: Sequence[str], partition: str,
+             nodes: Sequence[str] | None = None, names: Sequence[str] | None = None,
+             kinds: Mapping[str, str] | None = None) -> dict[str, dict[str, np.ndarray]]:
+    """``{new node: {blob: array}}`` of ``reader``'s save for the nodes ``order`` (the new
+    job's, in its order) split by ``partition``: of ``nodes`` (default all), all blobs or only
+    ``names``. ``kinds``: the blobs the job declares another kind than the save did, with the
+    job's kind (see the module docstring). What is read whole is read once per the reader's
+    shared reads.
 
     Raises:
         JobDefinitionError: the save holds local blobs (or has no layout) and the nodes or
@@ -134,56 +97,49 @@ def read_shares(store: ReadableStore, records: dict[str, CommitRecord], order: S
         CheckpointCorruptedError: the save's records or groups are damaged, or its nodes' rows
             do not fit its layout.
     """
-    owned = shared is None  # nobody else takes what this call reads: its last user may keep it
-    reader = _Reshard(store, records, list(order), partition, shared or SharedReads(), kinds)
-    reader.streams = owned  # rows every k-th: copied to this call's nodes chunk by chunk
+    reshard = Reshard(reader, list(order), partition, kinds)
+    reshard.streams = reader.owned  # rows every k-th: copied to this call's nodes chunk by chunk
     wanted = list(order) if nodes is None else list(nodes)
-    blobs = reader.blobs(names)
+    blobs = reshard.blobs(names)
     out: dict[str, dict[str, np.ndarray]] = {node: {} for node in wanted}
     direct: list[Callable[[], Any]] = []
     finish: list[Callable[[], None]] = []
     for name, kind in blobs.items():
-        if kind == ROWS and reader.kinds.get(name) != REPLICATED:
-            finish.append(reader.split(name, wanted, out, direct))
+        if kind == ROWS and reshard.kinds.get(name) != REPLICATED:
+            finish.append(reshard.split(name, reshard.targets(wanted, name), out, direct))
     run_reads(direct)
     for step in finish:
         step()
     for name, kind in blobs.items():
-        receivers = [node for node in wanted if node in reader.receivers(name)]
-        if not receivers or (kind == ROWS and name not in reader.kinds):
+        receivers = [node for node in wanted if node in reshard.receivers(name)]
+        if not receivers or (kind == ROWS and name not in reshard.kinds):
             continue
         if kind == LOCAL:
             for node in receivers:
-                out[node][name] = reader.own(node, name)
+                out[node][name] = reshard.own(node, name)
             continue
-        value = reader.global_array(name) if kind == ROWS else reader.whole(
-            reader.holder(name), name)
-        reader.give(name, value, receivers, out, owned)
+        value = reshard.global_array(name) if kind == ROWS else reshard.whole(
+            reshard.holder(name), name)
+        reshard.give(name, value, receivers, out, reader.owned)
     return out
 
 
-class _Reshard:
+class Reshard:
     """One elastic read of one save (see the module docstring)."""
 
-    def __init__(self, store: ReadableStore, records: dict[str, CommitRecord],
-                 order: list[str], partition: str, shared: SharedReads,
+    def __init__(self, reader: SavedSource, order: list[str], partition: str,
                  kinds: Mapping[str, str] | None = None) -> None:
-        self.store, self.records, self.order, self.partition = store, records, order, partition
-        self.shared = shared
+        self.reader, self.store, self.records = reader, reader.store, reader.records
+        self.order, self.partition, self.shared = order, partition, reader.shared
         self.streams = False  # strided rows of an old array: scattered as each chunk is read
-        self.record = next(iter(records.values()))
-        layout = saved_layout(records)
-        self.layouts = {node: r.layout for node, r in records.items()}
-        self.old = list(layout.order) if layout is not None else sorted(records)
+        self.record = next(iter(self.records.values()))
+        layout = saved_layout(self.records)
+        self.layouts = {node: r.layout for node, r in self.records.items()}
+        self.old = list(layout.order) if layout is not None else sorted(self.records)
         self.old_partition = layout.partition if layout is not None else "range"
         self.kinds = dict(kinds or {})  # blob -> the job's kind, where it is not the save's
         self.saved: dict[str, str] = {}  # blob -> its kind in the save (see blobs())
-        self._manifests: dict[str, Manifest] = {}
-
-    def manifest(self, node: str) -> Manifest:
-        if node not in self._manifests:
-            self._manifests[node] = self.store.manifest(self.records[node])
-        return self._manifests[node]
+        self.manifest = reader.manifest
 
     def damage(self, node: str, blob: str, why: str) -> CheckpointCorruptedError:
         record = self.records[node]
@@ -276,12 +232,11 @@ class _Reshard:
                                 info.shape[0])
                 return info._replace(shape=(len(rows), *info.shape[1:]))
             return info
-        infos = [self._row_info(old, name) for old in self.old]
-        total = sum(info.shape[0] for info in infos)
-        rows = total if kind == REPLICATED else len(new_rows(
-            self.partition, self.order.index(node), len(self.order), total))
-        order = "F" if orders_of([(i.shape, i.order) for i in infos]) == {"F"} else "C"
-        return infos[0]._replace(shape=(rows, *infos[0].shape[1:]), order=order)
+        whole = self.global_info(name)
+        if kind == REPLICATED:
+            return whole
+        rows = new_rows(self.partition, self.order.index(node), len(self.order), whole.shape[0])
+        return whole._replace(shape=(len(rows), *whole.shape[1:]))
 
     def give(self, name: str, value: np.ndarray, receivers: list[str],
              out: dict[str, dict[str, np.ndarray]], owned: bool) -> None:
@@ -305,35 +260,44 @@ class _Reshard:
         into: its rows are copied out)."""
         record = self.records[node]
         return self.shared.get((self.store.location.url, record.save_id, node, name),
-                               lambda: self.store.load_node(record, [name],
-                                                            manifest=self.manifest(node))[name])
+                               lambda: self.reader.own(record, self.manifest(node), [name])[name])
 
     def own(self, node: str, name: str) -> np.ndarray:
         """Node ``node``'s local blob ``name``, which stays with it (the nodes and their order
         are the save's)."""
-        record = self.records[node]
-        return self.store.load_node(record, [name], manifest=self.manifest(node))[name]
+        return self.reader.blobs(node, [name])[name]
 
     def global_array(self, name: str) -> np.ndarray:
         """The rows blob ``name`` put back together (its global array), once per ``shared``
         (never written into: it is copied to each node taking it)."""
-        def gather() -> np.ndarray:
-            out: dict[str, dict[str, np.ndarray]] = {GLOBAL: {}}
-            direct: list[Callable[[], Any]] = []
-            finish = self.split(name, [GLOBAL], out, direct)
-            run_reads(direct)
-            finish()
-            return out[GLOBAL][name]
         return self.shared.get((self.store.location.url, self.record.save_id, GLOBAL, name),
-                               gather)
+                               lambda: self.window(name, range(self._sources(name)[2])))
 
-    def split(self, name: str, wanted: list[str], out: dict[str, dict[str, np.ndarray]],
-              direct: list[Callable[[], Any]]) -> Callable[[], None]:
-        """Allocate each wanted new node's share of the rows blob ``name`` (:data:`GLOBAL`: the
-        whole global array), add the reads straight into place to ``direct``, and return what
-        copies the other rows once those reads ran."""
+    def window(self, name: str, rows: range) -> np.ndarray:
+        """Rows ``rows`` (consecutive) of the rows blob ``name``'s global array."""
+        out: dict[str, dict[str, np.ndarray]] = {GLOBAL: {}}
+        direct: list[Callable[[], Any]] = []
+        finish = self.split(name, {GLOBAL: rows}, out, direct)
+        run_reads(direct)
+        finish()
+        return out[GLOBAL][name]
+
+    def global_info(self, name: str) -> BlobInfo:
+        """The dtype, shape and memory order of the rows blob ``name``'s global array."""
+        infos, _, total = self._sources(name)
+        order = "F" if orders_of([(i.shape, i.order) for i in infos]) == {"F"} else "C"
+        return infos[0]._replace(shape=(total, *infos[0].shape[1:]), order=order)
+
+    def targets(self, nodes: list[str], name: str) -> dict[str, range]:
+        """The global rows of the rows blob ``name`` each new node of ``nodes`` takes."""
+        total = self._sources(name)[2]
+        return {node: new_rows(self.partition, self.order.index(node), len(self.order), total)
+                for node in nodes}
+
+    def _sources(self, name: str) -> tuple[list[BlobInfo], list[range], int]:
+        """Each old node's blob ``name`` (rows of one dtype and width, in one memory order), the
+        global rows it holds, and the global array's row count."""
         infos = [self._row_info(node, name) for node in self.old]
-        first = infos[0]
         orders = orders_of([(i.shape, i.order) for i in infos])
         if len(orders) > 1:
             raise self.damage(self.old[0], name, "its nodes hold their rows in both C and "
@@ -342,12 +306,18 @@ class _Reshard:
             sources = old_rows(self.old_partition, [i.shape[0] for i in infos])
         except ValueError as exc:
             raise self.damage(self.old[0], name, str(exc)) from exc
-        total = sum(len(r) for r in sources)
+        return infos, sources, sum(len(r) for r in sources)
+
+    def split(self, name: str, targets: dict[str, range], out: dict[str, dict[str, np.ndarray]],
+              direct: list[Callable[[], Any]]) -> Callable[[], None]:
+        """Allocate, for each new node of ``targets`` (:data:`GLOBAL`: a window of the global
+        array), its global rows of the rows blob ``name``, add the reads straight into place to
+        ``direct``, and return what copies the other rows once those reads ran."""
+        infos, sources, _ = self._sources(name)
+        first = infos[0]
         copies: list[tuple[str, np.ndarray, range, range]] = []
         scattered: dict[str, list[tuple[np.ndarray, range, range]]] = {}
-        for node in wanted:
-            target = range(total) if node == GLOBAL else new_rows(
-                self.partition, self.order.index(node), len(self.order), total)
+        for node, target in targets.items():
             dest = destination(self.store.location, (len(target), *first.shape[1:]),
                                np.dtype(first.dtype))
             out[node][name] = dest
@@ -369,8 +339,8 @@ class _Reshard:
         def finish() -> None:
             for old, dest, src, dst in copies:
                 dest[_slice(dst)] = self._rows(old, name, src)
-            if orders == {"F"}:
-                for node in wanted:
+            if orders_of([(i.shape, i.order) for i in infos]) == {"F"}:
+                for node in targets:
                     out[node][name] = np.asfortranarray(out[node][name])
         return finish
 
@@ -391,10 +361,10 @@ class _Reshard:
 
     def _rows(self, node: str, name: str, rows: range) -> np.ndarray:
         """Rows ``rows`` of old node ``node``'s blob ``name``: consecutive ones read alone
-        (:func:`~caffe2ckpt.store.read.rows.load_rows`), every k-th one (a
+        (:meth:`~caffe2ckpt.store.read.save.SaveReader.rows`), every k-th one (a
         ``mod`` split) out of the whole blob, read once per ``shared``."""
         if rows.step == 1:
-            return load_rows(self.store, self.records[node], name, rows.start, rows.stop)
+            return self.reader.rows(node, name, rows.start, rows.stop)
         return self.whole(node, name)[_slice(rows)]
 
     def _row_info(self, node: str, name: str) -> BlobInfo:

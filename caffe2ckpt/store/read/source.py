@@ -7,14 +7,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     import numpy as np
 
     from caffe2ckpt.fs.location import Location
     from caffe2ckpt.store.format.manifest import Manifest
-    from caffe2ckpt.store.format.records import CommitRecord
+    from caffe2ckpt.store.format.records import CommitRecord, RecordRef
     from caffe2ckpt.store.read.shared import SharedReads
 
-__all__ = ["ReadableStore"]
+__all__ = ["ReadableStore", "SavedSource"]
 
 
 class ReadableStore(Protocol):
@@ -39,15 +41,29 @@ class ReadableStore(Protocol):
     def chunk_crcs(self, record: CommitRecord, manifest: Manifest) -> dict[str, tuple[int, ...]]:
         """Every chunk's CRC32C of ``record``'s arrays, by array path."""
 
-    def load_node(self, record: CommitRecord, names: list[str] | None = None,
-                  shared: SharedReads | None = None, manifest: Manifest | None = None
-                  ) -> dict[str, np.ndarray]:
-        """The blobs ``names`` (all: None) of ``record``'s node."""
+    def read_record(self, ref: RecordRef) -> CommitRecord:
+        """The commit record ``ref`` names."""
 
-    def writer_record(self, record: CommitRecord, node: str, name: str) -> CommitRecord:
-        """The record of ``node``, which wrote blob ``name`` of ``record``'s save."""
 
-    def read_own(self, record: CommitRecord, manifest: Manifest,
-                 wanted: list[str]) -> dict[str, np.ndarray]:
-        """The blobs ``wanted`` that ``record``'s own group holds, or rebuilds from its
-        chains."""
+class SavedSource(Protocol):
+    """One save's records as the one read path reads them
+    (:class:`~caffe2ckpt.store.read.save.SaveReader`): what cutting a save anew for other nodes
+    (:mod:`~caffe2ckpt.store.read.reshard`) reads through."""
+
+    store: ReadableStore
+    records: dict[str, CommitRecord]
+    shared: SharedReads
+    owned: bool  # nobody else shares what it reads
+
+    def manifest(self, node: str) -> Manifest:
+        """The verified manifest of ``node``'s group."""
+
+    def blobs(self, node: str, names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        """``node``'s blobs (all, or ``names``) as it saved them."""
+
+    def rows(self, node: str, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows ``[start, stop)`` of ``node``'s blob ``name``."""
+
+    def own(self, record: CommitRecord, manifest: Manifest,
+            wanted: list[str]) -> dict[str, np.ndarray]:
+        """The blobs ``wanted`` of ``record``'s own group (or its chains)."""
