@@ -9,8 +9,9 @@ It streams: a global array is written one output chunk (at most 16 MiB) at a tim
 from the old nodes' rows it covers by the one read path
 (:meth:`~caffe2ckpt.store.read.save.SaveReader.global_rows`: the chunks holding them, or a
 differential save's chain for those rows only) and verified as a restore is, so what is held
-stays under one chunk's worth of reads and writes, whatever the table's size. Replicated and local blobs are streamed the same way from the node holding them
-(small, packed or 0-d ones, and Fortran-ordered ones, are read whole).
+stays under one chunk's worth of reads and writes, whatever the table's size. Replicated and
+local blobs are streamed the same way from the node holding them (small, packed or 0-d ones,
+and Fortran-ordered ones, are read whole).
 """
 
 from __future__ import annotations
