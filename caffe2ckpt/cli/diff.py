@@ -64,7 +64,7 @@ class _Reader:
     together, so each source group's packed array is read once."""
 
     def __init__(self, store: CheckpointStore, record: CommitRecord) -> None:
-        self.store, self.record = store, record
+        self.record = record
         self.manifest = checked_manifest(store, record)
         self.reader = SaveReader(store, {record.node: record}, manifests={
             record.node: self.manifest})

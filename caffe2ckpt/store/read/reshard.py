@@ -140,6 +140,7 @@ class Reshard:
         self.kinds = dict(kinds or {})  # blob -> the job's kind, where it is not the save's
         self.saved: dict[str, str] = {}  # blob -> its kind in the save (see blobs())
         self.manifest = reader.manifest
+        self._sourced: dict[str, tuple[list[BlobInfo], list[range], int]] = {}
 
     def damage(self, node: str, blob: str, why: str) -> CheckpointCorruptedError:
         record = self.records[node]
@@ -296,7 +297,12 @@ class Reshard:
 
     def _sources(self, name: str) -> tuple[list[BlobInfo], list[range], int]:
         """Each old node's blob ``name`` (rows of one dtype and width, in one memory order), the
-        global rows it holds, and the global array's row count."""
+        global rows it holds, and the global array's row count (worked out once)."""
+        if name not in self._sourced:
+            self._sourced[name] = self._source_rows(name)
+        return self._sourced[name]
+
+    def _source_rows(self, name: str) -> tuple[list[BlobInfo], list[range], int]:
         infos = [self._row_info(node, name) for node in self.old]
         orders = orders_of([(i.shape, i.order) for i in infos])
         if len(orders) > 1:
