@@ -230,8 +230,10 @@ def create_metric_deployment_automation(deployment_id: UUID | str, *, metric: st
 
     With ``once`` (the default) the deployment runs for the first such epoch of each checkpoint
     prefix only: Prefect's trigger fires, then waits out a window of :data:`ONCE_WINDOW` (call
-    again: the update re-arms it). "First" is the first event the server takes: epochs
-    committed within a second of each other may reach it in either order. With ``once=False``
+    again: the update re-arms it). "First" is the first event the server takes: one process's
+    commits reach it in the order they were made (each names the one before it), while
+    epochs committed by two processes within a second may reach it in either order. With
+    ``once=False``
     every such epoch runs it. An epoch whose metric is NaN or infinite, or that has no such
     metric, runs nothing. (Prefect's triggers compare labels, not numbers: the trigger lists
     the prefixes of every order key on the threshold's side, :mod:`caffe2ckpt.prefect.orderkey`.)

@@ -23,7 +23,8 @@ Prefect's server keeps one event per id (it drops a copy that arrives within min
 id once, and its triggers act on an id once within 30 minutes). The copy a resume sends
 (``resent``) is sent only if the server has not stored the event (asked for at most
 :data:`_STORED_SECONDS`; unknown: sent): so an automation acts on a commit once, also when the
-resume comes days later.
+resume comes days later. It also names the commit event this process sent before it for the
+prefix (Prefect's ``follows``): the server's triggers take one process's commits in order.
 """
 
 from __future__ import annotations
@@ -32,13 +33,14 @@ import asyncio
 import contextvars
 import functools
 import logging
+import threading
 from datetime import UTC, datetime
 from typing import Any
 from uuid import UUID
 
 from prefect.client.orchestration import get_client
 from prefect.context import FlowRunContext, TaskRunContext
-from prefect.events import emit_event
+from prefect.events import Event, emit_event
 from prefect.events.filters import EventFilter, EventIDFilter, EventOccurredFilter
 from prefect.events.worker import EventsWorker
 from prefect.runtime import flow_run
@@ -68,6 +70,16 @@ def resource_id(url: str) -> str:
 class PrefectPublisher:
     """Emits each checkpoint event as a Prefect event (see the module docstring)."""
 
+    def __init__(self) -> None:
+        # Per prefix (resource id), the last commit event this process sent (not a resent
+        # copy: the server may drop that one as stored). The next commit's event names it as
+        # the one it follows: Prefect's server evaluates triggers on two events at a time, so
+        # two commits sent milliseconds apart could reach a trigger in either order and a
+        # once-only threshold act on the later epoch; an event that follows another is
+        # evaluated after it (Prefect links events within 5 minutes of each other only).
+        self._last_commit: dict[str, Event] = {}
+        self._lock = threading.Lock()
+
     def active(self) -> bool:
         return bool(PREFECT_API_URL.value()) or FlowRunContext.get() is not None \
             or TaskRunContext.get() is not None
@@ -78,13 +90,17 @@ class PrefectPublisher:
         payload: dict[str, Any] = dict(event.payload)
         if event.name == events.RUN_RESUMED and payload.get("reason") == "resume":
             payload["reason"] = "retry" if flow_run.run_count > 1 else "re-run"
-        send = functools.partial(emit_event, event.name, resource=_resource(event, payload),
-                                 payload=payload,
+        resource = _resource(event, payload)
+        send = functools.partial(emit_event, event.name, resource=resource, payload=payload,
                                  id=UUID(event.id) if event.id is not None else None)
-        if FlowRunContext.get() is None and TaskRunContext.get() is None:
-            contextvars.copy_context().run(_outside_any_run, send)
-        else:
-            send()
+        if event.name != events.EPOCH_COMMITTED:
+            _emit(send)
+            return
+        with self._lock:
+            sent = _emit(functools.partial(send, follows=self._last_commit.get(
+                resource["prefect.resource.id"])))
+            if sent is not None and not event.resent:
+                self._last_commit[resource["prefect.resource.id"]] = sent
 
     def flush(self) -> None:
         """Send the events Prefect's events worker holds, waiting at most
@@ -134,7 +150,14 @@ def _resource(event: events.CheckpointEvent, payload: dict[str, Any]) -> dict[st
     return resource
 
 
-def _outside_any_run(send: functools.partial) -> None:
+def _emit(send: functools.partial) -> Event | None:
+    """``send()``, from outside any run when the caller is in none (:func:`_outside_any_run`)."""
+    if FlowRunContext.get() is None and TaskRunContext.get() is None:
+        return contextvars.copy_context().run(_outside_any_run, send)
+    return send()
+
+
+def _outside_any_run(send: functools.partial) -> Event | None:
     """``send()`` with no flow or task run in its context, said outright. Prefect's events
     worker relates an event to the runs of the context it was sent from, applied over its own
     thread's context, which is the one of the run it was started in: an event sent after that
@@ -142,7 +165,7 @@ def _outside_any_run(send: functools.partial) -> None:
     ``fail_flow_run`` failing, a finished run)."""
     FlowRunContext.__var__.set(None)
     TaskRunContext.__var__.set(None)
-    send()
+    return send()
 
 
 def _stored(event_id: str) -> bool:

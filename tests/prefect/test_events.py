@@ -55,6 +55,9 @@ def test_a_retried_job_run_sends_its_commits_and_its_resume(tmp_path):
         committed = feed.wait_for(COMMITTED, lambda es: len(es) >= 5)
         resumed = feed.wait_for(RESUMED)
     assert [e.payload["epoch"] for e in committed] == [0, 1, 2, 3, 4]
+    # each commit names the one before it (Prefect's triggers then take them in that order),
+    # across the retry too (the same process)
+    assert [e.follows for e in committed] == [None, *(e.id for e in committed[:-1])]
     first = committed[0]
     assert first.resource.id == resource_id(Location(url).canonical_url)
     assert first.resource.id == "caffe2ckpt.checkpoint.file://" + url
