@@ -233,10 +233,10 @@ def create_metric_deployment_automation(deployment_id: UUID | str, *, metric: st
     again: the update re-arms it). "First" is the first event the server takes: one process's
     commits reach it in the order they were made (each names the one before it), while
     epochs committed by two processes within a second may reach it in either order. With
-    ``once=False``
-    every such epoch runs it. An epoch whose metric is NaN or infinite, or that has no such
-    metric, runs nothing. (Prefect's triggers compare labels, not numbers: the trigger lists
-    the prefixes of every order key on the threshold's side, :mod:`caffe2ckpt.prefect.orderkey`.)
+    ``once=False`` every such epoch runs it. An epoch whose metric is NaN or infinite, or that
+    has no such metric, runs nothing. (Prefect's triggers compare labels, not numbers: the
+    trigger lists the prefixes of every order key on the threshold's side,
+    :mod:`caffe2ckpt.prefect.orderkey`.)
 
     Returns:
         The automation's id.

@@ -496,10 +496,9 @@ def _scratch(nbytes: int, local: bool) -> np.ndarray:
     through the page cache instead, the kernel's copy doubled the system time of 1 GiB
     ``mod`` reshards 2 -> 4 and 4 -> 2 (0.65-0.67 s against 0.33-0.38 s; wall times within
     this machine's noise). Checking the chunk's CRC brings it into the CPU's cache for the
-    copy out. At most
-    :data:`_SCRATCH_BYTES` stays held per I/O thread. A larger chunk (an object store's) gets
-    a buffer of its own, as a restore's destination would (:func:`_copy_target` off the local
-    disk)."""
+    copy out. At most :data:`_SCRATCH_BYTES` stays held per I/O thread. A larger chunk (an
+    object store's) gets a buffer of its own, as a restore's destination would
+    (:func:`_copy_target` off the local disk)."""
     if nbytes > _SCRATCH_BYTES:
         return aligned_empty((nbytes,), np.dtype(np.uint8)) if local \
             else _copy_target((nbytes,), np.dtype(np.uint8))
