@@ -832,7 +832,7 @@ def test_overlay_rows_land_after_the_span_rows_under_them_whatever_the_reads_tim
     from caffe2ckpt.store.format import manifest, zarrgroup
     from caffe2ckpt.store.read import chain as chainread
     from caffe2ckpt.store.read import rounds
-    from caffe2ckpt.store.read.save import load_rows
+    from caffe2ckpt.store.read.save import SaveReader
 
     # chunks of 32 KiB (spans, whole arrays) and 4 KiB (overlays), for writer and reader alike
     monkeypatch.setattr(zarrgroup, "CHUNK_BYTES", 32 << 10)
@@ -878,7 +878,8 @@ def test_overlay_rows_land_after_the_span_rows_under_them_whatever_the_reads_tim
             want = states[record.epoch][name]
             for start, stop in [(0, ROWS), (1, 1000), (1500, 3333), (ROWS - 7, ROWS)]:
                 starts.clear(), ends.clear()
-                got = load_rows(store, record, name, start, stop)
+                got = SaveReader(store, {record.node: record}).rows(record.node, name,
+                                                                    start, stop)
                 assert got.tobytes() == np.ascontiguousarray(want[start:stop]).tobytes(), (
                     record.epoch, name, start, stop)
                 early += sum(s < max(ends) for s in starts) if starts and ends else 0

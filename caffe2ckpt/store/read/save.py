@@ -33,7 +33,7 @@ from caffe2ckpt.store.read.shared import SharedReads
 if TYPE_CHECKING:
     from caffe2ckpt.store.read.source import ReadableStore
 
-__all__ = ["Cut", "SaveReader", "load_rows", "read_shares", "share_infos", "shared_names"]
+__all__ = ["Cut", "SaveReader", "read_shares", "share_infos", "shared_names"]
 
 
 class Cut(NamedTuple):
@@ -211,13 +211,6 @@ class SaveReader:
                             [RowRead(info, flat, -start, [(start, stop)])],
                             {f: d for f, d in record.metadata.items() if f in files}))
         return restored(data, info._replace(shape=(stop - start, *info.shape[1:])))
-
-
-def load_rows(store: ReadableStore, record: CommitRecord, name: str, start: int, stop: int
-              ) -> np.ndarray:
-    """Rows ``[start, stop)`` of blob ``name`` of the node checkpoint ``record`` commits
-    (:meth:`SaveReader.rows`)."""
-    return SaveReader(store, {record.node: record}).rows(record.node, name, start, stop)
 
 
 def read_shares(store: ReadableStore, records: dict[str, CommitRecord], order: Sequence[str],
