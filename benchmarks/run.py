@@ -47,6 +47,8 @@ def main() -> int:
         runs.append(["bench_prefect.py"])
     if importlib.util.find_spec("distributed") is not None:
         runs.append(["bench_dask.py", *where, *smoke])
+        if importlib.util.find_spec("s3fs") is not None:  # and SeaweedFS's weed: tests/seaweedfs.py
+            runs.append(["bench_memory_tier.py", *smoke])
     for run in runs:
         print(f"\n$ python benchmarks/{' '.join(run)}", flush=True)
         result = subprocess.run([sys.executable, str(HERE / run[0]), *run[1:]])

@@ -19,6 +19,11 @@ Names, each with its payload (every payload also has ``job`` when a job is known
   Prefect publisher turns into ``"retry"`` or ``"re-run"`` from the flow run's attempt;
   ``"going back"``: an older epoch on request; ``"elastic"``: saved by another node count;
   ``"fallback"``: the newer ones could not be loaded), ``saved_by`` and ``nodes`` (counts);
+- ``caffe2ckpt.run.recovered``: a running job lost nodes with their Dask worker and went back
+  without a new run (``DaskSession(memory_tier=True)``): ``epoch`` (where every node went
+  back to), ``source`` (``"memory"``: copies in worker memory; ``"storage"``: this run's
+  newest commit), ``stored`` (the newest epoch committed then), ``lost`` (node names),
+  ``failed_epoch`` (the epoch that was running) and ``seconds``;
 - ``caffe2ckpt.checkpoint.damaged``: ``epoch``, ``node``, ``blob`` (each None where unknown;
   ``blob`` is a blob's name as the user gave it, also for damage in the array that holds the
   small blobs packed together: the first blob the damaged chunk holds, and ``message`` names
@@ -45,7 +50,8 @@ from typing import Any, Protocol
 from caffe2ckpt.errors import CheckpointCorruptedError
 from caffe2ckpt.urls import public_url
 
-__all__ = ["CHECKPOINT_DAMAGED", "EPOCH_COMMITTED", "EVENT_NAMES", "GC_FINISHED", "RUN_RESUMED",
+__all__ = ["CHECKPOINT_DAMAGED", "EPOCH_COMMITTED", "EVENT_NAMES", "GC_FINISHED", "RUN_RECOVERED",
+           "RUN_RESUMED",
            "SAVE_FAILED", "CheckpointEvent", "Subscriber", "committed_event_id",
            "committed_payload", "damage_payload", "failure_payload", "flush", "public_url",
            "publish", "reporting_damage", "reporting_save_failure", "subscribe"]
@@ -55,9 +61,11 @@ logger = logging.getLogger(__name__)
 EPOCH_COMMITTED = "caffe2ckpt.epoch.committed"
 SAVE_FAILED = "caffe2ckpt.save.failed"
 RUN_RESUMED = "caffe2ckpt.run.resumed"
+RUN_RECOVERED = "caffe2ckpt.run.recovered"
 CHECKPOINT_DAMAGED = "caffe2ckpt.checkpoint.damaged"
 GC_FINISHED = "caffe2ckpt.gc.finished"
-EVENT_NAMES = (EPOCH_COMMITTED, SAVE_FAILED, RUN_RESUMED, CHECKPOINT_DAMAGED, GC_FINISHED)
+EVENT_NAMES = (EPOCH_COMMITTED, SAVE_FAILED, RUN_RESUMED, RUN_RECOVERED, CHECKPOINT_DAMAGED,
+               GC_FINISHED)
 _COMMITTED_IDS = uuid.uuid5(uuid.NAMESPACE_URL, "caffe2ckpt:" + EPOCH_COMMITTED)  # a namespace
 
 

@@ -18,8 +18,9 @@ import functools
 import itertools
 import logging
 import time
+import uuid
 from collections.abc import Callable, Iterable
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from typing import Any, Literal
 
 import numpy as np
@@ -41,12 +42,14 @@ from caffe2ckpt.manager import BaseCheckpointManager, SaveOutcome, UploadTaskGro
 from caffe2ckpt.naming import check_node_name
 from caffe2ckpt.policy import StepManagerOptions, should_save
 from caffe2ckpt.preemption import PreemptionWatch
-from caffe2ckpt.session import RunEvent, Session, notify, run_epoch
+from caffe2ckpt.session import RunEvent, Session, memory_tier, notify, run_epoch
 from caffe2ckpt.units import writer_phrase
 
 __all__ = ["JobRunner"]
 
 logger = logging.getLogger(__name__)
+
+MAX_LOSSES_PER_EPOCH = 3  # with a memory tier: an epoch that loses nodes more often fails the run
 
 
 class JobRunner:
@@ -110,6 +113,8 @@ class JobRunner:
         self.saved_epochs: list[int] = []  # committed by this train() call
         self.resumed_from: int | None = None
         self._last_save_time: float | None = None
+        self._losses: dict[int, int] = {}  # epoch -> times it lost nodes (memory tier)
+        self._stopped: dict[int, bool] = {}  # epoch -> whether a stop condition held after it
 
     def train(self, session: Session) -> int:
         """Run the job to its stop condition; return the number of the final epoch.
@@ -135,6 +140,7 @@ class JobRunner:
         self.saved_epochs = []
         self.resumed_from = None
         self._last_save_time = None
+        self._losses, self._stopped = {}, {}
         resume = None
         if cm is not None:
             nodes = [check_node_name(n) for n in job.nodes_to_checkpoint()]
@@ -199,14 +205,25 @@ class JobRunner:
         """Run epochs after ``epoch`` until a stop condition holds (or a preemption stops the
         job); return the final epoch, its save finished (committed or failed)."""
         cm = self.checkpoint_manager
+        token = uuid.uuid4().hex  # this train() call's memory-tier copies: no other's
         try:
+            if not finished:
+                self._snapshot(session, epoch, token)
             while not finished:
                 self._stop_if_preempted(epoch, session, preemption)
                 if self.stop_check is not None:
                     self.stop_check(epoch)
                 epoch += 1
-                finished = run_epoch(session, epoch,
-                                     lambda e=epoch: self._run_epoch(e, session, preemption))
+                try:
+                    finished = run_epoch(session, epoch,
+                                         lambda e=epoch: self._run_epoch(e, session, preemption))
+                    if not finished:
+                        self._snapshot(session, epoch, token)
+                    elif cm is not None:
+                        self._finish_background(session, cm)  # a loss there is recovered too
+                except NodeLostError as lost:
+                    epoch = self._recover(session, epoch, token, lost)
+                    finished = self._stopped.get(epoch, False)
         except BaseException:
             if cm is not None and cm.pending_epoch is not None:  # let it commit, then fail
                 try:
@@ -218,6 +235,60 @@ class JobRunner:
             self._finish_background(session, cm)
         return epoch
 
+    def _snapshot(self, session: Session, epoch: int, token: str) -> None:
+        """Copy every node's workspace as of ``epoch`` to worker memory, if the session has a
+        memory tier."""
+        tier = memory_tier(session)
+        if tier is not None:
+            took = tier.snapshot(epoch, token)
+            logger.debug("epoch %d copied to worker memory in %.3f s", epoch, took)
+
+    def _recover(self, session: Session, epoch: int, token: str, lost: NodeLostError) -> int:
+        """A node was lost during ``epoch``: put every node back to the newest epoch that
+        either the session's memory tier has a complete copy of or this run committed, and
+        return it (the epochs after it run again). Raises ``lost`` without a memory tier, when
+        neither exists, or when ``epoch`` lost nodes :data:`MAX_LOSSES_PER_EPOCH` times."""
+        tier, cm = memory_tier(session), self.checkpoint_manager
+        self._losses[epoch] = self._losses.get(epoch, 0) + 1
+        if tier is None or tier.epoch is None or self._losses[epoch] > MAX_LOSSES_PER_EPOCH:
+            raise lost
+        started, nodes = time.monotonic(), tier.lost()
+        if cm is not None and cm.pending_epoch is not None:
+            with suppress(NodeLostError):  # its save is made again when its epoch runs again
+                self._finish_background(session, cm)
+        stored = max(self.saved_epochs, default=self.resumed_from)
+        newer = stored is not None and stored > tier.epoch  # committed after the last copies
+        back = None if newer else tier.recover(token, at_least=stored or 0)
+        source = "memory"
+        if back is None:  # storage is newer, or no epoch of which every node has a copy
+            if cm is None or stored is None:
+                raise lost
+            self._reload(session, cm, stored, token)
+            back, source = stored, "storage"
+        self.failed_saves = [e for e in self.failed_saves if e <= back]
+        detail = (f"node(s) {', '.join(nodes)} lost with their Dask worker in epoch {epoch}: "
+                  f"recovered epoch {back} from "
+                  + ("worker memory" if source == "memory" else "storage")
+                  + f" (storage holds {'nothing' if stored is None else f'epoch {stored}'})")
+        logger.warning("%s; epoch %d runs again (the loss: %s)", detail, back + 1, lost)
+        self._notify(session, "recovered", back, detail=detail)
+        if cm is not None:
+            events.publish(events.RUN_RECOVERED, _url(cm), lambda: {
+                "epoch": back, "source": source, "stored": stored, "lost": nodes,
+                "failed_epoch": epoch, "seconds": time.monotonic() - started}, job=self.job.name)
+        return back
+
+    def _reload(self, session: Session, cm: BaseCheckpointManager, epoch: int,
+                token: str) -> None:
+        """Put every node back to this run's committed ``epoch`` from storage, as a resume in
+        a new session would (the lost nodes placed again, every workspace emptied first: no
+        blob the save does not hold is left from a later epoch), and copy it to worker
+        memory."""
+        memory_tier(session).replace_lost(clear=True)
+        session.run(cm.init(self.job.nodes_to_checkpoint(), retrieve_from_epoch=epoch))
+        session.run(cm.load(epoch))
+        self._snapshot(session, epoch, token)
+
     def _run_epoch(self, epoch: int, session: Session,
                    preemption: PreemptionWatch | None) -> bool:
         """Run ``epoch``'s group and save it if the policy (or a preemption) says so; return
@@ -227,7 +298,7 @@ class JobRunner:
         self._notify(session, "epoch", epoch)
         session.run(job.epoch_group)
         met = [c.key for c in job.stop_conditions if bool(np.any(c.fetch()))]
-        finished = bool(met)
+        finished = self._stopped[epoch] = bool(met)
         preempted = preemption is not None and preemption.requested
         metrics = None
         if cm is not None and (preempted or should_save(

@@ -26,8 +26,9 @@ from caffe2ckpt.errors import JobDefinitionError
 from caffe2ckpt.job import Task, TaskGroup
 from caffe2ckpt.workspace import Workspace, WorkspaceType
 
-__all__ = ["LocalSession", "RunEvent", "Session", "Step", "as_group", "deliver", "node_steps",
-           "notify", "run_epoch", "run_group", "run_node_tasks", "run_on", "wait_all"]
+__all__ = ["LocalSession", "RunEvent", "Session", "Step", "as_group", "deliver", "memory_tier",
+           "node_steps", "notify", "run_epoch", "run_group", "run_node_tasks", "run_on",
+           "wait_all"]
 
 T = TypeVar("T")
 
@@ -43,17 +44,19 @@ class RunEvent:
     loaded to resume), ``"resumed"`` (it was loaded),
     ``"epoch"`` (epoch ``epoch`` is about to run), ``"saved"`` / ``"save_failed"`` (checkpoint
     of ``epoch``), ``"deleted"`` (retention removed checkpoint ``epoch``), ``"preempted"`` (a
-    preemption signal stopped the job after ``epoch``), ``"finished"`` (``epoch`` is the final
-    epoch).
+    preemption signal stopped the job after ``epoch``), ``"recovered"`` (a node was lost with
+    its worker and every node went back to ``epoch``; ``detail`` says from where),
+    ``"finished"`` (``epoch`` is the final epoch).
     """
 
     kind: Literal["started", "loading", "resumed", "epoch", "saved", "save_failed", "deleted",
-                  "preempted", "finished"]
+                  "preempted", "recovered", "finished"]
     job: str
     epoch: int
     max_epochs: int | None = None
     records: Mapping[str, Any] = field(default_factory=dict)  # node -> CommitRecord
     error: str | None = None
+    detail: str | None = None
     checkpoint_manager: Any = None
 
 
@@ -81,6 +84,12 @@ def notify(session: Session, event: RunEvent) -> None:
     listener = getattr(session, "notify", None)
     if listener is not None:
         listener(event)
+
+
+def memory_tier(session: Session) -> Any:
+    """The session's memory tier (``DaskSession(memory_tier=True)``, also inside a
+    ``PrefectSession``), or None."""
+    return getattr(session, "memory_tier", None)
 
 
 def run_epoch(session: Session, epoch: int, body: Callable[[], T]) -> T:

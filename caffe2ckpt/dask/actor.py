@@ -6,12 +6,18 @@ answer."""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import logging
+import time
 import traceback
 from typing import Any
 
 import cloudpickle
 import numpy as np
+from distributed import get_worker
 
+from caffe2ckpt.dask import tier
 from caffe2ckpt.dask.scripts import cannot_import
 from caffe2ckpt.fs.iopool import set_io_threads
 from caffe2ckpt.manager._nodeops import worker_info
@@ -19,6 +25,8 @@ from caffe2ckpt.session import Step, run_node_tasks
 from caffe2ckpt.workspace import Workspace, WorkspaceType
 
 __all__ = ["NodeActor"]
+
+logger = logging.getLogger(__name__)
 
 
 class NodeActor:
@@ -29,6 +37,7 @@ class NodeActor:
         self.node = node
         self.ws = Workspace()
         set_io_threads(io_threads)
+        self._sending: tuple[str, concurrent.futures.Future[None]] | None = None  # to, job
 
     def call(self, method: str, args: bytes) -> bytes:
         """Run ``method`` with the pickled ``args`` for the session; returns the pickled (True,
@@ -72,12 +81,98 @@ class NodeActor:
     def delete(self, name: str) -> None:
         del self.ws[name]
 
+    def clear(self) -> None:
+        """Empty the workspace (and drop the changed-row hints it kept)."""
+        self.ws = Workspace()
+
     def where(self) -> dict[str, Any]:
         return worker_info()
 
     def cannot_import(self, names: list[str]) -> list[str]:
         """Those of the modules ``names`` that this worker cannot import by name."""
         return cannot_import(names)
+
+    # -- the memory tier (caffe2ckpt.dask.tier) --------------------------------------------------
+
+    def snapshot(self, tier_id: str, epoch: int, token: str, buddy: tuple[str, str] | None,
+                 buddied: set[str]) -> float:
+        """Copy the workspace into the node's own memory-tier copy; then, in the background,
+        digest it and send it to the ``buddy`` actor (its worker's address, its key). This
+        worker keeps only the held copies of the ``buddied`` nodes. Returns the seconds the
+        copy took (what the training path waits for)."""
+        self._settle(())
+        tier.keep_held(tier_id, buddied)
+        start = time.perf_counter()
+        own = tier.take(tier_id, self.node, self.ws, epoch, token)
+        took = time.perf_counter() - start
+        self._send_later(tier_id, own, buddy, seal=True)
+        return took
+
+    def _send_later(self, tier_id: str, own: tier.Copy, buddy: tuple[str, str] | None, *,
+                    seal: bool) -> None:
+        """In the background: digest ``own`` (``seal``), then send it to ``buddy``."""
+        worker = get_worker()
+
+        async def seal_and_send() -> None:
+            if seal:
+                await asyncio.get_running_loop().run_in_executor(None, tier.seal, own)
+            if buddy is not None:
+                await tier.send(own, worker.rpc(buddy[0]), buddy[1], tier_id, "held")
+                own.sent = True
+
+        job = asyncio.run_coroutine_threadsafe(seal_and_send(), worker.loop.asyncio_loop)
+        self._sending = (buddy[0] if buddy else "", job)
+
+    def tier_push(self, tier_id: str, epoch: int, buddy: tuple[str, str]) -> None:
+        """Send the node's own copy (complete, of ``epoch``) to ``buddy``, in the background."""
+        self._settle(())
+        self._send_later(tier_id, tier.held(tier_id, self.node, "own", epoch), buddy, seal=False)
+
+    def _settle(self, lost: tuple[str, ...] | list[str], give_up: bool = False) -> None:
+        """Wait for the last snapshot's background work; give up a send to a ``lost`` worker
+        (with ``give_up``, any send)."""
+        if self._sending is None:
+            return
+        to, job = self._sending
+        if to in lost or give_up:
+            job.cancel()
+        try:
+            job.result()
+        except concurrent.futures.CancelledError:
+            pass  # its copy stays incomplete: never used
+        except BaseException as exc:  # noqa: BLE001 - its copy stays incomplete: never used
+            logger.warning("node %r: the memory-tier copy to %s failed: %r", self.node, to, exc)
+        self._sending = None
+
+    def tier_settle(self, lost: list[str], give_up: bool) -> None:
+        """Wait until this node's last copy reached its buddy or failed (a copy to a ``lost``
+        worker is given up; with ``give_up``, any copy)."""
+        self._settle(lost, give_up)
+
+    def tier_copies(self, tier_id: str) -> list[dict[str, Any]]:
+        """The copies this worker process holds."""
+        return tier.copies(tier_id)
+
+    async def tier_receive(self, message: tuple[Any, ...]) -> None:
+        """One piece of a copy another worker sends (on the worker's event loop, so that two
+        actors sending to each other never wait for each other's thread)."""
+        tier.receive(message)
+
+    def tier_send(self, tier_id: str, node: str, role: str, epoch: int,
+                  to: tuple[str, str]) -> None:
+        """Send this process's ``role`` copy of ``node`` (which must be complete and of
+        ``epoch``) to the actor ``to`` as its own copy."""
+        copy = tier.held(tier_id, node, role, epoch)
+        worker = get_worker()
+        asyncio.run_coroutine_threadsafe(
+            tier.send(copy, worker.rpc(to[0]), to[1], tier_id, "own"),
+            worker.loop.asyncio_loop).result()
+
+    def tier_restore(self, tier_id: str, epoch: int, token: str, adopt: bool) -> None:
+        """Put the node's own copy of ``epoch`` back as its workspace (verified first; see
+        :func:`tier.restore` for ``adopt``)."""
+        self._settle(())
+        tier.restore(tier_id, self.node, self.ws, epoch, token, adopt=adopt)
 
 
 def _import_hint(exc: BaseException) -> str:

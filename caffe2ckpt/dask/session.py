@@ -12,7 +12,8 @@ where given, else on the worker holding the fewest of this session's nodes (ties
 order). A worker that dies takes its nodes' workspaces with it: the group run fails naming the
 node (:class:`~caffe2ckpt.errors.NodeLostError`, also when other nodes of the group failed
 otherwise); every later call to that node fails at once. The job resumes from its newest
-committed epoch in a new session (a Prefect retry makes one). Every call ends (see
+committed epoch in a new session (a Prefect retry makes one), or, with ``memory_tier=True``,
+goes back in the same run to an epoch copied in worker memory (:mod:`caffe2ckpt.dask.memory`). Every call ends (see
 :class:`DaskSession` for the bounds). Task functions of modules that no process can import by
 name (a deployed flow file and the modules beside it) travel by value
 (:mod:`caffe2ckpt.dask.scripts`).
@@ -36,7 +37,9 @@ import numpy as np
 from distributed import Client
 from distributed.protocol import to_serialize
 
+from caffe2ckpt.dask import tier
 from caffe2ckpt.dask.actor import NodeActor
+from caffe2ckpt.dask.memory import MemoryTier
 from caffe2ckpt.dask.scripts import ScriptModules
 from caffe2ckpt.errors import JobDefinitionError, NodeLostError
 from caffe2ckpt.fs.iopool import IO_THREADS, check_io_threads
@@ -93,6 +96,10 @@ class DaskSession:
         io_threads: chunk I/O threads of each worker process holding a node. Default: the
             8 threads one process would use, shared by the cluster's workers on that worker's
             host (at least 2 each), since they share its cores and disks.
+        memory_tier: keep a copy of every node's workspace in its worker's memory and one on
+            another worker after each epoch (:attr:`memory_tier`), so that a ``JobRunner``
+            goes back to it when a worker dies instead of failing the run. It costs about
+            twice the workspaces in worker memory.
 
     Every call to a node (a group run, a :class:`RemoteWorkspace` access, placing the node)
     answers, raises what the node raised, or fails with :class:`~caffe2ckpt.errors.NodeLostError`
@@ -131,7 +138,8 @@ class DaskSession:
     unreachable scheduler) before it fails with :class:`NodeLostError`."""
 
     def __init__(self, client: Client | str, *, placement: Mapping[str, str] | None = None,
-                 place_timeout: float = 60.0, io_threads: int | None = None) -> None:
+                 place_timeout: float = 60.0, io_threads: int | None = None,
+                 memory_tier: bool = False) -> None:
         self._own_client = not isinstance(client, Client)
         self._client = Client(client) if self._own_client else client
         self._placement = dict(placement or {})
@@ -143,12 +151,42 @@ class DaskSession:
         self._lock = threading.Lock()
         self._scripts = ScriptModules()
         self.closed = False
+        self.memory_tier = MemoryTier(self) if memory_tier else None
 
     # -- placement -------------------------------------------------------------------------------
 
     def worker_of(self, node: str) -> str | None:
         """The worker address holding ``node``, once placed."""
         return self._workers.get(node)
+
+    def placed(self) -> dict[str, str]:
+        """``{node: worker address}`` of the nodes placed and not lost."""
+        with self._lock:
+            return {n: w for n, w in self._workers.items() if n not in self._lost}
+
+    def lost_nodes(self) -> list[str]:
+        with self._lock:
+            return sorted(self._lost)
+
+    def lost_worker(self, node: str) -> str:
+        """The worker a lost node was on."""
+        return self._workers[node]
+
+    def key_of(self, node: str) -> str:
+        """The key of a placed node's actor."""
+        return self._futures[node].key
+
+    def hosts(self) -> dict[str, str]:
+        """``{address: host}`` of the running workers."""
+        return self._running_workers()
+
+    def replace(self, node: str) -> None:
+        """Place a lost node again, with an empty workspace, on a running worker."""
+        with self._lock:
+            self._lost.pop(node, None)
+            self._futures.pop(node, None)
+            self._workers.pop(node, None)
+        self._place(node)
 
     def _running_workers(self) -> dict[str, str]:
         """``{address: host}`` of the workers the scheduler sees running, asked now. (Not
@@ -413,8 +451,10 @@ class DaskSession:
         pass
 
     def close(self) -> None:
-        """Drop every node's actor (and its workspace); close the client if this session
-        made it."""
+        """Drop every node's actor (and its workspace, and its memory-tier copies); close the
+        client if this session made it."""
+        if self.memory_tier is not None and not self.closed:
+            self.memory_tier.settle(give_up=True)  # no copy still on its way to a dropped actor
         with self._lock:
             self.closed = True
             futures = list(self._futures.values())
@@ -424,6 +464,9 @@ class DaskSession:
         try:
             if futures:
                 self._client.cancel(futures)
+            if self.memory_tier is not None:
+                with contextlib.suppress(Exception):
+                    self._client.run(tier.drop, self.memory_tier.id, on_error="ignore")
         finally:
             if self._own_client:
                 self._client.close()

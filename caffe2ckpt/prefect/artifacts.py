@@ -191,6 +191,10 @@ class CheckpointArtifacts:
                     self._rows[event.epoch] = row | {"status": DELETED}
             if row is not None:
                 self._changed(event, urgent=False, progress=False)
+        elif event.kind == "recovered" and self._summary is not None:
+            self._summary.recoveries.append(event.detail or f"went back to epoch {event.epoch}")
+            self._epoch = event.epoch
+            self._changed(event, urgent=True)
         elif event.kind == "preempted":  # the job stops now, without a "finished" event
             self.flush()
         elif event.kind == "finished":

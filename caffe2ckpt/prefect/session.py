@@ -135,6 +135,11 @@ class PrefectSession:
     def workspaces(self) -> dict[str, Workspace]:
         return self._local.workspaces
 
+    @property
+    def memory_tier(self) -> Any:
+        """The node session's memory tier (see ``DaskSession(memory_tier=True)``), or None."""
+        return getattr(self._local, "memory_tier", None)
+
     def writer_info(self) -> dict[str, Any]:
         """The flow run (id, name, attempt) and deployment that are writing checkpoints."""
         context = FlowRunContext.get()

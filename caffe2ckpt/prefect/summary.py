@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from uuid import UUID
 
@@ -52,6 +52,7 @@ class Summary:
     reason: str | None = None  # why this attempt runs (a retry), see attempt_reason
     url: str | None = None
     file_node: str | None = None
+    recoveries: list[str] = field(default_factory=list)  # lost workers the run went on after
 
 
 def attempt_reason(flow_run_id: str, run_count: int) -> str | None:
@@ -213,6 +214,7 @@ def summary_markdown(summary: Summary, rows: Mapping[int, dict[str, Any]], *,
                      f"{writer_cell(writer, run['flow_run_id'], link=True)}{elastic}")
     else:
         lines.append("- **Fresh start** (no committed checkpoint to resume from)")
+    lines += [f"- **Recovered**: {md_text(text)}" for text in summary.recoveries]
     lines.append(f"- This run: {writer_cell(run, None, link=True)}")
     target = f" of {summary.target}" if summary.target is not None else ""
     statuses = {e: r["status"] for e, r in sorted(rows.items())}

@@ -5,6 +5,7 @@ node, after which Prefect's retry places fresh actors and resumes bit-exact."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -207,3 +208,32 @@ def test_a_process_pool_task_runner_is_refused_up_front(tmp_path):
     with pytest.raises(JobDefinitionError, match="ProcessPoolTaskRunner.*DaskSession"):
         pooled()
     assert not (tmp_path / "ckpt").exists()  # refused before anything ran or was written
+
+
+def test_with_a_memory_tier_a_killed_worker_costs_an_epoch_not_an_attempt(tmp_path, dask_client,
+                                                                          client):
+    """``DaskSession(memory_tier=True)`` in a flow without retries: the worker of trainer_1 dies
+    in epoch 3, and the same flow run goes back to epoch 2 from worker memory and completes;
+    the summary artifact says so, and the final state is an uninterrupted run's."""
+    from tests.tierjobs import EPOCHS, dict_of, job, markers, reference, same
+
+    expected, _ = reference(tmp_path)
+    die = markers(tmp_path, "trainer_1")
+
+    @flow(name="dask-memory-tier")
+    def tiered() -> tuple[str, list[dict]]:
+        with DaskSession(dask_client, memory_tier=True) as nodes:
+            runner = JobRunner(job(die), MultiNodeCheckpointManager(str(tmp_path / "c")))
+            assert runner.train(PrefectSession(nodes=nodes)) == EPOCHS
+            return str(flow_run.id), [dict_of(nodes, n) for n in expected]
+
+    run_id, final = tiered()
+    assert not os.path.exists(die["trainer_1"])
+    for got, node in zip(final, expected, strict=True):
+        assert same(got, expected[node]), node
+    summary = next(a for a in client.read_artifacts() if a.key and a.key.startswith("tiered")
+                   and "summary" in a.key and str(a.flow_run_id) == run_id)
+    # (trainer_0 or trainer_2 shares the worker of trainer_1: 3 nodes, 2 workers)
+    assert re.search(r"\*\*Recovered\*\*: node\(s\) [a-z_0-9, ]*trainer_1[a-z_0-9, ]* lost with "
+                     r"their Dask worker in epoch 3: recovered epoch 2 from worker memory "
+                     r"\(storage holds epoch 2\)", summary.data), summary.data

@@ -78,6 +78,7 @@ BLOCKS = {
     "docs/steps.md > The Orbax-style step API #1": (None, None),
     "docs/deltas.md > In short #1": (None, "True [2, 3, 4]"),
     "docs/elastic.md > In short #1": (None, "2000.0 (500, 4)"),
+    "docs/dask.md > A memory tier: recover a lost worker in seconds #1": (None, "6 6.0"),
     "docs/storage.md > Layout #1": (regression_checkpoints, "trainer_0.10 True"),
     "docs/storage.md > Layout #2": (regression_checkpoints, "(32768, 8) 0.50399417"),
     "docs/storage.md > Plain groups (materialize) #1": (regression_checkpoints, "0.50399417 <f4"),

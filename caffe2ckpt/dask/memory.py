@@ -1,0 +1,212 @@
+"""The memory tier, client side: which worker keeps a copy of which node, and how a session
+whose worker died goes back to the newest epoch every node has a copy of.
+
+:meth:`MemoryTier.snapshot` asks every node's actor to copy its workspace (its *own* copy) and
+to send that copy to its *buddy*: a node on the next worker in address order, on another host
+when the cluster has several (:func:`buddies`). :meth:`MemoryTier.recover` lists the copies
+the live workers hold, chooses the newest epoch of which every node (the lost ones too) has a
+complete copy of this run (:func:`choose`), places each lost node again on a live worker, sends
+it its copy, puts every node back to that epoch (each copy verified against its digests), and
+sends the own copy of each node whose other copy was on the lost worker to its buddy, so that
+the next loss is covered too. The worker side is
+:mod:`caffe2ckpt.dask.tier`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from caffe2ckpt.errors import NodeLostError
+
+if TYPE_CHECKING:
+    from caffe2ckpt.dask.session import DaskSession
+
+__all__ = ["MemoryTier", "Source", "buddies", "choose"]
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a node's copy of the chosen epoch is: a worker, the node whose actor there sends
+    it, and which copy (``"own"``: the node's own worker; ``"held"``: a buddy's)."""
+
+    worker: str
+    via: str
+    role: str
+
+
+def buddies(workers: Mapping[str, str], hosts: Mapping[str, str]) -> dict[str, str | None]:
+    """Each node's buddy (None while all nodes are on one worker): the first node of the next
+    worker in (host, address) order whose host differs, else of the next worker."""
+    ring = sorted(set(workers.values()), key=lambda w: (hosts.get(w, w), w))
+    first = {w: min(n for n, at in workers.items() if at == w) for w in ring}
+    chosen: dict[str, str | None] = {}
+    for node, worker in workers.items():
+        i = ring.index(worker)
+        others = ring[i + 1:] + ring[:i]
+        away = [w for w in others if hosts.get(w, w) != hosts.get(worker, worker)]
+        target = (away or others or [None])[0]
+        chosen[node] = None if target is None else first[target]
+    return chosen
+
+
+def choose(nodes: Iterable[str], held: Mapping[str, list[dict[str, Any]]], token: str,
+           homes: Mapping[str, str], at_least: int = 0) -> tuple[int, dict[str, Source]] | None:
+    """The newest epoch (``at_least`` or newer) of which every node in ``nodes`` has a complete
+    copy of run ``token`` on a live worker (``held``: worker -> what it holds, each entry
+    naming a node there in ``"via"``), and where each node's copy is (its own, on its live home
+    worker, first); None when there is no such epoch."""
+    found: dict[str, dict[int, list[Source]]] = {}
+    for worker, entries in held.items():
+        for e in entries:
+            if e["complete"] and e["token"] == token and e["epoch"] >= at_least:
+                found.setdefault(e["node"], {}).setdefault(e["epoch"], []).append(
+                    Source(worker, e["via"], e["role"]))
+    nodes = list(nodes)
+    common = set.intersection(*(set(found.get(n, {})) for n in nodes)) if nodes else set()
+    if not common:
+        return None
+    epoch = max(common)
+
+    def best(node: str) -> Source:
+        return min(found[node][epoch], key=lambda s: (s.worker != homes.get(node), s.role))
+    return epoch, {node: best(node) for node in nodes}
+
+
+class MemoryTier:
+    """A :class:`~caffe2ckpt.dask.DaskSession`'s copies of its nodes in worker memory."""
+
+    def __init__(self, session: DaskSession) -> None:
+        self.id = f"caffe2ckpt-tier-{uuid.uuid4().hex}"
+        self._session = session
+        self.epoch: int | None = None  # the newest epoch snapshotted by every node
+
+    def snapshot(self, epoch: int, token: str) -> float:
+        """Copy every node's workspace as of ``epoch`` (then, in the background, to its buddy;
+        a worker drops the held copies of nodes it is no longer the buddy of); return the
+        longest time a node's copy took."""
+        session = self._session
+        workers = session.placed()
+        pairs = buddies(workers, session.hosts())
+        buddied = {w: {n for n, b in pairs.items() if b is not None and workers[b] == w}
+                   for w in workers.values()}
+        took = _each(list(workers), lambda node: session._call(
+            node, "snapshot", self.id, epoch, token,
+            None if pairs[node] is None else (workers[pairs[node]], session.key_of(pairs[node])),
+            buddied[workers[node]]))
+        self.epoch = epoch
+        return max(took.values(), default=0.0)
+
+    def recover(self, token: str, at_least: int = 0) -> int | None:
+        """Put every node back to the newest epoch (``at_least`` or newer) of which each has a
+        complete copy of this run (``token``) on a live worker, placing lost nodes on live
+        workers; return that epoch, or None (nothing changed) when there is none."""
+        session = self._session
+        lost, workers, held = self._inventory()
+        chosen = choose(list(workers) + lost, held, token, workers, at_least)
+        if chosen is None:
+            logger.warning("the memory tier has no epoch that every node has a copy of (lost: "
+                           "%s): the job resumes from storage", lost)
+            return None
+        epoch, sources = chosen
+        self.replace_lost()
+        homes = session.placed()
+        away = _copies_away(held, epoch, token, homes)
+
+        def send_home(node: str) -> None:
+            src = sources[node]
+            session._call(src.via, "tier_send", self.id, node, src.role, epoch,
+                          (homes[node], session.key_of(node)))
+        # the copies that travel first, with the cores to themselves, then every restore
+        _each([n for n, src in sources.items() if (src.role, src.worker) != ("own", homes[n])],
+              send_home)
+        _each(list(homes), lambda node: session._call(
+            node, "tier_restore", self.id, epoch, token, bool(away[node])))
+        self._protect(epoch, homes, away)
+        return epoch
+
+    def _protect(self, epoch: int, homes: Mapping[str, str],
+                 away: Mapping[str, set[str]]) -> None:
+        """Start sending each node without a copy of ``epoch`` on another worker (``away``)
+        its own copy's to its buddy, in the background."""
+        session = self._session
+        pairs = buddies(homes, session.hosts())
+        needy = [n for n in homes if not away[n] and pairs[n] is not None]
+        _each(needy, lambda node: session._call(
+            node, "tier_push", self.id, epoch, (homes[pairs[node]], session.key_of(pairs[node]))))
+        self.epoch = epoch
+
+    def lost(self) -> list[str]:
+        """The nodes lost with their workers (until :meth:`recover` places them again)."""
+        return self._session.lost_nodes()
+
+    def replace_lost(self, *, clear: bool = False) -> None:
+        """Place every lost node again, with an empty workspace, on a running worker; with
+        ``clear``, empty every other node's workspace too (as before a load from storage)."""
+        session = self._session
+        others = session.placed()
+        for node in session.lost_nodes():
+            session.replace(node)
+        if clear:
+            _each(list(others), lambda node: session._call(node, "clear"))
+
+    def settle(self, dead: Iterable[str] = (), *, give_up: bool = False) -> None:
+        """Wait until every live node's last copy reached its buddy (or failed: a copy to a
+        ``dead`` worker is given up at once; with ``give_up``, every copy on its way is). A
+        node found lost meanwhile stays lost."""
+        dead = list(dead)
+
+        def settle(node: str) -> None:
+            with contextlib.suppress(NodeLostError):
+                self._session._call(node, "tier_settle", dead, give_up)
+        _each(list(self._session.placed()), settle)
+
+    def _inventory(self) -> tuple[list[str], dict[str, str], dict[str, list[dict[str, Any]]]]:
+        """The lost nodes, the others' workers, and what each live worker holds (asked of one
+        node there once :meth:`settle`d), found again while asking finds more losses."""
+        session = self._session
+        for _ in range(3):
+            lost = session.lost_nodes()
+            dead = {session.lost_worker(n) for n in lost}
+            self.settle(dead)
+            lost, workers = session.lost_nodes(), session.placed()
+            via = {w: min(n for n, at in workers.items() if at == w)
+                   for w in set(workers.values())}
+            try:
+                held = _each(list(via.values()), lambda node: session._call(
+                    node, "tier_copies", self.id))
+            except NodeLostError:
+                continue
+            return lost, workers, {w: [{**e, "via": via[w]} for e in held[via[w]]] for w in via}
+        raise NodeLostError(f"workers kept leaving while the memory tier listed its copies: "
+                            f"lost {session.lost_nodes()}")
+
+
+def _copies_away(held: Mapping[str, list[dict[str, Any]]], epoch: int, token: str,
+                 homes: Mapping[str, str]) -> dict[str, set[str]]:
+    """Per node, the live workers other than its home that hold a complete held copy of it at
+    ``epoch`` of run ``token``."""
+    away: dict[str, set[str]] = {node: set() for node in homes}
+    for worker, entries in held.items():
+        for e in entries:
+            if (e["role"] == "held" and e["complete"] and e["token"] == token
+                    and e["epoch"] == epoch and e["node"] in away and homes[e["node"]] != worker):
+                away[e["node"]].add(worker)
+    return away
+
+
+def _each(nodes: list[str], fn: Callable[[str], T]) -> dict[str, T]:
+    """``fn(node)`` for every node at once; raises the first failure."""
+    if not nodes:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(len(nodes), 32)) as pool:
+        futures = {node: pool.submit(fn, node) for node in nodes}
+        return {node: f.result() for node, f in futures.items()}

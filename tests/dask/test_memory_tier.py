@@ -1,0 +1,256 @@
+"""The memory tier of DaskSession on a real 3-worker process LocalCluster: a worker killed during
+an epoch no longer fails the run; the same ``train()`` call goes back to the newest epoch every
+node has a copy of in worker memory, runs on and ends where an uninterrupted run ends, and every
+committed epoch is the uninterrupted run's. Without the tier (or without a copy) the loss fails
+the run as before. The pure choices (buddies, the epoch chosen) are tested without a cluster."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from caffe2ckpt import JobRunner, MultiNodeCheckpointManager
+from caffe2ckpt.errors import NodeLostError
+from caffe2ckpt.fs.location import Location
+from caffe2ckpt.policy import StepManagerOptions
+from caffe2ckpt.store.commit.protocol import CheckpointStore
+from tests.stores import load
+from tests.tierjobs import EPOCHS, NODES, dict_of, job, markers, reference, same
+
+distributed = pytest.importorskip("distributed")
+from caffe2ckpt.dask import DaskSession
+from caffe2ckpt.dask.memory import Source, buddies, choose
+from tests.daskcluster import client_of, die_before_commit, local_cluster, undo_die_before_commit
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with local_cluster(3) as c:
+        yield c
+
+
+@pytest.fixture
+def client(cluster):
+    with client_of(cluster) as c:
+        yield c
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("interval", [1, 2], ids=["save-every-epoch", "save-every-2"])
+def test_a_worker_killed_mid_epoch_costs_that_epoch_not_the_run(tmp_path, client, interval):
+    expected, ref = reference(tmp_path)
+    url, die = str(tmp_path / "ckpt"), markers(tmp_path, "trainer_1")
+    options = StepManagerOptions(save_interval_steps=interval)
+    with DaskSession(client, memory_tier=True) as session:
+        runner = JobRunner(job(die), MultiNodeCheckpointManager(url), options=options)
+        assert runner.train(session) == EPOCHS
+        assert not any(map(os.path.exists, die.values()))  # the worker was killed
+        for node in NODES:
+            assert same(dict_of(session, node), expected[node]), node
+        assert runner.failed_saves == []
+    saved = sorted(set(runner.saved_epochs))
+    assert saved == [0, *range(interval, EPOCHS + 1, interval)]
+    store = CheckpointStore(Location(url))
+    for node in NODES:  # the final epoch's save, read back
+        assert same(load(store, node, EPOCHS), load(ref, node, EPOCHS)), node
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_worker_killed_in_a_save_costs_that_epoch_and_its_save_is_made_again(
+        tmp_path, client, async_save):
+    """The worker dies in epoch 3's save, before its commit record: the save fails, the run
+    goes back to epoch 2 from memory, runs epoch 3 again and commits it."""
+    expected, ref = reference(tmp_path)
+    url, marker = str(tmp_path / "ckpt"), tmp_path / "die"
+    marker.touch()
+    client.run(die_before_commit, str(marker), "trainer_1", 3)
+    try:
+        with DaskSession(client, memory_tier=True) as session:
+            runner = JobRunner(job(), MultiNodeCheckpointManager(url, async_save=async_save))
+            assert runner.train(session) == EPOCHS
+            assert not marker.exists()
+            assert same(dict_of(session, "trainer_1"), expected["trainer_1"])
+    finally:
+        undo_die_before_commit(client)
+    assert runner.saved_epochs == list(range(EPOCHS + 1)) and runner.failed_saves == []
+    store = CheckpointStore(Location(url))
+    for node in NODES:
+        assert same(load(store, node, 3), load(ref, node, 3)), node
+
+
+@pytest.mark.slow
+def test_without_the_tier_a_lost_worker_still_fails_the_run(tmp_path, client):
+    die = markers(tmp_path, "trainer_1")
+    with DaskSession(client) as session, pytest.raises(NodeLostError, match="trainer_1"):
+        JobRunner(job(die, buddied=False)).train(session)
+
+
+@pytest.mark.slow
+def test_a_node_lost_with_its_buddy_goes_back_to_storage_in_the_same_run(tmp_path, client,
+                                                                          caplog):
+    """Two of the three workers die at once in epoch 4: in a ring of three, one of the two
+    lost nodes had its copy on the other's worker, so no epoch has a copy of every node, and
+    the run goes back to its newest commit (epoch 2: saves every 2 epochs) in the same
+    ``train()`` call."""
+    expected, ref = reference(tmp_path)
+    url = str(tmp_path / "ckpt")
+    die = markers(tmp_path, "trainer_1", "trainer_2")
+    options = StepManagerOptions(save_interval_steps=2)
+    with DaskSession(client, memory_tier=True) as session:
+        runner = JobRunner(job(die, die_at=4, buddied=False), MultiNodeCheckpointManager(url),
+                           options=options)
+        assert runner.train(session) == EPOCHS
+        assert not any(map(os.path.exists, die.values()))
+        for node in NODES:
+            assert same(dict_of(session, node), expected[node]), node
+    assert "recovered epoch 2 from storage (storage holds epoch 2)" in caplog.text
+    assert runner.saved_epochs == [0, 2, 4, 6]
+    store = CheckpointStore(Location(url))
+    for node in NODES:
+        assert same(load(store, node, EPOCHS), load(ref, node, EPOCHS)), node
+
+
+# -- the choices, without a cluster --------------------------------------------------------------
+
+
+def test_buddies_are_on_another_worker_and_another_host_when_there_is_one():
+    workers = {"a": "w1", "b": "w2", "c": "w3", "d": "w1"}
+    assert buddies(workers, {"w1": "h1", "w2": "h1", "w3": "h2"}) == {
+        "a": "c", "b": "c", "c": "a", "d": "c"}
+    assert buddies(workers, {}) == {"a": "b", "b": "c", "c": "a", "d": "b"}
+    assert buddies({"a": "w1", "b": "w1"}, {}) == {"a": None, "b": None}
+
+
+def _entry(node, epoch, role, token="t", complete=True, via="x"):
+    return {"node": node, "epoch": epoch, "role": role, "token": token, "complete": complete,
+            "via": via}
+
+
+def test_the_newest_epoch_every_node_has_a_complete_copy_of_is_chosen():
+    homes = {"a": "w1", "b": "w2"}
+    held = {"w1": [_entry("a", 5, "own"), _entry("b", 4, "held"), _entry("c", 5, "held")],
+            "w2": [_entry("b", 5, "own"), _entry("a", 4, "held", complete=False)]}
+    # c (lost) has 5; a and b have 5: 5, each from its own copy
+    assert choose(["a", "b", "c"], held, "t", homes) == (5, {
+        "a": Source("w1", "x", "own"), "b": Source("w2", "x", "own"),
+        "c": Source("w1", "x", "held")})
+    held["w1"][2] = _entry("c", 4, "held")  # c's newest copy is older: all go back to 4 ...
+    assert choose(["a", "b", "c"], held, "t", homes) is None  # ... which a lacks (incomplete)
+    held["w2"][1] = _entry("a", 4, "held")
+    assert choose(["a", "b", "c"], held, "t", homes)[0] == 4
+    assert choose(["a", "b", "c"], held, "another run", homes) is None
+    assert choose(["a", "b", "c"], held, "t", homes, at_least=5) is None  # storage holds 5
+
+
+# -- the copies in one process -------------------------------------------------------------------
+
+
+def _workspace():
+    from caffe2ckpt import Workspace
+
+    return Workspace({"f": np.asfortranarray(np.arange(12.0).reshape(3, 4)), "s": np.array("ab"),
+                      "u": np.array(["x", "yz"]), "e": np.zeros((0, 3), np.int16)})
+
+
+def _sent(copy, tier_id: str, role: str) -> None:
+    """What :func:`tier.send` sends, applied with :func:`tier.receive` in this process."""
+    from caffe2ckpt.dask import tier
+
+    specs = {name: tier.spec_of(arr) for name, arr in copy.arrays.items()}
+    tier.receive(("begin", tier_id, copy.node, role, copy.epoch, copy.token, specs))
+    for name, arr in copy.arrays.items():
+        data = tier.flat(arr)
+        for start in range(0, data.size, 5):
+            tier.receive(("piece", tier_id, copy.node, role, name, start, data[start:start + 5]))
+    tier.receive(("end", tier_id, copy.node, role, copy.epoch, copy.digests))
+
+
+def test_a_copy_restores_every_blob_as_it_was_and_reuses_its_buffers():
+    from caffe2ckpt.dask import tier
+
+    ws, tier_id = _workspace(), "t-roundtrip"
+    try:
+        own = tier.take(tier_id, "n", ws, 4, "run")
+        buffers = {name: id(arr) for name, arr in own.arrays.items()}
+        tier.seal(own)
+        assert tier.take(tier_id, "n", ws, 5, "run") is own and not own.complete
+        assert {name: id(arr) for name, arr in own.arrays.items()} == buffers  # reused
+        tier.seal(own)
+        before = {name: ws[name].copy(order="K") for name in ws}
+        ws["f"][0, 0], ws["new"] = -1.0, np.ones(2)
+        tier.restore(tier_id, "n", ws, 5, "run")
+        assert sorted(ws) == sorted(before)
+        assert same(dict(ws), before)
+        assert ws["f"] is not own.arrays["f"]  # training on never changes the copy
+    finally:
+        tier.drop(tier_id)
+
+
+def test_a_copy_sent_in_pieces_arrives_whole_and_restores():
+    from caffe2ckpt.dask import tier
+
+    ws, tier_id = _workspace(), "t-pieces"
+    try:
+        own = tier.take(tier_id, "n", ws, 3, "run")
+        tier.seal(own)
+        _sent(own, tier_id, "held")
+        held = tier.held(tier_id, "n", "held", 3)
+        assert held.complete and held.digests == own.digests
+        tier.drop(tier_id)
+        _sent(held, tier_id, "own")  # as a recovery sends it to the node's new worker
+        restored = _workspace()
+        restored["f"][:] = 0
+        tier.restore(tier_id, "n", restored, 3, "run")
+        assert same(dict(restored), dict(ws))
+    finally:
+        tier.drop(tier_id)
+
+
+@pytest.mark.parametrize("damage", ["token", "epoch", "incomplete", "byte"])
+def test_a_copy_that_is_not_this_runs_epoch_intact_is_refused_and_nothing_changes(damage):
+    from caffe2ckpt.dask import tier
+    from caffe2ckpt.errors import CheckpointCorruptedError
+
+    ws, tier_id = _workspace(), "t-refused"
+    try:
+        own = tier.take(tier_id, "n", ws, 2, "run")
+        tier.seal(own)
+        token, epoch = "run", 2
+        if damage == "token":
+            token = "another run"
+        elif damage == "epoch":
+            epoch = 1
+        elif damage == "incomplete":
+            own.complete = False
+        else:
+            tier.flat(own.arrays["f"])[3] ^= 1
+        ws["f"][0, 0] = 7.0
+        kept = {name: ws[name].copy(order="K") for name in ws}
+        with pytest.raises(CheckpointCorruptedError, match=r"copy of node 'n', epoch \d"):
+            tier.restore(tier_id, "n", ws, epoch, token)
+        assert same(dict(ws), kept)
+    finally:
+        tier.drop(tier_id)
+
+
+def test_a_restore_never_writes_through_memory_two_blobs_share():
+    """Mid-epoch, "a" became a view of "b" and "c" the same array as "d": copying the copy's
+    values into those arrays would make the last one written win for both."""
+    from caffe2ckpt import Workspace
+    from caffe2ckpt.dask import tier
+
+    ws, tier_id = Workspace({"a": np.zeros(4), "b": np.ones(8), "c": np.arange(3.0),
+                             "d": np.arange(3.0) + 5, "e": np.full(2, 7.0)}), "t-alias"
+    try:
+        tier.seal(tier.take(tier_id, "n", ws, 1, "run"))
+        before = {name: ws[name].copy() for name in ws}
+        kept_e = ws["e"]
+        ws["a"], ws["c"] = ws["b"][:4], ws["d"]
+        tier.restore(tier_id, "n", ws, 1, "run")
+        assert same(dict(ws), before)
+        assert ws["e"] is kept_e  # nothing shares it: restored in place
+    finally:
+        tier.drop(tier_id)
