@@ -181,8 +181,12 @@ class NodeLostError(CheckpointError, RuntimeError):
 
     Attributes:
         node: the node.
+        loss: what happened, without the advice on what to do next (a memory tier's recovery
+            reports it while the run goes on).
     """
 
-    def __init__(self, message: str, *, node: str | None = None) -> None:
+    def __init__(self, message: str, *, node: str | None = None,
+                 loss: str | None = None) -> None:
         super().__init__(message)
         self.node = node
+        self.loss = loss or message

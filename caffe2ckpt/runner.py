@@ -270,7 +270,7 @@ class JobRunner:
                   f"recovered epoch {back} from "
                   + ("worker memory" if source == "memory" else "storage")
                   + f" (storage holds {'nothing' if stored is None else f'epoch {stored}'})")
-        logger.warning("%s; epoch %d runs again (the loss: %s)", detail, back + 1, lost)
+        logger.warning("%s; epoch %d runs again (%s)", detail, back + 1, lost.loss)
         self._notify(session, "recovered", back, detail=detail)
         if cm is not None:
             events.publish(events.RUN_RECOVERED, _url(cm), lambda: {

@@ -389,12 +389,12 @@ class DaskSession:
 
     def _lose(self, node: str, why: str) -> NodeLostError:
         """Mark ``node`` lost (later calls fail at once) and return the error to raise."""
-        message = (f"node {node!r} was lost with its Dask worker {self._workers.get(node)} "
-                   f"({why}); its workspace is gone: resume the job from its newest committed "
+        loss = f"node {node!r} was lost with its Dask worker {self._workers.get(node)} ({why})"
+        message = (f"{loss}; its workspace is gone: resume the job from its newest committed "
                    "epoch in a new session")
         with self._lock:
             self._lost.setdefault(node, message)
-        return NodeLostError(message, node=node)
+        return NodeLostError(message, node=node, loss=loss)
 
     def _check_not_lost(self, node: str, method: str) -> None:
         message = self._lost.get(node)

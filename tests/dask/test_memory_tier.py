@@ -11,7 +11,7 @@ import os
 import numpy as np
 import pytest
 
-from caffe2ckpt import JobRunner, MultiNodeCheckpointManager
+from caffe2ckpt import JobRunner, MultiNodeCheckpointManager, events
 from caffe2ckpt.errors import NodeLostError
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.policy import StepManagerOptions
@@ -37,19 +37,54 @@ def client(cluster):
         yield c
 
 
+def _copies_of(tier_id: str) -> list:
+    from caffe2ckpt.dask import tier
+
+    return tier.copies(tier_id)
+
+
+class Heard:
+    """The payloads of the ``caffe2ckpt.run.recovered`` events published."""
+
+    def __init__(self) -> None:
+        self.payloads: list[dict] = []
+
+    def active(self) -> bool:
+        return True
+
+    def __call__(self, event) -> None:
+        if event.name == events.RUN_RECOVERED:
+            self.payloads.append(dict(event.payload))
+
+    def flush(self) -> None:
+        pass
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("interval", [1, 2], ids=["save-every-epoch", "save-every-2"])
 def test_a_worker_killed_mid_epoch_costs_that_epoch_not_the_run(tmp_path, client, interval):
     expected, ref = reference(tmp_path)
     url, die = str(tmp_path / "ckpt"), markers(tmp_path, "trainer_1")
     options = StepManagerOptions(save_interval_steps=interval)
-    with DaskSession(client, memory_tier=True) as session:
-        runner = JobRunner(job(die), MultiNodeCheckpointManager(url), options=options)
-        assert runner.train(session) == EPOCHS
-        assert not any(map(os.path.exists, die.values()))  # the worker was killed
-        for node in NODES:
-            assert same(dict_of(session, node), expected[node]), node
-        assert runner.failed_saves == []
+    heard = Heard()
+    unsubscribe = events.subscribe(heard)
+    try:
+        with DaskSession(client, memory_tier=True) as session:
+            runner = JobRunner(job(die), MultiNodeCheckpointManager(url), options=options)
+            assert runner.train(session) == EPOCHS
+            assert not any(map(os.path.exists, die.values()))  # the worker was killed
+            for node in NODES:
+                assert same(dict_of(session, node), expected[node]), node
+            assert runner.failed_saves == []
+            tier_id = session.memory_tier.id
+            assert any(client.run(_copies_of, tier_id).values())
+    finally:
+        unsubscribe()
+    assert not any(client.run(_copies_of, tier_id).values())  # close() dropped every copy
+    (recovered,) = heard.payloads
+    assert recovered.pop("seconds") < 30
+    assert recovered == {"job": "tiered", "epoch": 2, "source": "memory", "stored": 2,
+                         "lost": ["trainer_1"], "failed_epoch": 3}
     saved = sorted(set(runner.saved_epochs))
     assert saved == [0, *range(interval, EPOCHS + 1, interval)]
     store = CheckpointStore(Location(url))
