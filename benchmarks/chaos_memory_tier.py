@@ -34,23 +34,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WHERE = ("epoch", "copied", "save", "committed")
 
 
-class Recoveries:
-    """Collects ``caffe2ckpt.run.recovered`` payloads."""
-
-    def __init__(self) -> None:
-        self.seen: list[dict] = []
-
-    def active(self) -> bool:
-        return True
-
-    def __call__(self, event) -> None:
-        if event.name == "caffe2ckpt.run.recovered":
-            self.seen.append(dict(event.payload))
-
-    def flush(self) -> None:
-        pass
-
-
 def draw(seed: int, epochs: int) -> dict:
     rng = random.Random(seed)
     where = rng.choice(WHERE)
@@ -72,7 +55,7 @@ def trial(seed: int, client, root: Path, reference: tuple) -> str:
     from caffe2ckpt.store.commit.protocol import CheckpointStore
     from tests.daskcluster import die_after_commit, die_before_commit, undo_die_before_commit
     from tests.stores import load
-    from tests.tierjobs import EPOCHS, NODES, dict_of, job, markers, same
+    from tests.tierjobs import EPOCHS, NODES, Recoveries, dict_of, job, markers, same
 
     plan = draw(seed, EPOCHS)
     where, victims, die_at = plan["where"], plan["victims"], plan["die_at"]

@@ -49,8 +49,7 @@ def _wait_until_buddied(node: str, epoch: int) -> None:
     from caffe2ckpt.dask import tier
 
     for _ in range(1000):
-        with tier._lock:
-            own = [c for (_, n, role), c in tier._copies.items() if n == node and role == "own"]
+        own = [s.slot(node, "own") for s in tier.alive() if s.node == node]
         if own and own[0].epoch == epoch and own[0].sent:
             return
         time.sleep(0.01)
@@ -99,3 +98,21 @@ def same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
         assert np.array_equal(x, b[k]), k
         assert (x.dtype, x.flags.f_contiguous) == (b[k].dtype, b[k].flags.f_contiguous), k
     return True
+
+
+class Recoveries:
+    """An event subscriber (``caffe2ckpt.events.subscribe``) keeping the payloads of the
+    ``caffe2ckpt.run.recovered`` events."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict] = []
+
+    def active(self) -> bool:
+        return True
+
+    def __call__(self, event) -> None:
+        if event.name == "caffe2ckpt.run.recovered":
+            self.seen.append(dict(event.payload))
+
+    def flush(self) -> None:
+        pass

@@ -37,6 +37,7 @@ class NodeActor:
         self.node = node
         self.ws = Workspace()
         set_io_threads(io_threads)
+        self.copies = tier.Copies(node)  # its memory-tier copies (DaskSession(memory_tier=True))
         self._sending: tuple[str, concurrent.futures.Future[None]] | None = None  # to, job
 
     def call(self, method: str, args: bytes) -> bytes:
@@ -94,22 +95,21 @@ class NodeActor:
 
     # -- the memory tier (caffe2ckpt.dask.tier) --------------------------------------------------
 
-    def snapshot(self, tier_id: str, epoch: int, token: str, buddy: tuple[str, str] | None,
+    def snapshot(self, epoch: int, token: str, buddy: tuple[str, str] | None,
                  buddied: set[str]) -> float:
         """Copy the workspace into the node's own memory-tier copy; then, in the background,
         digest it and send it to the ``buddy`` actor (its worker's address, its key). This
-        worker keeps only the held copies of the ``buddied`` nodes. Returns the seconds the
-        copy took (what the training path waits for)."""
+        actor keeps only the held copies of the ``buddied`` nodes. Returns the seconds the copy
+        took (what the training path waits for)."""
         self._settle(())
-        tier.keep_held(tier_id, buddied)
+        self.copies.keep_held(buddied)
         start = time.perf_counter()
-        own = tier.take(tier_id, self.node, self.ws, epoch, token)
+        own = tier.take(self.copies, self.ws, epoch, token)
         took = time.perf_counter() - start
-        self._send_later(tier_id, own, buddy, seal=True)
+        self._send_later(own, buddy, seal=True)
         return took
 
-    def _send_later(self, tier_id: str, own: tier.Copy, buddy: tuple[str, str] | None, *,
-                    seal: bool) -> None:
+    def _send_later(self, own: tier.Copy, buddy: tuple[str, str] | None, *, seal: bool) -> None:
         """In the background: digest ``own`` (``seal``), then send it to ``buddy``."""
         worker = get_worker()
 
@@ -117,16 +117,16 @@ class NodeActor:
             if seal:
                 await asyncio.get_running_loop().run_in_executor(None, tier.seal, own)
             if buddy is not None:
-                await tier.send(own, worker.rpc(buddy[0]), buddy[1], tier_id, "held")
+                await tier.send(own, worker.rpc(buddy[0]), buddy[1], "held")
                 own.sent = True
 
         job = asyncio.run_coroutine_threadsafe(seal_and_send(), worker.loop.asyncio_loop)
         self._sending = (buddy[0] if buddy else "", job)
 
-    def tier_push(self, tier_id: str, epoch: int, buddy: tuple[str, str]) -> None:
+    def tier_push(self, epoch: int, buddy: tuple[str, str]) -> None:
         """Send the node's own copy (complete, of ``epoch``) to ``buddy``, in the background."""
         self._settle(())
-        self._send_later(tier_id, tier.held(tier_id, self.node, "own", epoch), buddy, seal=False)
+        self._send_later(self.copies.held(self.node, "own", epoch), buddy, seal=False)
 
     def _settle(self, lost: tuple[str, ...] | list[str], give_up: bool = False) -> None:
         """Wait for the last snapshot's background work; give up a send to a ``lost`` worker
@@ -149,30 +149,28 @@ class NodeActor:
         worker is given up; with ``give_up``, any copy)."""
         self._settle(lost, give_up)
 
-    def tier_copies(self, tier_id: str) -> list[dict[str, Any]]:
-        """The copies this worker process holds."""
-        return tier.copies(tier_id)
+    def tier_copies(self) -> list[dict[str, Any]]:
+        """The copies this actor holds."""
+        return self.copies.listing()
 
     async def tier_receive(self, message: tuple[Any, ...]) -> None:
-        """One piece of a copy another worker sends (on the worker's event loop, so that two
+        """One piece of a copy another actor sends (on the worker's event loop, so that two
         actors sending to each other never wait for each other's thread)."""
-        tier.receive(message)
+        self.copies.receive(message)
 
-    def tier_send(self, tier_id: str, node: str, role: str, epoch: int,
-                  to: tuple[str, str]) -> None:
-        """Send this process's ``role`` copy of ``node`` (which must be complete and of
+    def tier_send(self, node: str, role: str, epoch: int, to: tuple[str, str]) -> None:
+        """Send this actor's ``role`` copy of ``node`` (which must be complete and of
         ``epoch``) to the actor ``to`` as its own copy."""
-        copy = tier.held(tier_id, node, role, epoch)
+        copy = self.copies.held(node, role, epoch)
         worker = get_worker()
-        asyncio.run_coroutine_threadsafe(
-            tier.send(copy, worker.rpc(to[0]), to[1], tier_id, "own"),
-            worker.loop.asyncio_loop).result()
+        asyncio.run_coroutine_threadsafe(tier.send(copy, worker.rpc(to[0]), to[1], "own"),
+                                         worker.loop.asyncio_loop).result()
 
-    def tier_restore(self, tier_id: str, epoch: int, token: str, adopt: bool) -> None:
+    def tier_restore(self, epoch: int, token: str, adopt: bool) -> None:
         """Put the node's own copy of ``epoch`` back as its workspace (verified first; see
         :func:`tier.restore` for ``adopt``)."""
         self._settle(())
-        tier.restore(tier_id, self.node, self.ws, epoch, token, adopt=adopt)
+        tier.restore(self.copies, self.ws, epoch, token, adopt=adopt)
 
 
 def _import_hint(exc: BaseException) -> str:

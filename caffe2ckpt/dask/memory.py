@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import uuid
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -85,23 +84,21 @@ class MemoryTier:
     """A :class:`~caffe2ckpt.dask.DaskSession`'s copies of its nodes in worker memory."""
 
     def __init__(self, session: DaskSession) -> None:
-        self.id = f"caffe2ckpt-tier-{uuid.uuid4().hex}"
         self._session = session
         self.epoch: int | None = None  # the newest epoch snapshotted by every node
 
     def snapshot(self, epoch: int, token: str) -> float:
         """Copy every node's workspace as of ``epoch`` (then, in the background, to its buddy;
-        a worker drops the held copies of nodes it is no longer the buddy of); return the
+        an actor drops the held copies of nodes it is no longer the buddy of); return the
         longest time a node's copy took."""
         session = self._session
         workers = session.placed()
         pairs = buddies(workers, session.hosts())
-        buddied = {w: {n for n, b in pairs.items() if b is not None and workers[b] == w}
-                   for w in workers.values()}
+        buddied = {node: {n for n, b in pairs.items() if b == node} for node in workers}
         took = _each(list(workers), lambda node: session._call(
-            node, "snapshot", self.id, epoch, token,
+            node, "snapshot", epoch, token,
             None if pairs[node] is None else (workers[pairs[node]], session.key_of(pairs[node])),
-            buddied[workers[node]]))
+            buddied[node]))
         self.epoch = epoch
         return max(took.values(), default=0.0)
 
@@ -123,13 +120,13 @@ class MemoryTier:
 
         def send_home(node: str) -> None:
             src = sources[node]
-            session._call(src.via, "tier_send", self.id, node, src.role, epoch,
+            session._call(src.via, "tier_send", node, src.role, epoch,
                           (homes[node], session.key_of(node)))
         # the copies that travel first, with the cores to themselves, then every restore
         _each([n for n, src in sources.items() if (src.role, src.worker) != ("own", homes[n])],
               send_home)
         _each(list(homes), lambda node: session._call(
-            node, "tier_restore", self.id, epoch, token, bool(away[node])))
+            node, "tier_restore", epoch, token, bool(away[node])))
         self._protect(epoch, homes, away)
         return epoch
 
@@ -141,7 +138,7 @@ class MemoryTier:
         pairs = buddies(homes, session.hosts())
         needy = [n for n in homes if not away[n] and pairs[n] is not None]
         _each(needy, lambda node: session._call(
-            node, "tier_push", self.id, epoch, (homes[pairs[node]], session.key_of(pairs[node]))))
+            node, "tier_push", epoch, (homes[pairs[node]], session.key_of(pairs[node]))))
         self.epoch = epoch
 
     def lost(self) -> list[str]:
@@ -170,22 +167,21 @@ class MemoryTier:
         _each(list(self._session.placed()), settle)
 
     def _inventory(self) -> tuple[list[str], dict[str, str], dict[str, list[dict[str, Any]]]]:
-        """The lost nodes, the others' workers, and what each live worker holds (asked of one
-        node there once :meth:`settle`d), found again while asking finds more losses."""
+        """The lost nodes, the others' workers, and what the copies each live worker holds are
+        (``via``: the node whose actor keeps them), asked once :meth:`settle`d, and again while
+        asking finds more losses."""
         session = self._session
         for _ in range(3):
-            lost = session.lost_nodes()
-            dead = {session.lost_worker(n) for n in lost}
-            self.settle(dead)
+            self.settle({session.lost_worker(n) for n in session.lost_nodes()})
             lost, workers = session.lost_nodes(), session.placed()
-            via = {w: min(n for n, at in workers.items() if at == w)
-                   for w in set(workers.values())}
             try:
-                held = _each(list(via.values()), lambda node: session._call(
-                    node, "tier_copies", self.id))
+                kept = _each(list(workers), lambda node: session._call(node, "tier_copies"))
             except NodeLostError:
                 continue
-            return lost, workers, {w: [{**e, "via": via[w]} for e in held[via[w]]] for w in via}
+            held: dict[str, list[dict[str, Any]]] = {w: [] for w in workers.values()}
+            for node, entries in kept.items():
+                held[workers[node]] += [{**e, "via": node} for e in entries]
+            return lost, workers, held
         raise NodeLostError(f"workers kept leaving while the memory tier listed its copies: "
                             f"lost {session.lost_nodes()}")
 

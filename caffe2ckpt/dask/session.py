@@ -37,7 +37,6 @@ import numpy as np
 from distributed import Client
 from distributed.protocol import to_serialize
 
-from caffe2ckpt.dask import tier
 from caffe2ckpt.dask.actor import NodeActor
 from caffe2ckpt.dask.memory import MemoryTier
 from caffe2ckpt.dask.scripts import ScriptModules
@@ -451,7 +450,7 @@ class DaskSession:
         pass
 
     def close(self) -> None:
-        """Drop every node's actor (and its workspace, and its memory-tier copies); close the
+        """Drop every node's actor (its workspace and memory-tier copies go with it); close the
         client if this session made it."""
         if self.memory_tier is not None and not self.closed:
             self.memory_tier.settle(give_up=True)  # no copy still on its way to a dropped actor
@@ -464,9 +463,6 @@ class DaskSession:
         try:
             if futures:
                 self._client.cancel(futures)
-            if self.memory_tier is not None:
-                with contextlib.suppress(Exception):
-                    self._client.run(tier.drop, self.memory_tier.id, on_error="ignore")
         finally:
             if self._own_client:
                 self._client.close()

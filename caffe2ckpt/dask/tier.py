@@ -1,4 +1,4 @@
-"""The memory tier, worker side: copies of node workspaces kept in Dask worker processes.
+"""The memory tier, worker side: copies of node workspaces kept by the nodes' Dask actors.
 
 After an epoch, each node's actor copies its workspace into buffers it keeps from the previous
 snapshot (its *own* copy: after the first snapshot a copy allocates nothing), then, in the
@@ -6,7 +6,7 @@ background while the next epoch runs, digests it (xxh3-128, as a save records) a
 pieces to a *buddy* node's actor on another worker, which keeps it as a *held* copy in
 buffers it also reuses. So a worker keeps, per node it holds, the live workspace and its own
 copy, plus the held copies of its buddied nodes: for one buddy per node, about three times its
-own workspace.
+own workspace. The copies belong to the actors (:class:`Copies`): they go when the actors do.
 
 A copy is marked incomplete while it is overwritten and complete once all of it arrived and its
 digests are known; a restore verifies every blob's digest and the run's token. Nothing here is
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,8 +28,7 @@ from distributed.protocol import to_serialize
 from caffe2ckpt.errors import CheckpointCorruptedError
 from caffe2ckpt.workspace import Workspace
 
-__all__ = ["PIECE_BYTES", "Copy", "copies", "drop", "held", "keep_held", "receive", "restore",
-           "seal", "send", "take"]
+__all__ = ["PIECE_BYTES", "Copies", "Copy", "alive", "restore", "seal", "send", "take"]
 
 PIECE_BYTES = 32 * 1024 * 1024  # one message of a copy sent to another worker
 SEND_TIMEOUT = 120.0  # seconds one piece may take before the send is given up
@@ -80,52 +80,74 @@ def digest(arr: np.ndarray) -> str:
     return xxhash.xxh3_128_hexdigest(memoryview(flat(arr)))
 
 
-# (tier, node, role) -> copy; role "own" (on the node's worker) or "held" (a buddy's copy)
-_copies: dict[tuple[str, str, str], Copy] = {}
-_lock = threading.Lock()
+class Copies:
+    """The copies one node's actor keeps: its node's own copy, and the held copies of the
+    nodes it is the buddy of. They live as long as the actor: a session that closes, or whose
+    client went away with its process, leaves nothing behind on the workers."""
+
+    def __init__(self, node: str) -> None:
+        self.node = node
+        self._copies: dict[tuple[str, str], Copy] = {}  # (node, "own" or "held") -> copy
+        self._lock = threading.Lock()
+        _alive.add(self)
+
+    def slot(self, node: str, role: str) -> Copy:
+        with self._lock:
+            return self._copies.setdefault((node, role), Copy(node, -1, ""))
+
+    def listing(self) -> list[dict[str, Any]]:
+        """One entry per copy, with its role."""
+        with self._lock:
+            return [{**c.describe(), "role": role} for (_, role), c in self._copies.items()]
+
+    def held(self, node: str, role: str, epoch: int) -> Copy:
+        """The complete ``role`` copy of ``node`` at ``epoch``."""
+        with self._lock:
+            copy = self._copies.get((node, role))
+        if copy is None or not copy.complete or copy.epoch != epoch:
+            raise CheckpointCorruptedError(
+                f"memory-tier copy of node {node!r}, epoch {epoch}: node {self.node!r}'s actor "
+                "has " + ("none" if copy is None else
+                          f"epoch {copy.epoch} (complete: {copy.complete})"))
+        return copy
+
+    def keep_held(self, nodes: set[str]) -> None:
+        """Drop the held copies but those of ``nodes`` (no longer buddied here)."""
+        with self._lock:
+            for key in [k for k in self._copies if k[1] == "held" and k[0] not in nodes]:
+                del self._copies[key]
+
+    def receive(self, message: tuple[Any, ...]) -> None:
+        """Apply one message of :func:`send`."""
+        kind, node, role, *rest = message
+        copy = self.slot(node, role)
+        if kind == "begin":
+            epoch, token, specs = rest
+            copy.complete, copy.epoch, copy.token, copy.digests = False, epoch, token, {}
+            copy.reshape(specs)
+        elif kind == "piece":
+            name, start, piece = rest
+            flat(copy.arrays[name])[start:start + piece.size] = piece
+        else:
+            epoch, digests = rest
+            if epoch != copy.epoch:
+                raise RuntimeError(f"memory-tier copy of node {node!r}: epoch {epoch} ended, "
+                                   f"{copy.epoch} began")
+            copy.digests, copy.complete = digests, True
 
 
-def _slot(tier: str, node: str, role: str) -> Copy:
-    with _lock:
-        return _copies.setdefault((tier, node, role), Copy(node, -1, ""))
+_alive: weakref.WeakSet[Copies] = weakref.WeakSet()  # every store of this process, for tests
 
 
-def copies(tier: str) -> list[dict[str, Any]]:
-    """What this process holds for ``tier``: one entry per copy, with its role."""
-    with _lock:
-        return [{**c.describe(), "role": role} for (t, _, role), c in _copies.items()
-                if t == tier]
+def alive() -> list[Copies]:
+    """The stores of the actors alive in this process."""
+    return list(_alive)
 
 
-def held(tier: str, node: str, role: str, epoch: int) -> Copy:
-    """This process's complete ``role`` copy of ``node`` at ``epoch``."""
-    with _lock:
-        copy = _copies.get((tier, node, role))
-    if copy is None or not copy.complete or copy.epoch != epoch:
-        raise CheckpointCorruptedError(
-            f"memory-tier copy of node {node!r}, epoch {epoch}: this worker has "
-            + ("none" if copy is None else f"epoch {copy.epoch} (complete: {copy.complete})"))
-    return copy
-
-
-def keep_held(tier: str, nodes: set[str]) -> None:
-    """Drop this process's held copies of ``tier`` but those of ``nodes`` (it is no longer
-    their buddy's worker)."""
-    with _lock:
-        for key in [k for k in _copies if k[0] == tier and k[2] == "held" and k[1] not in nodes]:
-            del _copies[key]
-
-
-def drop(tier: str) -> None:
-    """Forget every copy of ``tier`` in this process."""
-    with _lock:
-        for key in [k for k in _copies if k[0] == tier]:
-            del _copies[key]
-
-
-def take(tier: str, node: str, ws: Workspace, epoch: int, token: str) -> Copy:
-    """Copy ``ws`` into the node's own copy (digests not yet computed: see :func:`seal`)."""
-    own = _slot(tier, node, "own")
+def take(store: Copies, ws: Workspace, epoch: int, token: str) -> Copy:
+    """Copy ``ws`` into the store's node's own copy (digests not yet computed: see
+    :func:`seal`)."""
+    own = store.slot(store.node, "own")
     own.complete = own.sent = False
     names = ws.local_names()
     own.reshape({n: spec_of(ws[n]) for n in names})
@@ -141,17 +163,17 @@ def seal(copy: Copy) -> None:
     copy.complete = True
 
 
-async def send(copy: Copy, rpc: Any, key: str, tier: str, role: str) -> None:
+async def send(copy: Copy, rpc: Any, key: str, role: str) -> None:
     """Send a complete ``copy`` to the actor ``key`` that ``rpc`` reaches, as its ``role``
     copy, in pieces of at most :data:`PIECE_BYTES`."""
     specs = {name: spec_of(arr) for name, arr in copy.arrays.items()}
-    await _message(rpc, key, ("begin", tier, copy.node, role, copy.epoch, copy.token, specs))
+    await _message(rpc, key, ("begin", copy.node, role, copy.epoch, copy.token, specs))
     for name, arr in copy.arrays.items():
         data = flat(arr)
         for start in range(0, data.size, PIECE_BYTES):
             piece = data[start:start + PIECE_BYTES]
-            await _message(rpc, key, ("piece", tier, copy.node, role, name, start, piece))
-    await _message(rpc, key, ("end", tier, copy.node, role, copy.epoch, copy.digests))
+            await _message(rpc, key, ("piece", copy.node, role, name, start, piece))
+    await _message(rpc, key, ("end", copy.node, role, copy.epoch, copy.digests))
 
 
 async def _message(rpc: Any, key: str, message: tuple[Any, ...]) -> None:
@@ -163,36 +185,17 @@ async def _message(rpc: Any, key: str, message: tuple[Any, ...]) -> None:
                            f"{reply.get('exception')!r}")
 
 
-def receive(message: tuple[Any, ...]) -> None:
-    """Apply one message of :func:`send` to this process's copies."""
-    kind, tier, node, role, *rest = message
-    copy = _slot(tier, node, role)
-    if kind == "begin":
-        epoch, token, specs = rest
-        copy.complete, copy.epoch, copy.token, copy.digests = False, epoch, token, {}
-        copy.reshape(specs)
-    elif kind == "piece":
-        name, start, piece = rest
-        flat(copy.arrays[name])[start:start + piece.size] = piece
-    else:
-        epoch, digests = rest
-        if epoch != copy.epoch:
-            raise RuntimeError(f"memory-tier copy of node {node!r}: epoch {epoch} ended, "
-                               f"{copy.epoch} began")
-        copy.digests, copy.complete = digests, True
-
-
-def restore(tier: str, node: str, ws: Workspace, epoch: int, token: str, *,
+def restore(store: Copies, ws: Workspace, epoch: int, token: str, *,
             adopt: bool = False) -> None:
-    """Replace ``ws``'s blobs with the node's own copy of ``epoch`` (verified first: every
-    digest, the epoch and the run's token); blobs the copy does not have are dropped.
+    """Replace ``ws``'s blobs with the store's node's own copy of ``epoch`` (verified first:
+    every digest, the epoch and the run's token); blobs the copy does not have are dropped.
 
     A blob is copied into the array ``ws`` holds under its name when that array is writeable,
     of the same dtype, shape and order, and no other name's array is, or is a view of, the same
     memory (no other blob sees the copy land); into a new array otherwise. With ``adopt``, an empty ``ws`` (a
     node placed again) takes the copy's buffers themselves: the own copy is then gone (the next
     snapshot makes one), so the caller does that only while another worker holds a copy."""
-    own = _verified(tier, node, epoch, token)
+    own = _verified(store, epoch, token)
     if adopt and not ws.local_names():
         ws.restore(own.arrays)
         own.arrays, own.complete, own.epoch = {}, False, -1
@@ -222,12 +225,12 @@ def _into(target: np.ndarray | None, arr: np.ndarray, shared: set[int]) -> np.nd
     return arr.copy(order="K")
 
 
-def _verified(tier: str, node: str, epoch: int, token: str) -> Copy:
+def _verified(store: Copies, epoch: int, token: str) -> Copy:
     """The node's own copy, checked: complete, of ``epoch`` and run ``token``, every digest."""
-    own = _slot(tier, node, "own")
-    where = f"memory-tier copy of node {node!r}, epoch {epoch}"
+    own = store.slot(store.node, "own")
+    where = f"memory-tier copy of node {store.node!r}, epoch {epoch}"
     if not own.complete or own.epoch != epoch or own.token != token:
-        raise CheckpointCorruptedError(f"{where}: this worker holds epoch {own.epoch} "
+        raise CheckpointCorruptedError(f"{where}: its actor holds epoch {own.epoch} "
                                        f"(complete: {own.complete}) of run {own.token!r}")
     for name, arr in own.arrays.items():
         if digest(arr) != own.digests.get(name):

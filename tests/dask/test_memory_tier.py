@@ -7,6 +7,7 @@ the run as before. The pure choices (buddies, the epoch chosen) are tested witho
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ from caffe2ckpt.fs.location import Location
 from caffe2ckpt.policy import StepManagerOptions
 from caffe2ckpt.store.commit.protocol import CheckpointStore
 from tests.stores import load
-from tests.tierjobs import EPOCHS, NODES, dict_of, job, markers, reference, same
+from tests.tierjobs import EPOCHS, NODES, Recoveries, dict_of, job, markers, reference, same
 
 distributed = pytest.importorskip("distributed")
 from caffe2ckpt.dask import DaskSession
@@ -37,27 +38,24 @@ def client(cluster):
         yield c
 
 
-def _copies_of(tier_id: str) -> list:
+def _copies_here() -> int:
+    """How many memory-tier copies the actors alive in this worker process keep."""
+    import gc
+
     from caffe2ckpt.dask import tier
 
-    return tier.copies(tier_id)
+    gc.collect()
+    return sum(len(store.listing()) for store in tier.alive())
 
 
-class Heard:
-    """The payloads of the ``caffe2ckpt.run.recovered`` events published."""
-
-    def __init__(self) -> None:
-        self.payloads: list[dict] = []
-
-    def active(self) -> bool:
-        return True
-
-    def __call__(self, event) -> None:
-        if event.name == events.RUN_RECOVERED:
-            self.payloads.append(dict(event.payload))
-
-    def flush(self) -> None:
-        pass
+def _copies_left(client) -> int:
+    """The copies left on the cluster's workers, once their actors had a few seconds to go."""
+    for _ in range(50):
+        left = sum(client.run(_copies_here).values())
+        if not left:
+            return 0
+        time.sleep(0.1)
+    return left
 
 
 @pytest.mark.slow
@@ -66,7 +64,7 @@ def test_a_worker_killed_mid_epoch_costs_that_epoch_not_the_run(tmp_path, client
     expected, ref = reference(tmp_path)
     url, die = str(tmp_path / "ckpt"), markers(tmp_path, "trainer_1")
     options = StepManagerOptions(save_interval_steps=interval)
-    heard = Heard()
+    heard = Recoveries()
     unsubscribe = events.subscribe(heard)
     try:
         with DaskSession(client, memory_tier=True) as session:
@@ -76,12 +74,11 @@ def test_a_worker_killed_mid_epoch_costs_that_epoch_not_the_run(tmp_path, client
             for node in NODES:
                 assert same(dict_of(session, node), expected[node]), node
             assert runner.failed_saves == []
-            tier_id = session.memory_tier.id
-            assert any(client.run(_copies_of, tier_id).values())
+            assert sum(client.run(_copies_here).values()) >= 6  # own and held, per node
     finally:
         unsubscribe()
-    assert not any(client.run(_copies_of, tier_id).values())  # close() dropped every copy
-    (recovered,) = heard.payloads
+    assert _copies_left(client) == 0  # the copies went with the actors
+    (recovered,) = heard.seen
     assert recovered.pop("seconds") < 30
     assert recovered == {"job": "tiered", "epoch": 2, "source": "memory", "stored": 2,
                          "lost": ["trainer_1"], "failed_epoch": 3}
@@ -114,6 +111,18 @@ def test_a_worker_killed_in_a_save_costs_that_epoch_and_its_save_is_made_again(
     store = CheckpointStore(Location(url))
     for node in NODES:
         assert same(load(store, node, 3), load(ref, node, 3)), node
+
+
+@pytest.mark.slow
+def test_a_flow_process_that_dies_leaves_no_copy_on_the_workers(cluster, client):
+    """The session's client goes away without closing the session (its process died): the
+    scheduler releases its actors, and their copies go with them."""
+    gone = distributed.Client(cluster.scheduler_address)
+    session = DaskSession(gone, memory_tier=True)
+    JobRunner(job()).train(session)
+    assert sum(client.run(_copies_here).values()) >= 6
+    gone.close()  # no session.close()
+    assert _copies_left(client) == 0
 
 
 @pytest.mark.slow
@@ -190,58 +199,55 @@ def _workspace():
                       "u": np.array(["x", "yz"]), "e": np.zeros((0, 3), np.int16)})
 
 
-def _sent(copy, tier_id: str, role: str) -> None:
-    """What :func:`tier.send` sends, applied with :func:`tier.receive` in this process."""
+def _sent(copy, store, role: str) -> None:
+    """What :func:`tier.send` sends, received by ``store``."""
     from caffe2ckpt.dask import tier
 
     specs = {name: tier.spec_of(arr) for name, arr in copy.arrays.items()}
-    tier.receive(("begin", tier_id, copy.node, role, copy.epoch, copy.token, specs))
+    store.receive(("begin", copy.node, role, copy.epoch, copy.token, specs))
     for name, arr in copy.arrays.items():
         data = tier.flat(arr)
         for start in range(0, data.size, 5):
-            tier.receive(("piece", tier_id, copy.node, role, name, start, data[start:start + 5]))
-    tier.receive(("end", tier_id, copy.node, role, copy.epoch, copy.digests))
+            store.receive(("piece", copy.node, role, name, start, data[start:start + 5]))
+    store.receive(("end", copy.node, role, copy.epoch, copy.digests))
 
 
 def test_a_copy_restores_every_blob_as_it_was_and_reuses_its_buffers():
     from caffe2ckpt.dask import tier
 
-    ws, tier_id = _workspace(), "t-roundtrip"
-    try:
-        own = tier.take(tier_id, "n", ws, 4, "run")
-        buffers = {name: id(arr) for name, arr in own.arrays.items()}
-        tier.seal(own)
-        assert tier.take(tier_id, "n", ws, 5, "run") is own and not own.complete
-        assert {name: id(arr) for name, arr in own.arrays.items()} == buffers  # reused
-        tier.seal(own)
-        before = {name: ws[name].copy(order="K") for name in ws}
-        ws["f"][0, 0], ws["new"] = -1.0, np.ones(2)
-        tier.restore(tier_id, "n", ws, 5, "run")
-        assert sorted(ws) == sorted(before)
-        assert same(dict(ws), before)
-        assert ws["f"] is not own.arrays["f"]  # training on never changes the copy
-    finally:
-        tier.drop(tier_id)
+    ws, store = _workspace(), tier.Copies("n")
+    own = tier.take(store, ws, 4, "run")
+    buffers = {name: id(arr) for name, arr in own.arrays.items()}
+    tier.seal(own)
+    assert tier.take(store, ws, 5, "run") is own and not own.complete
+    assert {name: id(arr) for name, arr in own.arrays.items()} == buffers  # reused
+    tier.seal(own)
+    before = {name: ws[name].copy(order="K") for name in ws}
+    ws["f"][0, 0], ws["new"] = -1.0, np.ones(2)
+    tier.restore(store, ws, 5, "run")
+    assert sorted(ws) == sorted(before)
+    assert same(dict(ws), before)
+    assert ws["f"] is not own.arrays["f"]  # training on never changes the copy
 
 
 def test_a_copy_sent_in_pieces_arrives_whole_and_restores():
     from caffe2ckpt.dask import tier
 
-    ws, tier_id = _workspace(), "t-pieces"
-    try:
-        own = tier.take(tier_id, "n", ws, 3, "run")
-        tier.seal(own)
-        _sent(own, tier_id, "held")
-        held = tier.held(tier_id, "n", "held", 3)
-        assert held.complete and held.digests == own.digests
-        tier.drop(tier_id)
-        _sent(held, tier_id, "own")  # as a recovery sends it to the node's new worker
-        restored = _workspace()
-        restored["f"][:] = 0
-        tier.restore(tier_id, "n", restored, 3, "run")
-        assert same(dict(restored), dict(ws))
-    finally:
-        tier.drop(tier_id)
+    ws, store, buddy = _workspace(), tier.Copies("n"), tier.Copies("m")
+    own = tier.take(store, ws, 3, "run")
+    tier.seal(own)
+    _sent(own, buddy, "held")
+    held = buddy.held("n", "held", 3)
+    assert held.complete and held.digests == own.digests
+    placed_again = tier.Copies("n")  # as a recovery sends it to the node's new actor
+    _sent(held, placed_again, "own")
+    restored = _workspace()
+    restored["f"][:] = 0
+    tier.restore(placed_again, restored, 3, "run")
+    assert same(dict(restored), dict(ws))
+    buddy.keep_held(set())  # no longer its buddy
+    with pytest.raises(Exception, match="has none"):
+        buddy.held("n", "held", 3)
 
 
 @pytest.mark.parametrize("damage", ["token", "epoch", "incomplete", "byte"])
@@ -249,26 +255,23 @@ def test_a_copy_that_is_not_this_runs_epoch_intact_is_refused_and_nothing_change
     from caffe2ckpt.dask import tier
     from caffe2ckpt.errors import CheckpointCorruptedError
 
-    ws, tier_id = _workspace(), "t-refused"
-    try:
-        own = tier.take(tier_id, "n", ws, 2, "run")
-        tier.seal(own)
-        token, epoch = "run", 2
-        if damage == "token":
-            token = "another run"
-        elif damage == "epoch":
-            epoch = 1
-        elif damage == "incomplete":
-            own.complete = False
-        else:
-            tier.flat(own.arrays["f"])[3] ^= 1
-        ws["f"][0, 0] = 7.0
-        kept = {name: ws[name].copy(order="K") for name in ws}
-        with pytest.raises(CheckpointCorruptedError, match=r"copy of node 'n', epoch \d"):
-            tier.restore(tier_id, "n", ws, epoch, token)
-        assert same(dict(ws), kept)
-    finally:
-        tier.drop(tier_id)
+    ws, store = _workspace(), tier.Copies("n")
+    own = tier.take(store, ws, 2, "run")
+    tier.seal(own)
+    token, epoch = "run", 2
+    if damage == "token":
+        token = "another run"
+    elif damage == "epoch":
+        epoch = 1
+    elif damage == "incomplete":
+        own.complete = False
+    else:
+        tier.flat(own.arrays["f"])[3] ^= 1
+    ws["f"][0, 0] = 7.0
+    kept = {name: ws[name].copy(order="K") for name in ws}
+    with pytest.raises(CheckpointCorruptedError, match=r"copy of node 'n', epoch \d"):
+        tier.restore(store, ws, epoch, token)
+    assert same(dict(ws), kept)
 
 
 def test_a_restore_never_writes_through_memory_two_blobs_share():
@@ -277,15 +280,13 @@ def test_a_restore_never_writes_through_memory_two_blobs_share():
     from caffe2ckpt import Workspace
     from caffe2ckpt.dask import tier
 
-    ws, tier_id = Workspace({"a": np.zeros(4), "b": np.ones(8), "c": np.arange(3.0),
-                             "d": np.arange(3.0) + 5, "e": np.full(2, 7.0)}), "t-alias"
-    try:
-        tier.seal(tier.take(tier_id, "n", ws, 1, "run"))
-        before = {name: ws[name].copy() for name in ws}
-        kept_e = ws["e"]
-        ws["a"], ws["c"] = ws["b"][:4], ws["d"]
-        tier.restore(tier_id, "n", ws, 1, "run")
-        assert same(dict(ws), before)
-        assert ws["e"] is kept_e  # nothing shares it: restored in place
-    finally:
-        tier.drop(tier_id)
+    ws = Workspace({"a": np.zeros(4), "b": np.ones(8), "c": np.arange(3.0),
+                    "d": np.arange(3.0) + 5, "e": np.full(2, 7.0)})
+    store = tier.Copies("n")
+    tier.seal(tier.take(store, ws, 1, "run"))
+    before = {name: ws[name].copy() for name in ws}
+    kept_e = ws["e"]
+    ws["a"], ws["c"] = ws["b"][:4], ws["d"]
+    tier.restore(store, ws, 1, "run")
+    assert same(dict(ws), before)
+    assert ws["e"] is kept_e  # nothing shares it: restored in place
