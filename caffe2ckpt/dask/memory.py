@@ -133,7 +133,7 @@ class MemoryTier:
     def _protect(self, epoch: int, homes: Mapping[str, str],
                  away: Mapping[str, set[str]]) -> None:
         """Start sending each node without a copy of ``epoch`` on another worker (``away``)
-        its own copy's to its buddy, in the background."""
+        its own copy to its buddy, in the background."""
         session = self._session
         pairs = buddies(homes, session.hosts())
         needy = [n for n in homes if not away[n] and pairs[n] is not None]
