@@ -13,7 +13,8 @@ order). A worker that dies takes its nodes' workspaces with it: the group run fa
 node (:class:`~caffe2ckpt.errors.NodeLostError`, also when other nodes of the group failed
 otherwise); every later call to that node fails at once. The job resumes from its newest
 committed epoch in a new session (a Prefect retry makes one), or, with ``memory_tier=True``,
-goes back in the same run to an epoch copied in worker memory (:mod:`caffe2ckpt.dask.memory`). Every call ends (see
+goes back in the same run to an epoch copied in worker memory
+(:mod:`caffe2ckpt.dask.memory`). Every call ends (see
 :class:`DaskSession` for the bounds). Task functions of modules that no process can import by
 name (a deployed flow file and the modules beside it) travel by value
 (:mod:`caffe2ckpt.dask.scripts`).
@@ -452,7 +453,7 @@ class DaskSession:
     def close(self) -> None:
         """Drop every node's actor (its workspace and memory-tier copies go with it); close the
         client if this session made it."""
-        if self.memory_tier is not None and not self.closed:
+        if self.memory_tier is not None and not self.closed and self._client.status == "running":
             self.memory_tier.settle(give_up=True)  # no copy still on its way to a dropped actor
         with self._lock:
             self.closed = True
