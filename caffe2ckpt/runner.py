@@ -237,11 +237,20 @@ class JobRunner:
 
     def _snapshot(self, session: Session, epoch: int, token: str) -> None:
         """Copy every node's workspace as of ``epoch`` to worker memory, if the session has a
-        memory tier."""
+        memory tier. Only a lost node is raised: any other failure leaves the tier's newest
+        complete epoch an older one (a WARNING says so), and the job goes on."""
         tier = memory_tier(session)
-        if tier is not None:
+        if tier is None:
+            return
+        try:
             took = tier.snapshot(epoch, token)
-            logger.debug("epoch %d copied to worker memory in %.3f s", epoch, took)
+        except NodeLostError:
+            raise  # the run goes back (_recover)
+        except Exception as exc:  # noqa: BLE001 - a copy never fails the epoch it follows
+            logger.warning("epoch %d was not copied to worker memory (%s: %s): a loss goes back "
+                           "to an older copy or to storage", epoch, type(exc).__name__, exc)
+            return
+        logger.debug("epoch %d copied to worker memory in %.3f s", epoch, took)
 
     def _recover(self, session: Session, epoch: int, token: str, lost: NodeLostError) -> int:
         """A node was lost during ``epoch``: put every node back to the newest epoch that

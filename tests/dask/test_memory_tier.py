@@ -126,6 +126,27 @@ def test_a_flow_process_that_dies_leaves_no_copy_on_the_workers(cluster, client)
 
 
 @pytest.mark.slow
+def test_a_copy_that_fails_never_fails_the_epoch_it_follows(tmp_path, client, caplog,
+                                                            monkeypatch):
+    """Epoch 2's copy fails (not a loss): a WARNING, and training goes on with its checkpoints."""
+    from caffe2ckpt.dask.memory import MemoryTier
+
+    snapshot = MemoryTier.snapshot
+
+    def failing(self, epoch, token):
+        if epoch == 2:
+            raise RuntimeError("injected: out of memory on a worker")
+        return snapshot(self, epoch, token)
+
+    monkeypatch.setattr(MemoryTier, "snapshot", failing)
+    with DaskSession(client, memory_tier=True) as session:
+        runner = JobRunner(job(), MultiNodeCheckpointManager(str(tmp_path / "ckpt")))
+        assert runner.train(session) == EPOCHS
+    assert runner.saved_epochs == list(range(EPOCHS + 1))
+    assert "epoch 2 was not copied to worker memory (RuntimeError: injected" in caplog.text
+
+
+@pytest.mark.slow
 def test_without_the_tier_a_lost_worker_still_fails_the_run(tmp_path, client):
     die = markers(tmp_path, "trainer_1")
     with DaskSession(client) as session, pytest.raises(NodeLostError, match="trainer_1"):
