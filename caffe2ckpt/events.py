@@ -18,7 +18,10 @@ Names, each with its payload (every payload also has ``job`` when a job is known
 - ``caffe2ckpt.run.resumed``: ``epoch``, ``reason`` (``"resume"``: the newest epoch, which the
   Prefect publisher turns into ``"retry"`` or ``"re-run"`` from the flow run's attempt;
   ``"going back"``: an older epoch on request; ``"elastic"``: saved by another node count;
-  ``"fallback"``: the newer ones could not be loaded), ``saved_by`` and ``nodes`` (counts);
+  ``"fallback"``: the newer ones could not be loaded), ``saved_by`` and ``nodes`` (counts),
+  ``source`` (``"storage"``, or ``"memory"``: copies an earlier session of the job left in
+  Dask worker memory, ``DaskSession(memory_tier=True)``) and ``stored`` (the committed epoch
+  the resume continues; ``epoch`` itself for a resume from storage);
 - ``caffe2ckpt.run.recovered``: a running job lost nodes with their Dask worker and went back
   without a new run (``DaskSession(memory_tier=True)``): ``epoch`` (where every node went
   back to), ``source`` (``"memory"``: copies in worker memory; ``"storage"``: this run's

@@ -18,7 +18,6 @@ import functools
 import itertools
 import logging
 import time
-import uuid
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext, suppress
 from typing import Any, Literal
@@ -42,7 +41,16 @@ from caffe2ckpt.manager import BaseCheckpointManager, SaveOutcome, UploadTaskGro
 from caffe2ckpt.naming import check_node_name
 from caffe2ckpt.policy import StepManagerOptions, should_save
 from caffe2ckpt.preemption import PreemptionWatch
-from caffe2ckpt.session import RunEvent, Session, memory_tier, notify, run_epoch
+from caffe2ckpt.session import (
+    RunEvent,
+    Session,
+    memory_tier,
+    notify,
+    run_epoch,
+    tier_key,
+    tier_token,
+    token_generation,
+)
 from caffe2ckpt.units import writer_phrase
 
 __all__ = ["JobRunner"]
@@ -149,7 +157,8 @@ class JobRunner:
         if resume is None:
             epoch, finished = self._start_fresh(session), False
         else:
-            epoch, finished = self._start_resumed(session, resume)
+            epoch, finished = (self._start_from_memory(session, resume)
+                               or self._start_resumed(session, resume))
         epoch = self._loop(session, preemption, epoch, finished)
         self._stop_if_preempted(epoch, session, preemption)
         if self.upload_task_group_builder is not None:
@@ -161,7 +170,21 @@ class JobRunner:
             logger.warning("job %r finished at epoch %d; checkpoints of epochs %s were NOT saved",
                            job.name, epoch, self.failed_saves)
         self._notify(session, "finished", epoch)
+        self._drop_copies(session)
         return epoch
+
+    @staticmethod
+    def _drop_copies(session: Session) -> None:
+        """The job finished: no resume needs its memory-tier copies (a failure to drop them
+        leaves them for ``memory_tier_keep`` seconds, and never fails the job)."""
+        tier = memory_tier(session)
+        if tier is None:
+            return
+        try:
+            tier.drop()
+        except Exception as exc:  # noqa: BLE001 - the job has finished
+            logger.warning("the memory-tier copies were not dropped (%s: %s): they go when "
+                           "the session's memory_tier_keep ends", type(exc).__name__, exc)
 
     def _start_fresh(self, session: Session) -> int:
         """Run the init group and save epoch 0 (a fresh start); return 0."""
@@ -200,12 +223,79 @@ class JobRunner:
                         "epoch to run", self.job.name, epoch)
         return epoch, finished
 
+    def _start_from_memory(self, session: Session, stored: int) -> tuple[int, bool] | None:
+        """Resume from copies an earlier session of the job left in worker memory, when they
+        continue ``stored`` (the newest committed epoch, chosen automatically) and every node
+        has one of an epoch at or after it; then persist that epoch before training on.
+        Return (the epoch, whether the job had finished there), or None: resume from storage.
+        Only the same nodes in the same layout resume from memory."""
+        tier, cm = memory_tier(session), self.checkpoint_manager
+        if tier is None or cm is None or self.resume_from_epoch is not None:
+            return None
+        try:
+            if cm.placement(stored).reshards:
+                return None  # an elastic resume reads storage
+        except (CheckpointError, JobDefinitionError):
+            return None  # the resume from storage says what is wrong
+        nodes, url = self.job.nodes_to_checkpoint(), _url(cm)
+        token = self._continuing(cm, tier.adopt(tier_key(url), nodes), stored)
+        try:
+            back = None if token is None else tier.recover(token, at_least=stored)
+        except CheckpointCorruptedError as exc:  # a copy failed its checks: nothing is lost
+            logger.warning("cannot resume from worker memory (%s): resuming from storage", exc)
+            tier.replace_lost(clear=True)  # no node keeps what a copy restored
+            return None
+        if back is None:
+            return None
+        with cm.resuming():
+            session.run(cm.init(nodes, retrieve_from_epoch=stored))
+            save = cm.placement(stored).save
+            self._start_run(session, cm, parent=(stored, save.generation))
+        self.resumed_from = stored
+        met = [c.key for c in self.job.stop_conditions if _holds(session, c)]
+        finished = self._stopped[back] = bool(met)
+        detail = f"epoch {back} from worker memory; storage holds epoch {stored}"
+        logger.info("Resuming %s", detail)
+        self._notify(session, "resumed", back, records=save.records, detail=detail)
+        events.publish(events.RUN_RESUMED, _url(cm), lambda: {
+            **_resume_payload(cm, save, lambda: "resume"), "epoch": back, "source": "memory"},
+            job=self.job.name)
+        if back > stored:  # so that losing the whole cluster costs at most the save interval
+            self.save_checkpoints(back, session, stop=finished, stop_conditions=met,
+                                  metrics=self.job.fetch_metrics())
+            self._finish_background(session, cm)
+            if back not in self.saved_epochs:
+                logger.warning("epoch %d, resumed from worker memory, is not in storage (its "
+                               "save failed): losing the whole cluster now goes back to epoch "
+                               "%d", back, stored)
+        return back, finished
+
+    @staticmethod
+    def _continuing(cm: BaseCheckpointManager, tokens: dict[str, int],
+                    stored: int) -> str | None:
+        """Of the runs whose copies the nodes hold (``tokens``: token -> newest epoch), the one
+        whose copies continue the committed epoch ``stored`` (newer than it, or as new), if
+        any; why each other run's do not is logged."""
+        for token, newest in sorted(tokens.items(), key=lambda t: -t[1]):
+            generation = token_generation(token, _url(cm))
+            why = ("they are of no run of this prefix" if generation is None else
+                   f"their newest epoch, {newest}, is older" if newest < stored else
+                   cm.continues(generation, stored))
+            if why is None:
+                return token
+            logger.info("not resuming from the worker-memory copies of run %s: %s; storage "
+                        "holds epoch %d", generation, why, stored)
+        return None
+
     def _loop(self, session: Session, preemption: PreemptionWatch | None, epoch: int,
               finished: bool) -> int:
         """Run epochs after ``epoch`` until a stop condition holds (or a preemption stops the
         job); return the final epoch, its save finished (committed or failed)."""
         cm = self.checkpoint_manager
-        token = uuid.uuid4().hex  # this train() call's memory-tier copies: no other's
+        run = cm.current().run if cm is not None else None
+        # this train() call's memory-tier copies: no other's; a later session of the job takes
+        # them only if they continue its newest save (_start_from_memory)
+        token = tier_token(_url(cm), None if run is None else run.generation)
         try:
             if not finished:
                 self._snapshot(session, epoch, token)
@@ -598,6 +688,15 @@ class JobRunner:
         logger.warning("Unable to write checkpoint for epoch %d. Error=%s", epoch, exc)
 
 
+def _holds(session: Session, condition: Any) -> bool:
+    """Whether a stop condition's blob holds in its node's workspace as it is (False when the
+    workspace lacks it)."""
+    try:
+        return bool(np.any(session.workspace(condition.task.node)[condition.name]))
+    except KeyError:
+        return False
+
+
 def _recheck_failed(cm: BaseCheckpointManager, epoch: int, exc: Exception) -> SaveOutcome | None:
     """The outcome of ``epoch``'s save if, although it raised ``exc``, it is committed."""
     try:
@@ -614,7 +713,7 @@ def _recheck_failed(cm: BaseCheckpointManager, epoch: int, exc: Exception) -> Sa
 def _resume_payload(cm: BaseCheckpointManager, save: Any, reason: Callable[[], str]
                     ) -> dict[str, Any]:
     return {"epoch": save.epoch, "reason": reason(), "saved_by": len(save.nodes),
-            "nodes": len(cm.file_nodes())}
+            "nodes": len(cm.file_nodes()), "source": "storage", "stored": save.epoch}
 
 
 def _url(cm: BaseCheckpointManager | None) -> str:

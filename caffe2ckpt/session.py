@@ -14,9 +14,11 @@ are made, never sent back).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 import threading
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -28,7 +30,7 @@ from caffe2ckpt.workspace import Workspace, WorkspaceType
 
 __all__ = ["LocalSession", "RunEvent", "Session", "Step", "as_group", "deliver", "memory_tier",
            "node_steps", "notify", "run_epoch", "run_group", "run_node_tasks", "run_on",
-           "wait_all"]
+           "tier_key", "tier_token", "token_generation", "wait_all"]
 
 T = TypeVar("T")
 
@@ -90,6 +92,27 @@ def memory_tier(session: Session) -> Any:
     """The session's memory tier (``DaskSession(memory_tier=True)``, also inside a
     ``PrefectSession``), or None."""
     return getattr(session, "memory_tier", None)
+
+
+def tier_key(prefix: str) -> str:
+    """The key under which worker memory keeps copies taken for the checkpoint prefix
+    ``prefix`` (its canonical URL; '' without a checkpoint manager): a digest, so that no URL
+    (nor a password in one) reaches the workers."""
+    return hashlib.sha256(prefix.encode()).hexdigest()[:32] if prefix else "-"
+
+
+def tier_token(prefix: str, generation: int | None) -> str:
+    """A ``train()`` call's memory-tier token: its prefix's :func:`tier_key`, the generation of
+    its run on the prefix (none when unknown: its copies then continue nothing in a later
+    session) and a nonce of its own."""
+    return f"{tier_key(prefix)}/{'' if generation is None else generation}/{uuid.uuid4().hex}"
+
+
+def token_generation(token: str, prefix: str) -> int | None:
+    """The run generation in ``token`` if it was made for ``prefix`` and names one."""
+    key, _, rest = token.partition("/")
+    generation = rest.partition("/")[0]
+    return int(generation) if key == tier_key(prefix) and generation.isdigit() else None
 
 
 def run_epoch(session: Session, epoch: int, body: Callable[[], T]) -> T:

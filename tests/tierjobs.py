@@ -27,9 +27,14 @@ def _init(i: int):
     return init
 
 
-def _train(node: str, marker: str | None, die_at: int, buddied: bool):
+def _train(node: str, marker: str | None, die_at: int, buddied: bool, fail: str | None,
+           pace: float):
     def train(ws):
+        time.sleep(pace)
         step = int(ws["step"]) + 1
+        if fail and os.path.exists(fail) and step == die_at:
+            os.unlink(fail)
+            raise RuntimeError(f"injected: node {node!r} fails in epoch {step}")
         if marker and os.path.exists(marker) and step == die_at:
             if buddied:
                 _wait_until_buddied(node, step - 1)
@@ -56,17 +61,21 @@ def _wait_until_buddied(node: str, epoch: int) -> None:
     raise AssertionError(f"the copy of {node!r} at epoch {epoch} never reached its buddy")
 
 
-def job(die: Mapping[str, str] | None = None, die_at: int = 3, *, buddied: bool = True) -> Job:
+def job(die: Mapping[str, str] | None = None, die_at: int = 3, *, buddied: bool = True,
+        fail: str | None = None, pace: float = 0.0) -> Job:
     """Three nodes; ``die`` maps a node to a marker file: while it exists, the node's worker
     dies (once) in epoch ``die_at`` (``buddied``: once its copy of the epoch before is at its
-    buddy)."""
+    buddy). While the marker file ``fail`` exists, the first node's task raises in epoch
+    ``die_at`` instead (once): the run fails, its workers live. Each epoch's task first sleeps
+    ``pace`` seconds."""
     die = die or {}
     with Job(name="tiered") as j:
         for i, node in enumerate(NODES):
             with Node(node):
                 with j.init_group:
                     Task(_init(i), name="init")
-                Task(_train(node, die.get(node), die_at, buddied), name="train")
+                Task(_train(node, die.get(node), die_at, buddied, fail if i == 0 else None,
+                            pace), name="train")
         epoch_limiter(j, EPOCHS)
     return j
 
@@ -102,16 +111,17 @@ def same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
 
 class Recoveries:
     """An event subscriber (``caffe2ckpt.events.subscribe``) keeping the payloads of the
-    ``caffe2ckpt.run.recovered`` events."""
+    ``caffe2ckpt.run.recovered`` events (or those named ``name``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = "caffe2ckpt.run.recovered") -> None:
+        self.name = name
         self.seen: list[dict] = []
 
     def active(self) -> bool:
         return True
 
     def __call__(self, event) -> None:
-        if event.name == "caffe2ckpt.run.recovered":
+        if event.name == self.name:
             self.seen.append(dict(event.payload))
 
     def flush(self) -> None:

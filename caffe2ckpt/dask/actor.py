@@ -11,6 +11,7 @@ import concurrent.futures
 import logging
 import time
 import traceback
+import weakref
 from typing import Any
 
 import cloudpickle
@@ -31,13 +32,15 @@ logger = logging.getLogger(__name__)
 
 class NodeActor:
     """One node's workspace, held by a Dask actor on the worker the node was placed on;
-    ``io_threads`` sets the worker process's chunk I/O threads."""
+    ``io_threads`` sets the worker process's chunk I/O threads; its memory-tier copies stay
+    ``keep`` seconds after it goes (:class:`tier.Lease`)."""
 
-    def __init__(self, node: str, io_threads: int) -> None:
+    def __init__(self, node: str, io_threads: int, keep: float = 0.0) -> None:
         self.node = node
         self.ws = Workspace()
         set_io_threads(io_threads)
-        self.copies = tier.Copies(node)  # its memory-tier copies (DaskSession(memory_tier=True))
+        self.lease = tier.Lease(node, keep)  # its memory-tier copies (memory_tier=True)
+        weakref.finalize(self, self.lease.release).atexit = False
         self._sending: tuple[str, concurrent.futures.Future[None]] | None = None  # to, job
 
     def call(self, method: str, args: bytes) -> bytes:
@@ -95,6 +98,10 @@ class NodeActor:
 
     # -- the memory tier (caffe2ckpt.dask.tier) --------------------------------------------------
 
+    @property
+    def copies(self) -> tier.Copies:
+        return self.lease.copies
+
     def snapshot(self, epoch: int, token: str, buddy: tuple[str, str] | None,
                  buddied: set[str]) -> float:
         """Copy the workspace into the node's own memory-tier copy; then, in the background,
@@ -102,6 +109,7 @@ class NodeActor:
         actor keeps only the held copies of the ``buddied`` nodes. Returns the seconds the copy
         took (what the training path waits for)."""
         self._settle(())
+        self.lease.bind(token)
         self.copies.keep_held(buddied)
         start = time.perf_counter()
         own = tier.take(self.copies, self.ws, epoch, token)
@@ -148,6 +156,17 @@ class NodeActor:
         """Wait until this node's last copy reached its buddy or failed (a copy to a ``lost``
         worker is given up; with ``give_up``, any copy)."""
         self._settle(lost, give_up)
+
+    def tier_adopt(self, key: str) -> bool:
+        """Take over the copies this node's previous actor on this worker left for prefix
+        ``key`` (its session went without finishing the job); False if it left none."""
+        self._settle(())
+        return self.lease.adopt(key)
+
+    def tier_drop(self) -> None:
+        """Drop every copy this actor keeps (its job finished)."""
+        self._settle((), give_up=True)
+        self.lease.drop()
 
     def tier_copies(self) -> list[dict[str, Any]]:
         """The copies this actor holds."""

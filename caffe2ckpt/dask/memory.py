@@ -8,7 +8,12 @@ the live workers hold, chooses the newest epoch of which every node (the lost on
 complete copy of this run (:func:`choose`), places each lost node again on a live worker, sends
 it its copy, puts every node back to that epoch (each copy verified against its digests), and
 sends the own copy of each node whose other copy was on the lost worker to its buddy, so that
-the next loss is covered too. The worker side is
+the next loss is covered too.
+
+The copies of a session that went without finishing its job stay on the workers for a while
+(``DaskSession(memory_tier_keep=...)``): :meth:`MemoryTier.adopt` places the nodes of the next
+session of the job where their copies are and lets their actors take them over, and
+:meth:`MemoryTier.recover` then restores them as after a loss. The worker side is
 :mod:`caffe2ckpt.dask.tier`.
 """
 
@@ -21,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from caffe2ckpt.dask import tier
 from caffe2ckpt.errors import NodeLostError
 
 if TYPE_CHECKING:
@@ -140,6 +146,33 @@ class MemoryTier:
         _each(needy, lambda node: session._call(
             node, "tier_push", epoch, (homes[pairs[node]], session.key_of(pairs[node]))))
         self.epoch = epoch
+
+    def adopt(self, key: str, nodes: Iterable[str]) -> dict[str, int]:
+        """Place ``nodes`` (those not placed yet: each on the worker keeping its own copy, if
+        any) and let their actors take over the copies the job's earlier session left for the
+        prefix ``key``; return the runs whose complete copies the nodes' actors now hold, each
+        token with the newest epoch it has a copy of."""
+        session = self._session
+        left = session._client.run(tier.kept, key, on_error="ignore")
+        newest: dict[str, tuple[int, str]] = {}
+        for worker, entries in left.items():
+            for e in entries:
+                if e["role"] == "own" and e["complete"] and e["epoch"] > newest.get(
+                        e["node"], (-1, ""))[0]:
+                    newest[e["node"]] = (e["epoch"], worker)
+        session.prefer({node: worker for node, (_, worker) in newest.items()})
+        _each(list(nodes), lambda node: session._call(node, "tier_adopt", key))
+        tokens: dict[str, int] = {}
+        for entries in self._inventory()[2].values():
+            for e in entries:
+                if e["complete"]:
+                    tokens[e["token"]] = max(tokens.get(e["token"], -1), e["epoch"])
+        return tokens
+
+    def drop(self) -> None:
+        """Drop every copy the nodes' actors keep (the job finished)."""
+        _each(list(self._session.placed()), lambda node: self._session._call(node, "tier_drop"))
+        self.epoch = None
 
     def lost(self) -> list[str]:
         """The nodes lost with their workers (until :meth:`recover` places them again)."""

@@ -100,6 +100,12 @@ class DaskSession:
             another worker after each epoch (:attr:`memory_tier`), so that a ``JobRunner``
             goes back to it when a worker dies instead of failing the run. It costs about
             twice the workspaces in worker memory.
+        memory_tier_keep: seconds the memory-tier copies stay on the workers after this
+            session went without its job finishing (its flow process died, or the run failed
+            and the session closed), so that the job's next session on the same cluster (a
+            Prefect retry) resumes from them (:meth:`MemoryTier.adopt
+            <caffe2ckpt.dask.memory.MemoryTier.adopt>`); 0 drops them with the actors. A
+            job that finishes drops them at once.
 
     Every call to a node (a group run, a :class:`RemoteWorkspace` access, placing the node)
     answers, raises what the node raised, or fails with :class:`~caffe2ckpt.errors.NodeLostError`
@@ -139,10 +145,16 @@ class DaskSession:
 
     def __init__(self, client: Client | str, *, placement: Mapping[str, str] | None = None,
                  place_timeout: float = 60.0, io_threads: int | None = None,
-                 memory_tier: bool = False) -> None:
+                 memory_tier: bool = False, memory_tier_keep: float = 600.0) -> None:
+        if isinstance(memory_tier_keep, bool) or not (
+                isinstance(memory_tier_keep, int | float) and memory_tier_keep >= 0):
+            raise JobDefinitionError(f"memory_tier_keep must be a number of seconds, 0 or "
+                                     f"more, got {memory_tier_keep!r}")
         self._own_client = not isinstance(client, Client)
         self._client = Client(client) if self._own_client else client
         self._placement = dict(placement or {})
+        self._preferred: dict[str, str] = {}  # node -> a worker to place it on, if running
+        self._keep = float(memory_tier_keep) if memory_tier else 0.0
         self._place_timeout = place_timeout
         self._io_threads = None if io_threads is None else check_io_threads(io_threads)
         self._futures: dict[str, Any] = {}  # node -> its actor's future (its key names the actor)
@@ -180,6 +192,11 @@ class DaskSession:
         """``{address: host}`` of the running workers."""
         return self._running_workers()
 
+    def prefer(self, workers: Mapping[str, str]) -> None:
+        """Place each of these nodes, when it is placed, on the worker given for it if that
+        worker runs then (a ``placement`` given to the session comes first)."""
+        self._preferred.update(workers)
+
     def replace(self, node: str) -> None:
         """Place a lost node again, with an empty workspace, on a running worker."""
         with self._lock:
@@ -214,6 +231,8 @@ class DaskSession:
                                     f"cluster at {scheduler} has workers {list(workers)}",
                                     node=node)
             return wanted
+        if self._preferred.get(node) in workers:
+            return self._preferred[node]
         load = {w: 0 for w in workers}
         for w in self._workers.values():
             if w in load:
@@ -245,7 +264,7 @@ class DaskSession:
             logger.warning("node %r shares Dask worker %s with node(s) %s: their tasks run "
                            "one after another there (add workers for parallel nodes)", node,
                            worker, [n for n, w in self._workers.items() if w == worker])
-        future = self._client.submit(NodeActor, node, io_threads, actor=True,
+        future = self._client.submit(NodeActor, node, io_threads, self._keep, actor=True,
                                      workers=[worker], allow_other_workers=False, pure=False)
         try:
             self._started(future, worker)
@@ -451,10 +470,12 @@ class DaskSession:
         pass
 
     def close(self) -> None:
-        """Drop every node's actor (its workspace and memory-tier copies go with it); close the
-        client if this session made it."""
+        """Drop every node's actor (its workspace goes with it; its memory-tier copies stay
+        ``memory_tier_keep`` seconds unless the job finished); close the client if this
+        session made it."""
         if self.memory_tier is not None and not self.closed and self._client.status == "running":
-            self.memory_tier.settle(give_up=True)  # no copy still on its way to a dropped actor
+            # no copy still on its way to a dropped actor; kept copies are whole first
+            self.memory_tier.settle(give_up=self._keep <= 0)
         with self._lock:
             self.closed = True
             futures = list(self._futures.values())

@@ -11,6 +11,13 @@ own workspace. The copies belong to the actors (:class:`Copies`): they go when t
 A copy is marked incomplete while it is overwritten and complete once all of it arrived and its
 digests are known; a restore verifies every blob's digest and the run's token. Nothing here is
 written to storage or seen by the checkpoint store: a copy is never a committed checkpoint.
+
+An actor's copies outlive it for a while (:class:`Lease`): when its session's client goes away
+(the flow process died) or closes without the job finishing, they stay in the worker process,
+under the key of the checkpoint prefix they were taken for, for ``keep`` seconds, so that the
+next session of the job (a Prefect retry against the same cluster) resumes from them: a new
+actor of the same node on that worker takes them over (:meth:`Lease.adopt`). A job that
+finishes drops them at once (:meth:`Lease.drop`).
 """
 
 from __future__ import annotations
@@ -28,7 +35,8 @@ from distributed.protocol import to_serialize
 from caffe2ckpt.errors import CheckpointCorruptedError
 from caffe2ckpt.workspace import Workspace
 
-__all__ = ["PIECE_BYTES", "Copies", "Copy", "alive", "restore", "seal", "send", "take"]
+__all__ = ["PIECE_BYTES", "Copies", "Copy", "Lease", "alive", "kept", "restore", "seal", "send",
+           "take"]
 
 PIECE_BYTES = 32 * 1024 * 1024  # one message of a copy sent to another worker
 SEND_TIMEOUT = 120.0  # seconds one piece may take before the send is given up
@@ -82,8 +90,7 @@ def digest(arr: np.ndarray) -> str:
 
 class Copies:
     """The copies one node's actor keeps: its node's own copy, and the held copies of the
-    nodes it is the buddy of. They live as long as the actor: a session that closes, or whose
-    client went away with its process, leaves nothing behind on the workers."""
+    nodes it is the buddy of. They live as long as the actor's :class:`Lease` keeps them."""
 
     def __init__(self, node: str) -> None:
         self.node = node
@@ -137,6 +144,100 @@ class Copies:
 
 
 _alive: weakref.WeakSet[Copies] = weakref.WeakSet()  # every store of this process, for tests
+
+
+@dataclass
+class _Entry:
+    """A store of copies taken for a prefix: its actor's lease while the actor lives (None
+    once it went), and the timer that drops it then."""
+
+    copies: Copies
+    owner: Lease | None
+    timer: threading.Timer | None = None
+
+
+_kept: dict[tuple[str, str], _Entry] = {}  # (prefix key, node) -> the node's newest store
+_kept_lock = threading.Lock()
+
+
+def key_of(token: str) -> str:
+    """The prefix key a run's token starts with (see :func:`caffe2ckpt.session.tier_token`)."""
+    return token.split("/", 1)[0]
+
+
+class Lease:
+    """One node actor's hold on its copies (:attr:`copies`), and what becomes of them when the
+    actor goes: kept ``keep`` seconds under the prefix key of the run that took them, for a
+    new actor of the node to :meth:`adopt` (one per node and prefix in a worker process: the
+    newest)."""
+
+    def __init__(self, node: str, keep: float) -> None:
+        self.node, self.keep = node, keep
+        self.copies = Copies(node)
+        self.key: str | None = None  # the prefix the copies were taken for
+
+    def bind(self, token: str) -> None:
+        """The copies are now taken for ``token``'s prefix: they are the node's newest there
+        (what an earlier actor of the node kept for it goes)."""
+        self.key = key_of(token)
+        self._own(_Entry(self.copies, self))
+
+    def adopt(self, key: str) -> bool:
+        """Take over the node's newest copies kept here for prefix ``key`` by another actor
+        (gone, or of a session that went; its later release keeps nothing); False when there
+        are none."""
+        with _kept_lock:
+            entry = _kept.get((key, self.node))
+        if entry is None or entry.owner is self:
+            return False
+        self.copies, self.key = entry.copies, key
+        self._own(_Entry(entry.copies, self))
+        return True
+
+    def drop(self) -> None:
+        """Forget every copy (the job finished: no resume needs them)."""
+        with _kept_lock:
+            entry = _kept.get((self.key or "", self.node))
+            if entry is not None and entry.owner is self:
+                del _kept[(self.key or "", self.node)]
+        self.copies, self.key = Copies(self.node), None
+
+    def release(self) -> None:
+        """The actor went: its copies stay ``keep`` seconds if they are still the node's
+        newest for their prefix."""
+        where = (self.key or "", self.node)
+        with _kept_lock:
+            entry = _kept.get(where)
+            if entry is None or entry.owner is not self:
+                return
+            if self.keep <= 0:
+                del _kept[where]
+                return
+            entry.owner = None
+            entry.timer = threading.Timer(self.keep, _expire, (where, entry))
+            entry.timer.daemon = True
+            entry.timer.start()
+
+    def _own(self, entry: _Entry) -> None:
+        with _kept_lock:
+            old = _kept.get((self.key or "", self.node))
+            _kept[(self.key or "", self.node)] = entry
+        if old is not None and old.timer is not None:
+            old.timer.cancel()
+
+
+def _expire(where: tuple[str, str], entry: _Entry) -> None:
+    with _kept_lock:
+        if _kept.get(where) is entry:
+            del _kept[where]
+
+
+def kept(key: str) -> list[dict[str, Any]]:
+    """The copies this worker process keeps for prefix ``key``: one entry per copy, naming
+    the node whose actor keeps or kept it (``"store"``)."""
+    with _kept_lock:
+        stores = [(node, e.copies) for (k, node), e in _kept.items() if k == key]
+    return [{**entry, "store": node} for node, copies in stores for entry in copies.listing()]
 
 
 def alive() -> list[Copies]:

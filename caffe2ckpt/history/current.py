@@ -36,6 +36,7 @@ from collections.abc import Collection, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from caffe2ckpt.errors import CheckpointError
 from caffe2ckpt.history.cleanup import References, remove_saves
 from caffe2ckpt.history.lineage import History, Save
 from caffe2ckpt.history.retention import RetentionPlan, plan_retention
@@ -135,6 +136,30 @@ class CurrentRun:
         if parent is not None:
             self.store.write_hint(sorted(self.nodes), parent.epoch, parent.save_id,
                                   run=generation)
+
+    def continues(self, generation: int, save: Save) -> str | None:
+        """Why the work of run ``generation`` that no save holds (copies it left in worker
+        memory) does not continue ``save``, the lineage's newest save, or None when it does: no
+        run of any family has claimed the prefix since, and ``save`` is the run's own or the
+        one it started from (a run that went back to an older epoch continues that one, and
+        its work is not newer than ``save`` until it commits)."""
+        location = self.store.location
+        newer = runs.fenced_by(location, generation)
+        if isinstance(newer, runs.Run):
+            return f"run {newer.generation} took over after run {generation}"
+        if newer is not None:
+            return newer
+        if save.generation == generation:
+            return None
+        try:
+            run = runs.read_run(location, generation)
+        except CheckpointError as exc:
+            return f"run {generation} is not readable in the run log: {exc}"
+        if frozenset(run.nodes) != self.nodes or run.parent != (save.epoch, save.generation):
+            started = "a fresh start" if run.parent is None else f"epoch {run.parent[0]}"
+            return (f"run {generation} (nodes {list(run.nodes)}) started from {started}, not "
+                    f"from epoch {save.epoch} of nodes {sorted(self.nodes)}")
+        return None
 
     def end(self) -> None:
         """The run is over (a new one is about to choose where to resume): forget it and the

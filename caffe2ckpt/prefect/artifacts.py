@@ -214,6 +214,7 @@ class CheckpointArtifacts:
             this_run={"flow_run_id": flow_run.id, "flow_run_name": flow_run.name,
                       "run_count": flow_run.run_count},
             start=event.epoch, target=event.max_epochs, resumed=resumed, elastic=elastic,
+            memory=event.detail if event.kind == "resumed" else None,
             reason=attempt_reason(flow_run.id, flow_run.run_count),
             url=cm.url if cm is not None else None,
             file_node=cm.file_nodes()[0] if cm is not None else None)

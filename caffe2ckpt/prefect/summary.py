@@ -49,6 +49,7 @@ class Summary:
     resumed: tuple[int, Any] | None = None  # (epoch, writer of the save it resumed from)
     # an elastic resume: (nodes that saved the epoch resumed from, nodes of this run)
     elastic: tuple[int, int] | None = None
+    memory: str | None = None  # a resume from worker memory: what it took, what storage holds
     reason: str | None = None  # why this attempt runs (a retry), see attempt_reason
     url: str | None = None
     file_node: str | None = None
@@ -206,7 +207,9 @@ def summary_markdown(summary: Summary, rows: Mapping[int, dict[str, Any]], *,
     lines = [f"# Job {md_text(summary.job)}", ""]
     if summary.reason is not None:
         lines.append(f"- {summary.reason}")
-    if summary.resumed is not None:
+    if summary.memory is not None:
+        lines.append(f"- **Resumed** {md_text(summary.memory)}")
+    elif summary.resumed is not None:
         resumed, writer = summary.resumed
         elastic = "" if summary.elastic is None else (
             f", saved by {nodes_text(summary.elastic[0])}, on {nodes_text(summary.elastic[1])}")

@@ -6,6 +6,7 @@ the run as before. The pure choices (buddies, the epoch chosen) are tested witho
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
@@ -74,10 +75,9 @@ def test_a_worker_killed_mid_epoch_costs_that_epoch_not_the_run(tmp_path, client
             for node in NODES:
                 assert same(dict_of(session, node), expected[node]), node
             assert runner.failed_saves == []
-            assert sum(client.run(_copies_here).values()) >= 6  # own and held, per node
+            assert sum(client.run(_copies_here).values()) == 0  # the finished job dropped them
     finally:
         unsubscribe()
-    assert _copies_left(client) == 0  # the copies went with the actors
     (recovered,) = heard.seen
     assert recovered.pop("seconds") < 30
     assert recovered == {"job": "tiered", "epoch": 2, "source": "memory", "stored": 2,
@@ -113,16 +113,90 @@ def test_a_worker_killed_in_a_save_costs_that_epoch_and_its_save_is_made_again(
         assert same(load(store, node, 3), load(ref, node, 3)), node
 
 
+def _fail_in_epoch_5(cluster, client, tmp_path, url, *, close: bool, keep: float = 600.0):
+    """A run (saves every 3 epochs) that fails in epoch 5 with its workers alive; then its
+    session closes (``close``) or its client goes away without closing it (its flow process
+    died). Returns that run."""
+    fail = tmp_path / "fail"
+    fail.touch()
+    first = client if close else distributed.Client(cluster.scheduler_address)
+    session = DaskSession(first, memory_tier=True, memory_tier_keep=keep)
+    runner = JobRunner(job(fail=str(fail), die_at=5), MultiNodeCheckpointManager(url),
+                       options=StepManagerOptions(save_interval_steps=3))
+    with pytest.raises(RuntimeError, match="injected"):
+        runner.train(session)
+    assert runner.saved_epochs == [0, 3]
+    session.close() if close else first.close()
+    return runner
+
+
 @pytest.mark.slow
-def test_a_flow_process_that_dies_leaves_no_copy_on_the_workers(cluster, client):
-    """The session's client goes away without closing the session (its process died): the
-    scheduler releases its actors, and their copies go with them."""
-    gone = distributed.Client(cluster.scheduler_address)
-    session = DaskSession(gone, memory_tier=True)
-    JobRunner(job()).train(session)
+@pytest.mark.parametrize("close", [True, False], ids=["run-failed", "process-died"])
+def test_the_next_session_resumes_from_worker_memory_and_persists_that_epoch(
+        tmp_path, cluster, client, close, caplog):
+    """Epoch 4 is in worker memory, storage holds epoch 3: the job's next session (a Prefect
+    retry) resumes epoch 4 from memory, commits it before training on, and ends as an
+    uninterrupted run does."""
+    caplog.set_level(logging.INFO, logger="caffe2ckpt")
+    expected, ref = reference(tmp_path)
+    url = str(tmp_path / "ckpt")
+    _fail_in_epoch_5(cluster, client, tmp_path, url, close=close)
+    heard = Recoveries(events.RUN_RESUMED)
+    unsubscribe = events.subscribe(heard)
+    try:
+        with DaskSession(client, memory_tier=True) as session:
+            runner = JobRunner(job(), MultiNodeCheckpointManager(url),
+                               options=StepManagerOptions(save_interval_steps=3))
+            assert runner.train(session) == EPOCHS
+            for node in NODES:
+                assert same(dict_of(session, node), expected[node]), node
+    finally:
+        unsubscribe()
+    assert "Resuming epoch 4 from worker memory; storage holds epoch 3" in caplog.text
+    assert runner.saved_epochs == [4, 6] and runner.resumed_from == 3
+    (resumed,) = heard.seen
+    assert (resumed["epoch"], resumed["source"], resumed["stored"]) == (4, "memory", 3)
+    store = CheckpointStore(Location(url))
+    for epoch in (4, 6):
+        for node in NODES:
+            assert same(load(store, node, epoch), load(ref, node, epoch)), (node, epoch)
+    assert _copies_left(client) == 0  # the job finished: its copies went
+
+
+@pytest.mark.slow
+def test_copies_are_kept_for_memory_tier_keep_seconds_then_storage_is_used(
+        tmp_path, cluster, client):
+    url = str(tmp_path / "ckpt")
+    _fail_in_epoch_5(cluster, client, tmp_path, url, close=False, keep=1.0)
     assert sum(client.run(_copies_here).values()) >= 6
-    gone.close()  # no session.close()
+    time.sleep(1.5)
     assert _copies_left(client) == 0
+    with DaskSession(client, memory_tier=True) as session:
+        runner = JobRunner(job(), MultiNodeCheckpointManager(url),
+                           options=StepManagerOptions(save_interval_steps=3))
+        assert runner.train(session) == EPOCHS
+    assert runner.resumed_from == 3 and runner.saved_epochs == [6]
+
+
+@pytest.mark.slow
+def test_copies_of_a_run_another_run_overtook_are_never_resumed(tmp_path, cluster, client,
+                                                                caplog):
+    """After the failed run (run 1, epoch 4 in memory, 3 in storage), run 2 went back to epoch
+    0, committed epochs 1 and 2 and failed in epoch 3: run 1's copies are no longer the
+    prefix's history, although newer, and the next session resumes epoch 2 from storage."""
+    caplog.set_level(logging.INFO, logger="caffe2ckpt")
+    url = str(tmp_path / "ckpt")
+    _fail_in_epoch_5(cluster, client, tmp_path, url, close=True)
+    fail = tmp_path / "fail-again"
+    fail.touch()
+    with DaskSession(client) as plain, pytest.raises(RuntimeError, match="injected"):
+        JobRunner(job(fail=str(fail), die_at=3), MultiNodeCheckpointManager(url),
+                  resume_from_epoch=0).train(plain)
+    with DaskSession(client, memory_tier=True) as session:
+        runner = JobRunner(job(), MultiNodeCheckpointManager(url))
+        assert runner.train(session) == EPOCHS
+    assert runner.resumed_from == 2 and runner.saved_epochs == [3, 4, 5, 6]
+    assert "not resuming from the worker-memory copies of run 1: run 2 took over" in caplog.text
 
 
 @pytest.mark.slow
@@ -311,3 +385,12 @@ def test_a_restore_never_writes_through_memory_two_blobs_share():
     tier.restore(store, ws, 1, "run")
     assert same(dict(ws), before)
     assert ws["e"] is kept_e  # nothing shares it: restored in place
+
+
+@pytest.mark.parametrize("keep", [-1, float("nan"), "600", True])
+def test_a_keep_that_is_not_seconds_is_refused_before_connecting(keep):
+    from caffe2ckpt.errors import JobDefinitionError
+
+    with pytest.raises(JobDefinitionError, match=r"memory_tier_keep must be a number of "
+                                                 r"seconds, 0 or more, got"):
+        DaskSession("tcp://127.0.0.1:1", memory_tier=True, memory_tier_keep=keep)

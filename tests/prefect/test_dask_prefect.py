@@ -237,3 +237,38 @@ def test_with_a_memory_tier_a_killed_worker_costs_an_epoch_not_an_attempt(tmp_pa
     assert re.search(r"\*\*Recovered\*\*: node\(s\) [a-z_0-9, ]*trainer_1[a-z_0-9, ]* lost with "
                      r"their Dask worker in epoch 3: recovered epoch 2 from worker memory "
                      r"\(storage holds epoch 2\)", summary.data), summary.data
+
+
+def test_with_a_memory_tier_the_retry_of_a_failed_attempt_resumes_from_worker_memory(
+        tmp_path, dask_client, client):
+    """Attempt 1 fails in epoch 5 (saves every 3 epochs: storage holds epoch 3, worker memory
+    epoch 4); Prefect's retry, against the same cluster, resumes epoch 4 from worker memory,
+    commits it before training on, and ends as an uninterrupted run; its summary says so."""
+    from caffe2ckpt.policy import StepManagerOptions
+    from tests.tierjobs import EPOCHS, dict_of, job, reference, same
+
+    expected, _ = reference(tmp_path)
+    fail = tmp_path / "fail-once"
+    fail.touch()
+    saved: list[list[int]] = []
+
+    @flow(name="dask-memory-resume", retries=1, retry_delay_seconds=0)
+    def resumed() -> tuple[str, list[dict]]:
+        with DaskSession(dask_client, memory_tier=True) as nodes:
+            runner = JobRunner(job(fail=str(fail), die_at=5),
+                               MultiNodeCheckpointManager(str(tmp_path / "c")),
+                               options=StepManagerOptions(save_interval_steps=3))
+            try:
+                assert runner.train(PrefectSession(nodes=nodes)) == EPOCHS
+            finally:
+                saved.append(runner.saved_epochs)
+            return str(flow_run.id), [dict_of(nodes, n) for n in expected]
+
+    run_id, final = resumed()
+    assert saved == [[0, 3], [4, 6]]
+    for got, node in zip(final, expected, strict=True):
+        assert same(got, expected[node]), node
+    summaries = [a for a in client.read_artifacts() if a.key and a.key.startswith("tiered")
+                 and "summary" in a.key and str(a.flow_run_id) == run_id]
+    assert any("- **Resumed** epoch 4 from worker memory; storage holds epoch 3" in a.data
+               for a in summaries), [a.data for a in summaries]
