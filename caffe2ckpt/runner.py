@@ -689,10 +689,14 @@ class JobRunner:
 
 
 def _holds(session: Session, condition: Any) -> bool:
-    """Whether a stop condition's blob holds in its node's workspace as it is (False when the
-    workspace lacks it)."""
+    """Whether a stop condition holds on its node's workspace as it is: checked again where
+    the condition can be (an epoch limit: the job's limit now, not the one its blob was
+    computed with), else its blob's value; False when the workspace lacks what it reads."""
     try:
-        return bool(np.any(session.workspace(condition.task.node)[condition.name]))
+        ws = session.workspace(condition.task.node)
+        if condition.still_stopped is not None:
+            return bool(condition.still_stopped(ws))
+        return bool(np.any(ws[condition.name]))
     except KeyError:
         return False
 

@@ -108,11 +108,13 @@ def tier_token(prefix: str, generation: int | None) -> str:
     return f"{tier_key(prefix)}/{'' if generation is None else generation}/{uuid.uuid4().hex}"
 
 
-def token_generation(token: str, prefix: str) -> int | None:
-    """The run generation in ``token`` if it was made for ``prefix`` and names one."""
+def token_generation(token: str, prefix: str | None = None) -> int | None:
+    """The run generation in ``token`` if it names one (and was made for ``prefix``, if
+    given)."""
     key, _, rest = token.partition("/")
     generation = rest.partition("/")[0]
-    return int(generation) if key == tier_key(prefix) and generation.isdigit() else None
+    mine = prefix is None or key == tier_key(prefix)
+    return int(generation) if mine and generation.isdigit() else None
 
 
 def run_epoch(session: Session, epoch: int, body: Callable[[], T]) -> T:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from caffe2ckpt.dask import tier
 from caffe2ckpt.errors import NodeLostError
+from caffe2ckpt.session import token_generation
 
 if TYPE_CHECKING:
     from caffe2ckpt.dask.session import DaskSession
@@ -116,8 +117,9 @@ class MemoryTier:
         lost, workers, held = self._inventory()
         chosen = choose(list(workers) + lost, held, token, workers, at_least)
         if chosen is None:
-            logger.warning("the memory tier has no epoch that every node has a copy of (lost: "
-                           "%s): the job resumes from storage", lost)
+            logger.warning("worker memory has no epoch from %d on of which every node has a "
+                           "complete copy%s: storage is used", at_least,
+                           f" (lost: {', '.join(lost)})" if lost else "")
             return None
         epoch, sources = chosen
         self.replace_lost()
@@ -148,18 +150,19 @@ class MemoryTier:
         self.epoch = epoch
 
     def adopt(self, key: str, nodes: Iterable[str]) -> dict[str, int]:
-        """Place ``nodes`` (those not placed yet: each on the worker keeping its own copy, if
-        any) and let their actors take over the copies the job's earlier session left for the
+        """Place ``nodes`` (those not placed yet: each on the worker keeping its own copy of
+        the newest run, if any) and let their actors take over the copies the job's earlier session left for the
         prefix ``key``; return the runs whose complete copies the nodes' actors now hold, each
         token with the newest epoch it has a copy of."""
         session = self._session
         left = session._client.run(tier.kept, key, on_error="ignore")
-        newest: dict[str, tuple[int, str]] = {}
+        newest: dict[str, tuple[tuple[int, int], str]] = {}  # node -> (run, epoch), worker
         for worker, entries in left.items():
             for e in entries:
-                if e["role"] == "own" and e["complete"] and e["epoch"] > newest.get(
-                        e["node"], (-1, ""))[0]:
-                    newest[e["node"]] = (e["epoch"], worker)
+                order = (token_generation(e["token"]) or -1, e["epoch"])
+                if e["role"] == "own" and e["complete"] and order > newest.get(
+                        e["node"], ((-2, -1), ""))[0]:
+                    newest[e["node"]] = (order, worker)
         session.prefer({node: worker for node, (_, worker) in newest.items()})
         _each(list(nodes), lambda node: session._call(node, "tier_adopt", key))
         tokens: dict[str, int] = {}

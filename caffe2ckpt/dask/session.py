@@ -13,7 +13,8 @@ order). A worker that dies takes its nodes' workspaces with it: the group run fa
 node (:class:`~caffe2ckpt.errors.NodeLostError`, also when other nodes of the group failed
 otherwise); every later call to that node fails at once. The job resumes from its newest
 committed epoch in a new session (a Prefect retry makes one), or, with ``memory_tier=True``,
-goes back in the same run to an epoch copied in worker memory
+goes back in the same run to an epoch copied in worker memory, and a new session on the same
+cluster resumes from such copies when they are newer than storage
 (:mod:`caffe2ckpt.dask.memory`). Every call ends (see
 :class:`DaskSession` for the bounds). Task functions of modules that no process can import by
 name (a deployed flow file and the modules beside it) travel by value
