@@ -20,7 +20,14 @@ made on the node), checkpointed to SeaweedFS (``weed mini`` on loopback, as the 
    placed again, every node loading the epoch's save, then a new snapshot), alternating. Each
    recovery is checked bit-exact (xxh3 of every node's blob against the value before the kill).
    Prints the median seconds of each and their ratio (issue 58's target: memory >= 5x faster).
-3. **Storage bytes per epoch** over 10 epochs with saves every epoch and every 5th (what
+3. **Resume in a new session after the flow process died.** Repeatedly: a session whose own
+   client goes away without closing it (its process died) leaves its nodes' copies of the
+   newest epoch on the workers; a new session on the cluster puts every node back to that
+   epoch, from worker memory (``MemoryTier.adopt``, then ``recover``: each node placed where
+   its copy is, verified) or from SeaweedFS (every node loading the epoch's save),
+   alternating, each checked bit-exact. Prints the medians; a ``JobRunner`` that resumes from
+   memory then commits that epoch (a save of the same bytes, timed once).
+4. **Storage bytes per epoch** over 10 epochs with saves every epoch and every 5th (what
    ``StepManagerOptions(save_interval_steps=5)`` does): bytes the bucket holds at the end, per
    epoch.
 """
@@ -101,6 +108,65 @@ def kill_and_find(client, session, node: str, epoch_group) -> None:
             return
         time.sleep(0.05)
     raise RuntimeError(f"the loss of {node}'s worker was never noticed")
+
+
+def resume(cluster, client, server, nodes: list[str], args) -> None:
+    """Measurement 3 (see the module docstring)."""
+    from distributed import Client
+
+    from caffe2ckpt import MultiNodeCheckpointManager
+    from caffe2ckpt.dask import DaskSession
+    from caffe2ckpt.session import tier_key, tier_token
+
+    url = f"s3://tier/resume-{os.getpid()}"
+    key, token = tier_key(url), tier_token(url, 1)
+    init, epoch, check = groups(nodes, args.mib)
+    times: dict[str, list[float]] = {"memory": [], "storage": []}
+    for r in range(args.repeats * 2):
+        how = ("memory", "storage")[r % 2]
+        cm = MultiNodeCheckpointManager(url, storage_options=server.options())
+        gone = Client(cluster)
+        dead = DaskSession(gone, memory_tier=True)
+        dead.run(init)
+        dead.run(epoch)
+        dead.run(cm.init(nodes))
+        dead.run(cm.save(1))
+        dead.memory_tier.snapshot(1, token)
+        dead.memory_tier.settle()
+        before = digests(dead, check)
+        gone.close()  # the flow process died: its session is never closed
+        with DaskSession(client, memory_tier=True) as session:
+            start = time.perf_counter()
+            if how == "memory":
+                assert token in session.memory_tier.adopt(key, nodes)
+                assert session.memory_tier.recover(token) == 1
+            else:
+                session.run(cm.init(nodes, retrieve_from_epoch=1))
+                session.run(cm.load(1))
+            times[how].append(time.perf_counter() - start)
+            assert digests(session, check) == before, f"{how}: not bit-exact"
+            if r == 0:
+                start = time.perf_counter()
+                session.run(cm.save(2))
+                saved = time.perf_counter() - start
+            client.run(forget, key)  # the dead session's copies, adopted or not
+    mem, sto = (statistics.median(times[k]) for k in ("memory", "storage"))
+    print(f"\n3. resume in a new session after the flow process died, {args.repeats} each, "
+          f"alternating, bit-exact: from worker memory {mem:.2f} s, from SeaweedFS {sto:.2f} s "
+          f"(medians; memory {sto / mem:.1f}x faster); then committing that epoch, as a "
+          f"JobRunner does before training on: {saved:.2f} s")
+    print("   memory:", " ".join(f"{t:.2f}" for t in times["memory"]),
+          "| storage:", " ".join(f"{t:.2f}" for t in times["storage"]))
+
+
+def forget(key: str) -> None:
+    """On a worker: drop the copies kept for ``key`` (the actors holding some drop theirs
+    when their session closes)."""
+    from caffe2ckpt.dask import tier
+
+    with tier._kept_lock:
+        for where in [w for w in tier._kept if w[0] == key]:
+            del tier._kept[where]
 
 
 def main() -> int:
@@ -197,8 +263,9 @@ def main() -> int:
                   f"memory {sto / mem:.1f}x faster)")
             print("   memory:", " ".join(f"{t:.2f}" for t in times["memory"]),
                   "| storage:", " ".join(f"{t:.2f}" for t in times["storage"]))
+        resume(cluster, client, server, nodes, args)
         span = 10  # epochs: saves every 5th are 2 of them
-        print(f"\n3. storage bytes per epoch over {span} epochs:")
+        print(f"\n4. storage bytes per epoch over {span} epochs:")
         for k in (1, 5):
             url = f"s3://tier/k{k}-{os.getpid()}"
             with DaskSession(client) as session:
