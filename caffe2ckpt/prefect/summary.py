@@ -142,8 +142,10 @@ def _handovers(rows: Mapping[int, dict[str, Any]],
              if _who(old) != _who(new)}
     if summary is not None and summary.resumed is not None:
         epoch, old = summary.resumed
-        if _who(old) != _who(summary.this_run):
-            found.setdefault((epoch, _who(summary.this_run)), (_who(old), summary.this_run))
+        me = _who(summary.this_run)
+        if _who(old) != me:  # this attempt took over where it resumed (from worker memory,
+            found = {k: v for k, v in found.items() if k[1] != me}  # after the epoch saved)
+            found.setdefault((epoch, me), (_who(old), summary.this_run))
     return found
 
 

@@ -271,6 +271,15 @@ def test_the_summary_marks_where_runs_resumed_and_attempts_failed():
     early = {e: row(_writer(1)) for e in range(6)}
     assert chart_markers(early, fresh) == [Marker(5, "resumed", "attempt 2 resumed"),
                                            Marker(6, "failed", "attempt 1 failed")]
+    # attempt 2 resumed epoch 6 from worker memory (storage held 5) and committed it: one
+    # marker, where it resumed, not also where the epoch it committed first was saved from
+    memory = Summary(job="j", this_run=_writer(2), start=6, target=9, resumed=(6, _writer(1)),
+                     memory="epoch 6 from worker memory; storage holds epoch 5")
+    mem_rows = {e: row(_writer(1)) for e in (0, 5)} | {e: row(_writer(2)) for e in (6, 7)}
+    assert chart_markers(mem_rows, memory) == [Marker(6, "resumed", "attempt 2 resumed"),
+                                               Marker(7, "failed", "attempt 1 failed")]
+    assert "- **Resumed** epoch 6 from worker memory; storage holds epoch 5\n" in \
+        summary_markdown(memory, mem_rows, epoch=7, final=False)
     # a fresh start, one attempt: no markers
     assert chart_markers(early, Summary(job="j", this_run=_writer(1), start=0, target=9)) == []
     # the summary's chart carries them
