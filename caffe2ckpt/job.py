@@ -101,13 +101,14 @@ class TaskOutput:
         """A stable identifier: ``"<node>:<blob>"``."""
         return f"{self.task.node}:{self.name}"
 
-    def fetch(self) -> np.ndarray:
-        """Return the blob's current value (a numpy array, 0-d for scalars).
+    def fetch(self, session: Any = None) -> np.ndarray:
+        """Return the blob's current value (a numpy array, 0-d for scalars) in ``session``'s
+        workspace of the node (default: the session that last ran the task).
 
         Raises:
-            JobDefinitionError: the task has never been run by a session.
+            JobDefinitionError: no session given and the task has never been run by one.
         """
-        session = self.task.last_session
+        session = session if session is not None else self.task.last_session
         if session is None:
             raise JobDefinitionError(
                 f"output {self.name!r} of task {self.task.name!r} was fetched before the task ran"
@@ -329,15 +330,16 @@ class Job(_Stacked):
         self.metrics[name] = output
         return output
 
-    def fetch_metrics(self) -> dict[str, float]:
-        """The current value of every metric.
+    def fetch_metrics(self, session: Any = None) -> dict[str, float]:
+        """The current value of every metric (in ``session``'s workspaces, given one: a resume
+        from worker memory reads them before any task ran).
 
         Raises:
             JobDefinitionError: a metric is not a single number.
         """
         values = {}
         for name, output in self.metrics.items():
-            value = np.asarray(output.fetch())
+            value = np.asarray(output.fetch(session))
             if value.size != 1 or value.dtype.kind not in "biuf":
                 raise JobDefinitionError(f"metric {name!r} ({output.key}) must be one real "
                                          f"number, got {value.dtype} of shape {value.shape}")

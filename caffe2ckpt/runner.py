@@ -49,7 +49,7 @@ from caffe2ckpt.session import (
     run_epoch,
     tier_key,
     tier_token,
-    token_generation,
+    token_run,
 )
 from caffe2ckpt.units import writer_phrase
 
@@ -170,15 +170,16 @@ class JobRunner:
             logger.warning("job %r finished at epoch %d; checkpoints of epochs %s were NOT saved",
                            job.name, epoch, self.failed_saves)
         self._notify(session, "finished", epoch)
-        self._drop_copies(session)
+        self._drop_copies(session, epoch)
         return epoch
 
-    @staticmethod
-    def _drop_copies(session: Session) -> None:
-        """The job finished: no resume needs its memory-tier copies (a failure to drop them
-        leaves them for ``memory_tier_keep`` seconds, and never fails the job)."""
+    def _drop_copies(self, session: Session, epoch: int) -> None:
+        """The job finished at ``epoch``: once that is committed, no resume needs its
+        memory-tier copies (a failure to drop them leaves them for ``memory_tier_keep``
+        seconds, and never fails the job)."""
         tier = memory_tier(session)
-        if tier is None:
+        if tier is None or (self.checkpoint_manager is not None
+                            and not self._committed_epoch(epoch)):
             return
         try:
             tier.drop()
@@ -232,24 +233,11 @@ class JobRunner:
         tier, cm = memory_tier(session), self.checkpoint_manager
         if tier is None or cm is None or self.resume_from_epoch is not None:
             return None
-        try:
-            if cm.placement(stored).reshards:
-                return None  # an elastic resume reads storage
-        except (CheckpointError, JobDefinitionError):
-            return None  # the resume from storage says what is wrong
-        nodes, url = self.job.nodes_to_checkpoint(), _url(cm)
-        token = self._continuing(cm, tier.adopt(tier_key(url), nodes), stored)
-        try:
-            back = None if token is None else tier.recover(token, at_least=stored)
-        except CheckpointCorruptedError as exc:  # a copy failed its checks: nothing is lost
-            logger.warning("cannot resume from worker memory (%s): resuming from storage", exc)
-            tier.replace_lost(clear=True)  # no node keeps what a copy restored
-            return None
-        if back is None:
-            return None
-        with cm.resuming():
-            session.run(cm.init(nodes, retrieve_from_epoch=stored))
-            save = cm.placement(stored).save
+        with cm.resuming():  # what is checked, restored and continued: one reading
+            restored = self._restore_from_memory(session, tier, cm, stored)
+            if restored is None:
+                return None
+            back, save = restored
             self._start_run(session, cm, parent=(stored, save.generation))
         self.resumed_from = stored
         met = [c.key for c in self.job.stop_conditions if _holds(session, c)]
@@ -257,18 +245,50 @@ class JobRunner:
         detail = f"epoch {back} from worker memory; storage holds epoch {stored}"
         logger.info("Resuming %s", detail)
         self._notify(session, "resumed", back, records=save.records, detail=detail)
+        self._resend_committed(cm, save)
         events.publish(events.RUN_RESUMED, _url(cm), lambda: {
             **_resume_payload(cm, save, lambda: "resume"), "epoch": back, "source": "memory"},
             job=self.job.name)
         if back > stored:  # so that losing the whole cluster costs at most the save interval
-            self.save_checkpoints(back, session, stop=finished, stop_conditions=met,
-                                  metrics=self.job.fetch_metrics())
+            self._save_restored(session, back)
             self._finish_background(session, cm)
             if back not in self.saved_epochs:
                 logger.warning("epoch %d, resumed from worker memory, is not in storage (its "
                                "save failed): losing the whole cluster now goes back to epoch "
                                "%d", back, stored)
         return back, finished
+
+    def _restore_from_memory(self, session: Session, tier: Any, cm: BaseCheckpointManager,
+                             stored: int) -> tuple[int, Any] | None:
+        """Within a resume: put every node back to the newest epoch of copies that continue
+        the committed ``stored`` (see :meth:`_start_from_memory`) and initialise the manager
+        as a resume of ``stored`` would; return that epoch and ``stored``'s save, or None with
+        nothing restored (any failure on the way empties every workspace: storage is used)."""
+        try:
+            placement = cm.placement(stored)
+        except (CheckpointError, JobDefinitionError):
+            return None  # the resume from storage says what is wrong
+        if placement.reshards:
+            return None  # an elastic resume reads storage
+        nodes = self.job.nodes_to_checkpoint()
+        try:
+            token = self._continuing(cm, tier.adopt(tier_key(_url(cm)), nodes), stored)
+            back = None if token is None else tier.recover(token, at_least=stored)
+            if back is not None:
+                session.run(cm.init(nodes, retrieve_from_epoch=stored))
+        except Exception as exc:  # noqa: BLE001 - memory is a shortcut: storage is the way
+            logger.warning("cannot resume from worker memory (%s: %s): resuming from storage",
+                           type(exc).__name__, exc)
+            tier.replace_lost(clear=True)  # no node keeps what a copy restored
+            return None
+        return None if back is None else (back, placement.save)
+
+    def _save_restored(self, session: Session, epoch: int) -> None:
+        """Save ``epoch``, which the nodes were just put back to from worker memory (its stop
+        conditions and metrics read from their workspaces)."""
+        met = [c.key for c in self.job.stop_conditions if _holds(session, c)]
+        self.save_checkpoints(epoch, session, stop=bool(met), stop_conditions=met,
+                              metrics=self.job.fetch_metrics(session))
 
     @staticmethod
     def _continuing(cm: BaseCheckpointManager, tokens: dict[str, int],
@@ -277,14 +297,14 @@ class JobRunner:
         whose copies continue the committed epoch ``stored`` (newer than it, or as new), if
         any; why each other run's do not is logged."""
         for token, newest in sorted(tokens.items(), key=lambda t: -t[1]):
-            generation = token_generation(token, _url(cm))
-            why = ("they are of no run of this prefix" if generation is None else
+            run = token_run(token, _url(cm))
+            why = ("they are of no run of this prefix" if run is None else
                    f"their newest epoch, {newest}, is older" if newest < stored else
-                   cm.continues(generation, stored))
+                   cm.continues(run, stored))
             if why is None:
                 return token
             logger.info("not resuming from the worker-memory copies of run %s: %s; storage "
-                        "holds epoch %d", generation, why, stored)
+                        "holds epoch %d", None if run is None else run[0], why, stored)
         return None
 
     def _loop(self, session: Session, preemption: PreemptionWatch | None, epoch: int,
@@ -295,7 +315,7 @@ class JobRunner:
         run = cm.current().run if cm is not None else None
         # this train() call's memory-tier copies: no other's; a later session of the job takes
         # them only if they continue its newest save (_start_from_memory)
-        token = tier_token(_url(cm), None if run is None else run.generation)
+        token = tier_token(_url(cm), None if run is None else (run.generation, run.created))
         try:
             if not finished:
                 self._snapshot(session, epoch, token)
@@ -353,8 +373,8 @@ class JobRunner:
             raise lost
         started, nodes = time.monotonic(), tier.lost()
         if cm is not None and cm.pending_epoch is not None:
-            with suppress(NodeLostError):  # its save is made again when its epoch runs again
-                self._finish_background(session, cm)
+            with suppress(NodeLostError):  # its save is made again: when its epoch runs
+                self._finish_background(session, cm)  # again, or below if it is ``back``
         stored = max(self.saved_epochs, default=self.resumed_from)
         newer = stored is not None and stored > tier.epoch  # committed after the last copies
         back = None if newer else tier.recover(token, at_least=stored or 0)
@@ -364,18 +384,28 @@ class JobRunner:
                 raise lost
             self._reload(session, cm, stored, token)
             back, source = stored, "storage"
-        self.failed_saves = [e for e in self.failed_saves if e <= back]
-        detail = (f"node(s) {', '.join(nodes)} lost with their Dask worker in epoch {epoch}: "
-                  f"recovered epoch {back} from "
-                  + ("worker memory" if source == "memory" else "storage")
+        redo = back in self.failed_saves  # its save died with the loss (or failed before)
+        self.failed_saves = [e for e in self.failed_saves if e < back]
+        self._report_recovery(session, {
+            "epoch": back, "source": source, "stored": stored, "lost": nodes,
+            "failed_epoch": epoch, "seconds": time.monotonic() - started}, lost)
+        if redo:
+            self._save_restored(session, back)  # made again
+        return back
+
+    def _report_recovery(self, session: Session, what: dict[str, Any],
+                         lost: NodeLostError) -> None:
+        """Log, notify and publish a recovery (``what``: the event's payload)."""
+        stored, back = what["stored"], what["epoch"]
+        detail = (f"node(s) {', '.join(what['lost'])} lost with their Dask worker in epoch "
+                  f"{what['failed_epoch']}: recovered epoch {back} from "
+                  + ("worker memory" if what["source"] == "memory" else "storage")
                   + f" (storage holds {'nothing' if stored is None else f'epoch {stored}'})")
         logger.warning("%s; epoch %d runs again (%s)", detail, back + 1, lost.loss)
         self._notify(session, "recovered", back, detail=detail)
-        if cm is not None:
-            events.publish(events.RUN_RECOVERED, _url(cm), lambda: {
-                "epoch": back, "source": source, "stored": stored, "lost": nodes,
-                "failed_epoch": epoch, "seconds": time.monotonic() - started}, job=self.job.name)
-        return back
+        if self.checkpoint_manager is not None:
+            events.publish(events.RUN_RECOVERED, _url(self.checkpoint_manager), lambda: what,
+                           job=self.job.name)
 
     def _reload(self, session: Session, cm: BaseCheckpointManager, epoch: int,
                 token: str) -> None:
@@ -452,7 +482,7 @@ class JobRunner:
         if cm is not None:
             self._finish_background(session, cm)  # first: it may be this very epoch's save
             if not self._committed_epoch(epoch) and epoch not in self.failed_saves:
-                self.save_checkpoints(epoch, session, metrics=self.job.fetch_metrics())
+                self.save_checkpoints(epoch, session, metrics=self.job.fetch_metrics(session))
                 self._finish_background(session, cm)
         committed = self._committed_epoch(epoch)
         self._notify(session, "preempted", epoch)
@@ -519,10 +549,7 @@ class JobRunner:
                         writer_phrase(save.first.writer),
                         f", {placement.describe()}" if placement.reshards else "")
             self._notify(session, "resumed", candidate, records=save.records)
-            # its commit event may have died with the process that committed it
-            events.publish(events.EPOCH_COMMITTED, _url(cm), functools.partial(
-                events.committed_payload, save.records, kept=None), job=self.job.name,
-                resent=True)
+            self._resend_committed(cm, save)
             reason = _resume_reason(cm, candidate, automatic=automatic,
                                     elastic=placement.reshards, fell_back=bool(failures))
             events.publish(events.RUN_RESUMED, _url(cm), functools.partial(
@@ -533,6 +560,12 @@ class JobRunner:
         raise CheckpointCorruptedError(
             f"no committed epoch of {cm.url!r} could be loaded: " + "; ".join(failures)
         )
+
+    def _resend_committed(self, cm: BaseCheckpointManager, save: Any) -> None:
+        """The commit event of the save a resume continues, sent again: it may have died with
+        the process that committed it."""
+        events.publish(events.EPOCH_COMMITTED, _url(cm), functools.partial(
+            events.committed_payload, save.records, kept=None), job=self.job.name, resent=True)
 
     def _still_finished(self, records: dict[str, Any], session: Session, *,
                         moved: bool = False) -> bool:

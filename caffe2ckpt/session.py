@@ -30,7 +30,7 @@ from caffe2ckpt.workspace import Workspace, WorkspaceType
 
 __all__ = ["LocalSession", "RunEvent", "Session", "Step", "as_group", "deliver", "memory_tier",
            "node_steps", "notify", "run_epoch", "run_group", "run_node_tasks", "run_on",
-           "tier_key", "tier_token", "token_generation", "wait_all"]
+           "tier_key", "tier_token", "token_key", "token_run", "wait_all"]
 
 T = TypeVar("T")
 
@@ -96,25 +96,37 @@ def memory_tier(session: Session) -> Any:
 
 def tier_key(prefix: str) -> str:
     """The key under which worker memory keeps copies taken for the checkpoint prefix
-    ``prefix`` (its canonical URL; '' without a checkpoint manager): a digest, so that no URL
-    (nor a password in one) reaches the workers."""
-    return hashlib.sha256(prefix.encode()).hexdigest()[:32] if prefix else "-"
+    ``prefix`` (its canonical URL; '' without a checkpoint manager, and then the key is '':
+    nothing resumes from such copies): a digest, so that no URL (nor a password in one)
+    reaches the workers."""
+    return hashlib.sha256(prefix.encode()).hexdigest()[:32] if prefix else ""
 
 
-def tier_token(prefix: str, generation: int | None) -> str:
-    """A ``train()`` call's memory-tier token: its prefix's :func:`tier_key`, the generation of
-    its run on the prefix (none when unknown: its copies then continue nothing in a later
-    session) and a nonce of its own."""
-    return f"{tier_key(prefix)}/{'' if generation is None else generation}/{uuid.uuid4().hex}"
+def tier_token(prefix: str, run: tuple[int, float] | None) -> str:
+    """A ``train()`` call's memory-tier token: its prefix's :func:`tier_key`, its run on the
+    prefix as (generation, creation time of its run log entry: a prefix deleted and made anew
+    numbers its runs from 1 again; none when unknown: its copies then continue nothing in a
+    later session) and a nonce of its own."""
+    who = "" if run is None else f"{run[0]}@{run[1]!r}"
+    return f"{tier_key(prefix)}/{who}/{uuid.uuid4().hex}"
 
 
-def token_generation(token: str, prefix: str | None = None) -> int | None:
-    """The run generation in ``token`` if it names one (and was made for ``prefix``, if
-    given)."""
-    key, _, rest = token.partition("/")
-    generation = rest.partition("/")[0]
-    mine = prefix is None or key == tier_key(prefix)
-    return int(generation) if mine and generation.isdigit() else None
+def token_key(token: str) -> str:
+    """The :func:`tier_key` a :func:`tier_token` starts with."""
+    return token.partition("/")[0]
+
+
+def token_run(token: str, prefix: str | None = None) -> tuple[int, float] | None:
+    """The run (generation, creation time) in ``token`` if it names one (and was made for
+    ``prefix``, if given)."""
+    generation, at, created = token.partition("/")[2].partition("/")[0].partition("@")
+    if (prefix is not None and token_key(token) != tier_key(prefix)) or not (
+            generation.isdigit() and at):
+        return None
+    try:
+        return int(generation), float(created)
+    except ValueError:
+        return None
 
 
 def run_epoch(session: Session, epoch: int, body: Callable[[], T]) -> T:

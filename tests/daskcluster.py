@@ -41,12 +41,14 @@ def client_of(cluster: distributed.LocalCluster) -> Iterator[distributed.Client]
         yield client
 
 
-def die_before_commit(marker: str, node: str = "trainer_1", epoch: int = 3) -> None:
+def die_before_commit(marker: str, node: str = "trainer_1", epoch: int = 3, *,
+                      copied: bool = False) -> None:
     """Run on every worker (``client.run``): the first save of ``node``'s ``epoch`` (while the
     file ``marker`` exists) SIGKILLs its worker once the group is written, before its commit
     record (in the save's own thread: the actor's, or the background writer's with
-    ``async_save``)."""
-    _die_at_commit(marker, node, epoch, after=False)
+    ``async_save``; with ``copied``, an async save's writer waits until the node's memory-tier
+    copy of ``epoch`` reached its buddy first)."""
+    _die_at_commit(marker, node, epoch, after=False, copied=copied)
 
 
 def die_after_commit(marker: str, node: str = "trainer_1", epoch: int = 3) -> None:
@@ -56,8 +58,12 @@ def die_after_commit(marker: str, node: str = "trainer_1", epoch: int = 3) -> No
     _die_at_commit(marker, node, epoch, after=True)
 
 
-def _die_at_commit(marker: str, node: str, epoch: int, *, after: bool) -> None:
+def _die_at_commit(marker: str, node: str, epoch: int, *, after: bool,
+                   copied: bool = False) -> None:
     import signal
+    import time
+
+    from caffe2ckpt.dask import tier
 
     from caffe2ckpt.store.commit import protocol
 
@@ -65,6 +71,11 @@ def _die_at_commit(marker: str, node: str, epoch: int, *, after: bool) -> None:
 
     def dying(location, record):
         if record.node == node and record.epoch == epoch and os.path.exists(marker):
+            for _ in range(1000 if copied else 0):
+                own = [c.slot(node, "own") for c in tier.alive() if c.node == node]
+                if own and own[0].epoch == epoch and own[0].sent:
+                    break
+                time.sleep(0.01)
             if after:
                 write_record(location, record)
             os.unlink(marker)

@@ -43,6 +43,7 @@ def _train(node: str, marker: str | None, die_at: int, buddied: bool, fail: str 
         ws["w"] = np.tanh(ws["w"] * 1.1 + step)
         ws["b"] = ws["b"] * 2 - step
         ws["step"] = np.int64(step)
+        ws["loss"] = np.float64(np.abs(ws["w"]).mean())
         if step == 2:
             ws["born_at_2"] = np.full(5, step)
     return train
@@ -74,8 +75,11 @@ def job(die: Mapping[str, str] | None = None, die_at: int = 3, *, buddied: bool 
             with Node(node):
                 with j.init_group:
                     Task(_init(i), name="init")
-                Task(_train(node, die.get(node), die_at, buddied, fail if i == 0 else None,
-                            pace), name="train")
+                train = Task(_train(node, die.get(node), die_at, buddied,
+                                    fail if i == 0 else None, pace), name="train",
+                             outputs=["loss"])
+                if i == 0:  # a metric: a resume from memory reads it before any task ran
+                    j.add_metric("loss", train.outputs()[0])
         epoch_limiter(j, EPOCHS)
     return j
 

@@ -61,7 +61,10 @@ class NodeActor:
             outcome = True, getattr(self, method)(*loaded)
         except BaseException as exc:  # noqa: BLE001 - handed to the client, which raises it
             outcome = False, exc
-        return _pack(outcome, self.node, verify=not outcome[0])
+        try:
+            return _pack(outcome, self.node, verify=not outcome[0])
+        finally:
+            del outcome  # (see run)
 
     def run(self, steps: list[Step], workspace_type: WorkspaceType) -> bytes:
         """The pickled (True, the steps' results) or (False, the exception a step raised), so
@@ -71,7 +74,13 @@ class NodeActor:
             outcome = True, run_node_tasks(steps, self.ws, workspace_type)
         except BaseException as exc:  # noqa: BLE001 - handed to the client, which raises it
             outcome = False, exc
-        return _pack(outcome, self.node)
+        try:
+            return _pack(outcome, self.node)
+        finally:
+            # an exception's traceback holds this frame, which held it: without this cycle
+            # the actor goes (its lease released) when its session does, not at the next
+            # collection of cycles
+            del outcome
 
     def names(self) -> list[str]:
         return list(self.ws)

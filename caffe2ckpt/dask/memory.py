@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from caffe2ckpt.dask import tier
 from caffe2ckpt.errors import NodeLostError
-from caffe2ckpt.session import token_generation
+from caffe2ckpt.session import token_run
 
 if TYPE_CHECKING:
     from caffe2ckpt.dask.session import DaskSession
@@ -159,7 +159,7 @@ class MemoryTier:
         newest: dict[str, tuple[tuple[int, int], str]] = {}  # node -> (run, epoch), worker
         for worker, entries in left.items():
             for e in entries:
-                order = (token_generation(e["token"]) or -1, e["epoch"])
+                order = ((token_run(e["token"]) or (-1, 0.0))[0], e["epoch"])
                 if e["role"] == "own" and e["complete"] and order > newest.get(
                         e["node"], ((-2, -1), ""))[0]:
                     newest[e["node"]] = (order, worker)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -148,7 +149,8 @@ class DaskSession:
                  place_timeout: float = 60.0, io_threads: int | None = None,
                  memory_tier: bool = False, memory_tier_keep: float = 600.0) -> None:
         if isinstance(memory_tier_keep, bool) or not (
-                isinstance(memory_tier_keep, int | float) and memory_tier_keep >= 0):
+                isinstance(memory_tier_keep, int | float)
+                and 0 <= memory_tier_keep < math.inf):
             raise JobDefinitionError(f"memory_tier_keep must be a number of seconds, 0 or "
                                      f"more, got {memory_tier_keep!r}")
         self._own_client = not isinstance(client, Client)

@@ -23,7 +23,11 @@ finishes drops them at once (:meth:`Lease.drop`).
 from __future__ import annotations
 
 import asyncio
+import collections
+import logging
+import math
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,10 +37,13 @@ import xxhash
 from distributed.protocol import to_serialize
 
 from caffe2ckpt.errors import CheckpointCorruptedError
+from caffe2ckpt.session import token_key
 from caffe2ckpt.workspace import Workspace
 
 __all__ = ["PIECE_BYTES", "Copies", "Copy", "Lease", "alive", "kept", "restore", "seal", "send",
            "take"]
+
+logger = logging.getLogger(__name__)
 
 PIECE_BYTES = 32 * 1024 * 1024  # one message of a copy sent to another worker
 SEND_TIMEOUT = 120.0  # seconds one piece may take before the send is given up
@@ -149,20 +156,17 @@ _alive: weakref.WeakSet[Copies] = weakref.WeakSet()  # every store of this proce
 @dataclass
 class _Entry:
     """A store of copies taken for a prefix: its actor's lease while the actor lives (None
-    once it went), and the timer that drops it then."""
+    once it went), and then when it expires (on :data:`_clock`)."""
 
     copies: Copies
     owner: Lease | None
-    timer: threading.Timer | None = None
+    expires: float = math.inf
 
 
 _kept: dict[tuple[str, str], _Entry] = {}  # (prefix key, node) -> the node's newest store
 _kept_lock = threading.Lock()
-
-
-def key_of(token: str) -> str:
-    """The prefix key a run's token starts with (see :func:`caffe2ckpt.session.tier_token`)."""
-    return token.split("/", 1)[0]
+_gone: collections.deque[Lease] = collections.deque()  # leases of actors gone, to release
+SWEEP_SECONDS = 0.5  # how often released leases are taken in and expired stores dropped
 
 
 class Lease:
@@ -175,66 +179,96 @@ class Lease:
         self.node, self.keep = node, keep
         self.copies = Copies(node)
         self.key: str | None = None  # the prefix the copies were taken for
+        _start_sweeping()
 
     def bind(self, token: str) -> None:
         """The copies are now taken for ``token``'s prefix: they are the node's newest there
-        (what an earlier actor of the node kept for it goes)."""
-        self.key = key_of(token)
-        self._own(_Entry(self.copies, self))
+        (what an earlier actor of the node kept for it goes). Without a prefix, nothing can
+        resume from them: they are kept by no one after the actor."""
+        with _kept_lock:
+            self._rekey(token_key(token) or None)
+            if self.key is not None:
+                _kept[(self.key, self.node)] = _Entry(self.copies, self)
 
     def adopt(self, key: str) -> bool:
         """Take over the node's newest copies kept here for prefix ``key`` by another actor
-        (gone, or of a session that went; its later release keeps nothing); False when there
+        (gone, or still there for a session that went: that one keeps none); False when there
         are none."""
         with _kept_lock:
             entry = _kept.get((key, self.node))
-        if entry is None or entry.owner is self:
-            return False
-        self.copies, self.key = entry.copies, key
-        self._own(_Entry(entry.copies, self))
+            if entry is None or entry.owner is self:
+                return False
+            if entry.owner is not None:
+                entry.owner.copies, entry.owner.key = Copies(self.node), None
+            self._rekey(key)
+            self.copies = entry.copies
+            _kept[(key, self.node)] = _Entry(entry.copies, self)
         return True
 
     def drop(self) -> None:
         """Forget every copy (the job finished: no resume needs them)."""
         with _kept_lock:
-            entry = _kept.get((self.key or "", self.node))
-            if entry is not None and entry.owner is self:
-                del _kept[(self.key or "", self.node)]
-        self.copies, self.key = Copies(self.node), None
+            self._rekey(None)
+        self.copies = Copies(self.node)
 
     def release(self) -> None:
-        """The actor went: its copies stay ``keep`` seconds if they are still the node's
-        newest for their prefix."""
+        """The actor went (a finalizer: it may run inside the garbage collector, in any
+        thread, so it only queues the lease; :func:`_sweep` keeps its copies ``keep`` seconds
+        if they are still the node's newest for their prefix)."""
+        _gone.append(self)
+
+    def _rekey(self, key: str | None) -> None:
+        """(Holding the lock.) The lease's copies are for ``key`` now: its entry under another
+        key goes."""
         where = (self.key or "", self.node)
-        with _kept_lock:
-            entry = _kept.get(where)
-            if entry is None or entry.owner is not self:
-                return
-            if self.keep <= 0:
-                del _kept[where]
-                return
-            entry.owner = None
-            entry.timer = threading.Timer(self.keep, _expire, (where, entry))
-            entry.timer.daemon = True
-            entry.timer.start()
-
-    def _own(self, entry: _Entry) -> None:
-        with _kept_lock:
-            old = _kept.get((self.key or "", self.node))
-            _kept[(self.key or "", self.node)] = entry
-        if old is not None and old.timer is not None:
-            old.timer.cancel()
-
-
-def _expire(where: tuple[str, str], entry: _Entry) -> None:
-    with _kept_lock:
-        if _kept.get(where) is entry:
+        if self.key != key and _kept.get(where, _NONE).owner is self:
             del _kept[where]
+        self.key = key
+
+
+_NONE = _Entry(Copies("-"), None)
+
+
+def _sweep() -> None:
+    """Take in the leases of actors gone (their copies expire ``keep`` seconds from now, or at
+    once), and drop the stores expired."""
+    now = _clock()
+    with _kept_lock:
+        while _gone:
+            lease = _gone.popleft()
+            entry = _kept.get((lease.key or "", lease.node))
+            if entry is not None and entry.owner is lease:
+                entry.owner, entry.expires = None, now + lease.keep
+        for where in [w for w, e in _kept.items() if e.owner is None and e.expires <= now]:
+            del _kept[where]
+
+
+_sweeper: threading.Thread | None = None
+_clock = time.monotonic  # (tests set another)
+
+
+def _start_sweeping() -> None:
+    global _sweeper
+    with _kept_lock:
+        if _sweeper is None or not _sweeper.is_alive():
+            _sweeper = threading.Thread(target=_sweep_forever, name="caffe2ckpt-tier-sweep",
+                                        daemon=True)
+            _sweeper.start()
+
+
+def _sweep_forever() -> None:
+    while True:
+        time.sleep(SWEEP_SECONDS)
+        try:
+            _sweep()
+        except Exception:  # the sweeper must live on
+            logger.exception("the memory tier's sweep failed")
 
 
 def kept(key: str) -> list[dict[str, Any]]:
     """The copies this worker process keeps for prefix ``key``: one entry per copy, naming
     the node whose actor keeps or kept it (``"store"``)."""
+    _sweep()
     with _kept_lock:
         stores = [(node, e.copies) for (k, node), e in _kept.items() if k == key]
     return [{**entry, "store": node} for node, copies in stores for entry in copies.listing()]

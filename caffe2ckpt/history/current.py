@@ -137,13 +137,21 @@ class CurrentRun:
             self.store.write_hint(sorted(self.nodes), parent.epoch, parent.save_id,
                                   run=generation)
 
-    def continues(self, generation: int, save: Save) -> str | None:
-        """Why the work of run ``generation`` that no save holds (copies it left in worker
-        memory) does not continue ``save``, the lineage's newest save, or None when it does: no
-        run of any family has claimed the prefix since, and ``save`` is the run's own or the
-        one it started from (a run that went back to an older epoch continues that one, and
-        its work is not newer than ``save`` until it commits)."""
-        location = self.store.location
+    def continues(self, run: tuple[int, float], save: Save) -> str | None:
+        """Why the work of ``run`` (generation, creation time of its entry) that no save holds
+        (copies it left in worker memory) does not continue ``save``, the lineage's newest
+        save, or None when it does: the run log's entry of that generation is that run's (a
+        prefix made anew numbers its runs from 1 again), no run of any family has claimed the
+        prefix since, and ``save`` is the run's own or the one it started from (a run that
+        went back to an older epoch continues that one, and its work is not newer than
+        ``save`` until it commits)."""
+        location, (generation, created) = self.store.location, run
+        try:
+            entry = runs.read_run(location, generation)
+        except CheckpointError as exc:
+            return f"run {generation} is not readable in the run log: {exc}"
+        if entry.created != created:
+            return f"the run log's run {generation} is another run (the prefix was made anew)"
         newer = runs.fenced_by(location, generation)
         if isinstance(newer, runs.Run):
             return f"run {newer.generation} took over after run {generation}"
@@ -151,13 +159,9 @@ class CurrentRun:
             return newer
         if save.generation == generation:
             return None
-        try:
-            run = runs.read_run(location, generation)
-        except CheckpointError as exc:
-            return f"run {generation} is not readable in the run log: {exc}"
-        if frozenset(run.nodes) != self.nodes or run.parent != (save.epoch, save.generation):
-            started = "a fresh start" if run.parent is None else f"epoch {run.parent[0]}"
-            return (f"run {generation} (nodes {list(run.nodes)}) started from {started}, not "
+        if frozenset(entry.nodes) != self.nodes or entry.parent != (save.epoch, save.generation):
+            started = "a fresh start" if entry.parent is None else f"epoch {entry.parent[0]}"
+            return (f"run {generation} (nodes {list(entry.nodes)}) started from {started}, not "
                     f"from epoch {save.epoch} of nodes {sorted(self.nodes)}")
         return None
 

@@ -216,14 +216,14 @@ class BaseCheckpointManager(AsyncSaving, ClosedOnExit):
         when there is none: never committed, partial, or superseded)."""
         return self.current(store).lineage_save(check_epoch(epoch))
 
-    def continues(self, generation: int, epoch: int) -> str | None:
-        """Why copies of run ``generation`` in worker memory do not continue the committed
-        ``epoch``, the lineage's newest, or None when they do
+    def continues(self, run: tuple[int, float], epoch: int) -> str | None:
+        """Why copies of ``run`` (generation, creation time) in worker memory do not continue
+        the committed ``epoch``, the lineage's newest, or None when they do
         (:meth:`CurrentRun.continues <caffe2ckpt.history.current.CurrentRun.continues>`)."""
         save = self.lineage_save(epoch)
         if save is None:
             return f"epoch {epoch} is not on the lineage of nodes {self.file_nodes()}"
-        return self.current().continues(generation, save)
+        return self.current().continues(run, save)
 
     def save_of(self, epoch: int, store: CheckpointStore | None = None) -> Save | None:
         """The committed save ``epoch`` means to this job when asked for by number (a load, an

@@ -17,6 +17,7 @@ from caffe2ckpt import JobRunner, MultiNodeCheckpointManager, events
 from caffe2ckpt.errors import NodeLostError
 from caffe2ckpt.fs.location import Location
 from caffe2ckpt.policy import StepManagerOptions
+from caffe2ckpt.session import tier_key
 from caffe2ckpt.store.commit.protocol import CheckpointStore
 from tests.stores import load
 from tests.tierjobs import EPOCHS, NODES, Recoveries, dict_of, job, markers, reference, same
@@ -47,6 +48,17 @@ def _copies_here() -> int:
 
     gc.collect()
     return sum(len(store.listing()) for store in tier.alive())
+
+
+def _kept_here(key: str) -> list[tuple[bool, int]]:
+    """Run on a worker: per store of copies it keeps for prefix ``key``, whether its actor is
+    gone, and how many copies it holds (no collection of reference cycles first)."""
+    from caffe2ckpt.dask import tier
+
+    tier._sweep()
+    with tier._kept_lock:
+        return [(e.owner is None, len(e.copies.listing())) for (k, _), e in tier._kept.items()
+                if k == key]
 
 
 def _copies_left(client) -> int:
@@ -131,6 +143,34 @@ def _fail_in_epoch_5(cluster, client, tmp_path, url, *, close: bool, keep: float
 
 
 @pytest.mark.slow
+def test_an_async_save_lost_after_its_epoch_was_copied_is_made_again(tmp_path, client):
+    """trainer_1's worker dies in epoch 3's background save, once its copy of epoch 3 is at its
+    buddy: the run goes back to epoch 3 from memory and saves epoch 3 again, at once (its
+    epoch does not run again)."""
+    expected, ref = reference(tmp_path)
+    url, marker = str(tmp_path / "ckpt"), tmp_path / "die"
+    marker.touch()
+    client.run(die_before_commit, str(marker), "trainer_1", 3, copied=True)
+    heard = Recoveries()
+    unsubscribe = events.subscribe(heard)
+    try:
+        with DaskSession(client, memory_tier=True) as session:
+            runner = JobRunner(job(), MultiNodeCheckpointManager(url, async_save=True))
+            assert runner.train(session) == EPOCHS
+            assert not marker.exists()
+            for node in NODES:
+                assert same(dict_of(session, node), expected[node]), node
+    finally:
+        unsubscribe()
+        undo_die_before_commit(client)
+    assert [(r["source"], r["epoch"]) for r in heard.seen] == [("memory", 3)]
+    assert runner.saved_epochs == list(range(EPOCHS + 1)) and runner.failed_saves == []
+    store = CheckpointStore(Location(url))
+    for node in NODES:
+        assert same(load(store, node, 3), load(ref, node, 3)), node
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("close", [True, False], ids=["run-failed", "process-died"])
 def test_the_next_session_resumes_from_worker_memory_and_persists_that_epoch(
         tmp_path, cluster, client, close, caplog):
@@ -166,11 +206,21 @@ def test_the_next_session_resumes_from_worker_memory_and_persists_that_epoch(
 @pytest.mark.slow
 def test_copies_are_kept_for_memory_tier_keep_seconds_then_storage_is_used(
         tmp_path, cluster, client):
+    """The dead session's actors go as soon as the scheduler releases them (no collection of
+    reference cycles needed, although a task of theirs raised); their copies stay ``keep``
+    seconds, then go."""
     url = str(tmp_path / "ckpt")
-    _fail_in_epoch_5(cluster, client, tmp_path, url, close=False, keep=1.0)
-    assert sum(client.run(_copies_here).values()) >= 6
-    time.sleep(1.5)
-    assert _copies_left(client) == 0
+    key = tier_key(Location(url).canonical_url)
+    _fail_in_epoch_5(cluster, client, tmp_path, url, close=False, keep=2.0)
+    for _ in range(40):  # the scheduler releases the actors of the client gone
+        kept = [entry for entries in client.run(_kept_here, key).values() for entry in entries]
+        if kept and all(released for released, _ in kept):
+            break
+        time.sleep(0.05)
+    assert kept and all(released for released, _ in kept), kept
+    assert sum(count for _, count in kept) >= 6  # own and held, per node
+    time.sleep(2.5)
+    assert sum(len(entries) for entries in client.run(_kept_here, key).values()) == 0
     with DaskSession(client, memory_tier=True) as session:
         runner = JobRunner(job(), MultiNodeCheckpointManager(url),
                            options=StepManagerOptions(save_interval_steps=3))
@@ -387,10 +437,90 @@ def test_a_restore_never_writes_through_memory_two_blobs_share():
     assert ws["e"] is kept_e  # nothing shares it: restored in place
 
 
-@pytest.mark.parametrize("keep", [-1, float("nan"), "600", True])
+@pytest.mark.parametrize("keep", [-1, float("nan"), float("inf"), "600", True])
 def test_a_keep_that_is_not_seconds_is_refused_before_connecting(keep):
     from caffe2ckpt.errors import JobDefinitionError
 
     with pytest.raises(JobDefinitionError, match=r"memory_tier_keep must be a number of "
                                                  r"seconds, 0 or more, got"):
         DaskSession("tcp://127.0.0.1:1", memory_tier=True, memory_tier_keep=keep)
+
+
+# -- the lease of an actor's copies, without a cluster ---------------------------------------------
+
+
+@pytest.fixture
+def kept():
+    """The worker side's registry of copies, emptied around a test."""
+    from caffe2ckpt.dask import tier
+
+    tier._gone.clear()
+    tier._kept.clear()
+    yield tier
+    tier._gone.clear()
+    tier._kept.clear()
+
+
+def _lease(tier, keep: float = 60.0):
+    lease = tier.Lease("trainer_0", keep)
+    lease.copies.slot("trainer_0", "own").complete = True
+    return lease
+
+
+def test_copies_outlive_their_actor_for_keep_seconds_then_go(kept, monkeypatch):
+    from caffe2ckpt.session import tier_key, tier_token
+
+    clock = [1000.0]
+    monkeypatch.setattr(kept, "_clock", lambda: clock[0])
+    gone = _lease(kept, keep=30)
+    gone.bind(tier_token("file:///ckpt", (3, 1.5)))
+    key = tier_key("file:///ckpt")
+    gone.release()  # a finalizer: it only queues the lease
+    assert kept._kept[(key, "trainer_0")].owner is gone
+    clock[0] += 29
+    assert len(kept.kept(key)) == 1  # taken in now: 30 s from now
+    clock[0] += 29
+    assert len(kept.kept(key)) == 1
+    clock[0] += 2
+    assert kept.kept(key) == []
+    assert not _lease(kept).adopt(key)
+
+
+def test_a_new_actor_adopts_the_copies_and_the_old_lease_keeps_none(kept):
+    from caffe2ckpt.session import tier_key, tier_token
+
+    old, new = _lease(kept), _lease(kept)
+    old.bind(tier_token("file:///ckpt", (3, 1.5)))
+    store, key = old.copies, tier_key("file:///ckpt")
+    assert new.adopt(key) and new.copies is store and new.key == key
+    assert old.copies is not store and old.key is None  # a zombie writes elsewhere now
+    old.release()
+    kept._sweep()  # the old actor's release keeps nothing: the store is the new one's
+    assert kept._kept[(key, "trainer_0")].owner is new
+    assert not new.adopt(key)  # its own
+    new.drop()
+    assert kept._kept == {} and new.copies is not store
+
+
+def test_a_lease_that_changes_prefix_or_has_none_leaves_no_entry_behind(kept):
+    from caffe2ckpt.session import tier_token
+
+    lease = _lease(kept)
+    lease.bind(tier_token("file:///a", (1, 1.0)))
+    lease.bind(tier_token("file:///b", (1, 1.0)))
+    assert len(kept._kept) == 1
+    lease.bind(tier_token("", None))  # a job without a checkpoint manager
+    assert kept._kept == {}
+    lease.release()
+    kept._sweep()
+    assert kept._kept == {}
+
+
+def test_a_token_names_its_prefix_and_run():
+    from caffe2ckpt.session import tier_key, tier_token, token_key, token_run
+
+    token = tier_token("s3://b/run?secret=1", (12, 1765150000.123456))
+    assert token_key(token) == tier_key("s3://b/run?secret=1") and "secret" not in token
+    assert token_run(token) == token_run(token, "s3://b/run?secret=1") == (12, 1765150000.123456)
+    assert token_run(token, "s3://b/other") is None
+    assert token_run(tier_token("s3://b/run", None)) is None

@@ -96,6 +96,7 @@ def _epoch(token: int, fail_at: int | None, marker: str | None):
             raise RuntimeError(f"injected failure in epoch {step}")
         ws["w"] = _mix(ws["w"], step, token)
         ws["step"] = np.int64(step)
+        ws["loss"] = np.float64(ws["w"].sum())
     return train
 
 
@@ -106,7 +107,10 @@ def build(limit: int, token: int, fail_at: int | None, marker: str | None,
             with Node(node):
                 with job.init_group:
                     Task(_init(i), name="init")
-                Task(_epoch(token, fail_at if node == on else None, marker), name="train")
+                train = Task(_epoch(token, fail_at if node == on else None, marker),
+                             name="train", outputs=["loss"])
+                if i == 0:
+                    job.add_metric("loss", train.outputs()[0])
         epoch_limiter(job, limit)
     return job
 
