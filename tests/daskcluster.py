@@ -64,7 +64,6 @@ def _die_at_commit(marker: str, node: str, epoch: int, *, after: bool,
     import time
 
     from caffe2ckpt.dask import tier
-
     from caffe2ckpt.store.commit import protocol
 
     write_record = getattr(protocol.write_record, "original", protocol.write_record)
