@@ -573,13 +573,9 @@ class JobRunner:
         on the restored workspace holds there (e.g. an epoch limit at or below the loaded
         epoch, also when the run that saved it allowed more), or if the save met a condition
         that cannot be checked again."""
-        for cond in self.job.stop_conditions:
-            if cond.still_stopped is not None:
-                try:
-                    if cond.still_stopped(session.workspace(cond.task.node)):
-                        return True
-                except KeyError:  # the blob it reads was not checkpointed: cannot tell
-                    pass
+        if any(c.still_stopped is not None and _holds(session, c)  # (a blob it reads that
+               for c in self.job.stop_conditions):  # was not checkpointed: cannot tell)
+            return True
         met = {k for r in records.values() if r.stop for k in r.stop_conditions}
         if any(self._condition(key, moved) is None
                or self._condition(key, moved).still_stopped is None  # type: ignore[union-attr]
