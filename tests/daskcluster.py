@@ -71,7 +71,9 @@ def _die_at_commit(marker: str, node: str, epoch: int, *, after: bool,
     def dying(location, record):
         if record.node == node and record.epoch == epoch and os.path.exists(marker):
             for _ in range(1000 if copied else 0):
-                own = [c.slot(node, "own") for c in tier.alive() if c.node == node]
+                with tier._kept_lock:  # the store of the node's live actor
+                    own = [e.copies.slot(node, "own") for (_, n), e in tier._kept.items()
+                           if n == node and e.owner]
                 if own and own[0].epoch == epoch and own[0].sent:
                     break
                 time.sleep(0.01)

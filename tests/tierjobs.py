@@ -52,14 +52,22 @@ def _train(node: str, marker: str | None, die_at: int, buddied: bool, fail: str 
 def _wait_until_buddied(node: str, epoch: int) -> None:
     """Wait until this worker's own copy of ``node`` at ``epoch`` is at its buddy (a kill
     before that is the window in which the copy cannot be recovered: see the test below)."""
-    from caffe2ckpt.dask import tier
-
     for _ in range(1000):
-        own = [s.slot(node, "own") for s in tier.alive() if s.node == node]
-        if own and own[0].epoch == epoch and own[0].sent:
+        own = live_copy(node)
+        if own is not None and own.epoch == epoch and own.sent:
             return
         time.sleep(0.01)
     raise AssertionError(f"the copy of {node!r} at epoch {epoch} never reached its buddy")
+
+
+def live_copy(node: str):
+    """On a worker: the own memory-tier copy of ``node`` that its live actor holds here (an
+    actor gone may still have a store in the process, until it is collected), or None."""
+    from caffe2ckpt.dask import tier
+
+    with tier._kept_lock:
+        stores = [e.copies for (_, n), e in tier._kept.items() if n == node and e.owner]
+    return stores[0].slot(node, "own") if stores else None
 
 
 def job(die: Mapping[str, str] | None = None, die_at: int = 3, *, buddied: bool = True,

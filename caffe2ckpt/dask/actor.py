@@ -151,6 +151,7 @@ class NodeActor:
         if self._sending is None:
             return
         to, job = self._sending
+        self._sending = None
         if to in lost or give_up:
             job.cancel()
         try:
@@ -159,7 +160,8 @@ class NodeActor:
             pass  # its copy stays incomplete: never used
         except BaseException as exc:  # noqa: BLE001 - its copy stays incomplete: never used
             logger.warning("node %r: the memory-tier copy to %s failed: %r", self.node, to, exc)
-        self._sending = None
+        finally:
+            del job  # its error's traceback holds this frame: no cycle keeps the actor (see run)
 
     def tier_settle(self, lost: list[str], give_up: bool) -> None:
         """Wait until this node's last copy reached its buddy or failed (a copy to a ``lost``
