@@ -119,7 +119,7 @@ def resume(cluster, client, server, nodes: list[str], args) -> None:
     from caffe2ckpt.session import tier_key, tier_token
 
     url = f"s3://tier/resume-{os.getpid()}"
-    key, token = tier_key(url), tier_token(url, 1)
+    key, token = tier_key(url), tier_token(url, (1, 0.0))
     init, epoch, check = groups(nodes, args.mib)
     times: dict[str, list[float]] = {"memory": [], "storage": []}
     for r in range(args.repeats * 2):
