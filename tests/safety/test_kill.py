@@ -53,10 +53,13 @@ SMALL = 200  # packed blobs per node, besides one 16 MB array and the step count
 SEED = 20240611
 
 SCRIPT = textwrap.dedent('''
+    import faulthandler
     import os
     import sys
 
     import numpy as np
+
+    faulthandler.enable()  # a crash of the interpreter itself leaves its stacks in the log
 
     from caffe2ckpt import Job, JobRunner, LocalSession, MultiNodeCheckpointManager, Node, Task
     from caffe2ckpt import StepManagerOptions, epoch_limiter
