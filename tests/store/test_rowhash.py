@@ -93,6 +93,40 @@ def test_a_cache_that_cannot_be_written_compiles_in_the_process(tmp_path):
     assert _kernel_in_a_process(str(shared))[0] == "compiled" and not list(shared.iterdir())
 
 
+_RACE = """
+import sys, threading
+import numpy as np
+from caffe2ckpt.store.delta import rowhash, rowjit
+barrier = threading.Barrier(8)
+words = np.arange(20000 * 16, dtype=np.uint32).reshape(20000, 16)
+keys = np.arange(32, dtype=np.uint64).reshape(2, 16) * np.uint64(0x9E3779B97F4A7C15)
+outs = [np.empty(20000, np.uint64) for _ in range(8)]
+def first_use(i):
+    barrier.wait()  # every thread's first call at once (as a LocalSession's nodes' saves)
+    (rowhash.kernel() if i % 2 else (None, None))
+    for _ in range(20):
+        rowjit.multilinear(words, keys, np.array([1, 2], np.uint64), outs[i])
+threads = [threading.Thread(target=first_use, args=(i,)) for i in range(8)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+want = np.empty(20000, np.uint64)
+rowhash.numpy_multilinear(words, keys, np.array([1, 2], np.uint64), want)
+print(all(np.array_equal(o, want) for o in outs))
+"""
+
+
+def test_threads_that_first_use_the_kernel_at_once_share_one_load(tmp_path):
+    """Eight threads' first calls at once: before, each could load the kernel, and the engines
+    the cache let go were freed while their threads ran their code (SIGSEGV every time)."""
+    pytest.importorskip("caffe2ckpt.store.delta.rowjit")
+    env = {**os.environ, "CAFFE2CKPT_CACHE_DIR": str(tmp_path / "cache")}
+    _kernel_in_a_process(env["CAFFE2CKPT_CACHE_DIR"])  # compiled into the cache first
+    for _ in range(3):
+        done = subprocess.run([sys.executable, "-c", _RACE], capture_output=True, text=True,
+                              timeout=300, env=env)
+        assert (done.returncode, done.stdout.strip()) == (0, "True"), done.stderr[-2000:]
+
+
 @pytest.mark.parametrize("content", [b"garbage" * 100, "torn"], ids=["foreign", "torn"])
 def test_a_torn_or_foreign_cached_kernel_is_never_loaded(tmp_path, content):
     """A file at the kernel's place whose digest does not check (empty, foreign, cut short:

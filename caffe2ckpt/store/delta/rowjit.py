@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
 import hashlib
 import os
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -207,8 +207,24 @@ def _write(path: Path) -> None:
             os.close(folder)
 
 
-@functools.cache
+_loaded: tuple[llvm.ExecutionEngine, dict[int, ctypes._CFuncPtr]] | None = None
+_loading = threading.Lock()
+
+
 def _functions() -> tuple[llvm.ExecutionEngine, dict[int, ctypes._CFuncPtr]]:
+    """The loaded kernel: its engine (which owns the machine code: it is never freed) and its
+    functions. Loaded once per process, under a lock: two threads that loaded it at once each
+    made an engine, one of which was freed while its thread ran its code (a SIGSEGV, seen in
+    CI and then every time 8 threads first used the kernel together)."""
+    global _loaded
+    if _loaded is None:  # (read without the lock once loaded: the calls' hot path)
+        with _loading:
+            if _loaded is None:
+                _loaded = _load()
+    return _loaded
+
+
+def _load() -> tuple[llvm.ExecutionEngine, dict[int, ctypes._CFuncPtr]]:
     engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""), _target_machine())
     engine.add_object_file(llvm.ObjectFileRef.from_data(_object()))
     engine.finalize_object()
